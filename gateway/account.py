@@ -1,0 +1,112 @@
+"""Stage 8, account: after every request, whatever happened — metrics, estimator, access log.
+
+Runs in the pipeline's `finally`; it never raises and never awaits, so a cancelled handler still
+records what it did.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import IO, Any
+
+import orjson
+
+from gateway.context import Ctx
+from gateway.estimate import OutputEstimator, estimator_key
+from gateway.metrics import NONE, Metrics
+
+log = logging.getLogger("gateway.account")
+
+
+class _Series:
+    """The labelled children for one (model, pool, class), looked up once and reused."""
+
+    __slots__ = ("e2e", "input_tokens", "output_tokens", "queue_wait", "tpot", "ttft")
+
+    def __init__(self, metrics: Metrics, labels: tuple[str, str, str]) -> None:
+        self.e2e = metrics.e2e.labels(*labels)
+        self.ttft = metrics.ttft.labels(*labels)
+        self.tpot = metrics.tpot.labels(*labels)
+        self.queue_wait = metrics.queue_wait.labels(*labels)
+        self.input_tokens = metrics.input_tokens.labels(*labels)
+        self.output_tokens = metrics.output_tokens.labels(*labels)
+
+
+class Accountant:
+    def __init__(self, metrics: Metrics, access_log: IO[bytes] | None) -> None:
+        self.metrics = metrics
+        self.access_log = access_log
+        self._series: dict[tuple[str, str, str], _Series] = {}
+
+    def _labels(self, ctx: Ctx) -> tuple[str, str, str]:
+        if ctx.pool is None:
+            return (NONE, NONE, ctx.workload or NONE)
+        return (ctx.pool.spec.model, ctx.pool.name, ctx.workload)
+
+    def account(self, ctx: Ctx, estimator: OutputEstimator | None) -> None:
+        try:
+            self._account(ctx, estimator)
+        except Exception:  # accounting must never turn a served request into an error
+            log.exception("accounting failed for %s", ctx.request_id)
+
+    def _account(self, ctx: Ctx, estimator: OutputEstimator | None) -> None:
+        ctx.ended = time.perf_counter()
+        labels = self._labels(ctx)
+        m = self.metrics
+        m.requests.labels(*labels, str(ctx.status)).inc()
+        if ctx.reason and ctx.status >= 400:
+            m.rejections.labels(labels[1], ctx.reason).inc()
+        if ctx.output_tokens is None and ctx.chunks and ctx.stream:
+            # The stream broke or the client left before the usage chunk: count what was sent.
+            ctx.output_tokens = ctx.chunks
+        series = self._series.get(labels)
+        if series is None:
+            series = self._series[labels] = _Series(m, labels)
+        if ctx.queue_wait is not None:
+            series.queue_wait.observe(ctx.queue_wait)
+        if ctx.replica:
+            series.e2e.observe(ctx.ended - ctx.arrived)
+            series.input_tokens.inc(ctx.input_tokens)
+            if ctx.output_tokens:
+                series.output_tokens.inc(ctx.output_tokens)
+            if ctx.first_token is not None:
+                series.ttft.observe(ctx.first_token - ctx.arrived)
+                if ctx.output_tokens and ctx.output_tokens > 1:
+                    series.tpot.observe((ctx.ended - ctx.first_token) / (ctx.output_tokens - 1))
+            if estimator is not None and ctx.status == 200 and ctx.output_tokens:
+                estimator.observe(estimator_key(ctx), ctx.output_tokens // ctx.sequences)
+        if self.access_log is not None:
+            self.access_log.write(orjson.dumps(self.record(ctx), option=orjson.OPT_APPEND_NEWLINE))
+            self.access_log.flush()
+
+    @staticmethod
+    def record(ctx: Ctx) -> dict[str, Any]:
+        def seconds(t: float | None) -> float | None:
+            return None if t is None else round(t - ctx.arrived, 6)
+
+        return {
+            "ts": time.time(),
+            "request_id": ctx.request_id,
+            "endpoint": ctx.endpoint,
+            "model": ctx.requested_model,
+            "served_model": ctx.served_model or None,
+            "pool": ctx.pool.name if ctx.pool else None,
+            "replica": ctx.replica or None,
+            "class": ctx.workload or None,
+            "stream": ctx.stream,
+            "input_tokens": ctx.input_tokens,
+            "expected_output_tokens": ctx.expected_output,
+            "estimate_source": ctx.estimate_source or None,
+            "output_tokens": ctx.output_tokens,
+            "queue_wait_s": None if ctx.queue_wait is None else round(ctx.queue_wait, 6),
+            "ttft_s": seconds(ctx.first_token),
+            "e2e_s": seconds(ctx.ended),
+            "status": ctx.status,
+            "reason": ctx.reason or None,
+        }
+
+
+def stdout_log() -> IO[bytes]:
+    return sys.stdout.buffer

@@ -1,0 +1,66 @@
+"""The per-request context that flows through the pipeline's stages.
+
+Each stage reads what earlier stages filled in and adds its own part; `account` reads all of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from multidict import CIMultiDictProxy
+
+if TYPE_CHECKING:
+    from gateway.policy.compile import Model, Pool
+    from gateway.route import Route
+
+Endpoint = str  # "chat" | "completions"
+
+
+@dataclass(slots=True)
+class Ctx:
+    request_id: str
+    endpoint: Endpoint
+    path: str
+    headers: CIMultiDictProxy[str]
+    arrived: float  # time.perf_counter() when the request came in
+    raw: bytes = b""
+    body: dict[str, Any] = field(default_factory=dict)
+    requested_model: str = ""
+    stream: bool = False
+    client_wants_usage: bool = False
+    priority: int = 1
+    sequences: int = 1  # completions generated: n x prompts
+    max_output: int | None = None  # the client's max_tokens / max_completion_tokens
+    # tokenize
+    input_tokens: int = 0
+    longest_prompt: int = 0  # several prompts in one completions request are checked one by one
+    # estimate
+    fingerprint: int = 0
+    expected_output: int = 0  # per completion choice
+    estimate_source: str = ""
+    # classify / route
+    candidates: tuple[Route, ...] = ()
+    model: Model | None = None
+    workload: str = ""
+    route: Route | None = None
+    pool: Pool | None = None
+    # admit / forward
+    replica: str = ""
+    queue_wait: float | None = None  # seconds spent acquiring a slot, served or not
+    first_token: float | None = None
+    output_tokens: int | None = None
+    chunks: int = 0
+    # outcome
+    status: int = 0
+    reason: str = ""
+    ended: float = 0.0
+
+    @property
+    def served_model(self) -> str:
+        return self.pool.spec.model if self.pool is not None else ""
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Tokens held against a replica's `max_inflight_tokens` while this request runs."""
+        return self.input_tokens + self.expected_output * self.sequences

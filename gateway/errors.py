@@ -1,0 +1,183 @@
+"""Every error the gateway returns, in one tree, rendered in one place in the OpenAI shape.
+
+A stage raises a `GatewayError`; the pipeline turns it into `{"error": {"message", "type", "param",
+"code"}}` with the right status (and `Retry-After` for retryable refusals). `reason` is the bounded
+label value used by `llm_rejections_total` and the access log.
+"""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+from aiohttp import web
+
+
+class GatewayError(Exception):
+    """Base of every refusal the gateway makes on purpose."""
+
+    status = 500
+    type = "internal_error"
+    code = "internal_error"
+    reason = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.code, self.param)
+
+    def response(self, extra_headers: dict[str, str] | None = None) -> web.Response:
+        headers = {**self.headers(), **(extra_headers or {})}
+        return web.Response(
+            status=self.status, body=self.body(), content_type="application/json", headers=headers
+        )
+
+
+def error_body(message: str, type_: str, code: str | int, param: str | None = None) -> bytes:
+    return orjson.dumps(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    )
+
+
+class BadRequest(GatewayError):
+    """Raised when the request is malformed or asks for something invalid."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+    reason = "bad_request"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message, param=param)
+        if code is not None:
+            self.code = code
+
+
+class ContextLengthExceeded(BadRequest):
+    """Raised when input + output tokens exceed the model's `max_model_len` (vLLM would refuse)."""
+
+    code = "context_length_exceeded"
+    reason = "context_length"
+
+
+class NoRoute(BadRequest):
+    """Raised when the model is served but no route accepts this request's class or shape."""
+
+    code = "no_route"
+    reason = "no_route"
+
+
+class UnsupportedMediaType(GatewayError):
+    """Raised when the body is not declared as JSON."""
+
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+    reason = "unsupported_media_type"
+
+
+class BodyTooLarge(GatewayError):
+    """Raised when the body exceeds the policy's `server.max_body_bytes`."""
+
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+    reason = "body_too_large"
+
+
+class ModelNotFound(GatewayError):
+    """Raised when no route serves the requested model."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+    reason = "model_not_found"
+
+
+class NotFound(GatewayError):
+    """Raised for any path the gateway does not serve: it is not an open proxy."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+    reason = "not_found"
+
+
+class MethodNotAllowed(GatewayError):
+    """Raised for a known path with the wrong method."""
+
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+    reason = "method_not_allowed"
+
+
+class Retryable(GatewayError):
+    """A refusal the client should retry after `retry_after_s` seconds."""
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+class QueueFull(Retryable):
+    """Raised when every replica is at its cap and the pool's queue is at `max_depth`."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+    reason = "queue_full"
+
+
+class QueueTimeout(Retryable):
+    """Raised when a queued request waited `max_wait_s` without a free slot."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_timeout"
+    reason = "queue_timeout"
+
+
+class NoReplica(Retryable):
+    """Raised when the routed pool has no replica at all."""
+
+    status = 503
+    type = "service_unavailable_error"
+    code = "no_replica"
+    reason = "no_replica"
+
+
+class ShuttingDown(Retryable):
+    """Raised for new requests that arrive while the gateway drains."""
+
+    status = 503
+    type = "service_unavailable_error"
+    code = "shutting_down"
+    reason = "shutting_down"
+
+
+class UpstreamError(GatewayError):
+    """Raised when the replica could not be reached or broke before any byte reached the client."""
+
+    status = 502
+    type = "upstream_error"
+    code = "upstream_error"
+    reason = "upstream_error"
+
+
+class UpstreamTimeout(GatewayError):
+    """Raised when the replica did not answer within the pool's time-outs."""
+
+    status = 504
+    type = "upstream_error"
+    code = "upstream_timeout"
+    reason = "upstream_timeout"

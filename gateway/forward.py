@@ -1,0 +1,199 @@
+"""Stage 7, forward: send the request to the admitted replica and relay the answer untouched.
+
+Streams are relayed event by event as they arrive: the relay only looks inside an event that
+carries `"usage"`, to read the real token counts and to drop the final usage chunk that the gateway
+asked for on the client's behalf. If the client leaves, the upstream connection is closed at once:
+vLLM aborts a generation only when its connection closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from gateway.context import Ctx
+from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout, error_body
+
+# Hop-by-hop headers, plus those the gateway recomputes: it re-frames bodies and reads SSE events,
+# so it asks for identity encoding and sets its own lengths.
+_DROP_REQUEST = frozenset(
+    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+     "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "x-priority"}
+)  # fmt: skip
+_DROP_RESPONSE = frozenset(
+    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+     "transfer-encoding", "upgrade", "content-length", "content-encoding", "date", "server"}
+)  # fmt: skip
+_EVENT_END = b"\n\n"
+_MAX_PENDING = 1 << 16  # an SSE event this long without a separator is passed on unparsed
+_DATA = b"data: "
+_DONE = b"data: [DONE]"
+_USAGE = b'"usage"'
+
+
+def upstream_body(ctx: Ctx) -> bytes:
+    """The client's bytes, re-encoded only when the model is rewritten or usage must be asked."""
+    changes: dict[str, Any] = {}
+    if ctx.requested_model != ctx.served_model:
+        changes["model"] = ctx.served_model
+    if ctx.stream and not ctx.client_wants_usage:
+        changes["stream_options"] = {
+            **(ctx.body.get("stream_options") or {}),
+            "include_usage": True,
+        }
+    if not changes:
+        return ctx.raw
+    return orjson.dumps({**ctx.body, **changes})
+
+
+def upstream_headers(
+    headers: CIMultiDictProxy[str], ctx: Ctx, api_key: str | None
+) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict(
+        (k, v) for k, v in headers.items() if k.lower() not in _DROP_REQUEST
+    )
+    out["x-request-id"] = ctx.request_id
+    if api_key is not None:
+        out["Authorization"] = f"Bearer {api_key}"
+    return out
+
+
+def _response_headers(upstream: Mapping[str, str], ctx: Ctx) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict(
+        (k, v) for k, v in upstream.items() if k.lower() not in _DROP_RESPONSE
+    )
+    out["x-request-id"] = ctx.request_id
+    return out
+
+
+def _read_usage(ctx: Ctx, usage: Any) -> None:
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        ctx.output_tokens = usage["completion_tokens"]
+
+
+def _scan(ctx: Ctx, events: bytes, drop_usage: bool) -> bytes:
+    """Account for a run of complete SSE events; return what the client should get."""
+    if _USAGE not in events:
+        count = events.count(_DATA) - events.count(_DONE)
+        if count and ctx.first_token is None:
+            ctx.first_token = time.perf_counter()
+        ctx.chunks += count
+        return events
+    kept = []
+    for event in events.split(_EVENT_END):
+        if not event:
+            continue
+        if event.startswith(_DATA) and _USAGE in event:
+            try:
+                chunk = orjson.loads(event[len(_DATA) :])
+            except orjson.JSONDecodeError:
+                chunk = None
+            if isinstance(chunk, dict):
+                _read_usage(ctx, chunk.get("usage"))
+                if chunk.get("choices") == []:
+                    if drop_usage:
+                        continue
+                else:
+                    ctx.chunks += 1
+        elif event.startswith(_DATA) and not event.startswith(_DONE):
+            ctx.chunks += 1
+        if ctx.chunks and ctx.first_token is None:
+            ctx.first_token = time.perf_counter()
+        kept.append(event + _EVENT_END)
+    return b"".join(kept)
+
+
+def _stream_error(exc: BaseException) -> bytes:
+    if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
+        body = error_body(
+            "the replica stopped streaming (time-out)", "upstream_error", "upstream_timeout"
+        )
+    else:
+        body = error_body(
+            f"the replica broke the stream: {exc}", "upstream_error", "upstream_error"
+        )
+    return b"data: " + body + b"\n\ndata: [DONE]\n\n"
+
+
+async def _relay(ctx: Ctx, up: aiohttp.ClientResponse, resp: web.StreamResponse) -> None:
+    drop_usage = not ctx.client_wants_usage
+    pending = b""
+    async for data in up.content.iter_any():
+        if pending:
+            data = pending + data
+        end = data.rfind(_EVENT_END)
+        if end < 0:
+            if len(data) <= _MAX_PENDING:
+                pending = data
+                continue
+            end = len(data) - 2
+        pending = data[end + 2 :]
+        out = _scan(ctx, data[: end + 2], drop_usage)
+        if out:
+            await resp.write(out)
+    if pending:
+        await resp.write(_scan(ctx, pending, drop_usage))
+
+
+async def forward(
+    ctx: Ctx,
+    request: web.Request,
+    session: aiohttp.ClientSession,
+    replica_url: str,
+    api_key: str | None,
+) -> web.StreamResponse:
+    """Send upstream and relay the answer; raise a `GatewayError` only before the first byte."""
+    url = replica_url + ctx.path
+    headers = upstream_headers(request.headers, ctx, api_key)
+    try:
+        up = await session.post(url, data=upstream_body(ctx), headers=headers)
+    except (TimeoutError, aiohttp.ServerTimeoutError):
+        raise UpstreamTimeout(f"replica {replica_url} did not answer in time") from None
+    except aiohttp.ClientError as exc:
+        raise UpstreamError(f"replica {replica_url} failed: {exc}") from None
+    try:
+        ctx.status = up.status
+        streaming = ctx.stream and up.status == 200 and up.content_type == "text/event-stream"
+        if not streaming:
+            return await _whole(ctx, up)
+        resp = web.StreamResponse(status=200, headers=_response_headers(up.headers, ctx))
+        await resp.prepare(request)
+        try:
+            await _relay(ctx, up, resp)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            ctx.reason = (
+                "upstream_timeout" if isinstance(exc, asyncio.TimeoutError) else "upstream_error"
+            )
+            await resp.write(_stream_error(exc))
+        await resp.write_eof()
+        return resp
+    except BaseException:
+        up.close()  # the client left or we failed: make the replica stop generating
+        raise
+    finally:
+        up.release()
+
+
+async def _whole(ctx: Ctx, up: aiohttp.ClientResponse) -> web.Response:
+    try:
+        data = await up.read()
+    except (TimeoutError, aiohttp.ServerTimeoutError):
+        raise UpstreamTimeout("the replica did not finish its answer in time") from None
+    except aiohttp.ClientError as exc:
+        raise UpstreamError(f"the replica broke its answer: {exc}") from None
+    if up.status == 200 and _USAGE in data:
+        try:
+            _read_usage(ctx, orjson.loads(data).get("usage"))
+        except (orjson.JSONDecodeError, AttributeError):
+            pass
+    return web.Response(status=up.status, body=data, headers=_response_headers(up.headers, ctx))
+
+
+__all__ = ["GatewayError", "forward", "upstream_body", "upstream_headers"]

@@ -1,0 +1,91 @@
+"""What `/metrics` exports, in base units, with bounded label values only.
+
+Latency histograms and token counters are labelled {model, pool, class} where `model` is the name
+the pool serves (never the client's free text). In-flight and queue gauges are read from the
+admission state at scrape time, so they can never drift from the truth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway.admit import PoolSlots
+
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 30, 45, 60, 90,
+               120, 180, 300, 600)  # fmt: skip
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5,
+                2, 3, 5, 7.5, 10, 20, 40, 80)  # fmt: skip
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+                0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5)  # fmt: skip
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60,
+                 120, 300)  # fmt: skip
+
+NONE = "none"  # label value for requests refused before a pool was chosen
+WORKLOAD = ("model", "pool", "class")
+
+
+class _Gauges(Collector):
+    def __init__(self, pools: Mapping[str, PoolSlots]) -> None:
+        self.pools = pools
+
+    def collect(self) -> Iterable[Metric]:
+        requests = GaugeMetricFamily(
+            "llm_inflight_requests", "Requests in flight per replica.", labels=["pool", "replica"]
+        )
+        tokens = GaugeMetricFamily(
+            "llm_inflight_tokens",
+            "Input + expected output tokens admitted and in flight per replica.",
+            labels=["pool", "replica"],
+        )
+        depth = GaugeMetricFamily("llm_queue_depth", "Requests waiting per pool.", labels=["pool"])
+        capacity = GaugeMetricFamily(
+            "llm_pool_capacity", "Sum of the per-replica concurrency caps.", labels=["pool"]
+        )
+        for name, pool in self.pools.items():
+            for replica in pool.replicas:
+                requests.add_metric([name, replica.url], replica.inflight)
+                tokens.add_metric([name, replica.url], replica.inflight_tokens)
+            depth.add_metric([name], pool.waiting)
+            capacity.add_metric([name], pool.capacity)
+        return [requests, tokens, depth, capacity]
+
+
+class Metrics:
+    """One registry per gateway app, so tests and several apps in a process stay apart."""
+
+    def __init__(self, pools: Mapping[str, PoolSlots]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.e2e = Histogram(
+            "llm_request_e2e_seconds", "Arrival to last byte.", WORKLOAD, buckets=E2E_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "llm_request_ttft_seconds", "Arrival to first streamed token.", WORKLOAD,
+            buckets=TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            "llm_request_tpot_seconds", "Time per output token after the first.", WORKLOAD,
+            buckets=TPOT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.queue_wait = Histogram(
+            "llm_queue_wait_seconds", "Time waiting for a replica slot.", WORKLOAD,
+            buckets=QUEUE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.requests = Counter(
+            "llm_requests", "Requests by outcome.", (*WORKLOAD, "code"), registry=r
+        )
+        self.rejections = Counter(
+            "llm_rejections", "Requests refused by the gateway.", ("pool", "reason"), registry=r
+        )
+        self.input_tokens = Counter(
+            "llm_input_tokens", "Prompt tokens of admitted requests.", WORKLOAD, registry=r
+        )
+        self.output_tokens = Counter(
+            "llm_output_tokens", "Generated tokens streamed or returned.", WORKLOAD, registry=r
+        )
+        r.register(_Gauges(pools))

@@ -1,0 +1,1 @@
+"""Policy files: schema, loading with line numbers, compilation into runtime objects."""

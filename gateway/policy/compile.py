@@ -1,0 +1,184 @@
+"""Turn a validated `PolicySpec` into the immutable runtime `Policy`, once.
+
+Everything a request would otherwise redo is done here: tokenizers loaded, class and route
+predicates built, plug-ins made, cross-references checked. A reload (issue 5) builds a new `Policy`
+and swaps one reference.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gateway.admit import Picker  # importing a stage module registers its plug-ins
+from gateway.classify import Workload, compile_class
+from gateway.estimate import OutputEstimator
+from gateway.policy.load import LoadedSpec, PolicyError, Problem, load_spec
+from gateway.policy.plugins import PluginError, create
+from gateway.policy.schema import ModelSpec, PolicySpec, PoolSpec
+from gateway.route import Route, compile_route
+from gateway.tokens import EstimateCounter, HFCounter, TokenCounter, load_tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    name: str
+    spec: ModelSpec
+    counter: TokenCounter
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    name: str
+    spec: PoolSpec
+    model: Model
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    path: str
+    spec: PolicySpec
+    models: dict[str, Model]
+    pools: dict[str, Pool]
+    workloads: tuple[Workload, ...]
+    routes: tuple[Route, ...]
+    picker: Picker
+    estimator: OutputEstimator
+    served_models: tuple[str, ...]
+    """Names `GET /v1/models` lists: each pool's model and each literal alias a route accepts."""
+    executor: ThreadPoolExecutor | None
+    """Threads for long tokenizations, owned by this policy."""
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _counter(spec: ModelSpec, policy: PolicySpec, executor: Executor | None, load: bool) -> Any:
+    if spec.tokenizer == "estimate" or not load:
+        return EstimateCounter(spec.chars_per_token)
+    server = policy.server
+    return HFCounter(
+        load_tokenizer(spec.tokenizer),
+        memoized=spec.token_counting == "memoized",
+        executor=executor,
+        inline_max_chars=server.inline_tokenize_max_chars,
+        cache_entries=server.token_cache_entries,
+    )
+
+
+def _cross_check(spec: PolicySpec) -> list[Problem]:
+    problems = []
+    for name, pool in spec.pools.items():
+        if pool.model not in spec.models:
+            problems.append(
+                Problem(("pools", name, "model"), f"model {pool.model!r} is not under models")
+            )
+    classes = {c.name for c in spec.classes}
+    seen: set[str] = set()
+    for index, cls in enumerate(spec.classes):
+        if cls.name in seen:
+            problems.append(Problem(("classes", index, "name"), f"duplicate class {cls.name!r}"))
+        seen.add(cls.name)
+    for index, route in enumerate(spec.routes):
+        if route.pool not in spec.pools:
+            problems.append(Problem(("routes", index, "pool"), f"unknown pool {route.pool!r}"))
+        wanted = route.match.class_
+        for name in [wanted] if isinstance(wanted, str) else wanted or []:
+            if not any(c in name for c in "*?[") and name not in classes:
+                problems.append(
+                    Problem(("routes", index, "match", "class"), f"unknown class {name!r}")
+                )
+    return problems
+
+
+def _alias_tokenizers(spec: PolicySpec) -> list[Problem]:
+    """An alias is counted with the tokenizer of its first route, so all its pools must share it."""
+    problems = []
+    first: dict[str, str] = {}
+    for index, route in enumerate(spec.routes):
+        model = route.match.model
+        pool = spec.pools.get(route.pool)
+        if pool is None or pool.model not in spec.models:
+            continue
+        tokenizer = spec.models[pool.model].tokenizer
+        for alias in [model] if isinstance(model, str) else model or []:
+            if first.setdefault(alias, tokenizer) != tokenizer:
+                problems.append(
+                    Problem(
+                        ("routes", index, "pool"),
+                        f"model {alias!r} already routes to pools with tokenizer"
+                        f" {first[alias]!r}; pool {route.pool!r} uses {tokenizer!r} (an alias is"
+                        " counted before it is routed: give its models one tokenizer directory)",
+                    )
+                )
+    return problems
+
+
+def _served(spec: PolicySpec) -> tuple[str, ...]:
+    names: dict[str, None] = {pool.model: None for pool in spec.pools.values()}
+    for route in spec.routes:
+        model = route.match.model
+        for alias in [model] if isinstance(model, str) else model or []:
+            if not any(c in alias for c in "*?["):
+                names[alias] = None
+    return tuple(names)
+
+
+def compile_policy(loaded: LoadedSpec, *, load_tokenizers: bool = True) -> Policy:
+    """Build the runtime policy; raise `PolicyError` naming file, line and field of each problem.
+
+    `load_tokenizers=False` checks a policy on a machine without the model directories (CI, a
+    laptop): token counting then falls back to the character estimate.
+    """
+    spec = loaded.spec
+    problems = _cross_check(spec) + _alias_tokenizers(spec)
+    plugins: dict[str, Any] = {}
+    for kind, plugin in (
+        ("picker", spec.plugins.picker),
+        ("output_estimator", spec.plugins.output_estimator),
+    ):
+        try:
+            plugins[kind] = create(kind, plugin.type, plugin.parameters)
+        except PluginError as exc:
+            problems.append(Problem(("plugins", kind), str(exc)))
+    executor = None
+    if load_tokenizers and any(m.tokenizer != "estimate" for m in spec.models.values()):
+        executor = ThreadPoolExecutor(spec.server.tokenizer_threads, thread_name_prefix="tokenize")
+    models: dict[str, Model] = {}
+    for name, model_spec in spec.models.items():
+        try:
+            counter = _counter(model_spec, spec, executor, load_tokenizers)
+        except (OSError, ValueError) as exc:
+            problems.append(Problem(("models", name, "tokenizer"), f"cannot load: {exc}"))
+            continue
+        models[name] = Model(name, model_spec, counter)
+    if problems:
+        if executor is not None:
+            executor.shutdown(wait=False)
+        raise loaded.error(problems)
+    pools = {
+        name: Pool(name, pool_spec, models[pool_spec.model])
+        for name, pool_spec in spec.pools.items()
+    }
+    return Policy(
+        path=loaded.path,
+        spec=spec,
+        models=models,
+        pools=pools,
+        workloads=tuple(compile_class(c) for c in spec.classes),
+        routes=tuple(compile_route(i, r, pools[r.pool]) for i, r in enumerate(spec.routes)),
+        picker=plugins["picker"],
+        estimator=plugins["output_estimator"],
+        served_models=_served(spec),
+        executor=executor,
+    )
+
+
+def load_policy(path: str | Path, *, load_tokenizers: bool = True) -> Policy:
+    return compile_policy(load_spec(path), load_tokenizers=load_tokenizers)
+
+
+__all__ = ["Model", "Policy", "PolicyError", "Pool", "compile_policy", "load_policy"]

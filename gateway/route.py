@@ -1,0 +1,62 @@
+"""Stage 5, route: pick the pool for a request (first matching route wins).
+
+Routing runs in two steps because the tokenizer depends on the model a request goes to, while the
+class depends on the token count: `candidates` keeps the routes whose model, endpoint and header
+conditions match (known from the request alone), which also names the tokenizer; `route` then picks
+the first candidate that accepts the request's class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gateway.context import Ctx
+from gateway.errors import ModelNotFound, NoRoute
+from gateway.match import Check, all_of, names, request_checks
+from gateway.policy.schema import RouteSpec
+
+if TYPE_CHECKING:
+    from gateway.policy.compile import Pool
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    index: int
+    pool: Pool
+    accepts_request: Check
+    accepts_class: Check
+
+    @property
+    def label(self) -> str:
+        return f"routes[{self.index}]"
+
+
+def compile_route(index: int, spec: RouteSpec, pool: Pool) -> Route:
+    match = spec.match
+    checks = request_checks(match.model, match.endpoint, match.header)
+    class_ok = names(match.class_) if match.class_ is not None else None
+    return Route(
+        index=index,
+        pool=pool,
+        accepts_request=all_of(checks),
+        accepts_class=(lambda ctx: class_ok(ctx.workload)) if class_ok else (lambda ctx: True),
+    )
+
+
+def find_candidates(ctx: Ctx, routes: tuple[Route, ...]) -> None:
+    ctx.candidates = tuple(r for r in routes if r.accepts_request(ctx))
+    if not ctx.candidates:
+        raise ModelNotFound(f"The model `{ctx.requested_model}` does not exist.", param="model")
+    ctx.model = ctx.candidates[0].pool.model
+
+
+def route(ctx: Ctx) -> None:
+    for candidate in ctx.candidates:
+        if candidate.accepts_class(ctx):
+            ctx.route = candidate
+            ctx.pool = candidate.pool
+            return
+    raise NoRoute(
+        f"no route serves model `{ctx.requested_model}` for requests of class `{ctx.workload}`"
+    )

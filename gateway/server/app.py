@@ -1,0 +1,105 @@
+"""The aiohttp application: routes, the error middleware, and the gateway's lifespan."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import IO
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.account import Accountant
+from gateway.admit import PoolSlots
+from gateway.errors import GatewayError, MethodNotAllowed, NotFound, error_body
+from gateway.metrics import Metrics
+from gateway.pipeline import Gateway
+from gateway.policy.compile import Policy
+
+log = logging.getLogger("gateway.server")
+
+GATEWAY = web.AppKey("gateway", Gateway)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Render every refusal in the OpenAI error shape, including the router's 404 and 405."""
+    try:
+        return await handler(request)
+    except GatewayError as exc:
+        return exc.response()
+    except web.HTTPMethodNotAllowed:
+        return MethodNotAllowed(f"{request.method} is not allowed on {request.path}").response()
+    except web.HTTPNotFound:
+        return NotFound(f"{request.method} {request.path} is not served by this gateway").response()
+    except web.HTTPException as exc:
+        body = error_body(exc.reason, "invalid_request_error", exc.status)
+        return web.Response(status=exc.status, body=body, content_type="application/json")
+
+
+def _json(data: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[GATEWAY].handle(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[GATEWAY].handle(request, "completions")
+
+
+async def list_models(request: web.Request) -> web.Response:
+    policy = request.app[GATEWAY].policy
+    data = [
+        {"id": name, "object": "model", "created": 0, "owned_by": "llm-admission-gateway"}
+        for name in policy.served_models
+    ]
+    return _json({"object": "list", "data": data})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready while a policy is loaded, every pool has a replica, and no shutdown has begun."""
+    gateway = request.app[GATEWAY]
+    pools = {name: len(slots.replicas) for name, slots in gateway.slots.items()}
+    ready = not gateway.draining and all(pools.values())
+    body = {"ready": ready, "draining": gateway.draining, "replicas": pools}
+    return _json(body, 200 if ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    registry = request.app[GATEWAY].accountant.metrics.registry
+    return web.Response(
+        body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
+
+
+def create_app(policy: Policy, *, access_log: IO[bytes] | None = None) -> web.Application:
+    """Build the gateway app for a compiled policy; `access_log` gets one JSON line per request."""
+    slots = {name: PoolSlots(name, pool.spec, policy.picker) for name, pool in policy.pools.items()}
+    log_stream = access_log if policy.spec.server.access_log else None
+    gateway = Gateway(policy, Accountant(Metrics(slots), log_stream), slots)
+    app = web.Application(
+        client_max_size=policy.spec.server.max_body_bytes, middlewares=[openai_errors]
+    )
+    app[GATEWAY] = gateway
+
+    async def lifespan(app: web.Application) -> AsyncIterator[None]:
+        await gateway.open()
+        yield
+        await gateway.close()
+
+    app.cleanup_ctx.append(lifespan)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    return app

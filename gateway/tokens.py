@@ -1,0 +1,200 @@
+"""Stage 2, tokenize: count input tokens the way vLLM will.
+
+Chat requests are rendered with the model's own chat template (`add_generation_prompt=True`) and
+encoded without extra special tokens; completions encode the prompt with them, as vLLM does.
+Tokenizers load from a local directory only: the hub is never contacted.
+
+Counting is the gateway's dominant CPU cost (see docs/benchmarks.md), so two things keep it off the
+hot path. `memoized` counting sums cached per-message counts with the template's overhead for that
+sequence of roles: the 3,000-token rules block that repeats in every classification prompt costs a
+dict lookup. And text longer than `inline_tokenize_max_chars` goes to a small thread pool through
+the batch entry point, which releases the GIL (the single-text `encode` holds it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from typing import Any, Protocol
+
+from gateway.errors import BadRequest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+_EMPTY = ""
+
+
+def message_text(content: Any) -> str:
+    """The text of a message's content, joining text parts as vLLM does for string templates."""
+    if content is None:
+        return _EMPTY
+    if isinstance(content, str):
+        return content
+    parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+    return "\n".join(str(p) for p in parts)
+
+
+def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the chat template sees them: content flattened to a string."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            out.append(message)
+        else:
+            out.append({**message, "content": message_text(content)})
+    return out
+
+
+class TokenCounter(Protocol):
+    """Counts input tokens for one model."""
+
+    async def count_chat(self, body: dict[str, Any]) -> int: ...
+
+    async def count_prompts(self, prompt: Any) -> list[int]:
+        """Tokens of each prompt of a completions request."""
+        ...
+
+
+class EstimateCounter:
+    """`tokenizer: estimate`: characters / `chars_per_token`, for models without a local tokenizer."""
+
+    PER_MESSAGE = 4  # role markers and separators a chat template adds around each message
+
+    def __init__(self, chars_per_token: float) -> None:
+        self.chars_per_token = chars_per_token
+
+    def _count(self, text: str) -> int:
+        return math.ceil(len(text) / self.chars_per_token)
+
+    async def count_chat(self, body: dict[str, Any]) -> int:
+        messages = body["messages"]
+        return sum(self._count(message_text(m.get("content"))) for m in messages) + (
+            self.PER_MESSAGE * len(messages)
+        )
+
+    async def count_prompts(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            return [self._count(prompt)]
+        if isinstance(prompt[0], int):
+            return [len(prompt)]
+        return [len(p) if isinstance(p, list) else self._count(p) for p in prompt]
+
+
+def load_tokenizer(directory: str) -> Any:
+    """Load a Hugging Face tokenizer from a local directory, never from the hub."""
+    from transformers import AutoTokenizer
+
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"tokenizer directory {directory!r} does not exist")
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
+class HFCounter:
+    """Counts with a transformers tokenizer; see the module docstring for the two modes."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        memoized: bool,
+        executor: Executor | None,
+        inline_max_chars: int,
+        cache_entries: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.memoized = memoized
+        self.executor = executor
+        self.inline_max_chars = inline_max_chars
+        self.cache_entries = cache_entries
+        backend = tokenizer.backend_tokenizer
+        self._encode_batch: Callable[..., Any] = getattr(
+            backend, "encode_batch_fast", backend.encode_batch
+        )
+        self._content_counts: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._overheads: dict[tuple[Any, ...], int] = {}
+
+    def _lengths(self, texts: list[str], special: bool) -> list[int]:
+        return [len(e.ids) for e in self._encode_batch(texts, add_special_tokens=special)]
+
+    async def _count_texts(self, texts: list[str], special: bool) -> list[int]:
+        if self.executor is not None and sum(map(len, texts)) > self.inline_max_chars:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.executor, self._lengths, texts, special)
+        return self._lengths(texts, special)
+
+    def _render(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> str:
+        kwargs = body.get("chat_template_kwargs")
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                messages,
+                tools=body.get("tools"),
+                tokenize=False,
+                add_generation_prompt=body.get("add_generation_prompt", True),
+                continue_final_message=body.get("continue_final_message", False),
+                **(kwargs if isinstance(kwargs, dict) else {}),
+            )
+        except Exception as exc:  # the template's own refusal (role order, missing fields)
+            raise BadRequest(
+                f"the model's chat template rejected the messages: {exc}", param="messages"
+            ) from None
+        return str(rendered)
+
+    async def count_chat(self, body: dict[str, Any]) -> int:
+        messages = template_messages(body["messages"])
+        plain = not body.get("tools") and not body.get("chat_template_kwargs")
+        if not (self.memoized and plain):
+            return (await self._count_texts([self._render(messages, body)], False))[0]
+        return self._template_overhead(messages, body) + await self._content_total(messages)
+
+    def _template_overhead(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> int:
+        """Tokens the template adds around contents, cached per sequence of roles."""
+        generation = body.get("add_generation_prompt", True)
+        cont = body.get("continue_final_message", False)
+        key = (generation, cont, *(m["role"] for m in messages))
+        overhead = self._overheads.get(key)
+        if overhead is None:
+            skeleton = [{**m, "content": _EMPTY} for m in messages]
+            overhead = self._lengths([self._render(skeleton, body)], False)[0]
+            if len(self._overheads) < 4096:
+                self._overheads[key] = overhead
+        return overhead
+
+    async def _content_total(self, messages: list[dict[str, Any]]) -> int:
+        cache = self._content_counts
+        total = 0
+        misses: list[tuple[tuple[int, int], str]] = []
+        for message in messages:
+            text: str = message["content"]
+            if not text:
+                continue
+            key = (hash(text), len(text))
+            count = cache.get(key)
+            if count is None:
+                misses.append((key, text))
+            else:
+                cache.move_to_end(key)
+                total += count
+        if misses:
+            counts = await self._count_texts([text for _, text in misses], False)
+            for (key, _), count in zip(misses, counts, strict=True):
+                total += count
+                if self.cache_entries:
+                    cache[key] = count
+            while len(cache) > self.cache_entries:
+                cache.popitem(last=False)
+        return total
+
+    async def count_prompts(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            return await self._count_texts([prompt], True)
+        if isinstance(prompt[0], int):
+            return [len(prompt)]
+        if isinstance(prompt[0], list):
+            return [len(p) for p in prompt]
+        return await self._count_texts(list(prompt), True)
