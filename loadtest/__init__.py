@@ -1,0 +1,1 @@
+"""Load testing: stub and simulated replicas, load generators, benchmarks."""

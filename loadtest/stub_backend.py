@@ -1,0 +1,181 @@
+"""A stub OpenAI-compatible replica: answers at once (or after a set delay), streams real SSE.
+
+It is the zero-delay backend of the overhead benchmark and the replica of the gateway's tests: it
+speaks vLLM's wire format (chat and completions, `stream_options.include_usage` final chunk with
+`choices: []`, `data: [DONE]`) and records what the tests assert on — the bodies it received, how
+many requests it ran at once, and how many connections its clients closed mid-answer.
+
+    python -m loadtest.stub_backend --port 9000 [--delay 0.5] [--chunk-delay 0.01]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+DEFAULT_OUTPUT_TOKENS = 16
+
+
+@dataclass
+class StubConfig:
+    delay_s: float = 0.0  # before the first token
+    chunk_delay_s: float = 0.0  # between streamed tokens
+    status: int = 200  # anything else answers with a vLLM-shaped error
+    served_models: tuple[str, ...] = ()  # empty: any model
+
+
+@dataclass
+class StubStats:
+    running: int = 0
+    max_running: int = 0
+    requests: int = 0
+    completed: int = 0
+    disconnects: int = 0
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+
+
+STATS = web.AppKey("stats", StubStats)
+CONFIG = web.AppKey("config", StubConfig)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _prompt_tokens(body: dict[str, Any]) -> int:
+    """A rough count (4 characters a token): the stub has no tokenizer."""
+    if "messages" in body:
+        text = "".join(str(m.get("content") or "") for m in body["messages"])
+    else:
+        text = str(body.get("prompt", ""))
+    return max(1, len(text) // 4)
+
+
+def _chunk(kind: str, rid: str, model: str, index: int, token: str | None) -> dict[str, Any]:
+    if kind == "chat":
+        delta = {"content": token} if token is not None else {}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": delta if index else {"role": "assistant", **delta},
+            "logprobs": None,
+            "finish_reason": None if token is not None else "length",
+        }
+        obj = "chat.completion.chunk"
+    else:
+        choice = {
+            "index": 0,
+            "text": token or "",
+            "logprobs": None,
+            "finish_reason": None if token is not None else "length",
+        }
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+async def _answer(request: web.Request, kind: str) -> web.StreamResponse:
+    stats, config = request.app[STATS], request.app[CONFIG]
+    body = orjson.loads(await request.read())
+    stats.requests += 1
+    stats.bodies.append(body)
+    stats.headers.append(dict(request.headers))
+    model = body.get("model", "")
+    if config.served_models and model not in config.served_models:
+        err = {"error": {"message": f"The model `{model}` does not exist.", "type": "NotFoundError",
+                         "param": "model", "code": 404}}  # fmt: skip
+        return web.json_response(err, status=404)
+    if config.status != 200:
+        err = {"error": {"message": "stub failure", "type": "InternalServerError", "param": None,
+                         "code": config.status}}  # fmt: skip
+        return web.json_response(err, status=config.status)
+    tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_OUTPUT_TOKENS)
+    prompt_tokens = _prompt_tokens(body)
+    rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{stats.requests}"
+    stats.running += 1
+    stats.max_running = max(stats.max_running, stats.running)
+    try:
+        if config.delay_s:
+            await asyncio.sleep(config.delay_s)
+        if not body.get("stream"):
+            text = " tok" * tokens
+            if kind == "chat":
+                choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                          "finish_reason": "length"}  # fmt: skip
+            else:
+                choice = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
+            result = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+                      "created": int(time.time()), "model": model, "choices": [choice],
+                      "usage": _usage(prompt_tokens, tokens)}  # fmt: skip
+            stats.completed += 1
+            return web.Response(body=orjson.dumps(result), content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for index in range(tokens):
+            if index and config.chunk_delay_s:
+                await asyncio.sleep(config.chunk_delay_s)
+            await resp.write(b"data: " + orjson.dumps(_chunk(kind, rid, model, index, " tok")) + b"\n\n")
+        await resp.write(b"data: " + orjson.dumps(_chunk(kind, rid, model, tokens, None)) + b"\n\n")
+        if (body.get("stream_options") or {}).get("include_usage"):
+            final = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                     "created": int(time.time()), "model": model, "choices": [],
+                     "usage": _usage(prompt_tokens, tokens)}  # fmt: skip
+            await resp.write(b"data: " + orjson.dumps(final) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        stats.completed += 1
+        return resp
+    except (asyncio.CancelledError, ConnectionResetError):
+        stats.disconnects += 1
+        raise
+    finally:
+        stats.running -= 1
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    return await _answer(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _answer(request, "completions")
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response()
+
+
+def create_stub_app(config: StubConfig | None = None) -> web.Application:
+    app = web.Application()
+    app[STATS] = StubStats()
+    app[CONFIG] = config or StubConfig()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", health)
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--chunk-delay", type=float, default=0.0)
+    args = parser.parse_args()
+    import uvloop
+
+    app = create_stub_app(StubConfig(delay_s=args.delay, chunk_delay_s=args.chunk_delay))
+    uvloop.run(web._run_app(app, host=args.host, port=args.port, print=None, access_log=None,
+                            handler_cancellation=True))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The official `openai` SDK, sync and async, pointed at the gateway like any user would."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from tests.conftest import basic_policy
+
+
+@pytest.fixture
+async def gw(stub, gateway_factory, tokenizer_dir):
+    return await gateway_factory(basic_policy(tokenizer_dir, [stub.url]))
+
+
+async def test_async_chat(gw, stub) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+    reply = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "review this product"}], max_tokens=5
+    )
+    assert reply.choices[0].message.content == " tok" * 5
+    assert reply.usage is not None and reply.usage.completion_tokens == 5
+    await client.close()
+
+
+async def test_async_chat_stream_without_usage(gw, stub) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+    stream = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=7, stream=True
+    )
+    chunks = [chunk async for chunk in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == " tok" * 7
+    # The gateway asked upstream for usage, and the client who did not ask never sees it.
+    assert stub.stats.bodies[-1]["stream_options"] == {"include_usage": True}
+    assert all(c.usage is None and c.choices for c in chunks)
+    await client.close()
+
+
+async def test_async_chat_stream_with_usage(gw) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+    stream = await client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [chunk async for chunk in stream]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    await client.close()
+
+
+async def test_async_completions_stream(gw) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+    stream = await client.completions.create(
+        model="tiny", prompt="once upon a time", max_tokens=4, stream=True
+    )
+    text = "".join([c.choices[0].text async for c in stream if c.choices])
+    assert text == " tok" * 4
+    await client.close()
+
+
+async def test_sync_client_chat_and_completions(gw) -> None:
+    def use_sync_sdk() -> tuple[str, str, str]:
+        with openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0) as client:
+            chat = client.chat.completions.create(
+                model="tiny-alias", messages=[{"role": "user", "content": "hello"}], max_tokens=2
+            )
+            completion = client.completions.create(model="tiny", prompt="hello", max_tokens=3)
+            streamed = "".join(
+                c.choices[0].delta.content or ""
+                for c in client.chat.completions.create(
+                    model="tiny",
+                    messages=[{"role": "user", "content": "hello"}],
+                    max_tokens=2,
+                    stream=True,
+                )
+                if c.choices
+            )
+            return chat.choices[0].message.content or "", completion.choices[0].text, streamed
+
+    chat, completion, streamed = await asyncio.to_thread(use_sync_sdk)
+    assert (chat, completion, streamed) == (" tok" * 2, " tok" * 3, " tok" * 2)
+
+
+async def test_alias_is_rewritten_and_unknown_fields_pass_through(gw, stub) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+    await client.chat.completions.create(
+        model="tiny-alias",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        stop=["\n"],
+        n=1,
+        logprobs=True,
+        response_format={"type": "json_object"},
+        extra_body={"ignore_eos": True},
+    )
+    sent = stub.stats.bodies[-1]
+    assert sent["model"] == "tiny"
+    assert sent["ignore_eos"] is True and sent["stop"] == ["\n"] and sent["logprobs"] is True
+    assert sent["response_format"] == {"type": "json_object"}
+    await client.close()
+
+
+async def test_models_lists_models_and_aliases(gw) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+    models = [m.id async for m in client.models.list()]
+    assert models == ["tiny", "tiny-alias"]
+    await client.close()
