@@ -118,6 +118,16 @@ class HFCounter:
         )
         self._content_counts: OrderedDict[tuple[int, int], int] = OrderedDict()
         self._overheads: dict[tuple[Any, ...], int] = {}
+        self._trims = self._template_trims()
+
+    def _template_trims(self) -> bool:
+        """Whether the chat template trims message content (Gemma's does), probed once."""
+        probe = "gateway-probe"
+        try:
+            rendered = self._render([{"role": "user", "content": f"  {probe}  "}], {})
+        except BadRequest:
+            return False
+        return f"  {probe}" not in rendered and probe in rendered
 
     def _lengths(self, texts: list[str], special: bool) -> list[int]:
         return [len(e.ids) for e in self._encode_batch(texts, add_special_tokens=special)]
@@ -171,6 +181,8 @@ class HFCounter:
         misses: list[tuple[tuple[int, int], str]] = []
         for message in messages:
             text: str = message["content"]
+            if self._trims:
+                text = text.strip()
             if not text:
                 continue
             key = (hash(text), len(text))

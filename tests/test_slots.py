@@ -1,0 +1,76 @@
+"""PoolSlots on its own: the ordering and leak-freedom rules the HTTP tests rely on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.admit import LeastInflightPicker, PoolSlots
+from gateway.errors import QueueFull, QueueTimeout
+from gateway.policy.schema import PoolSpec
+
+
+def pool(replicas: int = 1, cap: int = 1, **spec: object) -> PoolSlots:
+    urls = [f"http://127.0.0.1:{9000 + i}" for i in range(replicas)]
+    return PoolSlots("p", PoolSpec(model="m", replicas=urls, max_concurrency=cap, **spec), LeastInflightPicker(None))
+
+
+async def test_least_inflight_spreads_load() -> None:
+    slots = pool(replicas=3, cap=2)
+    taken = [await slots.acquire(1, 10) for _ in range(6)]
+    assert sorted(r.url for r in taken) == sorted(r.url for r in slots.replicas for _ in "ab")
+    assert [r.inflight_tokens for r in slots.replicas] == [20, 20, 20]
+
+
+async def test_no_queue_means_refusal_at_once() -> None:
+    slots = pool(queue={"max_depth": 0})
+    await slots.acquire(1, 1)
+    with pytest.raises(QueueFull):
+        await slots.acquire(1, 1)
+
+
+async def test_waiter_granted_and_cancelled_in_the_same_tick_gives_the_slot_back() -> None:
+    slots = pool()
+    first = await slots.acquire(1, 5)
+    waiter = asyncio.create_task(slots.acquire(1, 5))
+    await asyncio.sleep(0)
+    assert slots.waiting == 1
+    slots.release(first, 5)  # grants the waiter's future...
+    waiter.cancel()  # ...and the waiter is cancelled before it runs
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert slots.replicas[0].inflight == 0 and slots.replicas[0].inflight_tokens == 0
+    assert slots.waiting == 0
+
+
+async def test_abandoned_head_does_not_block_the_next_waiter() -> None:
+    slots = pool()
+    held = await slots.acquire(1, 1)
+    head = asyncio.create_task(slots.acquire(0, 1))
+    second = asyncio.create_task(slots.acquire(1, 1))
+    await asyncio.sleep(0)
+    head.cancel()
+    await asyncio.sleep(0)
+    slots.release(held, 1)
+    granted = await asyncio.wait_for(second, 1)
+    assert granted.inflight == 1 and slots.waiting == 0
+
+
+async def test_timeout_leaves_no_waiter() -> None:
+    slots = pool(queue={"max_wait_s": 0.05})
+    await slots.acquire(1, 1)
+    with pytest.raises(QueueTimeout):
+        await slots.acquire(1, 1)
+    assert slots.waiting == 0
+
+
+async def test_an_oversized_request_runs_alone_on_an_idle_replica() -> None:
+    slots = pool(cap=4, max_inflight_tokens=100)
+    big = await slots.acquire(1, 500)
+    assert big.inflight_tokens == 500
+    small = asyncio.create_task(slots.acquire(1, 10))
+    await asyncio.sleep(0)
+    assert not small.done()
+    slots.release(big, 500)
+    assert (await small).inflight_tokens == 10
