@@ -39,8 +39,14 @@ def fingerprint(ctx: Ctx) -> int:
         head = message_text(ctx.body["messages"][0].get("content"))[:FINGERPRINT_CHARS]
     else:
         prompt = ctx.body["prompt"]
-        first = prompt if isinstance(prompt, str) else prompt[0]
-        head = first[:FINGERPRINT_CHARS] if isinstance(first, str) else str(first[:64])
+        if isinstance(prompt, str):
+            head = prompt[:FINGERPRINT_CHARS]
+        elif isinstance(prompt[0], int):  # token ids
+            return hash(tuple(prompt[:64]))
+        elif isinstance(prompt[0], str):
+            head = prompt[0][:FINGERPRINT_CHARS]
+        else:
+            return hash(tuple(prompt[0][:64]))
     return hash(head)
 
 

@@ -8,6 +8,7 @@ every request, however it ended.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 import uuid
@@ -25,6 +26,8 @@ from gateway.forward import forward
 from gateway.parse import parse
 from gateway.policy.compile import Policy
 from gateway.route import find_candidates, route
+
+log = logging.getLogger("gateway.pipeline")
 
 CLIENT_CLOSED = 499  # nginx's code for "the client went away"; bounded, so fine as a label
 
@@ -135,5 +138,10 @@ class Gateway:
         except (asyncio.CancelledError, ConnectionResetError):
             ctx.status, ctx.reason = CLIENT_CLOSED, "client_disconnect"
             raise
+        except Exception:
+            log.exception("request %s failed", ctx.request_id)
+            error = GatewayError("internal gateway error; see the gateway log")
+            ctx.status, ctx.reason = error.status, error.reason
+            return error.response({"x-request-id": ctx.request_id})
         finally:
             self.accountant.account(ctx, self.policy.estimator)

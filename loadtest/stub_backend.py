@@ -88,7 +88,7 @@ async def _answer(request: web.Request, kind: str) -> web.StreamResponse:
     body = orjson.loads(await request.read())
     stats.requests += 1
     stats.bodies.append(body)
-    stats.headers.append(dict(request.headers))
+    stats.headers.append({k.lower(): v for k, v in request.headers.items()})
     model = body.get("model", "")
     if config.served_models and model not in config.served_models:
         err = {"error": {"message": f"The model `{model}` does not exist.", "type": "NotFoundError",
