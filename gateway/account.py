@@ -61,25 +61,32 @@ class Accountant:
         if ctx.output_tokens is None and ctx.chunks and ctx.stream:
             # The stream broke or the client left before the usage chunk: count what was sent.
             ctx.output_tokens = ctx.chunks
-        series = self._series.get(labels)
-        if series is None:
-            series = self._series[labels] = _Series(m, labels)
-        if ctx.queue_wait is not None:
-            series.queue_wait.observe(ctx.queue_wait)
-        if ctx.replica:
-            series.e2e.observe(ctx.ended - ctx.arrived)
-            series.input_tokens.inc(ctx.input_tokens)
-            if ctx.output_tokens:
-                series.output_tokens.inc(ctx.output_tokens)
-            if ctx.first_token is not None:
-                series.ttft.observe(ctx.first_token - ctx.arrived)
-                if ctx.output_tokens and ctx.output_tokens > 1:
-                    series.tpot.observe((ctx.ended - ctx.first_token) / (ctx.output_tokens - 1))
-            if estimator is not None and ctx.status == 200 and ctx.output_tokens:
-                estimator.observe(estimator_key(ctx), ctx.output_tokens // ctx.sequences)
+        if ctx.queue_wait is not None:  # it reached admission: it has a pool and a class
+            self._observe(ctx, labels, estimator)
         if self.access_log is not None:
             self.access_log.write(orjson.dumps(self.record(ctx), option=orjson.OPT_APPEND_NEWLINE))
             self.access_log.flush()
+
+    def _observe(
+        self, ctx: Ctx, labels: tuple[str, str, str], estimator: OutputEstimator | None
+    ) -> None:
+        series = self._series.get(labels)
+        if series is None:
+            series = self._series[labels] = _Series(self.metrics, labels)
+        assert ctx.queue_wait is not None
+        series.queue_wait.observe(ctx.queue_wait)
+        if not ctx.replica:  # refused while queued
+            return
+        series.e2e.observe(ctx.ended - ctx.arrived)
+        series.input_tokens.inc(ctx.input_tokens)
+        if ctx.output_tokens:
+            series.output_tokens.inc(ctx.output_tokens)
+        if ctx.first_token is not None:
+            series.ttft.observe(ctx.first_token - ctx.arrived)
+            if ctx.output_tokens and ctx.output_tokens > 1:
+                series.tpot.observe((ctx.ended - ctx.first_token) / (ctx.output_tokens - 1))
+        if estimator is not None and ctx.status == 200 and ctx.output_tokens:
+            estimator.observe(estimator_key(ctx), ctx.output_tokens // ctx.sequences)
 
     @staticmethod
     def record(ctx: Ctx) -> dict[str, Any]:

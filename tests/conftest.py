@@ -84,9 +84,7 @@ def write_policy(directory: Path, policy: dict[str, Any]) -> Path:
     return path
 
 
-def basic_policy(
-    tokenizer: str | Path, replicas: list[str], **pool: Any
-) -> dict[str, Any]:
+def basic_policy(tokenizer: str | Path, replicas: list[str], **pool: Any) -> dict[str, Any]:
     """One model, one pool; `pool` overrides pool fields (max_concurrency, queue, ...)."""
     return {
         "models": {"tiny": {"tokenizer": str(tokenizer), "max_model_len": 8192}},
@@ -121,10 +119,8 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Poll (bounded) until `predicate()` holds; fail with the last state otherwise."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
+async def eventually(predicate: Callable[[], bool], within_s: float = 5.0) -> None:
+    """Poll (bounded) until `predicate()` holds, or fail."""
+    async with asyncio.timeout(within_s):
+        while not predicate():  # noqa: ASYNC110 - the state lives in another component
+            await asyncio.sleep(0.02)

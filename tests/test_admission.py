@@ -9,10 +9,16 @@ import pytest
 
 from tests.conftest import basic_policy, eventually
 
-CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "classify this"}], "max_tokens": 4}
+CHAT = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "classify this"}],
+    "max_tokens": 4,
+}
 
 
-async def post(http: aiohttp.ClientSession, url: str, body: dict, **headers: str) -> tuple[int, dict, dict]:
+async def post(
+    http: aiohttp.ClientSession, url: str, body: dict, **headers: str
+) -> tuple[int, dict, dict]:
     async with http.post(f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
         return resp.status, await resp.json(), dict(resp.headers)
 
@@ -38,7 +44,9 @@ async def test_queue_full_is_429_with_retry_after(
 ) -> None:
     slow = await stub_factory(delay_s=1.0)
     gw = await gateway_factory(
-        basic_policy(tokenizer_dir, [slow.url], max_concurrency=1, queue={"max_depth": 1, "max_wait_s": 5})
+        basic_policy(
+            tokenizer_dir, [slow.url], max_concurrency=1, queue={"max_depth": 1, "max_wait_s": 5}
+        )
     )
     running = asyncio.create_task(post(http, gw.url, CHAT))
     await eventually(lambda: gw.inflight() == 1)
@@ -133,7 +141,9 @@ async def test_disconnect_mid_stream_closes_upstream_and_frees_the_slot(
     assert b'"status":499' in gw.access_log.getvalue()
 
 
-async def test_token_cap_limits_admission(stub_factory, gateway_factory, tokenizer_dir, http) -> None:
+async def test_token_cap_limits_admission(
+    stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
     slow = await stub_factory(delay_s=0.3)
     policy = basic_policy(tokenizer_dir, [slow.url], max_concurrency=10, max_inflight_tokens=1500)
     gw = await gateway_factory(policy)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import aiohttp
 import pytest
 
 from tests.conftest import basic_policy
@@ -21,24 +20,88 @@ async def gw(stub, gateway_factory, tokenizer_dir):
 CASES = [
     ("chat/completions", b"{not json", "application/json", 400, "invalid_json"),
     ("chat/completions", b"[1, 2]", "application/json", 400, "invalid_json"),
-    ("chat/completions", b'{"model": "tiny", "messages": []}', "text/plain", 415, "unsupported_media_type"),
-    ("chat/completions", b'{"messages": [{"role": "user", "content": "x"}]}', "application/json", 400, "invalid_request"),
+    (
+        "chat/completions",
+        b'{"model": "tiny", "messages": []}',
+        "text/plain",
+        415,
+        "unsupported_media_type",
+    ),
+    (
+        "chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}]}',
+        "application/json",
+        400,
+        "invalid_request",
+    ),
     ("chat/completions", b'{"model": "tiny"}', "application/json", 400, "invalid_request"),
-    ("chat/completions", b'{"model": "tiny", "messages": [{"content": "x"}]}', "application/json", 400, "invalid_request"),
+    (
+        "chat/completions",
+        b'{"model": "tiny", "messages": [{"content": "x"}]}',
+        "application/json",
+        400,
+        "invalid_request",
+    ),
     ("completions", b'{"model": "tiny"}', "application/json", 400, "invalid_request"),
-    ("completions", b'{"model": "tiny", "prompt": {"a": 1}}', "application/json", 400, "invalid_request"),
-    ("chat/completions", b'{"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}', "application/json", 404, "model_not_found"),
-    ("chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}', "application/json", 400, "invalid_value"),
-    ("chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}', "application/json", 400, "invalid_type"),
-    ("chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 60}', "application/json", 400, "context_length_exceeded"),
-    ("completions", b'{"model": "tiny", "prompt": [' + b"1," * 70 + b"1]}", "application/json", 400, "context_length_exceeded"),
-    ("chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}', "application/json", 400, "invalid_request"),
+    (
+        "completions",
+        b'{"model": "tiny", "prompt": {"a": 1}}',
+        "application/json",
+        400,
+        "invalid_request",
+    ),
+    (
+        "chat/completions",
+        b'{"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}',
+        "application/json",
+        404,
+        "model_not_found",
+    ),
+    (
+        "chat/completions",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}',
+        "application/json",
+        400,
+        "invalid_value",
+    ),
+    (
+        "chat/completions",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}',
+        "application/json",
+        400,
+        "invalid_type",
+    ),
+    (
+        "chat/completions",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 60}',
+        "application/json",
+        400,
+        "context_length_exceeded",
+    ),
+    (
+        "completions",
+        b'{"model": "tiny", "prompt": [' + b"1," * 70 + b"1]}",
+        "application/json",
+        400,
+        "context_length_exceeded",
+    ),
+    (
+        "chat/completions",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+        "application/json",
+        400,
+        "invalid_request",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("path", "body", "content_type", "status", "code"), CASES)
-async def test_bad_request_is_refused_cleanly(gw, stub, http, path, body, content_type, status, code) -> None:
-    async with http.post(f"{gw.url}/v1/{path}", data=body, headers={"Content-Type": content_type}) as resp:
+async def test_bad_request_is_refused_cleanly(
+    gw, stub, http, path, body, content_type, status, code
+) -> None:
+    async with http.post(
+        f"{gw.url}/v1/{path}", data=body, headers={"Content-Type": content_type}
+    ) as resp:
         assert resp.status == status
         error = (await resp.json())["error"]
     assert error["code"] == code
@@ -57,12 +120,17 @@ async def test_body_over_the_limit_is_413(gw, stub, http) -> None:
 
 async def test_unknown_priority_is_400(gw, http) -> None:
     body = {"model": "tiny", "messages": MESSAGES}
-    async with http.post(f"{gw.url}/v1/chat/completions", json=body, headers={"x-priority": "urgent"}) as resp:
+    async with http.post(
+        f"{gw.url}/v1/chat/completions", json=body, headers={"x-priority": "urgent"}
+    ) as resp:
         assert resp.status == 400
         assert (await resp.json())["error"]["param"] == "x-priority"
 
 
-@pytest.mark.parametrize(("method", "path", "status"), [("GET", "/v1/embeddings", 404), ("POST", "/admin", 404), ("GET", "/v1/chat/completions", 405)])
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [("GET", "/v1/embeddings", 404), ("POST", "/admin", 404), ("GET", "/v1/chat/completions", 405)],
+)
 async def test_not_an_open_proxy(gw, stub, http, method, path, status) -> None:
     async with http.request(method, f"{gw.url}{path}") as resp:
         assert resp.status == status
@@ -70,10 +138,14 @@ async def test_not_an_open_proxy(gw, stub, http, method, path, status) -> None:
     assert stub.stats.requests == 0
 
 
-async def test_replica_errors_reach_the_client_intact(stub_factory, gateway_factory, tokenizer_dir, http) -> None:
+async def test_replica_errors_reach_the_client_intact(
+    stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
     strict = await stub_factory(served_models=("other",))
     gw = await gateway_factory(basic_policy(tokenizer_dir, [strict.url]))
-    async with http.post(f"{gw.url}/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES}) as resp:
+    async with http.post(
+        f"{gw.url}/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES}
+    ) as resp:
         assert resp.status == 404
         assert (await resp.json())["error"]["type"] == "NotFoundError"
         assert resp.headers["x-request-id"]
@@ -82,7 +154,9 @@ async def test_replica_errors_reach_the_client_intact(stub_factory, gateway_fact
 
 async def test_request_id_is_kept_or_made(gw, stub, http) -> None:
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}
-    async with http.post(f"{gw.url}/v1/chat/completions", json=body, headers={"x-request-id": "abc-123"}) as resp:
+    async with http.post(
+        f"{gw.url}/v1/chat/completions", json=body, headers={"x-request-id": "abc-123"}
+    ) as resp:
         assert resp.headers["x-request-id"] == "abc-123"
     assert stub.stats.headers[-1]["x-request-id"] == "abc-123"
     async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:

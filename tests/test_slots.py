@@ -13,7 +13,11 @@ from gateway.policy.schema import PoolSpec
 
 def pool(replicas: int = 1, cap: int = 1, **spec: object) -> PoolSlots:
     urls = [f"http://127.0.0.1:{9000 + i}" for i in range(replicas)]
-    return PoolSlots("p", PoolSpec(model="m", replicas=urls, max_concurrency=cap, **spec), LeastInflightPicker(None))
+    return PoolSlots(
+        "p",
+        PoolSpec(model="m", replicas=urls, max_concurrency=cap, **spec),
+        LeastInflightPicker(None),
+    )
 
 
 async def test_least_inflight_spreads_load() -> None:

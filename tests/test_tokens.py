@@ -85,14 +85,19 @@ async def test_content_parts_are_joined_like_vllm(tokenizer_dir, hf) -> None:
     exact = counter(tokenizer_dir, memoized=False)
     parts = [{"type": "text", "text": "product rules"}, {"type": "text", "text": "allow review"}]
     joined = [{"role": "user", "content": "product rules\nallow review"}]
-    assert await exact.count_chat({"messages": [{"role": "user", "content": parts}]}) == reference(hf, joined)
+    assert await exact.count_chat({"messages": [{"role": "user", "content": parts}]}) == reference(
+        hf, joined
+    )
 
 
 async def test_completions_count_with_special_tokens(tokenizer_dir, hf) -> None:
     exact = counter(tokenizer_dir, memoized=False, inline_max_chars=10)
     prompt = "product rules prohibit weapons and drugs"
     assert await exact.count_prompts(prompt) == [len(hf(prompt)["input_ids"])]
-    assert await exact.count_prompts([prompt, "a"]) == [len(hf(prompt)["input_ids"]), len(hf("a")["input_ids"])]
+    assert await exact.count_prompts([prompt, "a"]) == [
+        len(hf(prompt)["input_ids"]),
+        len(hf("a")["input_ids"]),
+    ]
     assert await exact.count_prompts([1, 2, 3]) == [3]
     assert await exact.count_prompts([[1, 2], [3]]) == [2, 1]
 

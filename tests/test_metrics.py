@@ -1,0 +1,83 @@
+"""After traffic, /metrics holds every series alerts and the HPA read, with bounded labels."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import basic_policy
+
+WORKLOAD = {"model": "tiny", "pool": "main", "class": "any"}
+
+
+def samples(text: str) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+async def test_every_series_is_exported_with_its_labels(
+    stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [stub.url], max_concurrency=4))
+    chat = {
+        "model": "tiny-alias",
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 5,
+    }
+    async with http.post(f"{gw.url}/v1/chat/completions", json={**chat, "stream": True}) as resp:
+        assert resp.status == 200
+        await resp.read()
+    async with http.post(f"{gw.url}/v1/chat/completions", json=chat) as resp:
+        assert resp.status == 200
+    async with http.post(f"{gw.url}/v1/chat/completions", json={**chat, "model": "nope"}) as resp:
+        assert resp.status == 404
+    async with http.get(f"{gw.url}/metrics") as resp:
+        assert resp.status == 200 and resp.content_type == "text/plain"
+        found = samples(await resp.text())
+
+    for name in (
+        "llm_request_e2e_seconds",
+        "llm_request_ttft_seconds",
+        "llm_request_tpot_seconds",
+        "llm_queue_wait_seconds",
+    ):
+        buckets = [s for s in found[f"{name}_bucket"] if s.labels["le"] == "+Inf"]
+        assert [{k: v for k, v in s.labels.items() if k != "le"} for s in buckets] == [WORKLOAD], (
+            name
+        )
+    e2e_count = {s.labels["model"]: s.value for s in found["llm_request_e2e_seconds_count"]}
+    assert e2e_count == {"tiny": 2.0}
+    ttft_count = [s.value for s in found["llm_request_ttft_seconds_count"]]
+    assert ttft_count == [1.0]  # only the stream shows a first token
+    e2e_les = {float(s.labels["le"]) for s in found["llm_request_e2e_seconds_bucket"]}
+    assert min(e2e_les) == 0.01 and max(e2e_les - {float("inf")}) == 600
+
+    codes = {(s.labels["pool"], s.labels["code"]): s.value for s in found["llm_requests_total"]}
+    assert codes == {("main", "200"): 2.0, ("none", "404"): 1.0}
+    assert [(s.labels, s.value) for s in found["llm_rejections_total"]] == [
+        ({"pool": "none", "reason": "model_not_found"}, 1.0)
+    ]
+    assert [s.value for s in found["llm_output_tokens_total"]] == [10.0]
+    assert [s.labels for s in found["llm_input_tokens_total"]] == [WORKLOAD]
+
+    replica = {"pool": "main", "replica": stub.url}
+    assert [(s.labels, s.value) for s in found["llm_inflight_requests"]] == [(replica, 0.0)]
+    assert [(s.labels, s.value) for s in found["llm_inflight_tokens"]] == [(replica, 0.0)]
+    assert [(s.labels, s.value) for s in found["llm_queue_depth"]] == [({"pool": "main"}, 0.0)]
+    assert [(s.labels, s.value) for s in found["llm_pool_capacity"]] == [({"pool": "main"}, 4.0)]
+
+
+async def test_health_and_readiness(stub, gateway_factory, tokenizer_dir, http) -> None:
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [stub.url]))
+    async with http.get(f"{gw.url}/healthz") as resp:
+        assert resp.status == 200
+    async with http.get(f"{gw.url}/readyz") as resp:
+        assert resp.status == 200 and (await resp.json())["replicas"] == {"main": 1}
+    gw.gateway.draining = True
+    async with http.get(f"{gw.url}/readyz") as resp:
+        assert resp.status == 503
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+    async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 503 and (await resp.json())["error"]["code"] == "shutting_down"

@@ -1,0 +1,126 @@
+"""`llm-gateway check` names file, line and field for every problem; shipped policies are valid."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.policy.compile import load_policy
+from gateway.policy.load import PolicyError
+from gateway.policy.schema import PolicySpec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+BROKEN = """\
+models:
+  gemma-3-12b-it:
+    tokenizer: estimate
+    max_model_len: 128000
+pools:
+  generate-12b:
+    model: gemma-3-12b-it
+    replicas: [http://127.0.0.1:8000]
+    max_concurrency: 0
+    queue: {max_depth: 10, max_wait: 5}
+  classify:
+    model: gemma-3-27b-it
+    replicas: [ftp://nowhere]
+    max_concurrency: 4
+classes:
+  - {name: prefill_heavy, when: {input_tokens: {gte: 1024}}}
+  - {name: decode_heavy, when: {}}
+routes:
+  - {match: {model: gemma-3, class: prefil_heavy}, pool: generate-12b}
+  - {match: {model: gemma-3}, pool: generate-27b}
+plugins:
+  picker: {type: most-random}
+"""
+
+
+def check(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", "check", str(path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_check_names_line_and_field_of_every_schema_error(tmp_path) -> None:
+    path = tmp_path / "x.yaml"
+    path.write_text(BROKEN)
+    result = check(path)
+    assert result.returncode == 1
+    errors = result.stderr.splitlines()
+    assert f"{path}:9: pools.generate-12b.max_concurrency: must be >= 1" in errors
+    assert f"{path}:10: pools.generate-12b.queue.max_wait: unknown field" in errors
+    assert (
+        f"{path}:13: pools.classify.replicas: 'ftp://nowhere' must be an http:// or https:// URL"
+        in errors
+    )
+
+
+def test_check_reports_cross_references_and_plugins(tmp_path) -> None:
+    path = tmp_path / "x.yaml"
+    path.write_text(
+        BROKEN.replace("max_concurrency: 0", "max_concurrency: 1")
+        .replace(", max_wait: 5", "")
+        .replace("ftp://nowhere", "http://127.0.0.1:1")
+    )
+    result = check(path)
+    assert result.returncode == 1
+    errors = result.stderr.splitlines()
+    assert f"{path}:12: pools.classify.model: model 'gemma-3-27b-it' is not under models" in errors
+    assert f"{path}:19: routes.0.match.class: unknown class 'prefil_heavy'" in errors
+    assert f"{path}:20: routes.1.pool: unknown pool 'generate-27b'" in errors
+    assert any(
+        e.startswith(
+            f"{path}:22: plugins.picker: unknown picker type 'most-random'; known: least-inflight"
+        )
+        for e in errors
+    )
+
+
+def test_yaml_syntax_error_has_a_line(tmp_path) -> None:
+    path = tmp_path / "x.yaml"
+    path.write_text("models:\n  a: [unclosed\n")
+    result = check(path)
+    assert result.returncode == 1 and result.stderr.startswith(f"{path}:")
+
+
+def test_alias_over_different_tokenizers_is_refused(tmp_path) -> None:
+    path = tmp_path / "x.yaml"
+    path.write_text(
+        "models:\n  a: {tokenizer: /t/a, max_model_len: 10}\n  b: {tokenizer: /t/b, max_model_len: 10}\n"
+        "pools:\n  pa: {model: a, replicas: ['http://127.0.0.1:1'], max_concurrency: 1}\n"
+        "  pb: {model: b, replicas: ['http://127.0.0.1:2'], max_concurrency: 1}\n"
+        "classes: [{name: c}]\n"
+        "routes:\n  - {match: {model: x}, pool: pa}\n  - {match: {model: x}, pool: pb}\n"
+    )
+    with pytest.raises(PolicyError, match=r"x.yaml:10: routes.1.pool: model 'x' already routes"):
+        load_policy(path, load_tokenizers=False)
+
+
+def test_missing_tokenizer_directory_fails_serve_time_load(tmp_path) -> None:
+    path = tmp_path / "x.yaml"
+    path.write_text(
+        "models:\n  a: {tokenizer: /nonexistent/tok, max_model_len: 10}\n"
+        "pools:\n  pa: {model: a, replicas: ['http://127.0.0.1:1'], max_concurrency: 1}\n"
+        "classes: [{name: c}]\nroutes: [{pool: pa}]\n"
+    )
+    with pytest.raises(PolicyError, match=r"x.yaml:2: models.a.tokenizer: cannot load"):
+        load_policy(path)
+
+
+@pytest.mark.parametrize("policy", sorted((ROOT / "policies").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_policies_pass_check(policy) -> None:
+    result = check(policy)
+    assert result.returncode == 0, result.stderr
+    assert "ok" in result.stdout
+
+
+def test_schema_json_is_up_to_date() -> None:
+    shipped = json.loads((ROOT / "policies" / "schema.json").read_text())
+    assert shipped == PolicySpec.model_json_schema(by_alias=True), "run `make schema`"
