@@ -56,12 +56,16 @@ class Policy:
             self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _counter(spec: ModelSpec, policy: PolicySpec, executor: Executor | None, load: bool) -> Any:
+def _counter(
+    spec: ModelSpec, policy: PolicySpec, base: Path, executor: Executor | None, load: bool
+) -> Any:
     if spec.tokenizer == "estimate" or not load:
         return EstimateCounter(spec.chars_per_token)
     server = policy.server
     return HFCounter(
-        load_tokenizer(spec.tokenizer),
+        load_tokenizer(
+            str(base / spec.tokenizer)
+        ),  # a relative path is the policy file's neighbour
         memoized=spec.token_counting == "memoized",
         executor=executor,
         inline_max_chars=server.inline_tokenize_max_chars,
@@ -147,10 +151,11 @@ def compile_policy(loaded: LoadedSpec, *, load_tokenizers: bool = True) -> Polic
     executor = None
     if load_tokenizers and any(m.tokenizer != "estimate" for m in spec.models.values()):
         executor = ThreadPoolExecutor(spec.server.tokenizer_threads, thread_name_prefix="tokenize")
+    base = Path(loaded.path).parent
     models: dict[str, Model] = {}
     for name, model_spec in spec.models.items():
         try:
-            counter = _counter(model_spec, spec, executor, load_tokenizers)
+            counter = _counter(model_spec, spec, base, executor, load_tokenizers)
         except (OSError, ValueError) as exc:
             problems.append(Problem(("models", name, "tokenizer"), f"cannot load: {exc}"))
             continue
