@@ -1,0 +1,33 @@
+"""`llm-loadtest`: the capacity toolkit's command line.
+
+    llm-loadtest simulate ...   simulated vLLM replicas (loadtest/sim)
+    llm-loadtest sweep ...      closed- or open-loop load, per-level report, knee (loadtest/loadgen)
+    llm-loadtest profile ...    ISL / OSL / concurrency distributions from a gateway access log
+    llm-loadtest compare ...    the gateway against plain round-robin at overload
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "simulate": "loadtest.sim.cli",
+    "sweep": "loadtest.loadgen.cli",
+    "profile": "loadtest.loadgen.cli",
+    "compare": "loadtest.loadgen.cli",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] not in COMMANDS:
+        print(__doc__)
+        return 0 if args[:1] in (["-h"], ["--help"]) else 2
+    module = importlib.import_module(COMMANDS[args[0]])
+    result: int = module.main(args)
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
