@@ -27,6 +27,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 _EMPTY = ""
+# Role sequences whose template overhead is kept. Roles are client text (vLLM accepts custom ones),
+# so only short sequences of the standard roles are cached: the cache stays small whatever is sent.
+MAX_CACHED_SHAPES = 4096
+MAX_CACHED_TURNS = 64
+STANDARD_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
 def message_text(content: Any) -> str:
@@ -158,20 +163,33 @@ class HFCounter:
     async def count_chat(self, body: dict[str, Any]) -> int:
         messages = template_messages(body["messages"])
         plain = not body.get("tools") and not body.get("chat_template_kwargs")
-        if not (self.memoized and plain):
+        overhead = self._template_overhead(messages, body) if self.memoized and plain else None
+        if overhead is None:
             return (await self._count_texts([self._render(messages, body)], False))[0]
-        return self._template_overhead(messages, body) + await self._content_total(messages)
+        return overhead + await self._content_total(messages)
 
-    def _template_overhead(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> int:
-        """Tokens the template adds around contents, cached per sequence of roles."""
+    def _template_overhead(
+        self, messages: list[dict[str, Any]], body: dict[str, Any]
+    ) -> int | None:
+        """Tokens the template adds around contents, cached per sequence of roles.
+
+        None when the template refuses empty contents: such a request is counted exactly.
+        """
         generation = body.get("add_generation_prompt", True)
         cont = body.get("continue_final_message", False)
         key = (generation, cont, *(m["role"] for m in messages))
         overhead = self._overheads.get(key)
         if overhead is None:
             skeleton = [{**m, "content": _EMPTY} for m in messages]
-            overhead = self._lengths([self._render(skeleton, body)], False)[0]
-            if len(self._overheads) < 4096:
+            try:
+                overhead = self._lengths([self._render(skeleton, body)], False)[0]
+            except BadRequest:
+                return None
+            if (
+                len(self._overheads) < MAX_CACHED_SHAPES
+                and len(messages) <= MAX_CACHED_TURNS
+                and STANDARD_ROLES.issuperset(key[2:])
+            ):
                 self._overheads[key] = overhead
         return overhead
 
