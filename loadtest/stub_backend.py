@@ -80,7 +80,13 @@ def _chunk(kind: str, rid: str, model: str, index: int, token: str | None) -> di
             "finish_reason": None if token is not None else "length",
         }
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+    }
 
 
 async def _answer(request: web.Request, kind: str) -> web.StreamResponse:
@@ -98,7 +104,9 @@ async def _answer(request: web.Request, kind: str) -> web.StreamResponse:
         err = {"error": {"message": "stub failure", "type": "InternalServerError", "param": None,
                          "code": config.status}}  # fmt: skip
         return web.json_response(err, status=config.status)
-    tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_OUTPUT_TOKENS)
+    tokens = int(
+        body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_OUTPUT_TOKENS
+    )
     prompt_tokens = _prompt_tokens(body)
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{stats.requests}"
     stats.running += 1
@@ -123,7 +131,9 @@ async def _answer(request: web.Request, kind: str) -> web.StreamResponse:
         for index in range(tokens):
             if index and config.chunk_delay_s:
                 await asyncio.sleep(config.chunk_delay_s)
-            await resp.write(b"data: " + orjson.dumps(_chunk(kind, rid, model, index, " tok")) + b"\n\n")
+            await resp.write(
+                b"data: " + orjson.dumps(_chunk(kind, rid, model, index, " tok")) + b"\n\n"
+            )
         await resp.write(b"data: " + orjson.dumps(_chunk(kind, rid, model, tokens, None)) + b"\n\n")
         if (body.get("stream_options") or {}).get("include_usage"):
             final = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
@@ -164,7 +174,9 @@ def create_stub_app(config: StubConfig | None = None) -> web.Application:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--delay", type=float, default=0.0)
