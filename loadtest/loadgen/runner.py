@@ -1,0 +1,220 @@
+"""Sending the planned requests: one level of closed-loop users or open-loop Poisson arrivals.
+
+A level is bounded twice: by its planned requests and by `max_seconds`. At the deadline every
+request still in flight is cancelled (which closes its connection, so a vLLM server stops
+generating it) and kept as `unfinished`: it was neither completed nor failed by the server, and
+the statistics count it apart (see stats.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from loadtest.loadgen.progress import Progress
+from loadtest.loadgen.workloads import Endpoint, Planned
+
+PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+JSON = {"Content-Type": "application/json"}
+UNFINISHED = "unfinished"
+
+# Transport failures by kind, most specific first (as httpx maps foreign errors onto its own).
+ERRORS: tuple[tuple[type[BaseException], str], ...] = (
+    (aiohttp.ClientConnectorError, "connect"),
+    (aiohttp.ServerTimeoutError, "timeout"),
+    (TimeoutError, "timeout"),
+    (aiohttp.ServerDisconnectedError, "reset"),
+    (aiohttp.ClientPayloadError, "reset"),
+    (ConnectionResetError, "reset"),
+    (aiohttp.ClientError, "client_error"),
+    (ValueError, "bad_response"),  # orjson.JSONDecodeError, or an over-long SSE line
+)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What one request did. Times are seconds: `start_s` from the level's start, the rest from
+    the request's own start. Token counts are the server's (its usage), `None` when it gave none."""
+
+    index: int
+    cls: str
+    endpoint: Endpoint
+    isl: int  # planned input tokens
+    osl: int  # planned output tokens (max_tokens with ignore_eos)
+    start_s: float
+    status: int = 0  # HTTP status; 0 when no response arrived
+    error: str | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None
+
+    @property
+    def unfinished(self) -> bool:
+        return self.error == UNFINISHED
+
+    @property
+    def outcome(self) -> str:
+        """`ok`, or the failure's key: an HTTP status, or a transport error's kind."""
+        if self.ok:
+            return "ok"
+        return self.error if self.error and self.status in (0, 200) else str(self.status)
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first, as vLLM's benchmarks define it."""
+        if self.ttft_s is None or self.e2e_s is None or (self.output_tokens or 0) < 2:
+            return None
+        assert self.output_tokens is not None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "class": self.cls,
+            "endpoint": self.endpoint,
+            "isl": self.isl,
+            "osl": self.osl,
+            "start_s": round(self.start_s, 6),
+            "status": self.status,
+            "error": self.error,
+            "ttft_s": _round(self.ttft_s),
+            "tpot_s": _round(self.tpot_s),
+            "e2e_s": _round(self.e2e_s),
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+        }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
+
+@dataclass
+class LevelRun:
+    records: list[RequestRecord] = field(default_factory=list)
+    duration_s: float = 0.0
+
+
+def _text_in(chunk: dict[str, Any]) -> bool:
+    """Whether a streamed chunk carries output (vLLM's first chunk is often just the role)."""
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta")
+        if delta is None:
+            piece = choice.get("text")
+        else:  # a reasoning model's first output is its reasoning: that is its first token too
+            piece = delta.get("content") or delta.get("reasoning_content")
+        if piece:
+            return True
+    return False
+
+
+def _usage(rec: RequestRecord, usage: dict[str, Any] | None) -> None:
+    if usage:
+        rec.input_tokens = usage.get("prompt_tokens")
+        rec.output_tokens = usage.get("completion_tokens")
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord, started: float) -> None:
+    done = False
+    async for line in resp.content:
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            done = True
+            break
+        chunk = orjson.loads(payload)
+        if "error" in chunk:  # an error event mid-stream (vLLM's and the gateway's shape)
+            rec.error = "stream_error"
+            return
+        if rec.ttft_s is None and _text_in(chunk):
+            rec.ttft_s = time.perf_counter() - started
+        _usage(rec, chunk.get("usage"))
+    if not done:
+        rec.error = "incomplete"
+
+
+async def send(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    planned: Planned,
+    rec: RequestRecord,
+    stream: bool,
+) -> None:
+    """Send one request and fill `rec` in place, so a cancelled request is still on record."""
+    started = time.perf_counter()
+    try:
+        async with session.post(url + PATHS[planned.endpoint], data=body, headers=JSON) as resp:
+            rec.status = resp.status
+            if resp.status != 200:
+                await resp.read()
+            elif stream:
+                await _read_stream(resp, rec, started)
+            else:
+                _usage(rec, orjson.loads(await resp.read()).get("usage"))
+    except asyncio.CancelledError:
+        rec.error = UNFINISHED
+        raise
+    except Exception as exc:
+        rec.error = next((kind for cls, kind in ERRORS if isinstance(exc, cls)), None)
+        if rec.error is None:
+            raise
+    finally:
+        rec.e2e_s = time.perf_counter() - started
+
+
+async def run_level(
+    session: aiohttp.ClientSession,
+    url: str,
+    planned: Sequence[Planned],
+    bodies: Sequence[bytes],
+    users: int | None,
+    max_seconds: float,
+    stream: bool,
+    progress: Progress,
+) -> LevelRun:
+    """Closed loop with `users` concurrent users, or open loop (`users=None`) at `planned[i].at`."""
+    run = LevelRun()
+    started = time.perf_counter()
+
+    async def one(i: int) -> None:
+        p = planned[i]
+        rec = RequestRecord(i, p.cls, p.endpoint, p.isl, p.osl, time.perf_counter() - started)
+        run.records.append(rec)
+        await send(session, url, bodies[i], p, rec, stream)
+        progress.tick(rec.ok)
+
+    work = iter(range(len(planned)))
+
+    async def user() -> None:
+        for i in work:  # one shared iterator: each planned request is taken by one user
+            await one(i)
+
+    try:
+        async with asyncio.timeout(max_seconds), asyncio.TaskGroup() as tasks:
+            if users is not None:
+                for _ in range(min(users, len(planned))):
+                    tasks.create_task(user())
+            else:
+                for i, p in enumerate(planned):
+                    assert p.at is not None
+                    await asyncio.sleep(max(0.0, started + p.at - time.perf_counter()))
+                    tasks.create_task(one(i))
+    except TimeoutError:
+        run.duration_s = max_seconds
+    else:
+        ends = [r.start_s + r.e2e_s for r in run.records if r.e2e_s is not None]
+        run.duration_s = max(ends, default=0.0)
+    return run
