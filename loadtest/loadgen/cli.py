@@ -6,6 +6,7 @@
     llm-loadtest profile access.jsonl --out workload.yaml
     llm-loadtest compare --replicas http://127.0.0.1:8001,http://127.0.0.1:8002 \
         --gateway http://127.0.0.1:8080 --model gemma-3-27b-it --rate 12 --duration 60
+    python -m loadtest.loadgen.cli roundrobin URL [URL ...]   (compare's proxy, on its own)
 
 See docs/loadgen.md for what each number means.
 """

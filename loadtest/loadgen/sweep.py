@@ -151,7 +151,7 @@ def level_line(run: LevelRun, time_scale: float) -> str:
     s = summarize(run.records, run.duration_s, time_scale)
     failed = ", ".join(f"{k}: {v}" for k, v in sorted(s.failed.items())) or "none"
     return (
-        f"{s.completed}/{len(run.records)} completed in {run.duration_s:.1f}s,"
+        f"{s.completed}/{len(run.records)} completed in {run.duration_s:.1f}s wall clock,"
         f" {s.rps:.2f} req/s, {s.output_tps:.0f} out tok/s, P95 E2E {_s(s.e2e.p95)},"
         f" failed {failed}, unfinished {s.unfinished}"
     )
