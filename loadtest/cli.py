@@ -1,9 +1,9 @@
 """`llm-loadtest`: the capacity toolkit's command line.
 
-    llm-loadtest simulate ...   simulated vLLM replicas (loadtest/sim)
-    llm-loadtest sweep ...      closed- or open-loop load, per-level report, knee (loadtest/loadgen)
-    llm-loadtest profile ...    ISL / OSL / concurrency distributions from a gateway access log
-    llm-loadtest compare ...    the gateway against plain round-robin at overload
+llm-loadtest simulate ...   simulated vLLM replicas (loadtest/sim)
+llm-loadtest sweep ...      closed- or open-loop load, per-level report, knee (loadtest/loadgen)
+llm-loadtest profile ...    ISL / OSL / concurrency distributions from a gateway access log
+llm-loadtest compare ...    the gateway against plain round-robin at overload
 """
 
 from __future__ import annotations
