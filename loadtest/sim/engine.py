@@ -1,0 +1,615 @@
+"""The simulated engine: vLLM V1's continuous-batching scheduler, timed by a roofline.
+
+`Scheduler` is synchronous and knows nothing of wall time. Each step it does what vLLM V1's
+`Scheduler.schedule()` does, in the same order:
+
+1. running sequences, oldest first, each take the tokens they still need (one for a decode,
+   a chunk for an unfinished prefill or a recompute) out of a `max_num_batched_tokens` budget;
+   each allocation of KV blocks that does not fit preempts the newest running sequence (its
+   blocks freed, itself put back at the head of the waiting queue, its tokens recomputed
+   later), until it fits or the sequence preempted itself;
+2. only if nothing was preempted, waiting sequences are admitted in order while the budget,
+   `max_num_seqs` and the free blocks allow, each with a (chunked) prefill.
+
+The step's duration comes from `Roofline`. When every running sequence is decoding and no
+waiting one could be admitted, steps are all alike; the scheduler then computes many of them
+at once (a decode span) with per-step work independent of the batch size, which is what lets
+one Python process simulate 128 streams at a high time scale. A span stops at the first
+finish, at a step needing a preemption, at a step after which a waiting sequence fits, and
+after `span_cap_s`; the engine also cuts it short when a request arrives or is aborted, so an
+arrival joins at the next step boundary exactly as in the step-by-step loop.
+
+`Engine` runs the scheduler against the wall clock: simulated time advances `time_scale`
+times faster than wall time, and the engine sleeps until each step's (or span's) end. If the
+process cannot keep up, the simulated clock slips (counted in `slip_s`) rather than reporting
+steps faster than they could have been served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import math
+import random
+from bisect import bisect_right
+from collections import deque
+from dataclasses import dataclass
+
+from loadtest.sim.metrics import EngineStats
+from loadtest.sim.profiles import CacheGeometry, OutputLengths, Profile, cache_geometry
+from loadtest.sim.roofline import BatchShape, Roofline
+
+log = logging.getLogger("loadtest.sim")
+
+MAX_SPAN_STEPS = 4096  # bounds a span's step list whatever the cap and batch
+MIN_SLEEP_S = 0.0005  # below this the loop yields instead of arming a timer (uvloop has ms timers)
+SLIP_TOLERANCE_S = 0.05  # wall seconds the engine may lag before its clock slips
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class Sequence:
+    """One request inside the engine; times are simulated seconds."""
+
+    __slots__ = (
+        "_waiter",
+        "_wake_on_token",
+        "arrival",
+        "computed",
+        "finish_reason",
+        "finished_at",
+        "first_token_at",
+        "generated",
+        "id",
+        "last_token_at",
+        "max_tokens",
+        "preemptions",
+        "prompt_tokens",
+        "scheduled_at",
+        "status",
+        "target",
+        "units",
+    )
+
+    def __init__(self, seq_id: int, prompt_tokens: int, max_tokens: int, target: int) -> None:
+        self.id = seq_id
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.target = target  # output tokens it will produce: max_tokens, or its drawn EOS
+        self.arrival = 0.0
+        self.computed = 0  # tokens whose KV is in the cache (vLLM's num_computed_tokens)
+        self.generated = 0
+        self.units = 0  # KV layer-blocks held
+        self.status = Status.WAITING
+        self.scheduled_at: float | None = None
+        self.first_token_at: float | None = None
+        self.last_token_at = 0.0
+        self.finished_at: float | None = None
+        self.finish_reason: str | None = None
+        self.preemptions = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._wake_on_token = False
+
+    @property
+    def total(self) -> int:
+        """Tokens the model has seen or produced: a recompute must prefill all of them."""
+        return self.prompt_tokens + self.generated
+
+    @property
+    def done(self) -> bool:
+        return self.status in (Status.FINISHED, Status.ABORTED)
+
+    async def wait(self, *, any_token: bool, limit_s: float | None = None) -> None:
+        """Until the next token (`any_token`) or only the end, or `limit_s` wall seconds.
+
+        One waiter at a time: the handler that streams this sequence.
+        """
+        if self.done:
+            return
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._waiter, self._wake_on_token = fut, any_token
+        timer = loop.call_later(limit_s, _resolve, fut) if limit_s else None
+        try:
+            await fut
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def notify(self, ended: bool) -> None:
+        waiter = self._waiter
+        if waiter is not None and (ended or self._wake_on_token):
+            _resolve(waiter)
+
+
+@dataclass(slots=True)
+class Step:
+    """One step as vLLM V1 schedules it."""
+
+    scheduled: list[tuple[Sequence, int]]
+    preempted: int
+    duration: float
+
+    @property
+    def steps(self) -> int:
+        return 1
+
+    def end(self, k: int) -> float:
+        return self.duration
+
+    def steps_through(self, offset: float) -> int:
+        return 1
+
+
+@dataclass(slots=True)
+class DecodeSpan:
+    """Consecutive pure-decode steps of the same sequences; `ends` are cumulative offsets."""
+
+    seqs: list[Sequence]
+    ends: list[float]
+
+    @property
+    def steps(self) -> int:
+        return len(self.ends)
+
+    def end(self, k: int) -> float:
+        return self.ends[k - 1]
+
+    def steps_through(self, offset: float) -> int:
+        """Steps that must complete for something arriving `offset` into the span: the ones
+        already over, and the one in flight (a step is never interrupted)."""
+        return min(bisect_right(self.ends, offset) + 1, len(self.ends))
+
+
+class Scheduler:
+    """vLLM V1's scheduling and KV-cache accounting over simulated time (see module doc)."""
+
+    def __init__(self, profile: Profile, *, fast_forward: bool = True) -> None:
+        self.geometry: CacheGeometry = cache_geometry(profile)
+        self.roofline = Roofline(profile)
+        self.max_batched = profile.serving.max_num_batched_tokens
+        self.max_seqs = profile.serving.max_num_seqs
+        self.window = self.geometry.window if self.geometry.local_layers else 0
+        self.fast_forward = fast_forward
+        self.running: list[Sequence] = []
+        self.waiting: deque[Sequence] = deque()
+        self.free_units = self.geometry.capacity_units
+        self.stats = EngineStats()
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.free_units / self.geometry.capacity_units
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def plan(self, start: float, span_cap_s: float) -> Step | DecodeSpan | None:
+        """The next step (or span) beginning at `start`; None if nothing can run."""
+        if self.fast_forward and span_cap_s > 0:
+            span = self._plan_decode_span(span_cap_s)
+            if span is not None:
+                return span
+        return self._plan_step(start)
+
+    def commit(self, span: Step | DecodeSpan, steps: int, start: float) -> None:
+        """Apply the first `steps` steps of a plan that began at `start`."""
+        if isinstance(span, Step):
+            self._commit_step(span, start + span.duration)
+        else:
+            self._commit_decode(span, steps, start)
+
+    def abort(self, seq: Sequence) -> None:
+        """A client left: free its blocks like vLLM's abort_request. Idempotent."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self._free(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        seq.status = Status.ABORTED
+        seq.notify(True)
+
+    # -- one step, as V1 does it ------------------------------------------------------------
+
+    def _allocate(self, seq: Sequence, new: int) -> bool:
+        need = self.geometry.units(seq.computed, seq.computed + new) - seq.units
+        if need > self.free_units:
+            return False
+        self.free_units -= need
+        seq.units += need
+        return True
+
+    def _free(self, seq: Sequence) -> None:
+        self.free_units += seq.units
+        seq.units = 0
+
+    def _allocate_or_preempt(self, seq: Sequence, new: int) -> tuple[bool, int]:
+        """While `seq`'s blocks do not fit, preempt the newest running sequence.
+
+        Returns (scheduled, preemptions); not scheduled when `seq` was itself the newest.
+        """
+        preempted = 0
+        while not self._allocate(seq, new):
+            victim = self.running.pop()
+            self._free(victim)
+            victim.computed = 0
+            victim.status = Status.WAITING
+            victim.preemptions += 1
+            self.waiting.appendleft(victim)
+            preempted += 1
+            if victim is seq:
+                return False, preempted
+        return True, preempted
+
+    def _plan_step(self, start: float) -> Step | None:
+        budget = self.max_batched
+        shape = BatchShape()
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted = 0
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            new = min(seq.total - seq.computed, budget)
+            ok, n = self._allocate_or_preempt(seq, new)
+            preempted += n
+            if not ok:
+                break
+            shape.add(seq.computed, new, seq.computed + new == seq.total, self.window)
+            scheduled.append((seq, new))
+            budget -= new
+            index += 1
+        # V1 admits nobody in a step that had to preempt: the cache is already over-committed.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            seq = self.waiting[0]
+            new = min(seq.total - seq.computed, budget)
+            if not self._allocate(seq, new):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            seq.status = Status.RUNNING
+            if seq.scheduled_at is None:
+                seq.scheduled_at = start
+            shape.add(seq.computed, new, seq.computed + new == seq.total, self.window)
+            scheduled.append((seq, new))
+            budget -= new
+        if not scheduled and not preempted:
+            return None
+        return Step(scheduled, preempted, self.roofline.step_time(shape))
+
+    def _commit_step(self, step: Step, end: float) -> None:
+        self.stats.steps += 1
+        self.stats.preemptions += step.preempted
+        for seq, new in step.scheduled:
+            seq.computed += new
+            if seq.computed == seq.total:  # the chunk reached the end: a token is sampled
+                self._emit(seq, end)
+
+    def _emit(self, seq: Sequence, at: float) -> None:
+        stats = self.stats
+        seq.generated += 1
+        stats.generation_tokens += 1
+        if seq.first_token_at is None:
+            seq.first_token_at = at
+            stats.ttft.observe(at - seq.arrival)
+            stats.prompt_tokens += seq.prompt_tokens  # once, however often it is recomputed
+        else:
+            stats.itl.observe(at - seq.last_token_at)
+        seq.last_token_at = at
+        if seq.generated >= seq.target:
+            self._finish(seq, at)
+        else:
+            seq.notify(False)
+
+    def _finish(self, seq: Sequence, at: float) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.status = Status.FINISHED
+        seq.finished_at = at
+        seq.finish_reason = "length" if seq.generated >= seq.max_tokens else "stop"
+        stats = self.stats
+        stats.success[seq.finish_reason] += 1
+        stats.e2e.observe(at - seq.arrival)
+        scheduled = at if seq.scheduled_at is None else seq.scheduled_at
+        stats.queue.observe(scheduled - seq.arrival)
+        seq.notify(True)
+
+    # -- many identical decode steps at once ------------------------------------------------
+
+    def _admission_need(self, batch: int) -> int | None:
+        """Blocks the waiting head needs to be admitted beside `batch` decodes; None: it can't."""
+        room = self.max_batched - batch
+        if not self.waiting or batch >= self.max_seqs or room <= 0:
+            return None
+        head = self.waiting[0]
+        new = min(head.total - head.computed, room)
+        return self.geometry.units(head.computed, head.computed + new) - head.units
+
+    def _plan_decode_span(self, cap_s: float) -> DecodeSpan | None:
+        """Steps in which every running sequence decodes one token and nothing else changes.
+
+        Step 1's block delta is exact per sequence: one fresh from prefill may still hold local
+        blocks its window has left, and frees them now. From step 2 on, a sequence gains a
+        block when the token it writes starts one and frees a local block when its window
+        leaves one, both at fixed residues of its position modulo the block size, so counts by
+        residue give each step's delta, and running sums its attention context, without
+        visiting the sequences again.
+        """
+        running = self.running
+        batch = len(running)
+        if not batch or batch > self.max_batched:
+            return None
+        geo = self.geometry
+        units, bs = geo.units, geo.block_size
+        by_residue = [0] * bs
+        delta = grow = context = 0
+        remaining = math.inf
+        for seq in running:
+            c = seq.computed
+            if seq.total - c != 1 or not seq.generated:
+                return None
+            change = units(c, c + 1) - seq.units
+            delta += change
+            if change > 0:
+                grow += change
+            left = seq.target - seq.generated
+            if left < remaining:
+                remaining = left
+            context += c
+            by_residue[c % bs] += 1
+        need = self._admission_need(batch)
+        window = self.window
+        per_new_block = geo.global_layers + geo.local_layers
+        # Longest contexts first: they reach the window (and start freeing blocks) first.
+        order = sorted((seq.computed for seq in running), reverse=True)
+        capped = capped_ptr = freeing_ptr = 0
+        uncapped_context = context
+        freeing_by_residue = [0] * bs
+        free = self.free_units
+        ends: list[float] = []
+        total = 0.0
+        decode_time = self.roofline.decode_time
+        for k in range(1, MAX_SPAN_STEPS + 1):
+            if k > 1:
+                grow = delta = per_new_block * by_residue[(1 - k) % bs]
+                if window:
+                    while freeing_ptr < batch and order[freeing_ptr] + k - 1 >= window + bs - 1:
+                        freeing_by_residue[order[freeing_ptr] % bs] += 1
+                        freeing_ptr += 1
+                    delta -= geo.local_layers * freeing_by_residue[(window - k) % bs]
+            # vLLM allocates sequence by sequence: a later one's freed blocks cannot save an
+            # earlier one, so only a step whose growth alone fits is sure to need no preemption.
+            if grow > free or (need is not None and free - delta >= need):
+                break
+            free -= delta
+            local = 0
+            if window:
+                while capped_ptr < batch and order[capped_ptr] + k >= window:
+                    uncapped_context -= order[capped_ptr]
+                    capped += 1
+                    capped_ptr += 1
+                local = window * capped + uncapped_context + k * (batch - capped)
+            total += decode_time(batch, context + k * batch, local)
+            ends.append(total)
+            if k >= remaining or total >= cap_s:
+                break
+        return DecodeSpan(list(running), ends) if ends else None
+
+    def _commit_decode(self, span: DecodeSpan, steps: int, start: float) -> None:
+        stats, geo = self.stats, self.geometry
+        batch = len(span.seqs)
+        end = start + span.ends[steps - 1]
+        first = start + span.ends[0]
+        stats.steps += steps
+        stats.generation_tokens += batch * steps
+        for k in range(1, steps):
+            stats.itl.observe(span.ends[k] - span.ends[k - 1], batch)
+        units, observe, freed = geo.units, stats.itl.observe, 0
+        for seq in span.seqs:
+            observe(first - seq.last_token_at)
+            c = seq.computed = seq.computed + steps
+            seq.generated += steps
+            held = units(c - 1, c)
+            freed += seq.units - held
+            seq.units = held
+            seq.last_token_at = end
+        self.free_units += freed
+        for seq in span.seqs:
+            if seq.generated >= seq.target:
+                self._finish(seq, end)
+            else:
+                seq.notify(False)
+
+
+def draw_output_length(spec: OutputLengths, rng: random.Random) -> int:
+    """Where the simulated model emits EOS, when the request lets it."""
+    if spec.distribution == "fixed":
+        return spec.value  # type: ignore[return-value]
+    if spec.distribution == "uniform":
+        return rng.randint(spec.low, spec.high)  # type: ignore[arg-type]
+    return max(1, round(spec.median * math.exp(spec.sigma * rng.gauss(0.0, 1.0))))  # type: ignore[operator]
+
+
+class Engine:
+    """A scheduler paced against the wall clock; one per simulated replica.
+
+    `run()` is the step loop (a background task for the replica's lifetime). Handlers call
+    `submit` and `abort`; both wake the loop so that a decode span in flight is cut at the
+    step under way.
+    """
+
+    def __init__(
+        self,
+        profile: Profile,
+        *,
+        time_scale: float = 1.0,
+        stream_interval_s: float = 0.0,
+        fast_forward: bool = True,
+        seed: int = 0,
+    ) -> None:
+        if time_scale <= 0:
+            raise ValueError("time_scale must be positive")
+        self.profile = profile
+        self.scheduler = Scheduler(profile, fast_forward=fast_forward)
+        self.time_scale = time_scale
+        self.stream_interval_s = stream_interval_s
+        # A span never outlasts one stream interval: that is the granularity clients see anyway.
+        self._span_cap_s = stream_interval_s * time_scale
+        self._rng = random.Random(seed)
+        self._ids = itertools.count(1)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wall0 = 0.0
+        self._clock = 0.0  # simulated time at the end of the last committed step
+        self._inflight: tuple[float, float] | None = None  # (start, duration) of the plan asleep
+        self._wakeup: asyncio.Future[None] | None = None
+        self._woken_at: float | None = None
+        self._aborts: list[Sequence] = []
+        self._stalled_until = 0.0
+        self.slip_s = 0.0
+
+    # -- what the server and the metrics read -----------------------------------------------
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.scheduler.kv_cache_usage
+
+    def now(self) -> float:
+        """Simulated time, never beyond the end of the step under way."""
+        if self._loop is None:
+            return self._clock
+        wall = (self._loop.time() - self._wall0) * self.time_scale
+        if self._inflight is not None:
+            start, duration = self._inflight
+            return min(max(wall, start), start + duration)
+        return max(wall, self._clock)
+
+    # -- what handlers do -------------------------------------------------------------------
+
+    def submit(self, prompt_tokens: int, max_tokens: int, *, ignore_eos: bool) -> Sequence:
+        """Queue a request; without `ignore_eos` its length is drawn from the profile."""
+        target = max_tokens
+        if not ignore_eos:
+            target = min(max_tokens, draw_output_length(self.profile.output_lengths, self._rng))
+        seq = Sequence(next(self._ids), prompt_tokens, max_tokens, target)
+        seq.arrival = self.now()
+        self.scheduler.waiting.append(seq)
+        if self.num_running < self.scheduler.max_seqs:  # else it cannot join before a finish
+            self._wake()
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Free `seq` at the next step boundary (the engine owns the scheduler's state)."""
+        if not seq.done:
+            self._aborts.append(seq)
+            self._wake()
+
+    def stall(self, seconds: float) -> None:
+        """Pause stepping for `seconds` of simulated time, from the end of the step under way."""
+        self._stalled_until = max(self._stalled_until, self.now() + seconds)
+        self._wake()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        if self._wakeup is not None and not self._wakeup.done():
+            self._woken_at = self.now()
+            self._wakeup.set_result(None)
+
+    async def _wait(self, delay: float | None) -> float | None:
+        """Sleep `delay` wall seconds (None: until woken); the simulated time if woken."""
+        assert self._loop is not None
+        self._wakeup = fut = self._loop.create_future()
+        self._woken_at = None
+        timer = None if delay is None else self._loop.call_later(delay, _resolve, fut)
+        try:
+            await fut
+        finally:
+            self._wakeup = None
+            if timer is not None:
+                timer.cancel()
+        return self._woken_at
+
+    async def _sleep_until(self, target: float, *, splittable: bool) -> float | None:
+        """Until simulated time `target`; returns the wake-up time if woken and `splittable`.
+
+        Each pass either returns or waits on a timer, so the loop is bounded by wake-ups.
+        """
+        assert self._loop is not None
+        while True:
+            delay = self._wall0 + target / self.time_scale - self._loop.time()
+            if delay < MIN_SLEEP_S:
+                if delay < -SLIP_TOLERANCE_S:  # behind: let simulated time slip, do not race
+                    self._wall0 -= delay
+                    self.slip_s -= delay * self.time_scale
+                await asyncio.sleep(0)  # handlers run between back-to-back steps
+                return None
+            woken = await self._wait(delay)
+            if woken is not None and splittable:
+                return woken
+
+    def _drain_aborts(self) -> None:
+        aborts, self._aborts = self._aborts, []
+        for seq in aborts:
+            self.scheduler.abort(seq)
+
+    async def run(self) -> None:
+        """The step loop; runs until cancelled. A crash aborts every request it holds."""
+        self._loop = asyncio.get_running_loop()
+        self._wall0 = self._loop.time() - self._clock / self.time_scale
+        try:
+            await self._steps()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("simulated engine crashed; aborting its requests")
+            for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                self.scheduler.abort(seq)
+            raise
+
+    async def _steps(self) -> None:
+        scheduler = self.scheduler
+        while True:  # until cancelled; every pass sleeps, yields, or waits to be woken
+            self._drain_aborts()
+            if self._stalled_until > self._clock:
+                self._inflight = (self._clock, self._stalled_until - self._clock)
+                woken = await self._sleep_until(self._stalled_until, splittable=True)
+                self._inflight = None
+                self._clock = self._stalled_until if woken is None else woken
+                continue
+            plan = scheduler.plan(self._clock, self._span_cap_s) if scheduler.has_work() else None
+            if plan is None:
+                await self._wait(None)
+                self._clock = self.now()
+                continue
+            start, duration = self._clock, plan.end(plan.steps)
+            self._inflight = (start, duration)
+            woken = await self._sleep_until(start + duration, splittable=plan.steps > 1)
+            self._inflight = None
+            steps = plan.steps if woken is None else plan.steps_through(woken - start)
+            self._clock = start + plan.end(steps)
+            scheduler.commit(plan, steps, start)
