@@ -1,0 +1,142 @@
+"""`llm-loadtest simulate`: N simulated vLLM replicas on consecutive ports, in one process.
+
+    llm-loadtest simulate --profile gemma-3-27b-tpu-v6e-2x2 --replicas 2 --base-port 18101 \\
+        [--host 127.0.0.1] [--time-scale 50] [--tokenizer DIR] [--faults JSON|@FILE]
+
+Each replica is an independent engine with its own KV cache and metrics on port base+i. One
+process (uvloop) serves them all: the engines are cheap, and a 2-core machine also has to run
+the load generator. `--faults` takes one fault set for every replica or a list with one per
+replica (see loadtest/sim/faults.py); POST /admin/faults changes them at run time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+import orjson
+from pydantic import TypeAdapter, ValidationError
+
+from loadtest.sim.faults import Faults
+from loadtest.sim.profiles import bundled_profiles, cache_geometry, load_profile
+from loadtest.sim.server import Replica, ReplicaOptions, start_replica
+
+
+def parse_faults(text: str | None, replicas: int) -> list[Faults]:
+    """One fault set per replica from `--faults`: an object for all, or a list of objects."""
+    if not text:
+        return [Faults()] * replicas
+    raw = Path(text[1:]).read_bytes() if text.startswith("@") else text.encode()
+    value = orjson.loads(raw)
+    if isinstance(value, list):
+        if len(value) != replicas:
+            raise ValueError(f"--faults lists {len(value)} fault sets for {replicas} replicas")
+        return TypeAdapter(list[Faults]).validate_python(value)
+    return [Faults.model_validate(value)] * replicas
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="llm-loadtest simulate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--profile", required=True, help=f"a YAML file or one of: {', '.join(bundled_profiles())}"
+    )
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--base-port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--time-scale", type=float, default=1.0, help="simulated s per wall s")
+    p.add_argument("--tokenizer", help="HF tokenizer directory (default: 4 characters a token)")
+    p.add_argument("--faults", help="JSON fault set, a JSON list (one per replica), or @file")
+    p.add_argument("--served-model-name", nargs="+", help="names to serve (default: profile's)")
+    p.add_argument("--max-num-seqs", type=int, help="override the profile's serving flag")
+    p.add_argument("--max-num-batched-tokens", type=int, help="override the profile's flag")
+    p.add_argument("--max-model-len", type=int, help="override the profile's flag")
+    p.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        help="wall ms between a stream's chunks (default: 0 at time scale 1, else 50)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+async def serve(replicas: int, options: list[ReplicaOptions], args: argparse.Namespace) -> None:
+    profile = load_profile(args.profile)
+    flags = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+    }
+    overrides = {k: v for k, v in flags.items() if v is not None}
+    if overrides:
+        profile = profile.with_serving(**overrides)
+    geometry = cache_geometry(profile)
+    started: list[Replica] = []
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        for i in range(replicas):
+            started.append(
+                await start_replica(profile, options[i], host=args.host, port=args.base_port + i)
+            )
+        serving = profile.serving
+        print(
+            f"{profile.name}: {replicas} replica(s) of {profile.served_model_name}, time scale"
+            f" {args.time_scale:g}, KV cache {geometry.kv_budget_bytes / 1e9:.1f} GB,"
+            f" max_num_seqs {serving.max_num_seqs}, max_num_batched_tokens"
+            f" {serving.max_num_batched_tokens}",
+            flush=True,
+        )
+        for replica in started:
+            print(f"  {replica.url}", flush=True)
+        await stop.wait()
+    finally:
+        for replica in started:
+            await replica.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    if args_in[:1] == ["simulate"]:
+        args_in = args_in[1:]
+    args = parser().parse_args(args_in)
+    if args.replicas < 1:
+        print("--replicas must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        faults = parse_faults(args.faults, args.replicas)
+    except (ValueError, ValidationError, OSError) as exc:
+        print(f"--faults: {exc}", file=sys.stderr)
+        return 2
+    names = tuple(args.served_model_name or ())
+    options = [
+        ReplicaOptions(
+            time_scale=args.time_scale,
+            tokenizer=args.tokenizer,
+            faults=faults[i],
+            seed=args.seed + i,
+            served_model_names=names,
+            stream_interval_ms=args.stream_interval_ms,
+        )
+        for i in range(args.replicas)
+    ]
+    import uvloop
+
+    try:
+        uvloop.run(serve(args.replicas, options, args))
+    except (FileNotFoundError, ValueError) as exc:  # a bad profile or override
+        print(f"simulate: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

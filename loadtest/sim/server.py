@@ -1,0 +1,489 @@
+"""One simulated replica over HTTP: the surface of vLLM's OpenAI server, `/metrics`, admin.
+
+    POST /v1/chat/completions, /v1/completions   streaming (SSE) or not, vLLM's wire format
+    GET  /v1/models, /health, /metrics            as vLLM serves them
+    GET  /admin/faults, POST /admin/faults        read or replace the fault set (faults.py)
+
+`create_replica_app(profile, options)` builds the aiohttp app for one replica; run it with
+`handler_cancellation=True` (as `start_replica` does) so that a client that leaves cancels
+its handler and the engine aborts its sequence at once, as vLLM does. `start_replica(...)`
+also listens on a loopback port and owns that listener, which the refuse-connections fault
+needs.
+
+Streams carry one token per SSE chunk at time scale 1. Under time scaling, a stream writes at
+most one chunk per `stream_interval_ms` of wall time, carrying every token generated since
+the last one (vLLM's `--stream-interval` batches tokens the same way): the first token and
+the end are never held back, so time to first token and end-to-end latency are unaffected.
+Responses say so in `x-sim-stream-interval-ms` (0: one token per chunk) and `x-sim-time-scale`,
+and `sim_stream_packed_chunks_total` counts the chunks that carried several tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import ValidationError
+
+from loadtest.sim.engine import Engine, Sequence, Status
+from loadtest.sim.faults import FaultDice, Faults
+from loadtest.sim.metrics import VllmCollector
+from loadtest.sim.profiles import Profile
+from loadtest.sim.tokens import PromptCounter, PromptError, prompt_counter
+
+log = logging.getLogger("loadtest.sim")
+
+DEFAULT_PACKED_INTERVAL_MS = 50.0
+"""Stream interval under time scaling: at most 20 chunks/s per stream keeps 128 streams cheap
+(an SSE write costs ~20 us here, and the load generator pays as much again to read it)."""
+
+TOKEN_TEXT = " tok"  # one simulated token; usage counts tokens, never this text
+
+
+@dataclass(frozen=True)
+class ReplicaOptions:
+    """How to run one replica; every field has the value a plain `simulate` run uses."""
+
+    time_scale: float = 1.0
+    tokenizer: str | Path | None = None  # a HF tokenizer directory; None: 4 characters a token
+    faults: Faults = field(default_factory=Faults)
+    seed: int = 0
+    served_model_names: tuple[str, ...] = ()  # empty: the profile's served_model_name
+    stream_interval_ms: float | None = None  # None: 0 at time scale 1, else the default above
+    fast_forward: bool = True  # decode spans; False steps one by one (tests compare the two)
+
+    def interval_s(self) -> float:
+        if self.stream_interval_ms is not None:
+            return self.stream_interval_ms / 1000
+        return 0.0 if self.time_scale == 1 else DEFAULT_PACKED_INTERVAL_MS / 1000
+
+
+class ReplicaState:
+    """What one replica's handlers share; kept under the app's `REPLICA` key."""
+
+    def __init__(self, profile: Profile, options: ReplicaOptions) -> None:
+        self.profile = profile
+        self.options = options
+        self.model_names = options.served_model_names or (profile.served_model_name,)
+        self.stream_interval_s = options.interval_s()
+        self.engine = Engine(
+            profile,
+            time_scale=options.time_scale,
+            stream_interval_s=self.stream_interval_s,
+            fast_forward=options.fast_forward,
+            seed=options.seed,
+        )
+        self.counter: PromptCounter = prompt_counter(options.tokenizer)
+        self.dice = FaultDice(options.seed + 1)
+        self.faults = Faults()
+        self.refuser: Callable[[float], None] | None = None  # set by start_replica
+        self.engine_task: asyncio.Task[None] | None = None
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(VllmCollector(self.engine, self.model_names[0]))
+        self.headers = {
+            "x-sim-time-scale": f"{options.time_scale:g}",
+            "x-sim-stream-interval-ms": f"{self.stream_interval_s * 1000:g}",
+        }
+
+    def fired(self, fault: str) -> None:
+        faults = self.engine.stats.faults
+        faults[fault] = faults.get(fault, 0) + 1
+
+    def set_faults(self, faults: Faults) -> None:
+        """Replace the fault set; the one-shot ones (stall, refusal) start now."""
+        if faults.refuse_for_s and self.refuser is None:
+            raise ValueError(
+                "refuse_for_s needs a replica whose listener the simulator owns (start_replica)"
+            )
+        self.faults = faults
+        if faults.stall_s:
+            self.fired("stall")
+            self.engine.stall(faults.stall_s)
+        if faults.refuse_for_s and self.refuser is not None:
+            self.fired("refuse")
+            self.refuser(faults.refuse_for_s)
+
+
+REPLICA = web.AppKey("replica", ReplicaState)
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
+    """vLLM's error body: {"error": {"message", "type", "param", "code"}}."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+
+def bad_request(message: str, param: str | None = None) -> web.Response:
+    return error_response(400, message, "BadRequestError", param)
+
+
+def _max_tokens(body: dict[str, Any], chat: bool, prompt: int, limit: int) -> int | web.Response:
+    """The output bound, or vLLM's 400 when the request cannot fit `max_model_len`."""
+    if prompt >= limit:
+        return bad_request(
+            f"This model's maximum context length is {limit} tokens. However, your request has"
+            f" {prompt} input tokens. Please reduce the length of the input messages."
+        )
+    requested = body.get("max_completion_tokens") if chat else None
+    if requested is None:
+        requested = body.get("max_tokens", None if chat else 16)  # OpenAI's completions default
+    if requested is None:
+        return limit - prompt
+    if not isinstance(requested, int) or isinstance(requested, bool) or requested < 1:
+        return bad_request("max_tokens must be at least 1", "max_tokens")
+    if requested > limit - prompt:
+        return bad_request(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This model's"
+            f" maximum context length is {limit} tokens and your request has {prompt} input"
+            f" tokens ({requested} > {limit} - {prompt}). (parameter=max_tokens,"
+            f" value={requested})",
+            "max_tokens",
+        )
+    return requested
+
+
+def _usage(seq: Sequence) -> dict[str, int]:
+    return {
+        "prompt_tokens": seq.prompt_tokens,
+        "total_tokens": seq.prompt_tokens + seq.generated,
+        "completion_tokens": seq.generated,
+    }
+
+
+class _Chunks:
+    """Pre-encoded SSE chunks for one stream: only the text and the finish reason vary."""
+
+    def __init__(self, chat: bool, rid: str, model: str) -> None:
+        self.chat = chat
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+        self.rid, self.model, self.created = rid, model, int(time.time())
+        self.head = (
+            b'data: {"id":"' + rid.encode() + b'","object":"' + self.object.encode()
+            + b'","created":' + str(self.created).encode() + b',"model":' + orjson.dumps(model)
+            + b',"choices":[{"index":0,'
+        )  # fmt: skip
+
+    def role(self) -> bytes:
+        return (
+            self.head
+            + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+        )
+
+    def tokens(self, count: int, finish_reason: str | None) -> bytes:
+        text = (TOKEN_TEXT * count).encode()
+        end = (
+            b'"finish_reason":null}]}\n\n'
+            if finish_reason is None
+            else b'"finish_reason":"' + finish_reason.encode() + b'","stop_reason":null}]}\n\n'
+        )
+        if self.chat:
+            return self.head + b'"delta":{"content":"' + text + b'"},"logprobs":null,' + end
+        if finish_reason is None:
+            end = b'"finish_reason":null,"stop_reason":null}]}\n\n'
+        return self.head + b'"text":"' + text + b'","logprobs":null,' + end
+
+    def usage(self, seq: Sequence) -> bytes:
+        final = {
+            "id": self.rid,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": _usage(seq),
+        }
+        return b"data: " + orjson.dumps(final) + b"\n\n"
+
+
+async def _stream(
+    request: web.Request, state: ReplicaState, seq: Sequence, chunks: _Chunks, body: dict[str, Any]
+) -> web.StreamResponse:
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    reset_after = state.dice.reset_after(state.faults)
+    stats = state.engine.stats
+    interval = state.stream_interval_s
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **state.headers}
+    )
+    await resp.prepare(request)
+    sent = written = 0
+    while True:  # each pass writes one chunk or waits for the engine; ends with the sequence
+        generated, status = seq.generated, seq.status
+        if generated == sent and not seq.done:
+            await seq.wait(any_token=True)
+            continue
+        if status is Status.ABORTED:  # only if the engine itself failed: no [DONE]
+            break
+        finished = status is Status.FINISHED
+        payload = chunks.role() if chunks.chat and not sent else b""
+        payload += chunks.tokens(generated - sent, seq.finish_reason if finished else None)
+        await resp.write(payload)
+        stats.stream_chunks += 1
+        stats.packed_chunks += generated - sent > 1
+        sent = generated
+        written += 1
+        if reset_after is not None and written >= reset_after:
+            state.fired("reset")
+            assert request.transport is not None
+            request.transport.abort()  # like a crashed pod: no final chunk, no [DONE]
+            return resp
+        if finished:
+            if include_usage:
+                await resp.write(chunks.usage(seq))
+            await resp.write(b"data: [DONE]\n\n")
+            break
+        if interval:
+            await seq.wait(any_token=False, limit_s=interval)
+    await resp.write_eof()
+    return resp
+
+
+def _answer(chunks: _Chunks, seq: Sequence) -> dict[str, Any]:
+    text = TOKEN_TEXT * seq.generated
+    if chunks.chat:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "tool_calls": []},
+            "logprobs": None,
+            "finish_reason": seq.finish_reason,
+            "stop_reason": None,
+        }
+    else:
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": seq.finish_reason,
+            "stop_reason": None,
+        }
+    return {
+        "id": chunks.rid,
+        "object": "chat.completion" if chunks.chat else "text_completion",
+        "created": chunks.created,
+        "model": chunks.model,
+        "choices": [choice],
+        "usage": _usage(seq),
+    }
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    state = request.app[REPLICA]
+    engine = state.engine
+    failure = state.dice.error(state.faults)
+    if failure is not None:
+        state.fired("error")
+        kind = "InternalServerError" if failure == 500 else "ServiceUnavailableError"
+        return error_response(failure, "injected fault", kind)
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        return bad_request(f"invalid JSON body: {exc}")
+    if not isinstance(body, dict):
+        return bad_request("the body must be a JSON object")
+    model = body.get("model")
+    if model not in state.model_names:
+        return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    try:
+        counter = state.counter
+        prompt = await (counter.count_chat(body) if chat else counter.count_completion(body))
+    except PromptError as exc:
+        return bad_request(str(exc), "messages" if chat else "prompt")
+    max_tokens = _max_tokens(body, chat, prompt, state.profile.serving.max_model_len)
+    if isinstance(max_tokens, web.Response):
+        return max_tokens
+    # vLLM stamps arrival once the prompt is tokenized; an injected delay counts against it.
+    received = engine.now()
+    if state.faults.first_token_delay_s:
+        state.fired("first_token_delay")
+        await asyncio.sleep(state.faults.first_token_delay_s / engine.time_scale)
+    seq = engine.submit(prompt, max_tokens, ignore_eos=bool(body.get("ignore_eos")))
+    seq.arrival = received
+    chunks = _Chunks(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model)
+    try:
+        if body.get("stream"):
+            return await _stream(request, state, seq, chunks, body)
+        await seq.wait(any_token=False)
+        if seq.status is not Status.FINISHED:
+            return error_response(500, "the simulated engine failed", "InternalServerError")
+        return web.Response(
+            body=orjson.dumps(_answer(chunks, seq)),
+            content_type="application/json",
+            headers=state.headers,
+        )
+    finally:
+        engine.abort(seq)  # a client that left, a reset, a crash: free its blocks; else a no-op
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[REPLICA]
+    data = [
+        {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "vllm",
+            "root": name,
+            "parent": None,
+            "max_model_len": state.profile.serving.max_model_len,
+        }
+        for name in state.model_names
+    ]
+    return web.Response(
+        body=orjson.dumps({"object": "list", "data": data}), content_type="application/json"
+    )
+
+
+async def health(request: web.Request) -> web.Response:
+    task = request.app[REPLICA].engine_task
+    alive = task is not None and not task.done()
+    return web.Response(status=200 if alive else 500)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[REPLICA].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _fault_report(state: ReplicaState) -> web.Response:
+    report = {"faults": state.faults.model_dump(), "now_s": state.engine.now()}
+    return web.Response(body=orjson.dumps(report), content_type="application/json")
+
+
+async def get_faults(request: web.Request) -> web.Response:
+    return _fault_report(request.app[REPLICA])
+
+
+async def post_faults(request: web.Request) -> web.Response:
+    state = request.app[REPLICA]
+    try:
+        faults = Faults.model_validate_json(await request.read())
+    except ValidationError as exc:
+        return bad_request(f"invalid fault set: {exc}")
+    try:
+        state.set_faults(faults)
+    except ValueError as exc:
+        return error_response(409, str(exc), "ConflictError")
+    return _fault_report(state)
+
+
+async def _run_engine(app: web.Application) -> AsyncIterator[None]:
+    state = app[REPLICA]
+    state.engine_task = asyncio.create_task(state.engine.run(), name="sim-engine")
+    state.set_faults(state.options.faults)
+    yield
+    state.engine_task.cancel()
+    await asyncio.gather(state.engine_task, return_exceptions=True)  # a crash was logged
+
+
+def create_replica_app(profile: Profile, options: ReplicaOptions | None = None) -> web.Application:
+    """The aiohttp app of one replica; its engine runs while the app does."""
+    options = options or ReplicaOptions()
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app[REPLICA] = ReplicaState(profile, options)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/admin/faults", get_faults)
+    app.router.add_post("/admin/faults", post_faults)
+    app.cleanup_ctx.append(_run_engine)
+    return app
+
+
+class Replica:
+    """A replica listening on a loopback port (see `start_replica`)."""
+
+    def __init__(self, app: web.Application, runner: web.AppRunner, host: str) -> None:
+        self.app = app
+        self.state = app[REPLICA]
+        self.host = host
+        self.port = 0
+        self._runner = runner
+        self._site: web.TCPSite | None = None
+        self._refusal: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def engine(self) -> Engine:
+        return self.state.engine
+
+    def set_faults(self, faults: Faults) -> None:
+        """Replace the fault set at run time (what POST /admin/faults does)."""
+        if self._refusal is not None and not faults.refuse_for_s:
+            self._refusal.cancel()  # clearing the faults ends a refusal early
+        self.state.set_faults(faults)
+
+    async def _listen(self, port: int) -> None:
+        self._site = web.TCPSite(self._runner, self.host, port, reuse_address=True)
+        await self._site.start()
+        self.port = self._site.port
+
+    def _refuse(self, seconds: float) -> None:
+        if self._refusal is not None:
+            self._refusal.cancel()
+        self._refusal = asyncio.create_task(self._refuse_for(seconds / self.engine.time_scale))
+
+    async def _refuse_for(self, wall_s: float) -> None:
+        if self._site is not None:
+            await self._site.stop()  # stops listening; open connections go on
+            self._site = None
+        try:
+            await asyncio.sleep(wall_s)
+        finally:
+            await self._listen(self.port)
+
+    async def close(self) -> None:
+        if self._refusal is not None:
+            self._refusal.cancel()
+            await asyncio.gather(self._refusal, return_exceptions=True)
+        await self._runner.cleanup()
+
+
+async def start_replica(
+    profile: Profile,
+    options: ReplicaOptions | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+) -> Replica:
+    """Serve one replica on `host:port` (0: an ephemeral port); `await replica.close()` after."""
+    options = options or ReplicaOptions()
+    refuse_s = options.faults.refuse_for_s
+    # The app applies the start-up faults, but a refusal must wait until there is a listener.
+    app = create_replica_app(
+        profile, replace(options, faults=options.faults.model_copy(update={"refuse_for_s": 0}))
+    )
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2)
+    await runner.setup()
+    replica = Replica(app, runner, host)
+    replica.state.refuser = replica._refuse
+    try:
+        await replica._listen(port)
+    except BaseException:
+        await runner.cleanup()
+        raise
+    if refuse_s:
+        replica.state.faults = options.faults
+        replica.state.fired("refuse")
+        replica._refuse(refuse_s)
+    return replica
