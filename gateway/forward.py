@@ -9,6 +9,7 @@ vLLM aborts a generation only when its connection closes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -36,6 +37,7 @@ _MAX_PENDING = 1 << 16  # an SSE event this long without a separator is passed o
 _DATA = b"data: "
 _DONE = b"data: [DONE]"
 _USAGE = b'"usage"'
+CLIENT_CLOSED = 499  # nginx's code for "the client went away"; bounded, so fine as a label
 
 
 def upstream_body(ctx: Ctx) -> bytes:
@@ -167,12 +169,18 @@ async def forward(
         await resp.prepare(request)
         try:
             await _relay(ctx, up, resp)
+        except ConnectionResetError:  # the client left mid-stream (before cancellation reached us)
+            up.close()
+            ctx.status, ctx.reason = CLIENT_CLOSED, "client_disconnect"
+            return resp
         except (TimeoutError, aiohttp.ClientError) as exc:
             ctx.reason = (
                 "upstream_timeout" if isinstance(exc, asyncio.TimeoutError) else "upstream_error"
             )
-            await resp.write(_stream_error(exc))
-        await resp.write_eof()
+            with contextlib.suppress(ConnectionResetError):
+                await resp.write(_stream_error(exc))
+        with contextlib.suppress(ConnectionResetError):  # it had it all and hung up first
+            await resp.write_eof()
         return resp
     except BaseException:
         up.close()  # the client left or we failed: make the replica stop generating

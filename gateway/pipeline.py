@@ -22,14 +22,13 @@ from gateway.classify import classify
 from gateway.context import Ctx, Endpoint
 from gateway.errors import BodyTooLarge, ContextLengthExceeded, GatewayError, ShuttingDown
 from gateway.estimate import estimate_output
-from gateway.forward import forward
+from gateway.forward import CLIENT_CLOSED, forward
 from gateway.parse import parse
 from gateway.policy.compile import Policy
 from gateway.route import find_candidates, route
 
 log = logging.getLogger("gateway.pipeline")
 
-CLIENT_CLOSED = 499  # nginx's code for "the client went away"; bounded, so fine as a label
 
 
 async def count_input(ctx: Ctx) -> None:

@@ -1,156 +1,188 @@
-"""`make demo`: the gateway on policies/demo.yaml in front of local replicas, and a short mixed load.
+"""`make demo`: the gateway on policies/demo.yaml in front of simulated replicas, and a mixed load.
 
-It starts three stub replicas on the loopback ports the demo policy names, starts
-`llm-gateway serve` on 127.0.0.1:18080, then sends the article's two workloads at once —
-classification (~4,000 tokens in, 10 out) and generation (~500 in, 1,000 out, streamed) — and
-prints how each was handled: class, pool, queue wait, time to first token, end-to-end latency.
-Bounded: a fixed number of requests, a deadline, every process stopped at the end.
+It builds a small real tokenizer (no download) where the demo policy points, starts one simulated
+vLLM replica for every replica URL in the policy (a TPU v6e profile chosen by the pool's model),
+starts `llm-gateway serve`, sends the article's two workloads mixed in one open-loop stream —
+classification (4,000 tokens in, 10 out) and generation (500 in, 1,000 out, streamed) — and
+prints, per workload, how the gateway handled it. Bounded: a fixed arrival schedule, a deadline,
+and every process and replica stopped at the end.
+
+    python -m loadtest.demo [--policy policies/demo.yaml] [--port 18080] [--rate 12] [--duration 20]
+                            [--time-scale 10] [--out loadtest/out/demo]
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
-import statistics
 import sys
-import time
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
-from aiohttp import web
+import yaml
 
-from loadtest.stub_backend import StubConfig, create_stub_app
+from loadtest.loadgen import (
+    SweepConfig,
+    SweepResult,
+    Target,
+    load_workload,
+    percentile,
+    run_sweep,
+    write_report,
+)
+from loadtest.loadgen.runner import RequestRecord
+from loadtest.sim import Replica, ReplicaOptions, load_profile, start_replica
+from loadtest.tiny_tokenizer import build
 
 ROOT = Path(__file__).resolve().parent.parent
-POLICY = ROOT / "policies" / "demo.yaml"
-GATEWAY = "http://127.0.0.1:18080"
-CLASSIFY_REPLICAS = (18101, 18102)
-GENERATE_REPLICAS = (18111,)
-DEADLINE_S = 90
-
-RULES = "Product rules: no weapons, no drugs, no counterfeit brands, no medical claims. " * 200
+PROFILES = {
+    "gemma-3-27b-it": "gemma-3-27b-tpu-v6e-2x2",
+    "gemma-3-12b-it": "gemma-3-12b-tpu-v6e-2x2",
+}
+DEADLINE_S = 150
 
 
-def classification(i: int) -> dict[str, Any]:
-    return {
-        "model": "gemma-3",
-        "messages": [
-            {"role": "system", "content": RULES},  # ~3,000 tokens, the same in every request
-            {
-                "role": "user",
-                "content": f"Listing {i}: " + "lithium battery toy for children. " * 110,
-            },
-        ],
-        "max_tokens": 10,
-    }
+def ensure_tokenizers(policy: dict[str, Any], base: Path) -> str:
+    """Build the demo tokenizer where the policy expects it; return its directory."""
+    directories = {str((base / m["tokenizer"]).resolve()) for m in policy["models"].values()}
+    for directory in directories:
+        if not (Path(directory) / "tokenizer.json").exists():
+            print(f"building the demo tokenizer in {os.path.relpath(directory)} ...", flush=True)
+            build(directory)
+    return sorted(directories)[0]
 
 
-def generation(i: int) -> dict[str, Any]:
-    return {
-        "model": "gemma-3",
-        "messages": [{"role": "user", "content": f"Analyse policy {i}: " + "seller rules " * 150}],
-        "max_tokens": 1000,
-        "stream": True,
-    }
+async def start_replicas(
+    policy: dict[str, Any], tokenizer: str, time_scale: float
+) -> list[Replica]:
+    replicas = []
+    for pool in policy["pools"].values():
+        profile = load_profile(PROFILES[pool["model"]])
+        for url in pool["replicas"]:
+            parts = urlsplit(url)
+            assert parts.hostname == "127.0.0.1", "the demo serves replicas on loopback only"
+            options = ReplicaOptions(time_scale=time_scale, tokenizer=tokenizer)
+            replicas.append(await start_replica(profile, options, port=parts.port or 80))
+    return replicas
 
 
-async def start_replicas() -> list[web.AppRunner]:
-    runners = []
-    replicas = [(port, StubConfig(delay_s=0.15)) for port in CLASSIFY_REPLICAS] + [
-        (port, StubConfig(delay_s=0.05, chunk_delay_s=0.002)) for port in GENERATE_REPLICAS
-    ]
-    for port, config in replicas:
-        runner = web.AppRunner(create_stub_app(config), handler_cancellation=True, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        runners.append(runner)
-    return runners
-
-
-async def wait_ready(http: aiohttp.ClientSession, proc: asyncio.subprocess.Process) -> None:
-    async with asyncio.timeout(60):
+async def wait_ready(url: str, proc: asyncio.subprocess.Process) -> None:
+    async with aiohttp.ClientSession() as http, asyncio.timeout(60):
         while proc.returncode is None:
             with contextlib.suppress(aiohttp.ClientError):
-                async with http.get(f"{GATEWAY}/readyz") as resp:
+                async with http.get(f"{url}/readyz") as resp:
                     if resp.status == 200:
                         return
             await asyncio.sleep(0.2)
     raise RuntimeError("the gateway did not start; see its log above")
 
 
-async def send(http: aiohttp.ClientSession, body: dict[str, Any]) -> dict[str, Any]:
-    started = time.perf_counter()
-    first = None
-    async with http.post(f"{GATEWAY}/v1/chat/completions", json=body) as resp:
-        async for _ in resp.content.iter_any():
-            first = first or time.perf_counter()
-        return {"status": resp.status, "e2e": time.perf_counter() - started,
-                "ttft": (first or time.perf_counter()) - started, "id": resp.headers.get("x-request-id")}  # fmt: skip
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}s"
 
 
-def p(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else values[0]
+def table(records: list[RequestRecord], access: list[dict[str, Any]], time_scale: float) -> str:
+    """Per workload: what the client saw (simulated seconds) and where the gateway sent it."""
+    decided: dict[int, Counter[tuple[str, str]]] = defaultdict(Counter)
+    for line in access:  # exact prompts: the gateway's input count is the workload's ISL
+        decided[line["input_tokens"]][(line["class"] or "-", line["pool"] or "-")] += 1
+    rows = [
+        "| workload | requests | ok | rejected (429) | class -> pool | P50 E2E | P95 E2E | P50 TTFT | P95 TTFT |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    by_class: dict[str, list[RequestRecord]] = defaultdict(list)
+    for rec in records:
+        by_class[rec.cls].append(rec)
+    for name, recs in by_class.items():
+        ok = [r for r in recs if r.ok]
 
+        def q(values: list[float | None], p: float) -> float | None:
+            known = [v * time_scale for v in values if v is not None]
+            return percentile(known, p) if known else None
 
-def report(results: dict[str, list[dict[str, Any]]], access: dict[str, dict[str, Any]]) -> None:
-    print(f"\n{'workload':<16}{'n':>4}{'ok':>5}  {'class':<14}{'pool':<14}{'in tok':>8}{'out tok':>8}"
-          f"{'wait p95':>10}{'TTFT p50':>10}{'E2E p50':>9}{'E2E p95':>9}")  # fmt: skip
-    for name, rows in results.items():
-        logs = [access[r["id"]] for r in rows if r["id"] in access]
-        ok = sum(r["status"] == 200 for r in rows)
-        waits = [x["queue_wait_s"] or 0.0 for x in logs] or [0.0]
-        e2e = [r["e2e"] for r in rows]
-        print(
-            f"{name:<16}{len(rows):>4}{ok:>5}  {logs[0]['class']:<14}{logs[0]['pool']:<14}"
-            f"{statistics.median(x['input_tokens'] for x in logs):>8.0f}"
-            f"{statistics.median(x['output_tokens'] or 0 for x in logs):>8.0f}"
-            f"{p(waits, 95):>9.2f}s{statistics.median(r['ttft'] for r in rows):>9.2f}s"
-            f"{statistics.median(e2e):>8.2f}s{p(e2e, 95):>8.2f}s"
+        e2e, ttft = [r.e2e_s for r in ok], [r.ttft_s for r in ok]
+        where = decided.get(recs[0].isl, Counter()).most_common(1)
+        route = f"{where[0][0][0]} -> {where[0][0][1]}" if where else "-"
+        rows.append(
+            f"| {name} | {len(recs)} | {len(ok)} | {sum(r.status == 429 for r in recs)} | {route}"
+            f" | {_s(q(e2e, 50))} | {_s(q(e2e, 95))} | {_s(q(ttft, 50))} | {_s(q(ttft, 95))} |"
         )
+    return "\n".join(rows)
 
 
-async def main() -> int:
-    out = ROOT / "loadtest" / "out"
-    out.mkdir(parents=True, exist_ok=True)
-    access_path = out / "demo-access.jsonl"
-    runners = await start_replicas()
-    log = access_path.open("wb")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway", "serve", "--policy", str(POLICY), "--port", "18080",
-        stdout=log, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=DEADLINE_S)) as http:
-            await wait_ready(http, proc)
-            print(f"gateway up at {GATEWAY} (policy {POLICY.relative_to(ROOT)}); sending load ...")
-            async with asyncio.timeout(DEADLINE_S):
-                cls = [send(http, classification(i)) for i in range(64)]
-                gen = [send(http, generation(i)) for i in range(16)]
-                done = await asyncio.gather(*cls, *gen)
-            results = {"classification": list(done[:64]), "generation": list(done[64:])}
-            async with http.get(f"{GATEWAY}/metrics") as resp:
-                metrics = await resp.text()
-    finally:
-        proc.terminate()
-        await proc.wait()
-        log.close()
-        for runner in runners:
-            await runner.cleanup()
-    access = {x["request_id"]: x for x in map(orjson.loads, access_path.read_bytes().splitlines())}
-    report(results, access)
-    print("\nFrom /metrics:")
-    for line in metrics.splitlines():
-        if line.startswith(
-            ("llm_queue_wait_seconds_count", "llm_requests_total", "llm_pool_capacity")
-        ):
-            print("  " + line)
-    print(f"\nAccess log: {access_path.relative_to(ROOT)}")
-    print("Classification never waits behind generation: each workload has its own pool and cap.")
-    return 0
+async def run(
+    policy_path: Path, policy: dict[str, Any], tokenizer: str, args: argparse.Namespace
+) -> SweepResult:
+    """Start the fleet and the gateway, send the load, stop everything; the gateway's access log
+    goes to `args.out / "access.jsonl"`."""
+    url = f"http://127.0.0.1:{args.port}"
+    replicas = await start_replicas(policy, tokenizer, args.time_scale)
+    with (args.out / "access.jsonl").open("wb") as log:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway", "serve", "--policy", str(policy_path),
+            "--port", str(args.port), stdout=log,
+        )  # fmt: skip
+        try:
+            await wait_ready(url, proc)
+            print(f"gateway up at {url}, {len(replicas)} simulated replicas (time scale"
+                  f" {args.time_scale:g}); sending {args.rate:g} req/s of mixed traffic for"
+                  f" {args.duration:g}s ...", flush=True)  # fmt: skip
+            config = SweepConfig(
+                targets=(Target(url, "gemma-3", tokenizer),),
+                workloads=(load_workload("mixed"),),
+                rates=(args.rate,),
+                duration_s=args.duration,
+                max_seconds_per_level=DEADLINE_S,
+                time_scale=args.time_scale,
+            )
+            async with asyncio.timeout(DEADLINE_S + 30):
+                return await run_sweep(config)
+        finally:
+            proc.terminate()
+            await proc.wait()
+            for replica in replicas:
+                await replica.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--policy", type=Path, default=ROOT / "policies" / "demo.yaml")
+    parser.add_argument("--port", type=int, default=18080, help="the gateway's port")
+    parser.add_argument("--rate", type=float, default=12.0, help="arrivals per wall-clock second")
+    parser.add_argument(
+        "--duration", type=float, default=20.0, help="wall-clock seconds of arrivals"
+    )
+    parser.add_argument("--time-scale", type=float, default=10.0)
+    parser.add_argument("--out", type=Path, default=ROOT / "loadtest" / "out" / "demo")
+    args = parser.parse_args(argv)
+    policy = yaml.safe_load(args.policy.read_text())
+    tokenizer = ensure_tokenizers(policy, args.policy.parent)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = asyncio.run(run(args.policy, policy, tokenizer, args))
+    access_path = args.out / "access.jsonl"
+    access = [orjson.loads(line) for line in access_path.read_bytes().splitlines()]
+    records = result.series[0].levels[0][1].records
+    summary = table(records, access, args.time_scale)
+    write_report(result, args.out)
+    (args.out / "demo.md").write_text(
+        f"# Demo\n\nPolicy `{args.policy.name}`, {args.rate:g} req/s for {args.duration:g}s wall"
+        f" clock, time scale {args.time_scale:g} (latencies in simulated seconds).\n\n{summary}\n"
+    )
+    print(f"\n{summary}\n")
+    print("Classification flows through its own pool; generation waits behind its low cap, and")
+    print("what waits longer than its queue allows is refused with a retryable 429, not piled up.")
+    print(f"Report: {os.path.relpath(args.out)}/demo.md (and report.md, results.json, plots);")
+    print(f"access log: {os.path.relpath(access_path)}")
+    return 0 if any(r.ok for r in records) else 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(asyncio.run(main()))
+    raise SystemExit(main())
