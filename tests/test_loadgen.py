@@ -308,10 +308,26 @@ def test_flat_throughput_without_rising_latency_is_no_knee() -> None:
     assert find_knee(flat).knee is None
 
 
-def test_rising_tpot_alone_marks_the_knee() -> None:
-    tpot = points((1.0, 1.3, 1.6, 1.9), e2e_p95=(1.0, 1.0, 1.0, 1.0), tpot_p95=(10, 11, 15, 30))
-    knee = find_knee(tpot, KneeParams(min_efficiency=0.5, min_latency_growth=0.3))
-    assert knee.knee == 32  # 32 -> 64: efficiency 0.23, TPOT +36%
+def test_batching_that_gains_more_throughput_than_latency_is_no_knee() -> None:
+    # Gemma 3 12B generation in the simulator: each doubling still pays, no knee up to 128.
+    gen_12b = points((1.85, 3.25, 5.26, 7.60), e2e_p95=(8.7, 9.8, 12.2, 16.9))
+    knee = find_knee(gen_12b)
+    assert (knee.knee, knee.max_concurrency) == (None, 128)
+    assert knee.reason.startswith("no knee up to 128 users")
+
+
+def test_a_tail_that_grows_faster_than_throughput_marks_the_knee() -> None:
+    # The same gain from 64 to 128 users, but queueing behind a KV-cache wall doubles P95.
+    gen_27b = points((1.07, 1.94, 3.24, 4.74), e2e_p95=(14.9, 16.5, 19.8, 39.2))
+    knee = find_knee(gen_27b)
+    assert (knee.knee, knee.max_concurrency) == (64, 64)
+    assert "grew 1.46x while P95 E2E grew 1.98x" in knee.reason
+
+
+def test_the_tolerance_ignores_a_small_fall_in_power() -> None:
+    noisy = points((1.0, 2.0, 4.0, 3.8), e2e_p95=(1.0, 1.0, 1.0, 1.0))  # 64 -> 128: power -5%
+    assert find_knee(noisy).knee == 64
+    assert find_knee(noisy, KneeParams(tolerance=0.1)).knee is None
 
 
 def test_a_knee_at_the_lowest_level_asks_for_a_lower_sweep() -> None:

@@ -148,8 +148,12 @@ def _sweep_parser() -> argparse.ArgumentParser:
         default=1,
         help="replicas behind each target: the recommended cap is per replica",
     )
-    p.add_argument("--knee-efficiency", type=float, default=KneeParams.min_efficiency)
-    p.add_argument("--knee-latency-growth", type=float, default=KneeParams.min_latency_growth)
+    p.add_argument(
+        "--knee-tolerance",
+        type=float,
+        default=KneeParams.tolerance,
+        help="how far throughput / P95 E2E must fall between levels to mark the knee (0.05: 5%%)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("loadtest-report"))
     return p
@@ -183,7 +187,7 @@ def sweep(argv: Sequence[str]) -> int:
         seed=args.seed,
         time_scale=args.time_scale,
         baseline_level=args.baseline_level,
-        knee=KneeParams(args.knee_efficiency, args.knee_latency_growth),
+        knee=KneeParams(args.knee_tolerance),
         target_replicas=args.target_replicas,
     )
     result = _run(run_sweep(config))
