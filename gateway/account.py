@@ -39,6 +39,7 @@ class Accountant:
         self.metrics = metrics
         self.access_log = access_log
         self._series: dict[tuple[str, str, str], _Series] = {}
+        self._outcomes: dict[tuple[str, str, str, int], Any] = {}
 
     def _labels(self, ctx: Ctx) -> tuple[str, str, str]:
         if ctx.pool is None:
@@ -54,10 +55,14 @@ class Accountant:
     def _account(self, ctx: Ctx, estimator: OutputEstimator | None) -> None:
         ctx.ended = time.perf_counter()
         labels = self._labels(ctx)
-        m = self.metrics
-        m.requests.labels(*labels, str(ctx.status)).inc()
+        outcome = self._outcomes.get((*labels, ctx.status))
+        if outcome is None:  # statuses come from a small set: the children are kept
+            outcome = self._outcomes[(*labels, ctx.status)] = self.metrics.requests.labels(
+                *labels, str(ctx.status)
+            )
+        outcome.inc()
         if ctx.reason and ctx.status >= 400:
-            m.rejections.labels(labels[1], ctx.reason).inc()
+            self.metrics.rejections.labels(labels[1], ctx.reason).inc()
         if ctx.output_tokens is None and ctx.chunks and ctx.stream:
             # The stream broke or the client left before the usage chunk: count what was sent.
             ctx.output_tokens = ctx.chunks

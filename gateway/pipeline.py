@@ -8,6 +8,7 @@ every request, however it ended.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
@@ -28,7 +29,6 @@ from gateway.policy.compile import Policy
 from gateway.route import find_candidates, route
 
 log = logging.getLogger("gateway.pipeline")
-
 
 
 async def count_input(ctx: Ctx) -> None:
@@ -66,11 +66,15 @@ async def decide(ctx: Ctx, policy: Policy) -> None:
     check_context_length(ctx)
 
 
+_ID_PREFIX = uuid.uuid4().hex[:16]  # unique per process, so ids from several gateways never clash
+_ID_SEQ = itertools.count(1)
+
+
 def _request_id(request: web.Request) -> str:
     given = request.headers.get("x-request-id")
     if given and len(given) <= 128 and given.isascii() and given.isprintable():
         return given
-    return uuid.uuid4().hex
+    return f"{_ID_PREFIX}{next(_ID_SEQ):016x}"
 
 
 class Gateway:

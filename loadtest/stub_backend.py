@@ -5,7 +5,7 @@ speaks vLLM's wire format (chat and completions, `stream_options.include_usage` 
 `choices: []`, `data: [DONE]`) and records what the tests assert on — the bodies it received, how
 many requests it ran at once, and how many connections its clients closed mid-answer.
 
-    python -m loadtest.stub_backend --port 9000 [--delay 0.5] [--chunk-delay 0.01]
+    python -m loadtest.stub_backend --port 9000 [--delay 0.5] [--chunk-delay 0.01] [--no-record]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class StubConfig:
     chunk_delay_s: float = 0.0  # between streamed tokens
     status: int = 200  # anything else answers with a vLLM-shaped error
     served_models: tuple[str, ...] = ()  # empty: any model
+    record: bool = True  # keep every body and header for tests; benchmarks turn it off
 
 
 @dataclass
@@ -93,8 +94,9 @@ async def _answer(request: web.Request, kind: str) -> web.StreamResponse:
     stats, config = request.app[STATS], request.app[CONFIG]
     body = orjson.loads(await request.read())
     stats.requests += 1
-    stats.bodies.append(body)
-    stats.headers.append({k.lower(): v for k, v in request.headers.items()})
+    if config.record:
+        stats.bodies.append(body)
+        stats.headers.append({k.lower(): v for k, v in request.headers.items()})
     model = body.get("model", "")
     if config.served_models and model not in config.served_models:
         err = {"error": {"message": f"The model `{model}` does not exist.", "type": "NotFoundError",
@@ -181,10 +183,18 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--chunk-delay", type=float, default=0.0)
+    parser.add_argument(
+        "--no-record",
+        action="store_true",
+        help="do not keep request bodies (tests read them; over a benchmark they grow the heap)",
+    )
     args = parser.parse_args()
     import uvloop
 
-    app = create_stub_app(StubConfig(delay_s=args.delay, chunk_delay_s=args.chunk_delay))
+    config = StubConfig(
+        delay_s=args.delay, chunk_delay_s=args.chunk_delay, record=not args.no_record
+    )
+    app = create_stub_app(config)
     uvloop.run(web._run_app(app, host=args.host, port=args.port, print=None, access_log=None,
                             handler_cancellation=True))  # fmt: skip
 
