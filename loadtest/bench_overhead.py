@@ -1,0 +1,878 @@
+"""What the gateway costs on top of the cheapest Python proxy, measured side by side in one run.
+
+Absolute numbers on a 2-core machine swing 2-3x between runs (docs/benchmarks.md), so this
+benchmark never reports the gateway alone: it starts three targets at once — the zero-delay stub
+replica, a bare aiohttp pass-through to it (`loadtest.passthrough`) and the gateway to it — and
+measures them back to back, under the same load generator, in the same minute. The ratios between
+them are the result; the raw numbers only give them a scale.
+
+- Throughput and latency come from `wrk` (C, one thread), not from Python: a Python load generator
+  costs about as much CPU per request as the proxies it measures, so on two cores it would become
+  the bottleneck and blur exactly the differences measured here.
+- (a) a short chat request, (b) a ~4,000-token classification request whose system message (a
+  rules block) is identical in every request and whose user message varies per request — the case
+  `token_counting: memoized` exists for — at 1, 16 and 64 connections.
+- (c) time to first body byte of a 20-chunk stream at 16 connections, which wrk cannot see, from a
+  small asyncio raw-socket client run as its own process (`--ttfb-client`, internal).
+
+    python -m loadtest.bench_overhead [--duration 5] [--out loadtest/out/overhead.md]
+
+Everything listens and connects on 127.0.0.1 only; every child runs in its own process group and is
+killed in a `finally`; every load loop is bounded in time and in requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import http.client
+import json
+import math
+import os
+import platform
+import re
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"
+MODEL = "bench-model"
+CHAT_PATH = "/v1/chat/completions"
+CONNECTIONS = (1, 16, 64)
+TTFB_CONNECTIONS = 16
+STREAM_TOKENS = 20
+TARGETS = ("direct", "pass-through", "gateway")
+DEFAULT_OUT = ROOT / "loadtest" / "out" / "overhead.md"
+READY_TIMEOUT_S = 90.0  # the gateway imports transformers and loads a tokenizer first
+MAX_TTFB_REQUESTS = 200_000  # per run: a hard bound beside the time limit
+RULE_COUNT = 65  # with the tiny tokenizer: ~3,850 tokens of rules, ~4,000 with the listing
+
+# The project's targets (docs/benchmarks.md): gateway vs the pass-through, run side by side.
+TARGET_RPS_SHORT = 0.6
+TARGET_RPS_CLASSIFY = 0.4
+TARGET_ADDED_P50 = 2.0
+OTHER_CPU_WARN = 0.15  # cores used by anything else during a run before the report says so
+
+
+# --- the requests --------------------------------------------------------------------------------
+
+_SUBJECTS = (
+    "lithium battery packs", "children's toys", "medical devices", "dietary supplements",
+    "replica brand items", "knives and blades", "cosmetics", "used electronics",
+    "prescription drugs", "e-cigarettes", "pet food", "car seats", "baby formula", "sunscreen",
+    "phone chargers",
+)  # fmt: skip
+_RULES = (
+    "Listings for {s} must not claim that the product will cure, treat or prevent any medical"
+    " condition.",
+    "Sellers of {s} must show a valid safety certificate and the certificate number in the"
+    " description.",
+    "A listing for {s} is prohibited if the image text (OCR) contradicts the description or the"
+    " brand.",
+    "Price claims for {s} such as 'lowest price' or 'was/now' must be supported by a price history"
+    " of 30 days.",
+    "Warranty and refund terms for {s} must be stated; a listing that says 'no refund' for {s} is"
+    " allowed only for custom items.",
+    "If the listing for {s} mentions a counterfeit, replica or 'inspired by' brand, label it as"
+    " prohibited.",
+    "Shipping of {s} by air must follow the carrier's dangerous goods rules; state the category"
+    " and label number.",
+)
+_LISTINGS = (
+    "{s}, brand new in box, ships from our warehouse in two days. Includes a one year warranty"
+    " and a free carry case. Certificate number {n} is printed on the label.",
+    "Second hand {s} in good condition, small scratches on the side, tested and working. No"
+    " refund on used items, but we answer every question within a day.",
+    "Premium {s} that doctors recommend: helps with sleep, pain and stress. Lowest price on the"
+    " market, was 49.99, now 19.99, only {n} left in stock.",
+    "{s} inspired by a famous designer brand, same look at a tenth of the price. Ships by air"
+    " worldwide, battery included, category label {n}.",
+)
+_PLACEHOLDER = "@@LISTING@@"
+
+
+def rules_block() -> str:
+    """The system prompt every classification request repeats word for word."""
+    lines = [
+        "You are a marketplace compliance reviewer. Read the rules, then classify the product"
+        " listing the user gives you.",
+        "Answer with exactly one label: ALLOW, REVIEW or PROHIBIT. Do not explain.",
+        "",
+    ]
+    for i in range(RULE_COUNT):
+        rule = _RULES[(i * 5) % len(_RULES)]
+        lines.append(f"Rule {i + 1}. " + rule.format(s=_SUBJECTS[(i * 7) % len(_SUBJECTS)]))
+    return "\n".join(lines)
+
+
+def listings() -> list[str]:
+    """Product descriptions the classification request cycles through (a SKU makes each unique)."""
+    return [
+        template.format(s=subject.capitalize(), n=1000 + 37 * i)
+        for i, (template, subject) in enumerate((t, s) for t in _LISTINGS for s in _SUBJECTS[:8])
+    ]
+
+
+def short_chat() -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Say hello to the benchmark in a few words."}],
+        "max_tokens": 16,
+    }
+
+
+def classify_chat(listing: str) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": rules_block()},
+            {"role": "user", "content": f"Classify this listing.\n\n{listing}"},
+        ],
+        "max_tokens": 10,
+        "temperature": 0,
+    }
+
+
+def stream_chat() -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Stream twenty tokens to the benchmark."}],
+        "max_tokens": STREAM_TOKENS,
+        "stream": True,
+    }
+
+
+def dumps(body: dict[str, Any]) -> str:
+    return json.dumps(body, separators=(",", ":"))
+
+
+# --- wrk scripts ---------------------------------------------------------------------------------
+
+# wrk prints this line from `done`; latency percentiles are in microseconds.
+_DONE_LUA = r"""
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    "BENCH requests=%d duration_us=%d p50_us=%d p99_us=%d connect=%d read=%d write=%d status=%d timeout=%d\n",
+    summary.requests, summary.duration, latency:percentile(50), latency:percentile(99),
+    e.connect, e.read, e.write, e.status, e.timeout))
+end
+"""
+
+
+def _lua_string(text: str) -> str:
+    """A Lua long-bracket literal: no escaping, so the JSON goes out byte for byte."""
+    level = 1
+    while f"]{'=' * level}]" in text:
+        level += 1
+    return f"[{'=' * level}[{text}]{'=' * level}]"
+
+
+def static_lua(body: str) -> str:
+    """The same body on every request: wrk builds it once, the cheapest load to generate."""
+    return (
+        'wrk.method = "POST"\n'
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        f"wrk.body = {_lua_string(body)}\n" + _DONE_LUA
+    )
+
+
+def varying_lua(prefix: str, variants: Sequence[str], suffix: str) -> str:
+    """A new user message per request (SKU counter + a cycled listing) around a fixed rules block.
+
+    Each body is unique, so nothing downstream can cache the whole request; only the rules block
+    repeats, as in a real classification workload.
+    """
+    items = ",\n".join(_lua_string(v) for v in variants)
+    return (
+        'wrk.method = "POST"\n'
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        f"local prefix = {_lua_string(prefix)}\n"
+        f"local suffix = {_lua_string(suffix)}\n"
+        f"local listings = {{\n{items}\n}}\n"
+        "local counter = 0\n"
+        "local threads = 0\n"
+        "-- setup runs in the main state and sets the global `id` in each thread's own state\n"
+        "setup = function(thread) threads = threads + 1; thread:set('id', threads) end\n"
+        "request = function()\n"
+        "  counter = counter + 1\n"
+        "  local listing = listings[(counter % #listings) + 1]\n"
+        "  local body = prefix .. 'SKU ' .. tostring(id or 0) .. '-' .. tostring(counter) .. ': '"
+        " .. listing .. suffix\n"
+        "  return wrk.format(nil, nil, nil, body)\n"
+        "end\n" + _DONE_LUA
+    )
+
+
+def classify_parts() -> tuple[str, list[str], str]:
+    """The classification body split around the listing, each part already JSON-escaped."""
+    body = dumps(classify_chat(_PLACEHOLDER))
+    prefix, suffix = body.split(_PLACEHOLDER)
+    return prefix, [json.dumps(x)[1:-1] for x in listings()], suffix
+
+
+# --- processes -----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Service:
+    name: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU of the process, all threads (the gateway tokenizes in a pool)."""
+        stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
+        fields = stat.rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def log_tail(self, lines: int = 20) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+@dataclass
+class Fleet:
+    """The processes of one run; `stop` kills each one's whole process group."""
+
+    workdir: Path
+    services: list[Service] = field(default_factory=list)
+
+    def start(self, name: str, argv: list[str], port: int) -> Service:
+        """Stdout goes to /dev/null: for the gateway that is its access log, on and written."""
+        log = self.workdir / f"{name}.log"
+        with open(log, "wb") as err, open(os.devnull, "wb") as out:
+            proc = subprocess.Popen(
+                argv, cwd=ROOT, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+        service = Service(name, port, proc, log)
+        self.services.append(service)
+        return service
+
+    def stop(self) -> None:
+        for service in self.services:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(service.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for service in self.services:
+            try:
+                service.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(service.proc.pid, signal.SIGKILL)
+                service.proc.wait(timeout=5)
+
+
+def http_request(
+    port: int, method: str, path: str, body: str | None = None, timeout: float = 10
+) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
+    try:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        conn.request(method, path, body=body, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def wait_ready(service: Service, path: str | None) -> None:
+    """Poll until the service answers `path` with 200 (or accepts a connection when None)."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if service.proc.poll() is not None:
+            raise RuntimeError(
+                f"{service.name} exited with {service.proc.returncode}:\n{service.log_tail()}"
+            )
+        try:
+            if path is None:
+                socket.create_connection((HOST, service.port), timeout=1).close()
+                return
+            if http_request(service.port, "GET", path, timeout=2)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(
+        f"{service.name} not ready after {READY_TIMEOUT_S:.0f}s:\n{service.log_tail()}"
+    )
+
+
+def write_policy(workdir: Path, tokenizer: Path, replica: str) -> Path:
+    """One model, one pool of one replica with caps that never queue, access log on."""
+    policy = {
+        "models": {
+            MODEL: {
+                "tokenizer": str(tokenizer),
+                "max_model_len": 32768,
+                "token_counting": "memoized",
+            }
+        },
+        "pools": {
+            "bench": {
+                "model": MODEL,
+                "replicas": [replica],
+                "max_concurrency": 100000,
+                "queue": {"max_depth": 1024, "max_wait_s": 30},
+            }
+        },
+        "classes": [
+            {
+                "name": "prefill_heavy",
+                "when": {"input_tokens": {"gte": 1024}, "output_tokens": {"lte": 64}},
+            },
+            {"name": "decode_heavy", "when": {}},
+        ],
+        "routes": [{"match": {"model": MODEL}, "pool": "bench"}],
+        "server": {"access_log": True, "drain_grace_s": 2},
+    }
+    path = workdir / "policy.yaml"
+    path.write_text(json.dumps(policy, indent=2))  # JSON is YAML
+    return path
+
+
+def explain(policy: Path, body: str, workdir: Path) -> dict[str, Any]:
+    """How the gateway itself counts and classifies a request (offline, `llm-gateway explain`)."""
+    request = workdir / "explain.json"
+    request.write_text(body)
+    argv = [sys.executable, "-m", "gateway", "explain", "--policy", str(policy), "--json"]
+    out = subprocess.run(
+        [*argv, str(request)], cwd=ROOT, capture_output=True, check=True, timeout=120
+    )
+    result: dict[str, Any] = json.loads(out.stdout)
+    return result
+
+
+def check_target(name: str, port: int, bodies: dict[str, str]) -> None:
+    """One real request of each kind must succeed: a benchmark of fast 4xx answers is worthless."""
+    for kind, body in bodies.items():
+        status, headers, data = http_request(port, "POST", CHAT_PATH, body)
+        if status != 200:
+            raise RuntimeError(f"{name}: {kind} request answered {status}: {data[:300]!r}")
+        if kind == "stream":
+            if not data.rstrip().endswith(b"data: [DONE]") or data.count(b"data: ") < STREAM_TOKENS:
+                raise RuntimeError(
+                    f"{name}: the stream is not a complete SSE answer: {data[:300]!r}"
+                )
+        elif not json.loads(data).get("choices"):
+            raise RuntimeError(f"{name}: {kind} answer has no choices: {data[:300]!r}")
+        if name == "gateway" and "x-request-id" not in headers:
+            raise RuntimeError("gateway: no x-request-id header: is this really the gateway?")
+
+
+# --- measuring -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    request: str
+    connections: int
+    target: str
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    requests: int
+    errors: int
+    cpu_ms_per_request: float | None
+    other_cores: float
+
+
+_BENCH_LINE = re.compile(r"^BENCH (.*)$", re.M)
+
+
+def run_wrk(url: str, script: Path, connections: int, duration: int) -> dict[str, int]:
+    argv = ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--timeout", "5s"]
+    out = subprocess.run(
+        [*argv, "-s", str(script), url + CHAT_PATH],
+        capture_output=True, text=True, timeout=duration + 30, check=False,
+    )  # fmt: skip
+    match = _BENCH_LINE.search(out.stdout)
+    if out.returncode != 0 or match is None:
+        raise RuntimeError(f"wrk failed ({out.returncode}): {out.stdout}\n{out.stderr}")
+    return {k: int(v) for k, v in (item.split("=") for item in match.group(1).split())}
+
+
+class CpuMeter:
+    """CPU spent during one measured run, split into the target's process and everything else.
+
+    The machine is shared (other sessions run tests on the same two cores), so each run also
+    reports the CPU that neither the benchmark's services nor its load generator used: a run with
+    much of it was disturbed, whatever its numbers say.
+    """
+
+    def __init__(self, target: Service, services: Sequence[Service]) -> None:
+        self.target = target
+        self.services = services
+
+    @staticmethod
+    def _machine_busy() -> float:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _children() -> float:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # wrk or the TTFB client, once reaped
+        return usage.ru_utime + usage.ru_stime
+
+    def __enter__(self) -> CpuMeter:
+        self._wall = time.perf_counter()
+        self._busy = self._machine_busy()
+        self._children0 = self._children()
+        self._cpu = [s.cpu_seconds() for s in self.services]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = time.perf_counter() - self._wall
+        used = [
+            s.cpu_seconds() - before for s, before in zip(self.services, self._cpu, strict=True)
+        ]
+        self.target_s = used[self.services.index(self.target)]
+        ours = sum(used) + self._children() - self._children0
+        self.other_cores = max(0.0, self._machine_busy() - self._busy - ours) / wall
+
+
+def measure(
+    request: str,
+    target: Service,
+    services: Sequence[Service],
+    script: Path,
+    connections: int,
+    duration: int,
+) -> Run:
+    """One wrk run, plus the CPU the target's own process (stub or proxy) spent per request."""
+    with CpuMeter(target, services) as cpu:
+        stats = run_wrk(target.url, script, connections, duration)
+    requests = stats["requests"]
+    errors = sum(stats[k] for k in ("connect", "read", "write", "status", "timeout"))
+    return Run(
+        request=request,
+        connections=connections,
+        target=target.name,
+        rps=requests / (stats["duration_us"] / 1e6),
+        p50_ms=stats["p50_us"] / 1000,
+        p99_ms=stats["p99_us"] / 1000,
+        requests=requests,
+        errors=errors,
+        cpu_ms_per_request=1000 * cpu.target_s / requests if requests else None,
+        other_cores=cpu.other_cores,
+    )
+
+
+@dataclass
+class TtfbResult:
+    target: str
+    p50_ms: float
+    p99_ms: float
+    total_p50_ms: float
+    rps: float
+    requests: int
+    errors: int
+    cpu_ms_per_request: float | None
+    other_cores: float
+
+
+def measure_ttfb(
+    target: Service, services: Sequence[Service], body_file: Path, duration: int
+) -> TtfbResult:
+    argv = [sys.executable, "-m", "loadtest.bench_overhead", "--ttfb-client", str(target.port)]
+    with CpuMeter(target, services) as cpu:
+        out = subprocess.run(
+            [*argv, "--ttfb-body", str(body_file), "--duration", str(duration)],
+            cwd=ROOT, capture_output=True, text=True, timeout=duration + 60, check=False,
+        )  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"TTFB client failed on {target.name}: {out.stderr[-2000:]}")
+    data = json.loads(out.stdout)
+    served = data["requests"] + data["warmup_requests"]  # the target served the warm-up too
+    return TtfbResult(
+        target=target.name,
+        p50_ms=data["p50_ms"],
+        p99_ms=data["p99_ms"],
+        total_p50_ms=data["total_p50_ms"],
+        rps=data["rps"],
+        requests=data["requests"],
+        errors=data["errors"],
+        cpu_ms_per_request=1000 * cpu.target_s / served if served else None,
+        other_cores=cpu.other_cores,
+    )
+
+
+def percentile(ordered: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of a sorted sequence."""
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+# --- the TTFB client (runs in its own process) ---------------------------------------------------
+
+
+async def _read_response(reader: asyncio.StreamReader, started: float) -> tuple[int, float, bytes]:
+    """Read one HTTP/1.1 response; return status, seconds to its first body byte, and the body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    lowered = head.lower()
+    first: float | None = None
+    body = bytearray()
+    if b"transfer-encoding: chunked" in lowered:
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            if size == 0:
+                await reader.readuntil(b"\r\n")  # no trailers are sent here
+                break
+            chunk = await reader.readexactly(size + 2)
+            if first is None:
+                first = time.perf_counter()
+            body += chunk[:-2]
+    else:
+        found = re.search(rb"content-length:\s*(\d+)", lowered)
+        length = int(found.group(1)) if found else 0
+        while len(body) < length:
+            data = await reader.read(length - len(body))
+            if not data:
+                raise ConnectionError("connection closed mid-body")
+            if first is None:
+                first = time.perf_counter()
+            body += data
+    return status, (first or time.perf_counter()) - started, bytes(body)
+
+
+async def _ttfb_connection(
+    port: int, request: bytes, measure_from: float, stop_at: float, out: dict[str, list[float]]
+) -> None:
+    reader, writer = await asyncio.open_connection(HOST, port)
+    try:
+        while time.perf_counter() < stop_at and sum(map(len, out.values())) < MAX_TTFB_REQUESTS:
+            started = time.perf_counter()
+            writer.write(request)
+            async with asyncio.timeout(10):
+                status, ttfb, body = await _read_response(reader, started)
+            total = time.perf_counter() - started
+            if started < measure_from:
+                out["warmup"].append(1.0)
+                continue
+            complete = body.rstrip().endswith(b"data: [DONE]")
+            if status != 200 or not complete or body.count(b"data: ") < STREAM_TOKENS:
+                out["errors"].append(1.0)
+                continue
+            out["ttfb"].append(ttfb)
+            out["total"].append(total)
+    finally:
+        writer.close()
+
+
+async def _ttfb_main(port: int, body: bytes, duration: float, connections: int) -> dict[str, Any]:
+    request = (
+        f"POST {CHAT_PATH} HTTP/1.1\r\nHost: {HOST}:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    out: dict[str, list[float]] = {"ttfb": [], "total": [], "errors": [], "warmup": []}
+    now = time.perf_counter()
+    measure_from, stop_at = now + 1.0, now + 1.0 + duration
+    await asyncio.gather(
+        *(_ttfb_connection(port, request, measure_from, stop_at, out) for _ in range(connections))
+    )
+    ttfb, total = sorted(out["ttfb"]), sorted(out["total"])
+    return {
+        "p50_ms": 1000 * percentile(ttfb, 50),
+        "p99_ms": 1000 * percentile(ttfb, 99),
+        "total_p50_ms": 1000 * percentile(total, 50),
+        "rps": len(ttfb) / duration,
+        "requests": len(ttfb),
+        "errors": len(out["errors"]),
+        "warmup_requests": len(out["warmup"]),
+    }
+
+
+def ttfb_client(port: int, body_file: Path, duration: float) -> int:
+    import uvloop  # the cheapest loop: the client shares the two cores with what it measures
+
+    result = uvloop.run(_ttfb_main(port, body_file.read_bytes(), duration, TTFB_CONNECTIONS))
+    print(json.dumps(result))
+    return 0
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+def machine() -> str:
+    model = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{os.cpu_count()} CPUs (nproc {len(os.sched_getaffinity(0))}), {model}"
+
+
+def git_revision() -> str:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+            check=True, timeout=10,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "gateway"], cwd=ROOT, capture_output=True,
+            text=True, check=True, timeout=10,
+        ).stdout.strip()  # fmt: skip
+        return rev + (" (gateway/ modified)" if dirty else "")
+    return "unknown"
+
+
+def _ratio(value: float | None, target: float, at_least: bool) -> tuple[str, str]:
+    if value is None:
+        return "n/a", "n/a (the pass-through added no measurable latency)"
+    ok = value >= target if at_least else value <= target
+    return f"{value:.3f}", "met" if ok else "**MISSED**"  # 3 digits: 0.396 must not read as 0.40
+
+
+def report(
+    runs: list[Run], ttfb: list[TtfbResult], header: list[str], duration: int
+) -> tuple[str, bool]:
+    """The Markdown report and whether every run was free of errors."""
+    by = {(r.request, r.connections, r.target): r for r in runs}
+    lines = [*header, ""]
+    lines += [
+        f"Throughput and latency: wrk -t1 -cN -d{duration}s, one run per cell, targets measured"
+        " back to back per row group. CPU ms/req: user+system CPU of the target's own process"
+        " (the stub for direct, the proxy otherwise) per request served. Other CPU: cores busy"
+        " with anything but this benchmark during the run (other work on the machine, and"
+        " kernel time no process is charged for).",
+        "",
+        "| request | conns | target | req/s | p50 ms | p99 ms | CPU ms/req | req/s vs pass-through | other CPU | errors |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in runs:
+        base = by.get((r.request, r.connections, "pass-through"))
+        vs = f"{r.rps / base.rps:.2f}x" if base and base.rps else "-"
+        cpu = f"{r.cpu_ms_per_request:.3f}" if r.cpu_ms_per_request is not None else "-"
+        lines.append(
+            f"| {r.request} | {r.connections} | {r.target} | {r.rps:,.0f} | {r.p50_ms:.2f} |"
+            f" {r.p99_ms:.2f} | {cpu} | {vs} | {r.other_cores:.2f} | {r.errors} |"
+        )
+    lines += [
+        "",
+        f"(c) stream, {STREAM_TOKENS} chunks, {TTFB_CONNECTIONS} connections, {duration}s:"
+        " time from sending the request to the first chunk of the body (asyncio raw-socket client).",
+        "",
+        "| target | TTFB p50 ms | TTFB p99 ms | added p50 vs direct | full stream p50 ms | req/s | CPU ms/req | other CPU | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    direct = next((t for t in ttfb if t.target == "direct"), None)
+    for t in ttfb:
+        extra = f"{t.p50_ms - direct.p50_ms:+.2f} ms" if direct else "-"
+        cpu = f"{t.cpu_ms_per_request:.3f}" if t.cpu_ms_per_request is not None else "-"
+        lines.append(
+            f"| {t.target} | {t.p50_ms:.2f} | {t.p99_ms:.2f} | {extra} | {t.total_p50_ms:.2f} |"
+            f" {t.rps:,.0f} | {cpu} | {t.other_cores:.2f} | {t.errors} |"
+        )
+
+    def rps_ratio(request: str) -> float | None:
+        gw, pt = by.get((request, 64, "gateway")), by.get((request, 64, "pass-through"))
+        return gw.rps / pt.rps if gw and pt and pt.rps else None
+
+    added: float | None = None
+    d, pt, gw = (by.get(("a", 1, t)) for t in TARGETS)
+    if d and pt and gw and pt.p50_ms > d.p50_ms:
+        added = (gw.p50_ms - d.p50_ms) / (pt.p50_ms - d.p50_ms)
+    rows = [
+        ("(a) short: gateway / pass-through req/s at 64 conns", rps_ratio("a"), TARGET_RPS_SHORT, True),
+        ("(b) classify: gateway / pass-through req/s at 64 conns", rps_ratio("b"), TARGET_RPS_CLASSIFY, True),
+        ("(a) short, 1 conn: (gateway p50 - direct p50) / (pass-through p50 - direct p50)", added, TARGET_ADDED_P50, False),
+    ]  # fmt: skip
+    lines += ["", "| ratio | value | target | result |", "|---|---:|---:|---|"]
+    for label, value, target, at_least in rows:
+        shown, verdict = _ratio(value, target, at_least)
+        lines.append(f"| {label} | {shown} | {'>=' if at_least else '<='} {target} | {verdict} |")
+    clean = all(r.errors == 0 for r in runs) and all(t.errors == 0 for t in ttfb)
+    disturbed = max([r.other_cores for r in runs] + [t.other_cores for t in ttfb], default=0.0)
+    if disturbed > OTHER_CPU_WARN:
+        lines += [
+            "",
+            f"**Other work used up to {disturbed:.2f} cores during a run: this run was disturbed;"
+            " rerun on a quiet machine before trusting its ratios.**",
+        ]
+    if not clean:
+        lines += [
+            "",
+            "**Some runs had errors (see the errors column): their numbers are suspect.**",
+        ]
+    return "\n".join(lines) + "\n", clean
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+def log(message: str, stream: TextIO = sys.stderr) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=stream, flush=True)
+
+
+@contextlib.contextmanager
+def fleet(workdir: Path) -> Iterator[dict[str, Service]]:
+    """Start stub, pass-through and gateway, wait until each is ready, and yield them by name."""
+    log("building the tiny tokenizer")
+    tokenizer = workdir / "tokenizer"
+    subprocess.run(
+        [sys.executable, "-m", "loadtest.tiny_tokenizer", str(tokenizer)], cwd=ROOT, check=True,
+        capture_output=True, timeout=300,
+    )  # fmt: skip
+    procs = Fleet(workdir)
+    try:
+        py = sys.executable
+        stub_port, pt_port, gw_port = free_port(), free_port(), free_port()
+        stub = procs.start(
+            "direct",
+            [
+                py,
+                "-m",
+                "loadtest.stub_backend",
+                "--host",
+                HOST,
+                "--port",
+                str(stub_port),
+                "--no-record",
+            ],
+            stub_port,
+        )
+        passthrough = procs.start(
+            "pass-through",
+            [py, "-m", "loadtest.passthrough", "--host", HOST, "--port", str(pt_port), "--upstream", stub.url],
+            pt_port,
+        )  # fmt: skip
+        policy = write_policy(workdir, tokenizer, stub.url)
+        gateway = procs.start(
+            "gateway",
+            [py, "-m", "gateway", "serve", "--policy", str(policy), "--host", HOST, "--port", str(gw_port)],
+            gw_port,
+        )  # fmt: skip
+        wait_ready(stub, "/health")
+        wait_ready(passthrough, None)
+        wait_ready(gateway, "/readyz")
+        yield {s.name: s for s in (stub, passthrough, gateway)}
+    finally:
+        procs.stop()
+
+
+def run(duration: int, out_path: Path) -> int:
+    if shutil.which("wrk") is None:
+        log("wrk is not installed (apt-get install -y wrk)")
+        return 2
+    started = time.monotonic()
+    load = os.getloadavg()[0]  # anything else on these two cores skews every number below
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
+        workdir = Path(tmp)
+        short_body, stream_body = dumps(short_chat()), dumps(stream_chat())
+        prefix, variants, suffix = classify_parts()
+        sample_classify = prefix + "SKU 0-0: " + variants[0] + suffix
+        scripts = {"a": workdir / "short.lua", "b": workdir / "classify.lua"}
+        scripts["a"].write_text(static_lua(short_body))
+        scripts["b"].write_text(varying_lua(prefix, variants, suffix))
+        stream_file = workdir / "stream.json"
+        stream_file.write_text(stream_body)
+        runs: list[Run] = []
+        ttfb: list[TtfbResult] = []
+        with fleet(workdir) as targets:
+            services = list(targets.values())
+            policy = workdir / "policy.yaml"
+            decision = explain(policy, sample_classify, workdir)
+            short_decision = explain(policy, short_body, workdir)
+            bodies = {"short": short_body, "classify": sample_classify, "stream": stream_body}
+            for name, service in targets.items():
+                check_target(name, service.port, bodies)
+            log(
+                f"ready; (b) is {len(sample_classify):,} bytes, {decision['input_tokens']} input"
+                f" tokens, class {decision['class']}"
+            )
+            for request in ("a", "b"):
+                for name in TARGETS:  # warm up: connections, caches, the estimator's window
+                    run_wrk(targets[name].url, scripts[request], 16, 1)
+                for connections in CONNECTIONS:
+                    for name in TARGETS:
+                        result = measure(
+                            request, targets[name], services, scripts[request], connections,
+                            duration,
+                        )  # fmt: skip
+                        log(
+                            f"({request}) c={connections:<2} {name:<12} {result.rps:8,.0f} req/s"
+                            f"  p50 {result.p50_ms:6.2f} ms  p99 {result.p99_ms:6.2f} ms"
+                            f"  other CPU {result.other_cores:.2f}  errors {result.errors}"
+                        )
+                        runs.append(result)
+            for name in TARGETS:
+                result_t = measure_ttfb(targets[name], services, stream_file, duration)
+                log(
+                    f"(c) TTFB {name:<12} p50 {result_t.p50_ms:.2f} ms p99 {result_t.p99_ms:.2f} ms"
+                )
+                ttfb.append(result_t)
+    import aiohttp
+
+    header = [
+        f"Run {datetime.datetime.now().astimezone().isoformat(timespec='seconds')},"
+        f" {machine()}, Python {platform.python_version()}, aiohttp {aiohttp.__version__},"
+        f" gateway at {git_revision()}, load average {load:.2f} at the start,"
+        f" {time.monotonic() - started:.0f}s in all.",
+        "",
+        f"(a) short chat: 1 user message, max_tokens 16, {len(short_body)} bytes,"
+        f" {short_decision['input_tokens']} input tokens, class {short_decision['class']}.",
+        f"(b) classification: a fixed {RULE_COUNT}-rule system message + a user message unique per"
+        f" request, max_tokens 10, ~{len(sample_classify):,} bytes,"
+        f" {decision['input_tokens']} input tokens (the gateway's count, tiny tokenizer, memoized),"
+        f" class {decision['class']}.",
+    ]
+    text, clean = report(runs, ttfb, header, duration)
+    print(text)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(text)
+    log(f"wrote {out_path}")
+    return 0 if clean else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--duration", type=int, default=5, help="seconds per measured run (>= 1)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="Markdown report file")
+    # Internal: the child processes this benchmark starts.
+    parser.add_argument("--ttfb-client", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--ttfb-body", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.duration < 1:
+        parser.error("--duration must be at least 1 second")
+    if args.ttfb_client is not None:
+        return ttfb_client(args.ttfb_client, args.ttfb_body, args.duration)
+    # SIGTERM's default would end this process without its `finally`, leaving the children
+    # running: turn it into SystemExit so the fleet is stopped either way.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    return run(args.duration, args.out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
