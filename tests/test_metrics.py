@@ -69,6 +69,12 @@ async def test_every_series_is_exported_with_its_labels(
     assert [(s.labels, s.value) for s in found["llm_pool_capacity"]] == [({"pool": "main"}, 4.0)]
 
 
+async def test_health_answers_as_vllm_does(stub, gateway_factory, tokenizer_dir, http) -> None:
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [stub.url]))
+    async with http.get(f"{gw.url}/health") as resp:
+        assert resp.status == 200 and await resp.read() == b""
+
+
 async def test_health_and_readiness(stub, gateway_factory, tokenizer_dir, http) -> None:
     gw = await gateway_factory(basic_policy(tokenizer_dir, [stub.url]))
     async with http.get(f"{gw.url}/healthz") as resp:

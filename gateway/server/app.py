@@ -64,6 +64,11 @@ async def healthz(request: web.Request) -> web.Response:
     return _json({"status": "ok"})
 
 
+async def health(request: web.Request) -> web.Response:
+    """vLLM's liveness answer (200, empty body), so probes and tools written for vLLM work as is."""
+    return web.Response(status=200)
+
+
 async def readyz(request: web.Request) -> web.Response:
     """Ready while a policy is loaded, every pool has a replica, and no shutdown has begun."""
     gateway = request.app[GATEWAY]
@@ -100,6 +105,7 @@ def create_app(policy: Policy, *, access_log: IO[bytes] | None = None) -> web.Ap
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/health", health)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     return app
