@@ -106,6 +106,7 @@ class Accountant:
             "served_model": ctx.served_model or None,
             "pool": ctx.pool.name if ctx.pool else None,
             "replica": ctx.replica or None,
+            "retries": ctx.retries,
             "class": ctx.workload or None,
             "stream": ctx.stream,
             "input_tokens": ctx.input_tokens,

@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Protocol
@@ -22,11 +24,22 @@ from gateway.errors import NoReplica, QueueFull, QueueTimeout
 from gateway.policy.plugins import register
 from gateway.policy.schema import PoolSpec
 
+log = logging.getLogger("gateway.admit")
+
 
 class Replica:
-    """One upstream vLLM server and what this gateway has running on it."""
+    """One upstream vLLM server, what this gateway has running on it, and its health."""
 
-    __slots__ = ("inflight", "inflight_tokens", "max_concurrency", "max_tokens", "url")
+    __slots__ = (
+        "ejected_until",
+        "ejections",
+        "failures",
+        "inflight",
+        "inflight_tokens",
+        "max_concurrency",
+        "max_tokens",
+        "url",
+    )
 
     def __init__(self, url: str, max_concurrency: int, max_tokens: int | None) -> None:
         self.url = url
@@ -34,9 +47,16 @@ class Replica:
         self.max_tokens = max_tokens
         self.inflight = 0
         self.inflight_tokens = 0
+        self.failures = 0  # consecutive failed requests or probes
+        self.ejections = 0  # times ejected so far: each ejection lasts longer
+        self.ejected_until: float | None = None  # None: in the pool
+
+    @property
+    def up(self) -> bool:
+        return self.ejected_until is None
 
     def fits(self, tokens: int) -> bool:
-        if self.inflight >= self.max_concurrency:
+        if self.ejected_until is not None or self.inflight >= self.max_concurrency:
             return False
         # A request larger than the token cap on its own still runs, alone, on an idle replica.
         return (
@@ -97,10 +117,73 @@ class PoolSlots:
         self._heap: list[_Waiter] = []
         self._seq = itertools.count()
         self.waiting = 0  # live waiters; the heap may also hold abandoned ones
+        self.retrying = 0  # retries in flight, against the retry budget
+        self.ejections: Counter[tuple[str, str]] = Counter()  # (replica, reason) -> count
 
     @property
     def capacity(self) -> int:
-        return sum(r.max_concurrency for r in self.replicas)
+        """The caps of the replicas in the pool: an ejected one's slots leave with it."""
+        return sum(r.max_concurrency for r in self.replicas if r.up)
+
+    @property
+    def inflight(self) -> int:
+        return sum(r.inflight for r in self.replicas)
+
+    # --- health: passive outlier detection and ejection -------------------------------------
+
+    def succeeded(self, replica: Replica) -> None:
+        replica.failures = 0
+
+    def failed(self, replica: Replica, reason: str) -> None:
+        """Count a failure; eject the replica after `consecutive_failures` in a row."""
+        replica.failures += 1
+        health = self.spec.health
+        if self.due_for_probe(replica):  # failed its half-open trial: out again, for longer
+            self._eject(replica, reason)
+        elif replica.up and replica.failures >= health.consecutive_failures:
+            ejected = sum(not r.up for r in self.replicas)
+            allowed = min(
+                len(self.replicas) - 1, int(len(self.replicas) * health.max_ejection_percent / 100)
+            )
+            if ejected < allowed:
+                self._eject(replica, reason)
+
+    def _eject(self, replica: Replica, reason: str) -> None:
+        replica.ejections += 1
+        ejection_s = self.spec.health.ejection_s * min(replica.ejections, 10)
+        replica.ejected_until = time.monotonic() + ejection_s
+        self.ejections[(replica.url, reason)] += 1
+        log.warning("pool %s: replica %s ejected for %.0fs (%s, %d failures in a row)",
+                    self.name, replica.url, ejection_s, reason, replica.failures)  # fmt: skip
+
+    def readmit(self, replica: Replica) -> None:
+        if not replica.up:
+            replica.ejected_until = None
+            replica.failures = 0
+            log.info("pool %s: replica %s readmitted", self.name, replica.url)
+            self._dispatch()
+
+    def due_for_probe(self, replica: Replica) -> bool:
+        """Ejected long enough to be tried again (half-open)."""
+        return replica.ejected_until is not None and time.monotonic() >= replica.ejected_until
+
+    # --- retries -----------------------------------------------------------------------------
+
+    def can_retry(self, tokens: int, avoid: frozenset[str]) -> bool:
+        """Within the retry budget, and another replica has a free slot right now."""
+        retry = self.spec.retry
+        budget = max(retry.min_concurrent, retry.budget_percent / 100 * self.inflight)
+        if self.retrying >= budget:
+            return False
+        others = [r for r in self.replicas if r.url not in avoid]
+        return self.picker.pick(others, tokens) is not None
+
+    def take_other(self, tokens: int, avoid: frozenset[str]) -> Replica:
+        """A slot on a replica not in `avoid`, at once; `can_retry` said there is one."""
+        replica = self.picker.pick([r for r in self.replicas if r.url not in avoid], tokens)
+        if replica is None:
+            raise NoReplica(f"pool {self.name} has no other free replica", retry_after_s=1)
+        return self._take(replica, tokens)
 
     def _take(self, replica: Replica, tokens: int) -> Replica:
         replica.inflight += 1
@@ -165,13 +248,17 @@ class PoolSlots:
                 self.release(future.result(), tokens)
 
     @asynccontextmanager
-    async def slot(self, ctx: Ctx) -> AsyncIterator[Replica]:
+    async def slot(self, ctx: Ctx, avoid: frozenset[str] = frozenset()) -> AsyncIterator[Replica]:
+        """Hold a slot for `ctx`; with `avoid` (a retry), only on another replica and at once."""
         tokens = ctx.reserved_tokens
-        started = time.perf_counter()
-        try:
-            replica = await self.acquire(ctx.priority, tokens)
-        finally:
-            ctx.queue_wait = time.perf_counter() - started
+        if avoid:
+            replica = self.take_other(tokens, avoid)
+        else:
+            started = time.perf_counter()
+            try:
+                replica = await self.acquire(ctx.priority, tokens)
+            finally:
+                ctx.queue_wait = time.perf_counter() - started
         ctx.replica = replica.url
         try:
             yield replica

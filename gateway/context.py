@@ -48,6 +48,7 @@ class Ctx:
     # admit / forward
     replica: str = ""
     queue_wait: float | None = None  # seconds spent acquiring a slot, served or not
+    retries: int = 0  # attempts on other replicas after one refused the request
     first_token: float | None = None
     output_tokens: int | None = None
     chunks: int = 0

@@ -91,6 +91,28 @@ class BodyTooLarge(GatewayError):
     reason = "body_too_large"
 
 
+class HeadersTooLarge(GatewayError):
+    """Raised when the request has more header fields, or more header bytes, than the policy allows."""
+
+    status = 431
+    type = "invalid_request_error"
+    code = "headers_too_large"
+    reason = "headers_too_large"
+
+
+class RequestTimeout(GatewayError, TimeoutError):
+    """Raised when the client did not finish sending its body within `server.body_timeout_s`.
+
+    It is also a `TimeoutError` because it is set on the request's payload: aiohttp's lingering
+    read after the response treats a `TimeoutError` as "stop reading" instead of logging it.
+    """
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+    reason = "body_timeout"
+
+
 class ModelNotFound(GatewayError):
     """Raised when no route serves the requested model."""
 
@@ -172,6 +194,11 @@ class UpstreamError(GatewayError):
     type = "upstream_error"
     code = "upstream_error"
     reason = "upstream_error"
+
+
+class ReplicaRefused(UpstreamError):
+    """Raised when the replica failed before it took the request (refused, reset, 503): safe to
+    retry on another replica."""
 
 
 class UpstreamTimeout(GatewayError):

@@ -20,7 +20,8 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.context import Ctx
-from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout, error_body
+from gateway.errors import ReplicaRefused, UpstreamError, UpstreamTimeout, error_body
+from gateway.policy.schema import TimeoutSpec
 
 # Hop-by-hop headers, plus those the gateway recomputes: it re-frames bodies and reads SSE events,
 # so it asks for identity encoding and sets its own lengths.
@@ -143,10 +144,20 @@ def _stream_error(exc: BaseException) -> bytes:
     return b"data: " + body + b"\n\ndata: [DONE]\n\n"
 
 
-async def _relay(ctx: Ctx, up: aiohttp.ClientResponse, resp: web.StreamResponse) -> None:
+async def _relay(
+    ctx: Ctx, up: aiohttp.ClientResponse, resp: web.StreamResponse, first: float, total: float
+) -> None:
+    """Relay events until the end; `first` and `total` are loop-time deadlines for the first
+    event and for the whole answer."""
     drop_usage = not ctx.client_wants_usage
     pending = b""
-    async for data in up.content.iter_any():
+    chunks = up.content.iter_any().__aiter__()
+    while True:
+        async with asyncio.timeout_at(total if ctx.chunks else min(first, total)):
+            try:
+                data = await anext(chunks)
+            except StopAsyncIteration:
+                break
         if pending:
             data = pending + data
         end = data.rfind(_EVENT_END)
@@ -169,30 +180,55 @@ async def forward(
     session: aiohttp.ClientSession,
     replica_url: str,
     api_key: str | None,
+    timeouts: TimeoutSpec,
+    *,
+    retry_503: bool = False,
 ) -> web.StreamResponse:
-    """Send upstream and relay the answer; raise a `GatewayError` only before the first byte."""
+    """Send upstream and relay the answer; raise a `GatewayError` only before the first byte.
+
+    `ReplicaRefused` means the replica never took the request (refused, reset before headers, or
+    503 when `retry_503`): the caller may retry it elsewhere. Nothing is retried after a byte
+    reached the client.
+    """
     url = replica_url + ctx.path
     headers = upstream_headers(request.headers, ctx, api_key)
+    now = asyncio.get_running_loop().time()
+    total = now + timeouts.total_s
+    first = now + timeouts.first_token_s
     try:
-        up = await session.post(url, data=upstream_body(ctx), headers=headers)
+        async with asyncio.timeout_at(min(first, total) if ctx.stream else total):
+            up = await session.post(url, data=upstream_body(ctx), headers=headers)
     except (TimeoutError, aiohttp.ServerTimeoutError):
         raise UpstreamTimeout(f"replica {replica_url} did not answer in time") from None
+    except (
+        aiohttp.ClientConnectorError,
+        aiohttp.ServerDisconnectedError,
+        aiohttp.ClientOSError,
+    ) as exc:
+        raise ReplicaRefused(f"replica {replica_url} failed: {exc}") from None
     except aiohttp.ClientError as exc:
         raise UpstreamError(f"replica {replica_url} failed: {exc}") from None
     try:
+        if up.status == 503 and retry_503:
+            raise ReplicaRefused(f"replica {replica_url} answered 503")
         ctx.status = up.status
         streaming = ctx.stream and up.status == 200 and up.content_type == "text/event-stream"
         if not streaming:
-            return await _whole(ctx, up)
+            try:
+                async with asyncio.timeout_at(total):
+                    return await _whole(ctx, up)
+            except TimeoutError:
+                raise UpstreamTimeout("the replica did not finish its answer in time") from None
         resp = web.StreamResponse(status=200, headers=_response_headers(up.headers, ctx))
         await resp.prepare(request)
         try:
-            await _relay(ctx, up, resp)
+            await _relay(ctx, up, resp, first, total)
         except ConnectionResetError:  # the client left mid-stream (before cancellation reached us)
             up.close()
             ctx.status, ctx.reason = CLIENT_CLOSED, "client_disconnect"
             return resp
         except (TimeoutError, aiohttp.ClientError) as exc:
+            up.close()
             ctx.reason = (
                 "upstream_timeout" if isinstance(exc, asyncio.TimeoutError) else "upstream_error"
             )
@@ -221,6 +257,3 @@ async def _whole(ctx: Ctx, up: aiohttp.ClientResponse) -> web.Response:
         except (orjson.JSONDecodeError, AttributeError):
             pass
     return web.Response(status=up.status, body=data, headers=_response_headers(up.headers, ctx))
-
-
-__all__ = ["GatewayError", "forward", "upstream_body", "upstream_headers"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.admit import PoolSlots
@@ -43,15 +43,28 @@ class _Gauges(Collector):
         )
         depth = GaugeMetricFamily("llm_queue_depth", "Requests waiting per pool.", labels=["pool"])
         capacity = GaugeMetricFamily(
-            "llm_pool_capacity", "Sum of the per-replica concurrency caps.", labels=["pool"]
+            "llm_pool_capacity",
+            "Sum of the per-replica concurrency caps of the replicas in the pool.",
+            labels=["pool"],
         )
+        up = GaugeMetricFamily(
+            "llm_replica_up", "1 while a replica is in its pool, 0 while ejected.",
+            labels=["pool", "replica"],
+        )  # fmt: skip
+        ejections = CounterMetricFamily(
+            "llm_replica_ejections", "Replicas taken out of their pool.",
+            labels=["pool", "replica", "reason"],
+        )  # fmt: skip
         for name, pool in self.pools.items():
             for replica in pool.replicas:
                 requests.add_metric([name, replica.url], replica.inflight)
                 tokens.add_metric([name, replica.url], replica.inflight_tokens)
+                up.add_metric([name, replica.url], 1 if replica.up else 0)
+            for (url, reason), count in pool.ejections.items():
+                ejections.add_metric([name, url, reason], count)
             depth.add_metric([name], pool.waiting)
             capacity.add_metric([name], pool.capacity)
-        return [requests, tokens, depth, capacity]
+        return [requests, tokens, depth, capacity, up, ejections]
 
 
 class Metrics:

@@ -21,14 +21,24 @@ from gateway.account import Accountant
 from gateway.admit import PoolSlots
 from gateway.classify import classify
 from gateway.context import Ctx, Endpoint
-from gateway.errors import BodyTooLarge, ContextLengthExceeded, GatewayError, ShuttingDown
+from gateway.errors import (
+    BodyTooLarge,
+    ContextLengthExceeded,
+    GatewayError,
+    ReplicaRefused,
+    ShuttingDown,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from gateway.estimate import estimate_output
 from gateway.forward import CLIENT_CLOSED, forward
+from gateway.health import HealthChecker
 from gateway.parse import parse
 from gateway.policy.compile import Policy
 from gateway.route import find_candidates, route
 
 log = logging.getLogger("gateway.pipeline")
+_BROKEN_STREAM = frozenset({"upstream_error", "upstream_timeout"})  # failed after the first byte
 
 
 async def count_input(ctx: Ctx) -> None:
@@ -90,6 +100,7 @@ class Gateway:
             for name, pool in policy.pools.items()
         }
         self.draining = False
+        self._background: set[asyncio.Task[None]] = set()
 
     async def open(self) -> None:
         for name, pool in self.policy.pools.items():
@@ -105,11 +116,56 @@ class Gateway:
                 auto_decompress=False,
                 skip_auto_headers=("Accept-Encoding", "User-Agent"),
             )
+            checker = HealthChecker(self.slots[name], self.sessions[name])
+            self._background.add(asyncio.create_task(checker.run(), name=f"health:{name}"))
 
     async def close(self) -> None:
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        self._background.clear()
         for session in self.sessions.values():
             await session.close()
         self.policy.close()
+
+    async def _admit_and_forward(self, ctx: Ctx, request: web.Request) -> web.StreamResponse:
+        """Hold a slot and forward; what a replica refused before taking it is retried on
+        another replica of the pool, within the pool's retry budget, never after a byte was sent."""
+        assert ctx.pool is not None
+        name = ctx.pool.name
+        slots, session, key = self.slots[name], self.sessions[name], self.api_keys[name]
+        timeouts = ctx.pool.spec.timeouts
+        avoid: frozenset[str] = frozenset()
+        while True:
+            retrying = bool(avoid)
+            slots.retrying += retrying
+            try:
+                async with slots.slot(ctx, avoid) as replica:
+                    tried = avoid | {replica.url}
+                    retry_next = slots.can_retry(ctx.reserved_tokens, tried)
+                    try:
+                        resp = await forward(
+                            ctx, request, session, replica.url, key, timeouts, retry_503=retry_next
+                        )
+                    except ReplicaRefused:
+                        slots.failed(replica, "refused")
+                        if not retry_next:
+                            raise
+                        avoid, ctx.retries = tried, ctx.retries + 1
+                        continue
+                    except UpstreamTimeout:
+                        slots.failed(replica, "timeout")
+                        raise
+                    except UpstreamError:
+                        slots.failed(replica, "upstream_error")
+                        raise
+                    if ctx.status >= 500 or ctx.reason in _BROKEN_STREAM:
+                        slots.failed(replica, ctx.reason or "5xx")
+                    else:
+                        slots.succeeded(replica)
+                    return resp
+            finally:
+                slots.retrying -= retrying
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         ctx = Ctx(
@@ -129,12 +185,7 @@ class Gateway:
                 raise BodyTooLarge(f"request body is over the {limit}-byte limit") from None
             parse(ctx, request.content_type, raw)
             await decide(ctx, self.policy)
-            assert ctx.pool is not None
-            name = ctx.pool.name
-            async with self.slots[name].slot(ctx):
-                return await forward(
-                    ctx, request, self.sessions[name], ctx.replica, self.api_keys[name]
-                )
+            return await self._admit_and_forward(ctx, request)
         except GatewayError as exc:
             ctx.status, ctx.reason = exc.status, exc.reason
             return exc.response({"x-request-id": ctx.request_id})

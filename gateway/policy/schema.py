@@ -63,9 +63,40 @@ class QueueSpec(Spec):
 
 
 class TimeoutSpec(Spec):
+    """Each time-out maps to a clear error: 504 before the first byte, a terminal SSE error after."""
+
     connect_s: PositiveFloat = 5.0
+    first_token_s: PositiveFloat = Field(
+        120.0, description="Streams: longest wait from sending the request to its first event."
+    )
     read_s: PositiveFloat = Field(
         300.0, description="Longest silence from the replica (before headers or between chunks)."
+    )
+    total_s: PositiveFloat = Field(1800.0, description="Longest a request may take in all.")
+
+
+class RetrySpec(Spec):
+    """Envoy-style retry budget: retries in flight stay under a share of the requests in flight,
+    with a floor so a lone failure is always retried, but retries cannot amplify an outage."""
+
+    budget_percent: float = Field(20.0, ge=0, le=100)
+    min_concurrent: int = Field(3, ge=0, description="Retries always allowed in flight at once.")
+
+
+class HealthSpec(Spec):
+    """Instance-level circuit breaking: active `/health` probes and passive outlier detection."""
+
+    interval_s: float = Field(5.0, ge=0, description="Active check period; 0 turns probes off.")
+    timeout_s: PositiveFloat = 2.0
+    path: str = "/health"
+    consecutive_failures: PositiveInt = Field(
+        3, description="Failed requests or probes in a row that eject a replica."
+    )
+    ejection_s: PositiveFloat = Field(
+        30.0, description="Base ejection time; it grows with each ejection of the same replica."
+    )
+    max_ejection_percent: float = Field(
+        50.0, ge=0, le=100, description="Never eject more of a pool than this (at least one stays)."
     )
 
 
@@ -80,6 +111,8 @@ class PoolSpec(Spec):
     )
     queue: QueueSpec = QueueSpec()
     timeouts: TimeoutSpec = TimeoutSpec()
+    retry: RetrySpec = RetrySpec()
+    health: HealthSpec = HealthSpec()
     api_key_env: str | None = Field(
         None, description="Environment variable holding the replicas' API key (sent as Bearer)."
     )
@@ -139,7 +172,66 @@ class PluginsSpec(Spec):
 
 
 class ServerSpec(Spec):
-    max_body_bytes: PositiveInt = 8 * 1024 * 1024
+    """The listener: request limits, client time-outs, drain, and tokenization resources.
+
+    Every limit is checked before any tokenizer work, and every refusal is in the OpenAI error
+    shape (README, Errors).
+    """
+
+    max_body_bytes: PositiveInt = Field(
+        8 * 1024 * 1024, description="Largest request body; beyond it: 413 `request_too_large`."
+    )
+    max_headers: PositiveInt = Field(
+        64,
+        description=(
+            "Request header fields; beyond it: 431 `headers_too_large`. aiohttp's parser stops"
+            " reading at twice this and answers a plain 400, so headers never pile up unbounded."
+        ),
+    )
+    max_header_bytes: PositiveInt = Field(
+        16 * 1024,
+        description=(
+            "Names and values of all request header fields together; beyond it: 431"
+            " `headers_too_large`. No single line (the request line or one field) may be longer:"
+            " aiohttp's parser stops reading it and answers a plain 400."
+        ),
+    )
+    max_json_depth: int = Field(
+        64,
+        ge=2,
+        le=1024,
+        description=(
+            "Nesting of objects and arrays in the body (`{}` is 1); beyond it: 400"
+            " `json_too_deep`. orjson refuses more than 1024 levels itself."
+        ),
+    )
+    max_messages: PositiveInt = Field(
+        2048, description="Messages in a chat request; beyond it: 400 `too_many_messages`."
+    )
+    max_prompt_chars: PositiveInt = Field(
+        1_000_000,
+        description=(
+            "Characters of prompt text (message contents, or all prompts of a completion),"
+            " checked before tokenizing; beyond it: 400 `prompt_too_long`. Keep it above the"
+            " largest `max_model_len` times the characters per token the models see."
+        ),
+    )
+    idle_timeout_s: PositiveFloat = Field(
+        75.0,
+        description=(
+            "Longest a connection may go without a complete request head, counted from when it"
+            " opened or answered its last request: idle keep-alive connections and clients that"
+            " dribble their headers (slow loris) are closed. Keep it above the idle time-out of"
+            " any proxy in front of the gateway."
+        ),
+    )
+    body_timeout_s: PositiveFloat = Field(
+        30.0,
+        description=(
+            "Longest a client may take to send its body once the headers are in; then 408"
+            " `request_timeout` and the connection is closed."
+        ),
+    )
     drain_grace_s: float = Field(
         30.0, ge=0, description="How long SIGTERM waits for in-flight work."
     )

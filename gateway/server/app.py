@@ -70,10 +70,10 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready while a policy is loaded, every pool has a replica, and no shutdown has begun."""
+    """Ready while a policy is loaded, any pool can serve, and no shutdown has begun."""
     gateway = request.app[GATEWAY]
-    pools = {name: len(slots.replicas) for name, slots in gateway.slots.items()}
-    ready = not gateway.draining and all(pools.values())
+    pools = {name: sum(r.up for r in slots.replicas) for name, slots in gateway.slots.items()}
+    ready = not gateway.draining and any(pools.values())
     body = {"ready": ready, "draining": gateway.draining, "replicas": pools}
     return _json(body, 200 if ready else 503)
 

@@ -1,0 +1,144 @@
+"""Failure handling: retries within a budget, time-outs with clear errors, ejection and readmission."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import aiohttp
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import basic_policy, eventually
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
+
+
+def dead_url() -> str:
+    """A loopback port nobody listens on: connections are refused at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def access(gw) -> list[dict]:
+    return [json.loads(line) for line in gw.access_log.getvalue().splitlines()]
+
+
+async def scrape(http: aiohttp.ClientSession, gw) -> dict[str, list]:
+    async with http.get(f"{gw.url}/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+async def test_a_refusing_replica_is_retried_on_the_other(
+    stub, gateway_factory, tokenizer_dir
+) -> None:
+    policy = basic_policy(tokenizer_dir, [dead_url(), stub.url])
+    policy["pools"]["main"]["health"] = {"interval_s": 0, "consecutive_failures": 100}
+    gw = await gateway_factory(policy)
+    client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+    reply = await client.chat.completions.create(**CHAT)
+    assert reply.choices[0].message.content == " tok" * 3
+    stream = await client.chat.completions.create(**CHAT, stream=True)
+    assert (
+        "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == " tok" * 3
+    )
+    await client.close()
+    assert [(x["status"], x["retries"], x["replica"]) for x in access(gw)] == [
+        (200, 1, stub.url)
+    ] * 2
+    assert gw.inflight() == 0
+
+
+async def test_a_503_is_retried_on_the_other(
+    stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    busy, ok = await stub_factory(status=503), await stub_factory()
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [busy.url, ok.url]))
+    async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+        assert resp.status == 200
+    assert (busy.stats.requests, ok.stats.completed) == (1, 1)
+
+
+async def test_no_budget_means_no_retry(stub, gateway_factory, tokenizer_dir, http) -> None:
+    policy = basic_policy(tokenizer_dir, [dead_url(), stub.url])
+    policy["pools"]["main"]["retry"] = {"budget_percent": 0, "min_concurrent": 0}
+    gw = await gateway_factory(policy)
+    async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+        assert resp.status == 502 and (await resp.json())["error"]["code"] == "upstream_error"
+    assert stub.stats.requests == 0 and gw.inflight() == 0
+
+
+async def test_a_failing_replica_is_ejected_then_readmitted(
+    stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    sick, healthy = await stub_factory(status=500), await stub_factory()
+    policy = basic_policy(tokenizer_dir, [sick.url, healthy.url])
+    policy["pools"]["main"]["health"] = {
+        "interval_s": 0.05,
+        "consecutive_failures": 2,
+        "ejection_s": 0.3,
+    }
+    gw = await gateway_factory(policy)
+    statuses = []
+    for _ in range(6):
+        async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+            statuses.append(resp.status)
+    assert statuses[:2] == [500, 500]  # the replica's own errors reach the client intact
+    assert statuses[2:] == [200] * 4  # ejected: its slots left the pool
+    found = await scrape(http, gw)
+    up = {s.labels["replica"]: s.value for s in found["llm_replica_up"]}
+    assert up == {sick.url: 0.0, healthy.url: 1.0}
+    assert [
+        (s.labels["replica"], s.labels["reason"], s.value)
+        for s in found["llm_replica_ejections_total"]
+    ] == [(sick.url, "5xx", 1.0)]
+    assert [s.value for s in found["llm_pool_capacity"]] == [8.0]
+    sick.config.status = 200  # it recovers: the half-open probe lets it back in
+    await eventually(lambda: all(r.up for r in gw.gateway.slots["main"].replicas))
+    found = await scrape(http, gw)
+    assert [s.value for s in found["llm_pool_capacity"]] == [16.0]
+
+
+async def test_first_token_timeout_is_504(
+    stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    slow = await stub_factory(delay_s=3)
+    policy = basic_policy(tokenizer_dir, [slow.url])
+    policy["pools"]["main"]["timeouts"] = {"first_token_s": 0.2}
+    gw = await gateway_factory(policy)
+    async with http.post(f"{gw.url}/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+        assert resp.status == 504 and (await resp.json())["error"]["code"] == "upstream_timeout"
+    await eventually(lambda: slow.stats.running == 0 and gw.inflight() == 0)
+
+
+async def test_total_timeout_is_504_for_a_whole_answer(
+    stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    slow = await stub_factory(delay_s=3)
+    policy = basic_policy(tokenizer_dir, [slow.url])
+    policy["pools"]["main"]["timeouts"] = {"total_s": 0.2}
+    gw = await gateway_factory(policy)
+    async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+        assert resp.status == 504
+    await eventually(lambda: slow.stats.running == 0 and gw.inflight() == 0)
+
+
+async def test_a_stall_mid_stream_ends_with_an_error_event(
+    stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    stalling = await stub_factory(chunk_delay_s=2)
+    policy = basic_policy(tokenizer_dir, [stalling.url])
+    policy["pools"]["main"]["timeouts"] = {"read_s": 0.3}
+    gw = await gateway_factory(policy)
+    async with http.post(f"{gw.url}/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+        assert resp.status == 200
+        events = [line for line in (await resp.read()).split(b"\n\n") if line]
+    assert b'"upstream_timeout"' in events[-2] and events[-1] == b"data: [DONE]"
+    await eventually(lambda: stalling.stats.disconnects == 1 and gw.inflight() == 0)
+    assert access(gw)[-1]["reason"] == "upstream_timeout"
