@@ -3,7 +3,10 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test lint demo schema bench-overhead clean
+# The real-vLLM suite's tiny model; vLLM's own environment is cached outside the repository.
+TINY_LLAMA := loadtest/out/tiny-llama
+
+.PHONY: test test-vllm lint demo schema bench-overhead bench-vllm clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -12,14 +15,21 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/ruff check gateway tests loadtest
-	$(BIN)/ruff format --check gateway tests loadtest
+	$(BIN)/ruff check gateway tests tests_vllm loadtest
+	$(BIN)/ruff format --check gateway tests tests_vllm loadtest
 	$(BIN)/mypy gateway
 	$(BIN)/python -m pytest -q
 
+# Real vLLM (CPU build) behind the gateway: builds the tiny model, installs vLLM once, runs
+# tests_vllm/, whose session fixture starts vLLM on a free loopback port and always stops it.
+test-vllm: $(STAMP)
+	VLLM_PYTHON=$$(tests_vllm/vllm_env.sh) && \
+	HF_HUB_OFFLINE=1 "$$VLLM_PYTHON" -m loadtest.tiny_llama $(TINY_LLAMA) && \
+	VLLM_PYTHON=$$VLLM_PYTHON VLLM_MODEL_DIR=$(TINY_LLAMA) $(BIN)/python -m pytest -q tests_vllm
+
 lint: $(STAMP)
-	$(BIN)/ruff check --fix gateway tests loadtest
-	$(BIN)/ruff format gateway tests loadtest
+	$(BIN)/ruff check --fix gateway tests tests_vllm loadtest
+	$(BIN)/ruff format gateway tests tests_vllm loadtest
 	$(BIN)/mypy gateway
 
 schema: $(STAMP)
