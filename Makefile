@@ -41,5 +41,10 @@ demo: $(STAMP)
 bench-overhead: $(STAMP)
 	$(BIN)/python -m loadtest.bench_overhead
 
+bench-vllm: $(STAMP)
+	VLLM_PYTHON=$$(tests_vllm/vllm_env.sh) && \
+	HF_HUB_OFFLINE=1 "$$VLLM_PYTHON" -m loadtest.tiny_llama $(TINY_LLAMA) && \
+	$(BIN)/python -m loadtest.bench_vllm --vllm-python "$$VLLM_PYTHON" --model-dir $(TINY_LLAMA)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
