@@ -73,8 +73,11 @@ def completion_bodies(rng: random.Random, n: int) -> list[dict[str, Any]]:
     bodies = []
     for _ in range(n):
         prompt: Any = _text(rng) or "x"
-        if rng.random() < 0.2:
+        shape = rng.random()
+        if shape < 0.2:  # several prompts in one request: vLLM's usage sums them
             prompt = [_text(rng) or "y" for _ in range(rng.randint(2, 3))]
+        elif shape < 0.3:  # token ids, counted as they are
+            prompt = [rng.randrange(6, 1900) for _ in range(rng.randint(1, 200))]
         bodies.append({"model": "tiny", "prompt": prompt, "max_tokens": 1})
     return bodies
 
