@@ -120,6 +120,18 @@ class PoolSlots:
         self.retrying = 0  # retries in flight, against the retry budget
         self.ejections: Counter[tuple[str, str]] = Counter()  # (replica, reason) -> count
 
+    def update(self, spec: PoolSpec, picker: Picker) -> None:
+        """Take a reloaded pool spec. Replicas that stay keep their counts and health; new ones
+        join; those that left take no new request, and the requests they run release on them."""
+        known = {r.url: r for r in self.replicas}
+        self.replicas = [known.get(url) or Replica(url, 0, None) for url in spec.replicas]
+        for replica in self.replicas:
+            replica.max_concurrency = spec.max_concurrency
+            replica.max_tokens = spec.max_inflight_tokens
+        self.spec = spec
+        self.picker = picker
+        self._dispatch()  # the caps may have grown
+
     @property
     def capacity(self) -> int:
         """The caps of the replicas in the pool: an ejected one's slots leave with it."""

@@ -32,6 +32,20 @@ async def _serve(policy_path: str, host: str, port: int) -> int:
     # full collection walks them all and stalls the event loop for ~60 ms (docs/benchmarks.md).
     gc.collect()
     gc.freeze()
+    # Signals are handled before the listener opens: a SIGHUP right after start must not kill us.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    reloads: set[asyncio.Task[object]] = set()
+
+    def reload_on_hup() -> None:
+        task = loop.create_task(app[GATEWAY].reload())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # logged by reload
+
+    loop.add_signal_handler(signal.SIGHUP, reload_on_hup)
     runner = web.AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=server.drain_grace_s
     )
@@ -39,10 +53,6 @@ async def _serve(policy_path: str, host: str, port: int) -> int:
     await web.TCPSite(runner, host, port, backlog=1024).start()
     for address in runner.addresses:
         log.info("listening on http://%s:%s (policy %s)", address[0], address[1], policy_path)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     app[GATEWAY].draining = True
     log.info(
@@ -108,7 +118,7 @@ async def _explain(policy_path: str, raw: bytes, endpoint: str | None) -> dict[s
             headers=CIMultiDictProxy(CIMultiDict()),
             arrived=time.perf_counter(),
         )
-        parse(ctx, "application/json", raw)
+        parse(ctx, "application/json", raw, policy.spec.server)
         await decide(ctx, policy)
     finally:
         policy.close()

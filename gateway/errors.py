@@ -140,6 +140,33 @@ class MethodNotAllowed(GatewayError):
     reason = "method_not_allowed"
 
 
+class Unauthorized(GatewayError):
+    """Raised when an admin call lacks the right bearer token."""
+
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+    reason = "unauthorized"
+
+
+class AdminDisabled(GatewayError):
+    """Raised for admin calls while no admin token is configured."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "admin_disabled"
+    reason = "admin_disabled"
+
+
+class InvalidPolicy(GatewayError):
+    """Raised when a reload finds the policy file invalid; the running policy stays."""
+
+    status = 422
+    type = "invalid_request_error"
+    code = "invalid_policy"
+    reason = "invalid_policy"
+
+
 class Retryable(GatewayError):
     """A refusal the client should retry after `retry_after_s` seconds."""
 

@@ -56,12 +56,20 @@ def upstream_body(ctx: Ctx) -> bytes:
     return orjson.dumps({**ctx.body, **changes})
 
 
+def _hop_by_hop(headers: Mapping[str, str], always: frozenset[str]) -> frozenset[str]:
+    """`always`, plus the headers the `Connection` header names: those are hop-by-hop too
+    (RFC 9110, 7.6.1), and forwarding them lets a client smuggle headers past a proxy."""
+    named = ",".join(v for k, v in headers.items() if k.lower() == "connection")  # every line
+    if not named:
+        return always
+    return always | {token.strip().lower() for token in named.split(",")}
+
+
 def upstream_headers(
     headers: CIMultiDictProxy[str], ctx: Ctx, api_key: str | None
 ) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict(
-        (k, v) for k, v in headers.items() if k.lower() not in _DROP_REQUEST
-    )
+    drop = _hop_by_hop(headers, _DROP_REQUEST)
+    out: CIMultiDict[str] = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
     out["x-request-id"] = ctx.request_id
     if api_key is not None:
         out["Authorization"] = f"Bearer {api_key}"
@@ -69,8 +77,9 @@ def upstream_headers(
 
 
 def _response_headers(upstream: Mapping[str, str], ctx: Ctx) -> CIMultiDict[str]:
+    drop = _hop_by_hop(upstream, _DROP_RESPONSE)
     out: CIMultiDict[str] = CIMultiDict(
-        (k, v) for k, v in upstream.items() if k.lower() not in _DROP_RESPONSE
+        (k, v) for k, v in upstream.items() if k.lower() not in drop
     )
     out["x-request-id"] = ctx.request_id
     return out
@@ -181,6 +190,7 @@ async def forward(
     replica_url: str,
     api_key: str | None,
     timeouts: TimeoutSpec,
+    client_timeout: aiohttp.ClientTimeout,
     *,
     retry_503: bool = False,
 ) -> web.StreamResponse:
@@ -197,7 +207,9 @@ async def forward(
     first = now + timeouts.first_token_s
     try:
         async with asyncio.timeout_at(min(first, total) if ctx.stream else total):
-            up = await session.post(url, data=upstream_body(ctx), headers=headers)
+            up = await session.post(
+                url, data=upstream_body(ctx), headers=headers, timeout=client_timeout
+            )
     except (TimeoutError, aiohttp.ServerTimeoutError):
         raise UpstreamTimeout(f"replica {replica_url} did not answer in time") from None
     except (

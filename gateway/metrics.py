@@ -8,12 +8,16 @@ admission state at scrape time, so they can never drift from the truth.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.admit import PoolSlots
+
+if TYPE_CHECKING:
+    from gateway.policy.compile import Policy
 
 E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 30, 45, 60, 90,
                120, 180, 300, 600)  # fmt: skip
@@ -28,9 +32,21 @@ NONE = "none"  # label value for requests refused before a pool was chosen
 WORKLOAD = ("model", "pool", "class")
 
 
+class Source(Protocol):
+    """What the scrape-time collector reads: the gateway's current state."""
+
+    @property
+    def slots(self) -> Mapping[str, PoolSlots]: ...
+
+    @property
+    def policy(self) -> Policy: ...
+
+    reload_errors: int
+
+
 class _Gauges(Collector):
-    def __init__(self, pools: Mapping[str, PoolSlots]) -> None:
-        self.pools = pools
+    def __init__(self, source: Source) -> None:
+        self.source = source
 
     def collect(self) -> Iterable[Metric]:
         requests = GaugeMetricFamily(
@@ -55,7 +71,7 @@ class _Gauges(Collector):
             "llm_replica_ejections", "Replicas taken out of their pool.",
             labels=["pool", "replica", "reason"],
         )  # fmt: skip
-        for name, pool in self.pools.items():
+        for name, pool in self.source.slots.items():
             for replica in pool.replicas:
                 requests.add_metric([name, replica.url], replica.inflight)
                 tokens.add_metric([name, replica.url], replica.inflight_tokens)
@@ -64,13 +80,21 @@ class _Gauges(Collector):
                 ejections.add_metric([name, url, reason], count)
             depth.add_metric([name], pool.waiting)
             capacity.add_metric([name], pool.capacity)
-        return [requests, tokens, depth, capacity, up, ejections]
+        info = GaugeMetricFamily(
+            "llm_policy_info", "The running policy, by the hash of its file.", labels=["hash"]
+        )
+        info.add_metric([self.source.policy.digest], 1)
+        errors = CounterMetricFamily(
+            "llm_policy_reload_errors", "Policy reloads refused (the running policy stayed)."
+        )
+        errors.add_metric([], self.source.reload_errors)
+        return [requests, tokens, depth, capacity, up, ejections, info, errors]
 
 
 class Metrics:
     """One registry per gateway app, so tests and several apps in a process stay apart."""
 
-    def __init__(self, pools: Mapping[str, PoolSlots]) -> None:
+    def __init__(self, source: Source) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.e2e = Histogram(
@@ -101,4 +125,4 @@ class Metrics:
         self.output_tokens = Counter(
             "llm_output_tokens", "Generated tokens streamed or returned.", WORKLOAD, registry=r
         )
-        r.register(_Gauges(pools))
+        r.register(_Gauges(source))

@@ -1,7 +1,9 @@
 """Stage 1, parse: decode the body once and check the fields admission depends on.
 
 Only what the gateway itself needs is validated; every other field (`ignore_eos`, `stop`,
-`logprobs`, `response_format`, ...) is left for the replica and passes through untouched.
+`logprobs`, `response_format`, ...) is left for the replica and passes through untouched. The
+policy's size limits (`server.max_json_depth`, `max_messages`, `max_prompt_chars`) are checked here,
+so no tokenizer ever sees an input larger than the operator allowed.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import orjson
 
 from gateway.context import Ctx
 from gateway.errors import BadRequest, UnsupportedMediaType
-from gateway.policy.schema import PRIORITIES
+from gateway.policy.schema import PRIORITIES, ServerSpec
 
 _PRIORITY_INDEX = {name: index for index, name in enumerate(PRIORITIES)}
 DEFAULT_PRIORITY = _PRIORITY_INDEX["standard"]
@@ -29,38 +31,106 @@ def _positive_int(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
-def _check_messages(messages: Any) -> None:
+def _check_depth(raw: bytes, body: Any, limit: int) -> None:
+    """Refuse a body nested deeper than `limit` objects and arrays.
+
+    Counting brackets in the raw bytes is C-speed and settles almost every request (a body with
+    fewer brackets than the limit cannot nest deeper), so the walk runs only on bracket-rich bodies.
+    """
+    if raw.count(b"{") + raw.count(b"[") <= limit:
+        return
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            raise BadRequest(f"body is nested deeper than {limit} levels", code="json_too_deep")
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+
+
+def _content_chars(content: Any, index: int) -> int:
+    """Characters of one message's content; its shape is checked on the way."""
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return len(content)
+    if not isinstance(content, list):
+        raise BadRequest(
+            f"messages[{index}].content must be a string or an array of parts",
+            param=f"messages[{index}].content",
+        )
+    chars = 0
+    for part in content:
+        if not isinstance(part, dict):
+            raise BadRequest(
+                f"messages[{index}].content parts must be objects",
+                param=f"messages[{index}].content",
+            )
+        text = part.get("text")
+        if isinstance(text, str):
+            chars += len(text)
+    return chars
+
+
+def _check_prompt_chars(chars: int, limits: ServerSpec, param: str) -> None:
+    if chars > limits.max_prompt_chars:
+        raise BadRequest(
+            f"the prompt has {chars} characters, over the {limits.max_prompt_chars} limit",
+            param=param,
+            code="prompt_too_long",
+        )
+
+
+def _check_messages(messages: Any, limits: ServerSpec) -> None:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
+    if len(messages) > limits.max_messages:
+        raise BadRequest(
+            f"{len(messages)} messages, over the {limits.max_messages} limit",
+            param="messages",
+            code="too_many_messages",
+        )
+    chars = 0
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise BadRequest(
                 f"messages[{index}] must be an object with a string 'role'",
                 param=f"messages[{index}]",
             )
-        content = message.get("content")
-        if content is not None and not isinstance(content, str | list):
-            raise BadRequest(
-                f"messages[{index}].content must be a string or an array of parts",
-                param=f"messages[{index}].content",
-            )
+        chars += _content_chars(message.get("content"), index)
+    _check_prompt_chars(chars, limits, "messages")
 
 
-def _prompt_count(prompt: Any) -> int:
-    """Number of prompts in a completions request; raise if `prompt` has no valid shape."""
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _prompt_shape(prompt: Any) -> tuple[int, int]:
+    """Number of prompts in a completions request and their characters (0 for token ids).
+
+    Raise if `prompt` has no valid shape.
+    """
     if isinstance(prompt, str):
-        return 1
+        return 1, len(prompt)
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            return len(prompt)
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return 1
-        if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
-            return len(prompt)
+            return len(prompt), sum(map(len, prompt))
+        if all(map(_is_token, prompt)):
+            return 1, 0
+        if all(isinstance(p, list) and p and all(map(_is_token, p)) for p in prompt):
+            return len(prompt), 0
     raise BadRequest("'prompt' must be a string, an array of strings, or token ids", param="prompt")
 
 
-def parse(ctx: Ctx, content_type: str, raw: bytes) -> None:
+def _check_flags(body: dict[str, Any]) -> None:
+    """The chat template options the token counter keys its caches on must be booleans."""
+    for name in ("add_generation_prompt", "continue_final_message"):
+        if not isinstance(body.get(name, False), bool):
+            raise BadRequest(f"'{name}' must be a boolean", param=name, code="invalid_type")
+
+
+def parse(ctx: Ctx, content_type: str, raw: bytes, limits: ServerSpec) -> None:
     """Fill `ctx` from the request body, or raise a 4xx `GatewayError`."""
     if content_type != "application/json":
         raise UnsupportedMediaType(
@@ -72,11 +142,13 @@ def parse(ctx: Ctx, content_type: str, raw: bytes) -> None:
         raise BadRequest(f"body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object", code="invalid_json")
+    _check_depth(raw, body, limits.max_json_depth)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a string", param="model")
     if ctx.endpoint == "chat":
-        _check_messages(body.get("messages"))
+        _check_messages(body.get("messages"), limits)
+        _check_flags(body)
         prompts = 1
         max_output = _positive_int(body, "max_completion_tokens")
         if max_output is None:
@@ -84,7 +156,8 @@ def parse(ctx: Ctx, content_type: str, raw: bytes) -> None:
     else:
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", param="prompt")
-        prompts = _prompt_count(body["prompt"])
+        prompts, chars = _prompt_shape(body["prompt"])
+        _check_prompt_chars(chars, limits, "prompt")
         max_output = _positive_int(body, "max_tokens")
     n = _positive_int(body, "n") or 1
     stream = body.get("stream", False)

@@ -8,11 +8,14 @@ every request, however it ended.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import time
 import uuid
+from dataclasses import dataclass
+from typing import IO
 
 import aiohttp
 from aiohttp import web
@@ -33,11 +36,14 @@ from gateway.errors import (
 from gateway.estimate import estimate_output
 from gateway.forward import CLIENT_CLOSED, forward
 from gateway.health import HealthChecker
+from gateway.metrics import Metrics
 from gateway.parse import parse
-from gateway.policy.compile import Policy
+from gateway.policy.compile import Policy, compile_policy
+from gateway.policy.load import PolicyError, load_spec
 from gateway.route import find_candidates, route
 
 log = logging.getLogger("gateway.pipeline")
+PASSIVE_WATCH_S = 5.0  # with watching off, how often to look whether a reload turned it on
 _BROKEN_STREAM = frozenset({"upstream_error", "upstream_timeout"})  # failed after the first byte
 
 
@@ -87,53 +93,144 @@ def _request_id(request: web.Request) -> str:
     return f"{_ID_PREFIX}{next(_ID_SEQ):016x}"
 
 
-class Gateway:
-    """One policy's runtime: admission state, upstream sessions, accounting."""
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """One policy and the admission state serving it. A reload builds the next one and swaps a
+    single reference: a request keeps the runtime it started with, slots included."""
 
-    def __init__(self, policy: Policy, accountant: Accountant, slots: dict[str, PoolSlots]) -> None:
-        self.policy = policy
-        self.accountant = accountant
-        self.slots = slots
+    policy: Policy
+    slots: dict[str, PoolSlots]
+    api_keys: dict[str, str | None]
+    client_timeouts: dict[str, aiohttp.ClientTimeout]
+
+    @classmethod
+    def build(cls, policy: Policy, previous: Runtime | None) -> Runtime:
+        slots = {}
+        for name, pool in policy.pools.items():
+            kept = previous.slots.get(name) if previous is not None else None
+            if kept is None:
+                slots[name] = PoolSlots(name, pool.spec, policy.picker)
+            else:  # its replicas keep their counts: in-flight requests release where they took
+                kept.update(pool.spec, policy.picker)
+                slots[name] = kept
+        return cls(
+            policy=policy,
+            slots=slots,
+            api_keys={
+                name: os.environ.get(pool.spec.api_key_env) if pool.spec.api_key_env else None
+                for name, pool in policy.pools.items()
+            },
+            client_timeouts={
+                name: aiohttp.ClientTimeout(
+                    total=None,
+                    sock_connect=pool.spec.timeouts.connect_s,
+                    sock_read=pool.spec.timeouts.read_s,
+                )
+                for name, pool in policy.pools.items()
+            },
+        )
+
+
+class Gateway:
+    """The running gateway: the current `Runtime`, upstream sessions, health checks, accounting."""
+
+    def __init__(self, policy: Policy, access_log: IO[bytes] | None) -> None:
+        self.runtime = Runtime.build(policy, None)
+        self.reload_errors = 0
+        self.accountant = Accountant(Metrics(self), access_log)  # reads the above at scrape time
         self.sessions: dict[str, aiohttp.ClientSession] = {}
-        self.api_keys = {
-            name: os.environ.get(pool.spec.api_key_env) if pool.spec.api_key_env else None
-            for name, pool in policy.pools.items()
-        }
         self.draining = False
-        self._background: set[asyncio.Task[None]] = set()
+        self._checkers: dict[str, asyncio.Task[None]] = {}
+        self._reload_lock = asyncio.Lock()
+        self._watcher: asyncio.Task[None] | None = None
+
+    @property
+    def policy(self) -> Policy:
+        return self.runtime.policy
+
+    @property
+    def slots(self) -> dict[str, PoolSlots]:
+        return self.runtime.slots
+
+    def _serve_pools(self) -> None:
+        """Sessions and health checks for every pool of the runtime; stop those of pools gone."""
+        for name, slots in self.runtime.slots.items():
+            if name not in self.sessions:
+                self.sessions[name] = aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+                    auto_decompress=False,
+                    skip_auto_headers=("Accept-Encoding", "User-Agent"),
+                )
+            if name not in self._checkers:
+                checker = HealthChecker(slots, self.sessions[name])
+                self._checkers[name] = asyncio.create_task(checker.run(), name=f"health:{name}")
+        for name in [n for n in self._checkers if n not in self.runtime.slots]:
+            self._checkers.pop(name).cancel()
 
     async def open(self) -> None:
-        for name, pool in self.policy.pools.items():
-            timeouts = pool.spec.timeouts
-            connector = aiohttp.TCPConnector(
-                limit=self.slots[name].capacity + 16, limit_per_host=0, keepalive_timeout=60
-            )
-            self.sessions[name] = aiohttp.ClientSession(
-                connector=connector,
-                timeout=aiohttp.ClientTimeout(
-                    total=None, sock_connect=timeouts.connect_s, sock_read=timeouts.read_s
-                ),
-                auto_decompress=False,
-                skip_auto_headers=("Accept-Encoding", "User-Agent"),
-            )
-            checker = HealthChecker(self.slots[name], self.sessions[name])
-            self._background.add(asyncio.create_task(checker.run(), name=f"health:{name}"))
+        self._serve_pools()
+        self._watcher = asyncio.create_task(self._watch(), name="policy-watch")
+
+    async def _watch(self) -> None:
+        """Reload when the policy file changes (a ConfigMap update swaps it under us)."""
+
+        def stamp() -> tuple[int, int] | None:
+            try:
+                st = os.stat(self.policy.path)
+            except OSError:
+                return None  # mid-swap, or gone: keep the running policy
+            return (st.st_mtime_ns, st.st_size)
+
+        seen = stamp()
+        while True:
+            await asyncio.sleep(self.policy.spec.admin.watch_interval_s or PASSIVE_WATCH_S)
+            if not self.policy.spec.admin.watch_interval_s:
+                continue
+            now = stamp()
+            if now is not None and now != seen:
+                seen = now
+                with contextlib.suppress(PolicyError):  # logged and counted by reload
+                    await self.reload()
+
+    async def reload(self) -> Policy:
+        """Validate the policy file and swap it in; raise `PolicyError`, keeping the running one.
+
+        Compiling (tokenizers, YAML) runs in a thread so requests keep flowing meanwhile.
+        """
+        async with self._reload_lock:
+            current = self.runtime.policy
+            try:
+                policy = await asyncio.to_thread(
+                    lambda: compile_policy(load_spec(current.path), previous=current)
+                )
+            except PolicyError as exc:
+                self.reload_errors += 1
+                log.error("policy reload refused, the running policy stays:\n%s", exc)
+                raise
+            if policy.digest != current.digest:
+                self.runtime = Runtime.build(policy, self.runtime)
+                self._serve_pools()
+                log.info("policy %s reloaded: %s -> %s", policy.path, current.digest, policy.digest)
+            return policy
 
     async def close(self) -> None:
-        for task in self._background:
+        tasks = [*self._checkers.values(), *([self._watcher] if self._watcher else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
-        self._background.clear()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._checkers.clear()
         for session in self.sessions.values():
             await session.close()
         self.policy.close()
 
-    async def _admit_and_forward(self, ctx: Ctx, request: web.Request) -> web.StreamResponse:
+    async def _admit_and_forward(
+        self, ctx: Ctx, request: web.Request, runtime: Runtime
+    ) -> web.StreamResponse:
         """Hold a slot and forward; what a replica refused before taking it is retried on
         another replica of the pool, within the pool's retry budget, never after a byte was sent."""
         assert ctx.pool is not None
         name = ctx.pool.name
-        slots, session, key = self.slots[name], self.sessions[name], self.api_keys[name]
+        slots, session, key = runtime.slots[name], self.sessions[name], runtime.api_keys[name]
         timeouts = ctx.pool.spec.timeouts
         avoid: frozenset[str] = frozenset()
         while True:
@@ -145,7 +242,14 @@ class Gateway:
                     retry_next = slots.can_retry(ctx.reserved_tokens, tried)
                     try:
                         resp = await forward(
-                            ctx, request, session, replica.url, key, timeouts, retry_503=retry_next
+                            ctx,
+                            request,
+                            session,
+                            replica.url,
+                            key,
+                            timeouts,
+                            runtime.client_timeouts[name],
+                            retry_503=retry_next,
                         )
                     except ReplicaRefused:
                         slots.failed(replica, "refused")
@@ -175,17 +279,19 @@ class Gateway:
             headers=request.headers,
             arrived=time.perf_counter(),
         )
+        runtime = self.runtime
+        policy = runtime.policy
         try:
             if self.draining:
                 raise ShuttingDown("the gateway is shutting down", retry_after_s=1)
             try:
                 raw = await request.read()
             except web.HTTPRequestEntityTooLarge:
-                limit = self.policy.spec.server.max_body_bytes
+                limit = policy.spec.server.max_body_bytes
                 raise BodyTooLarge(f"request body is over the {limit}-byte limit") from None
-            parse(ctx, request.content_type, raw)
-            await decide(ctx, self.policy)
-            return await self._admit_and_forward(ctx, request)
+            parse(ctx, request.content_type, raw, policy.spec.server)
+            await decide(ctx, policy)
+            return await self._admit_and_forward(ctx, request, runtime)
         except GatewayError as exc:
             ctx.status, ctx.reason = exc.status, exc.reason
             return exc.response({"x-request-id": ctx.request_id})
@@ -198,4 +304,4 @@ class Gateway:
             ctx.status, ctx.reason = error.status, error.reason
             return error.response({"x-request-id": ctx.request_id})
         finally:
-            self.accountant.account(ctx, self.policy.estimator)
+            self.accountant.account(ctx, policy.estimator)

@@ -9,6 +9,7 @@ import signal
 import sys
 
 import aiohttp
+import yaml
 
 from tests.conftest import basic_policy, eventually, write_policy
 
@@ -61,3 +62,71 @@ async def test_sigterm_turns_readiness_off_and_drains_in_flight(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_sigterm_during_50_open_streams(stub_factory, tokenizer_dir, tmp_path) -> None:
+    streaming = await stub_factory(chunk_delay_s=0.02)
+    policy = basic_policy(tokenizer_dir, [streaming.url], max_concurrency=64)
+    policy["server"] = {"drain_grace_s": 20}
+    proc, url = await start_serve(write_policy(tmp_path, policy))
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": 60,
+        "stream": True,
+    }
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def stream() -> bytes:
+                async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 200
+                    return await resp.read()
+
+            streams = [asyncio.create_task(stream()) for _ in range(50)]
+            await eventually(lambda: streaming.stats.running == 50, within_s=20)
+            proc.send_signal(signal.SIGTERM)
+            port = int(url.rsplit(":", 1)[1])
+
+            async def refused() -> bool:
+                try:
+                    _, writer = await asyncio.open_connection("127.0.0.1", port)
+                except OSError:
+                    return True
+                writer.close()
+                return False
+
+            async with asyncio.timeout(10):
+                while not await refused():  # noqa: ASYNC110 - polling another process
+                    await asyncio.sleep(0.02)
+            bodies = await asyncio.gather(*streams)
+        assert all(b.endswith(b"data: [DONE]\n\n") for b in bodies)
+        assert streaming.stats.completed == 50 and streaming.stats.disconnects == 0
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_sighup_reloads_the_policy(stub, tokenizer_dir, tmp_path) -> None:
+    policy = basic_policy(tokenizer_dir, [stub.url])
+    policy["admin"] = {"watch_interval_s": 0}  # only the signal reloads
+    path = write_policy(tmp_path, policy)
+    proc, url = await start_serve(path)
+    try:
+        policy["routes"][0]["match"]["model"] = ["tiny", "after-hup"]
+        path.write_text(yaml.safe_dump(policy))
+        proc.send_signal(signal.SIGHUP)
+        async with aiohttp.ClientSession() as http:
+
+            async def served() -> list[str]:
+                async with http.get(f"{url}/v1/models") as resp:
+                    return [m["id"] for m in (await resp.json())["data"]]
+
+            async with asyncio.timeout(20):
+                while "after-hup" not in await served():  # noqa: ASYNC110 - another process
+                    await asyncio.sleep(0.05)
+    finally:
+        proc.terminate()
+        await proc.wait()

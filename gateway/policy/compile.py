@@ -49,7 +49,8 @@ class Policy:
     served_models: tuple[str, ...]
     """Names `GET /v1/models` lists: each pool's model and each literal alias a route accepts."""
     executor: ThreadPoolExecutor | None
-    """Threads for long tokenizations, owned by this policy."""
+    """Threads for long tokenizations; a reloaded policy inherits them with its models."""
+    digest: str
 
     def close(self) -> None:
         if self.executor is not None:
@@ -131,11 +132,16 @@ def _served(spec: PolicySpec) -> tuple[str, ...]:
     return tuple(names)
 
 
-def compile_policy(loaded: LoadedSpec, *, load_tokenizers: bool = True) -> Policy:
+def compile_policy(
+    loaded: LoadedSpec, *, load_tokenizers: bool = True, previous: Policy | None = None
+) -> Policy:
     """Build the runtime policy; raise `PolicyError` naming file, line and field of each problem.
 
     `load_tokenizers=False` checks a policy on a machine without the model directories (CI, a
-    laptop): token counting then falls back to the character estimate.
+    laptop): token counting then falls back to the character estimate. With `previous` (a
+    reload), what did not change is carried over rather than rebuilt: models with their loaded
+    tokenizers and memoized counts, the tokenizer threads, and the output-length estimator with
+    what it learned.
     """
     spec = loaded.spec
     problems = _cross_check(spec) + _alias_tokenizers(spec)
@@ -144,16 +150,30 @@ def compile_policy(loaded: LoadedSpec, *, load_tokenizers: bool = True) -> Polic
         ("picker", spec.plugins.picker),
         ("output_estimator", spec.plugins.output_estimator),
     ):
+        if previous is not None and getattr(previous.spec.plugins, kind) == plugin:
+            plugins[kind] = getattr(previous, "estimator" if kind == "output_estimator" else kind)
+            continue
         try:
             plugins[kind] = create(kind, plugin.type, plugin.parameters)
         except PluginError as exc:
             problems.append(Problem(("plugins", kind), str(exc)))
-    executor = None
-    if load_tokenizers and any(m.tokenizer != "estimate" for m in spec.models.values()):
+    executor = previous.executor if previous is not None else None
+    if (
+        executor is None
+        and load_tokenizers
+        and any(m.tokenizer != "estimate" for m in spec.models.values())
+    ):
         executor = ThreadPoolExecutor(spec.server.tokenizer_threads, thread_name_prefix="tokenize")
     base = Path(loaded.path).parent
     models: dict[str, Model] = {}
+    reusable = (
+        previous.models if previous is not None and previous.spec.server == spec.server else {}
+    )
     for name, model_spec in spec.models.items():
+        kept = reusable.get(name)
+        if kept is not None and kept.spec == model_spec:
+            models[name] = kept
+            continue
         try:
             counter = _counter(model_spec, spec, base, executor, load_tokenizers)
         except (OSError, ValueError) as exc:
@@ -161,7 +181,7 @@ def compile_policy(loaded: LoadedSpec, *, load_tokenizers: bool = True) -> Polic
             continue
         models[name] = Model(name, model_spec, counter)
     if problems:
-        if executor is not None:
+        if executor is not None and (previous is None or executor is not previous.executor):
             executor.shutdown(wait=False)
         raise loaded.error(problems)
     pools = {
@@ -179,6 +199,7 @@ def compile_policy(loaded: LoadedSpec, *, load_tokenizers: bool = True) -> Polic
         estimator=plugins["output_estimator"],
         served_models=_served(spec),
         executor=executor,
+        digest=loaded.digest,
     )
 
 

@@ -6,6 +6,7 @@ locations (`pools.generate-12b.max_concurrency`) can be pointed at a line of the
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,7 @@ class LoadedSpec:
     path: str
     spec: PolicySpec
     lines: dict[Loc, int]
+    digest: str  # of the file's bytes: `llm_policy_info{hash}` tells which version runs
 
     def error(self, problems: Sequence[Problem]) -> PolicyError:
         return PolicyError(format_problems(self.path, problems, self.lines))
@@ -127,4 +129,4 @@ def load_spec(path: str | Path) -> LoadedSpec:
     except ValidationError as exc:
         problems = [Problem(tuple(err["loc"]), _message(err)) for err in exc.errors()]
         raise PolicyError(format_problems(name, problems, lines)) from None
-    return LoadedSpec(name, spec, lines)
+    return LoadedSpec(name, spec, lines, hashlib.sha256(text.encode()).hexdigest()[:12])

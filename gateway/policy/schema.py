@@ -198,7 +198,7 @@ class ServerSpec(Spec):
     )
     max_json_depth: int = Field(
         64,
-        ge=2,
+        ge=1,
         le=1024,
         description=(
             "Nesting of objects and arrays in the body (`{}` is 1); beyond it: 400"
@@ -246,6 +246,18 @@ class ServerSpec(Spec):
     token_cache_entries: int = Field(8192, ge=0, description="Memoized message counts kept (LRU).")
 
 
+class AdminSpec(Spec):
+    """Changing the running policy: the file is watched, SIGHUP and `POST /admin/reload` reload it."""
+
+    token_env: str = Field(
+        "LLM_GATEWAY_ADMIN_TOKEN",
+        description="Environment variable holding the admin bearer token; unset: admin endpoints off.",
+    )
+    watch_interval_s: float = Field(
+        2.0, ge=0, description="How often the policy file is checked for changes; 0: not watched."
+    )
+
+
 class PolicySpec(Spec):
     models: dict[str, ModelSpec] = Field(min_length=1)
     pools: dict[str, PoolSpec] = Field(min_length=1)
@@ -253,3 +265,4 @@ class PolicySpec(Spec):
     routes: list[RouteSpec] = Field(min_length=1, description="First match wins.")
     plugins: PluginsSpec = PluginsSpec()
     server: ServerSpec = ServerSpec()
+    admin: AdminSpec = AdminSpec()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import IO
 
@@ -10,12 +12,19 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.account import Accountant
-from gateway.admit import PoolSlots
-from gateway.errors import GatewayError, MethodNotAllowed, NotFound, error_body
-from gateway.metrics import Metrics
+from gateway.errors import (
+    AdminDisabled,
+    GatewayError,
+    InvalidPolicy,
+    MethodNotAllowed,
+    NotFound,
+    Unauthorized,
+    error_body,
+)
 from gateway.pipeline import Gateway
 from gateway.policy.compile import Policy
+from gateway.policy.load import PolicyError
+from gateway.server.limits import handler_args, limits_middleware
 
 log = logging.getLogger("gateway.server")
 
@@ -78,6 +87,23 @@ async def readyz(request: web.Request) -> web.Response:
     return _json(body, 200 if ready else 503)
 
 
+async def admin_reload(request: web.Request) -> web.Response:
+    """Reload the policy file now: 200 with the new hash, or 422 listing every problem."""
+    gateway = request.app[GATEWAY]
+    env = gateway.policy.spec.admin.token_env
+    token = os.environ.get(env)
+    if not token:
+        raise AdminDisabled(f"admin endpoints are off: set {env} to enable them")
+    given = request.headers.get("Authorization", "").encode()
+    if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+        raise Unauthorized("admin calls need `Authorization: Bearer <admin token>`")
+    try:
+        policy = await gateway.reload()
+    except PolicyError as exc:
+        raise InvalidPolicy(str(exc)) from None
+    return _json({"reloaded": True, "hash": policy.digest, "pools": sorted(policy.pools)})
+
+
 async def metrics(request: web.Request) -> web.Response:
     registry = request.app[GATEWAY].accountant.metrics.registry
     return web.Response(
@@ -87,11 +113,12 @@ async def metrics(request: web.Request) -> web.Response:
 
 def create_app(policy: Policy, *, access_log: IO[bytes] | None = None) -> web.Application:
     """Build the gateway app for a compiled policy; `access_log` gets one JSON line per request."""
-    slots = {name: PoolSlots(name, pool.spec, policy.picker) for name, pool in policy.pools.items()}
-    log_stream = access_log if policy.spec.server.access_log else None
-    gateway = Gateway(policy, Accountant(Metrics(slots), log_stream), slots)
+    gateway = Gateway(policy, access_log if policy.spec.server.access_log else None)
+    server = policy.spec.server
     app = web.Application(
-        client_max_size=policy.spec.server.max_body_bytes, middlewares=[openai_errors]
+        client_max_size=server.max_body_bytes,
+        middlewares=[limits_middleware(server), openai_errors],
+        handler_args=handler_args(server),
     )
     app[GATEWAY] = gateway
 
@@ -108,4 +135,5 @@ def create_app(policy: Policy, *, access_log: IO[bytes] | None = None) -> web.Ap
     app.router.add_get("/health", health)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/admin/reload", admin_reload)
     return app

@@ -1,0 +1,85 @@
+"""Connection limits: header count and size, the slow-client deadlines, and the parser's bounds.
+
+aiohttp parses a request's head before any gateway code runs, so the policy reaches its parser
+through the application's `handler_args`. The parser's bounds sit a little above the policy's
+limits: it is the backstop that keeps a hostile client from making the gateway buffer unbounded
+headers (it answers a plain-text 400 and closes), while `limits_middleware` applies the exact
+limits and answers in the OpenAI error shape.
+
+Slow clients. aiohttp's keep-alive timer runs from when a connection opens, or answers its last
+request, until a complete request head has arrived, and partial data does not reset it: as
+`keepalive_timeout` it is also the deadline for headers sent byte by byte. aiohttp has no deadline
+for a body, so the middleware sets one on the request's payload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import StreamReader, web
+from aiohttp.typedefs import Handler, Middleware
+
+from gateway.errors import HeadersTooLarge, RequestTimeout
+from gateway.policy.schema import ServerSpec
+
+
+def handler_args(server: ServerSpec) -> dict[str, Any]:
+    """aiohttp `RequestHandler` arguments (`web.Application(handler_args=...)`) for the policy."""
+    return {
+        "keepalive_timeout": server.idle_timeout_s,
+        # No single line can be longer than all headers together are allowed to be.
+        "max_line_size": server.max_header_bytes,
+        "max_field_size": server.max_header_bytes,
+        # Twice the limit: between the two, the middleware refuses with a proper 431.
+        "max_headers": 2 * server.max_headers,
+    }
+
+
+def _check_headers(raw_headers: tuple[tuple[bytes, bytes], ...], server: ServerSpec) -> None:
+    if len(raw_headers) > server.max_headers:
+        raise HeadersTooLarge(
+            f"{len(raw_headers)} header fields, over the {server.max_headers} limit"
+        )
+    size = sum(len(name) + len(value) for name, value in raw_headers)
+    if size > server.max_header_bytes:
+        raise HeadersTooLarge(
+            f"{size} bytes of header fields, over the {server.max_header_bytes}-byte limit"
+        )
+
+
+def _expire(payload: StreamReader, timeout_s: float) -> None:
+    if not payload.is_eof():
+        # Raised from the handler's pending `request.read()`: the pipeline answers it as a 408.
+        payload.set_exception(
+            RequestTimeout(f"the request body did not arrive within {timeout_s}s")
+        )
+
+
+def limits_middleware(server: ServerSpec) -> Middleware:
+    """Refuse headers over the policy's limits (431) and bodies slower than `body_timeout_s` (408).
+
+    It must be the outermost middleware: it renders its own refusal and closes the connection of
+    a timed-out body, whose rest is never read.
+    """
+
+    @web.middleware
+    async def limits(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            _check_headers(request.raw_headers, server)
+        except HeadersTooLarge as exc:
+            return exc.response()
+        payload = request.content
+        if payload.is_eof():  # no body, or it all came with the headers: nothing to wait for
+            return await handler(request)
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(server.body_timeout_s, _expire, payload, server.body_timeout_s)
+        try:
+            response = await handler(request)
+        finally:
+            timer.cancel()
+        if isinstance(payload.exception(), RequestTimeout):
+            response.force_close()
+        return response
+
+    return limits

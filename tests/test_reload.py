@@ -1,0 +1,120 @@
+"""Hot reload: a valid change applies without dropping a stream; an invalid one changes nothing."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+import yaml
+
+from tests.conftest import basic_policy, eventually
+
+TOKEN = "s3cret-admin"
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
+
+
+@pytest.fixture
+def admin_token(monkeypatch) -> str:
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_TOKEN", TOKEN)
+    return TOKEN
+
+
+async def reload(http: aiohttp.ClientSession, url: str, token: str = TOKEN) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {token}"}
+    async with http.post(f"{url}/admin/reload", headers=headers) as resp:
+        return resp.status, await resp.json()
+
+
+async def policy_hash(http: aiohttp.ClientSession, url: str) -> str:
+    async with http.get(f"{url}/metrics") as resp:
+        line = next(x for x in (await resp.text()).splitlines() if x.startswith("llm_policy_info{"))
+    return line.split('"')[1]
+
+
+async def test_a_valid_change_applies_without_dropping_a_stream(
+    stub_factory, gateway_factory, tokenizer_dir, tmp_path, http, admin_token
+) -> None:
+    slow, fresh = await stub_factory(chunk_delay_s=0.02), await stub_factory()
+    policy = basic_policy(tokenizer_dir, [slow.url], max_concurrency=1)
+    gw = await gateway_factory(policy)
+    before = await policy_hash(http, gw.url)
+    stream = await http.post(
+        f"{gw.url}/v1/chat/completions", json={**CHAT, "max_tokens": 60, "stream": True}
+    )
+    await stream.content.readline()
+    # Replace the replica, raise the cap, add an alias: the running stream keeps its old slot.
+    policy["pools"]["main"] |= {"replicas": [fresh.url], "max_concurrency": 4}
+    policy["routes"].insert(0, {"match": {"model": "new-alias"}, "pool": "main"})
+    (tmp_path / "policy.yaml").write_text(yaml.safe_dump(policy))
+    status, body = await reload(http, gw.url)
+    assert status == 200 and body["hash"] != before
+    async with http.post(
+        f"{gw.url}/v1/chat/completions", json={**CHAT, "model": "new-alias"}
+    ) as resp:
+        assert resp.status == 200
+    assert fresh.stats.bodies[-1]["model"] == "tiny"  # the new route, on the new replica
+    rest = await stream.read()
+    assert (
+        stream.status == 200 and rest.endswith(b"data: [DONE]\n\n") and rest.count(b"data: ") >= 59
+    )
+    stream.release()
+    assert slow.stats.completed == 1 and slow.stats.disconnects == 0
+    await eventually(lambda: gw.inflight() == 0)
+    assert await policy_hash(http, gw.url) == body["hash"]
+
+
+async def test_an_invalid_change_is_refused_with_line_and_field(
+    stub, gateway_factory, tokenizer_dir, tmp_path, http, admin_token
+) -> None:
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [stub.url]))
+    before = await policy_hash(http, gw.url)
+    path = tmp_path / "policy.yaml"
+    path.write_text(path.read_text().replace("max_concurrency: 8", "max_concurrency: 0"))
+    status, body = await reload(http, gw.url)
+    assert status == 422 and body["error"]["code"] == "invalid_policy"
+    assert f"{path}:" in body["error"]["message"]
+    assert "pools.main.max_concurrency: must be >= 1" in body["error"]["message"]
+    async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+        assert resp.status == 200  # the old policy keeps serving
+    assert await policy_hash(http, gw.url) == before
+    async with http.get(f"{gw.url}/metrics") as resp:
+        assert "llm_policy_reload_errors_total 1.0" in await resp.text()
+
+
+async def test_the_file_is_watched(stub, gateway_factory, tokenizer_dir, tmp_path, http) -> None:
+    policy = basic_policy(tokenizer_dir, [stub.url])
+    policy["admin"] = {"watch_interval_s": 0.05}
+    gw = await gateway_factory(policy)
+    policy["routes"][0]["match"]["model"] = ["tiny", "watched-alias"]
+    (tmp_path / "policy.yaml").write_text(yaml.safe_dump(policy))
+    await eventually(lambda: "watched-alias" in gw.gateway.policy.served_models)
+    async with http.post(
+        f"{gw.url}/v1/chat/completions", json={**CHAT, "model": "watched-alias"}
+    ) as resp:
+        assert resp.status == 200
+
+
+async def test_admin_needs_its_token(
+    stub, gateway_factory, tokenizer_dir, http, monkeypatch
+) -> None:
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [stub.url]))
+    monkeypatch.delenv("LLM_GATEWAY_ADMIN_TOKEN", raising=False)
+    assert (await reload(http, gw.url))[0] == 403
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_TOKEN", TOKEN)
+    status, body = await reload(http, gw.url, token="wrong")
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    assert (await reload(http, gw.url))[0] == 200
+
+
+async def test_reloading_keeps_what_was_learned_and_loaded(
+    stub, gateway_factory, tokenizer_dir, tmp_path, http, admin_token
+) -> None:
+    policy = basic_policy(tokenizer_dir, [stub.url])
+    gw = await gateway_factory(policy)
+    old = gw.gateway.policy
+    policy["pools"]["main"]["max_concurrency"] = 3
+    (tmp_path / "policy.yaml").write_text(yaml.safe_dump(policy))
+    assert (await reload(http, gw.url))[0] == 200
+    new = gw.gateway.policy
+    assert new is not old and new.models["tiny"] is old.models["tiny"]  # tokenizer not reloaded
+    assert new.estimator is old.estimator and new.executor is old.executor
+    assert [r.max_concurrency for r in gw.gateway.slots["main"].replicas] == [3]
