@@ -104,6 +104,39 @@ class _Waiter:
         return (self.priority, self.seq) < (other.priority, other.seq)
 
 
+class Demand:
+    """The cluster-level signal: how many replicas this pool's traffic needs, smoothed.
+
+    By Little's law the slots in use on average are busy seconds per second; waiting and refused
+    requests are demand too (a refused one would have held a slot for the mean hold time). Their
+    sum over the per-replica cap is `llm_pool_desired_replicas`, which an HPA can target.
+    """
+
+    SMOOTHING = 0.2  # weight of the newest tick in the moving average
+
+    def __init__(self) -> None:
+        self.arrivals = 0
+        self.refused = 0
+        self.busy_s = 0.0
+        self.queued_s = 0.0
+        self.desired_replicas = 0.0
+        self._last: tuple[float, int, int, float, float] | None = None
+
+    def tick(self, cap: int) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            then, arrivals, refused, busy_s, queued_s = self._last
+            dt = now - then
+            if dt > 0:
+                served = max(1, (self.arrivals - arrivals) - (self.refused - refused))
+                hold_s = (self.busy_s - busy_s) / served
+                slots = (self.busy_s - busy_s + self.queued_s - queued_s) / dt + (
+                    self.refused - refused
+                ) * hold_s / dt
+                self.desired_replicas += self.SMOOTHING * (slots / cap - self.desired_replicas)
+        self._last = (now, self.arrivals, self.refused, self.busy_s, self.queued_s)
+
+
 class PoolSlots:
     """The replicas of one pool and the queue in front of them."""
 
@@ -119,6 +152,7 @@ class PoolSlots:
         self.waiting = 0  # live waiters; the heap may also hold abandoned ones
         self.retrying = 0  # retries in flight, against the retry budget
         self.ejections: Counter[tuple[str, str]] = Counter()  # (replica, reason) -> count
+        self.demand = Demand()
 
     def update(self, spec: PoolSpec, picker: Picker) -> None:
         """Take a reloaded pool spec. Replicas that stay keep their counts and health; new ones
@@ -267,12 +301,19 @@ class PoolSlots:
             replica = self.take_other(tokens, avoid)
         else:
             started = time.perf_counter()
+            self.demand.arrivals += 1
             try:
                 replica = await self.acquire(ctx.priority, tokens)
+            except (QueueFull, QueueTimeout):
+                self.demand.refused += 1
+                raise
             finally:
                 ctx.queue_wait = time.perf_counter() - started
+                self.demand.queued_s += ctx.queue_wait
         ctx.replica = replica.url
+        held = time.perf_counter()
         try:
             yield replica
         finally:
+            self.demand.busy_s += time.perf_counter() - held
             self.release(replica, tokens)

@@ -28,6 +28,8 @@ class HealthChecker:
         health = self.slots.spec.health
         while True:
             await asyncio.sleep(health.interval_s or PASSIVE_TICK_S)
+            health = self.slots.spec.health  # a reload may have changed it
+            self.slots.demand.tick(self.slots.spec.max_concurrency)
             if health.interval_s:
                 await asyncio.gather(*(self.probe(r) for r in self.slots.replicas))
             else:  # passive only: the next request is the probe

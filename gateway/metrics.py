@@ -80,6 +80,14 @@ class _Gauges(Collector):
                 ejections.add_metric([name, url, reason], count)
             depth.add_metric([name], pool.waiting)
             capacity.add_metric([name], pool.capacity)
+        desired = GaugeMetricFamily(
+            "llm_pool_desired_replicas",
+            "Replicas the pool's demand needs at its per-replica cap (busy + waiting + refused"
+            " slot-seconds per second, smoothed): a target for the HPA.",
+            labels=["pool"],
+        )
+        for name, pool in self.source.slots.items():
+            desired.add_metric([name], round(pool.demand.desired_replicas, 3))
         info = GaugeMetricFamily(
             "llm_policy_info", "The running policy, by the hash of its file.", labels=["hash"]
         )
@@ -88,7 +96,7 @@ class _Gauges(Collector):
             "llm_policy_reload_errors", "Policy reloads refused (the running policy stayed)."
         )
         errors.add_metric([], self.source.reload_errors)
-        return [requests, tokens, depth, capacity, up, ejections, info, errors]
+        return [requests, tokens, depth, capacity, up, ejections, desired, info, errors]
 
 
 class Metrics:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 
@@ -142,3 +143,22 @@ async def test_a_stall_mid_stream_ends_with_an_error_event(
     assert b'"upstream_timeout"' in events[-2] and events[-1] == b"data: [DONE]"
     await eventually(lambda: stalling.stats.disconnects == 1 and gw.inflight() == 0)
     assert access(gw)[-1]["reason"] == "upstream_timeout"
+
+
+async def test_desired_replicas_follows_demand(
+    stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    slow = await stub_factory(delay_s=0.2)
+    policy = basic_policy(tokenizer_dir, [slow.url], max_concurrency=2)
+    policy["pools"]["main"]["health"] = {"interval_s": 0.05}
+    gw = await gateway_factory(policy)
+
+    async def user() -> None:
+        for _ in range(6):  # bounded: 6 requests each
+            async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+                assert resp.status == 200
+
+    await asyncio.gather(*(user() for _ in range(8)))  # 8 users on 2 slots: 4 replicas' worth
+    found = await scrape(http, gw)
+    desired = [s.value for s in found["llm_pool_desired_replicas"]]
+    assert desired and desired[0] > 2.0
