@@ -213,37 +213,40 @@ async def _stream(
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **state.headers}
     )
-    await resp.prepare(request)
-    sent = written = 0
-    while True:  # each pass writes one chunk or waits for the engine; ends with the sequence
-        generated, status = seq.generated, seq.status
-        if generated == sent and not seq.done:
-            await seq.wait(any_token=True)
-            continue
-        if status is Status.ABORTED:  # only if the engine itself failed: no [DONE]
-            break
-        finished = status is Status.FINISHED
-        payload = chunks.role() if chunks.chat and not sent else b""
-        payload += chunks.tokens(generated - sent, seq.finish_reason if finished else None)
-        await resp.write(payload)
-        stats.stream_chunks += 1
-        stats.packed_chunks += generated - sent > 1
-        sent = generated
-        written += 1
-        if reset_after is not None and written >= reset_after:
-            state.fired("reset")
-            assert request.transport is not None
-            request.transport.abort()  # like a crashed pod: no final chunk, no [DONE]
-            return resp
-        if finished:
-            if include_usage:
-                await resp.write(chunks.usage(seq))
-            await resp.write(b"data: [DONE]\n\n")
-            break
-        if interval:
-            await seq.wait(any_token=False, limit_s=interval)
-    await resp.write_eof()
-    return resp
+    try:
+        await resp.prepare(request)
+        sent = written = 0
+        while True:  # each pass writes one chunk or waits for the engine; ends with the sequence
+            generated, status = seq.generated, seq.status
+            if generated == sent and not seq.done:
+                await seq.wait(any_token=True)
+                continue
+            if status is Status.ABORTED:  # only if the engine itself failed: no [DONE]
+                break
+            finished = status is Status.FINISHED
+            payload = chunks.role() if chunks.chat and not sent else b""
+            payload += chunks.tokens(generated - sent, seq.finish_reason if finished else None)
+            await resp.write(payload)
+            stats.stream_chunks += 1
+            stats.packed_chunks += generated - sent > 1
+            sent = generated
+            written += 1
+            if reset_after is not None and written >= reset_after:
+                state.fired("reset")
+                assert request.transport is not None
+                request.transport.abort()  # like a crashed pod: no final chunk, no [DONE]
+                return resp
+            if finished:
+                if include_usage:
+                    await resp.write(chunks.usage(seq))
+                await resp.write(b"data: [DONE]\n\n")
+                break
+            if interval:
+                await seq.wait(any_token=False, limit_s=interval)
+        await resp.write_eof()
+        return resp
+    except ConnectionResetError:  # the client (the gateway) hung up: the caller aborts the sequence
+        return resp
 
 
 def _answer(chunks: _Chunks, seq: Sequence) -> dict[str, Any]:
