@@ -13,6 +13,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -31,13 +32,16 @@ class Replica:
     """One upstream vLLM server, what this gateway has running on it, and its health."""
 
     __slots__ = (
+        "drift_strikes",
         "ejected_until",
         "ejections",
         "failures",
         "inflight",
         "inflight_tokens",
+        "leases",
         "max_concurrency",
         "max_tokens",
+        "observed",
         "url",
     )
 
@@ -50,6 +54,9 @@ class Replica:
         self.failures = 0  # consecutive failed requests or probes
         self.ejections = 0  # times ejected so far: each ejection lasts longer
         self.ejected_until: float | None = None  # None: in the pool
+        self.leases = 0  # slots handed out by `slot()` and not yet given back
+        self.observed: int | None = None  # the replica's own running + waiting, last scraped
+        self.drift_strikes = 0  # scrapes in a row that found this gateway's count too high
 
     @property
     def up(self) -> bool:
@@ -81,13 +88,15 @@ class LeastInflightPicker:
 
     def pick(self, replicas: Sequence[Replica], tokens: int) -> Replica | None:
         best: Replica | None = None
+        best_key = (0, 0)
         for replica in replicas:
-            if replica.fits(tokens) and (
-                best is None
-                or (replica.inflight, replica.inflight_tokens)
-                < (best.inflight, best.inflight_tokens)
-            ):
-                best = replica
+            if not replica.fits(tokens):
+                continue
+            # What the replica itself last reported counts too: other gateways may share it.
+            load = max(replica.inflight, replica.observed or 0)
+            key = (load, replica.inflight_tokens)
+            if best is None or key < best_key:
+                best, best_key = replica, key
         return best
 
 
@@ -153,6 +162,7 @@ class PoolSlots:
         self.retrying = 0  # retries in flight, against the retry budget
         self.ejections: Counter[tuple[str, str]] = Counter()  # (replica, reason) -> count
         self.demand = Demand()
+        self.drift: Counter[tuple[str, str]] = Counter()  # (replica, kind) -> scrapes
 
     def update(self, spec: PoolSpec, picker: Picker) -> None:
         """Take a reloaded pool spec. Replicas that stay keep their counts and health; new ones
@@ -170,6 +180,12 @@ class PoolSlots:
     def capacity(self) -> int:
         """The caps of the replicas in the pool: an ejected one's slots leave with it."""
         return sum(r.max_concurrency for r in self.replicas if r.up)
+
+    @property
+    def max_depth(self) -> int:
+        """The queue shrinks with the pool: waiting for replicas that are gone only adds latency."""
+        up = sum(r.up for r in self.replicas)
+        return math.ceil(self.spec.queue.max_depth * up / max(1, len(self.replicas)))
 
     @property
     def inflight(self) -> int:
@@ -233,13 +249,34 @@ class PoolSlots:
 
     def _take(self, replica: Replica, tokens: int) -> Replica:
         replica.inflight += 1
+        replica.leases += 1
         replica.inflight_tokens += tokens
         return replica
 
     def release(self, replica: Replica, tokens: int) -> None:
         replica.inflight -= 1
+        replica.leases -= 1
         replica.inflight_tokens -= tokens
         self._dispatch()
+
+    def reconcile(self, replica: Replica, observed: int) -> None:
+        """Compare this gateway's count with the replica's own figures (`vllm:num_requests_*`).
+
+        More on the replica than here is normal when gateways share it: the picker weighs it.
+        More here than on the replica, twice in a row, is drift: counted, logged, and corrected
+        to the slots really held, so a lost release can never shrink a replica for good.
+        """
+        replica.observed = observed
+        if replica.inflight <= observed:
+            replica.drift_strikes = 0
+            return
+        replica.drift_strikes += 1
+        self.drift[(replica.url, "gateway_high")] += 1
+        if replica.drift_strikes >= 2 and replica.inflight > replica.leases:
+            log.warning("pool %s: replica %s: %d in flight here, %d there, %d held: corrected",
+                        self.name, replica.url, replica.inflight, observed, replica.leases)  # fmt: skip
+            replica.inflight = replica.leases
+            self._dispatch()
 
     def _dispatch(self) -> None:
         heap = self._heap
@@ -263,9 +300,9 @@ class PoolSlots:
             if replica is not None:
                 return self._take(replica, tokens)
         queue = self.spec.queue
-        if self.waiting >= queue.max_depth:
+        if self.waiting >= self.max_depth:
             raise QueueFull(
-                f"pool {self.name} is at capacity and its queue is full ({queue.max_depth})",
+                f"pool {self.name} is at capacity and its queue is full ({self.max_depth})",
                 retry_after_s=queue.retry_after_s,
             )
         future: asyncio.Future[Replica] = asyncio.get_running_loop().create_future()

@@ -80,6 +80,22 @@ class _Gauges(Collector):
                 ejections.add_metric([name, url, reason], count)
             depth.add_metric([name], pool.waiting)
             capacity.add_metric([name], pool.capacity)
+        drift = CounterMetricFamily(
+            "llm_slot_drift",
+            "Reconciliations that found this gateway counting more in flight than the replica.",
+            labels=["pool", "replica", "kind"],
+        )
+        observed = GaugeMetricFamily(
+            "llm_replica_observed_requests",
+            "The replica's own running + waiting requests, as last read from its /metrics.",
+            labels=["pool", "replica"],
+        )
+        for name, pool in self.source.slots.items():
+            for (url, kind), count in pool.drift.items():
+                drift.add_metric([name, url, kind], count)
+            for replica in pool.replicas:
+                if replica.observed is not None:
+                    observed.add_metric([name, replica.url], replica.observed)
         desired = GaugeMetricFamily(
             "llm_pool_desired_replicas",
             "Replicas the pool's demand needs at its per-replica cap (busy + waiting + refused"
@@ -96,7 +112,8 @@ class _Gauges(Collector):
             "llm_policy_reload_errors", "Policy reloads refused (the running policy stayed)."
         )
         errors.add_metric([], self.source.reload_errors)
-        return [requests, tokens, depth, capacity, up, ejections, desired, info, errors]
+        return [requests, tokens, depth, capacity, up, ejections, drift, observed, desired, info,
+                errors]  # fmt: skip
 
 
 class Metrics:

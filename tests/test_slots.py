@@ -78,3 +78,12 @@ async def test_an_oversized_request_runs_alone_on_an_idle_replica() -> None:
     assert not small.done()
     slots.release(big, 500)
     assert (await small).inflight_tokens == 10
+
+
+async def test_capacity_and_queue_shrink_with_the_pool() -> None:
+    slots = pool(replicas=2, cap=3, queue={"max_depth": 4}, health={"consecutive_failures": 1})
+    assert (slots.capacity, slots.max_depth) == (6, 4)
+    slots.failed(slots.replicas[0], "refused")
+    assert (slots.capacity, slots.max_depth) == (3, 2)
+    slots.readmit(slots.replicas[0])
+    assert (slots.capacity, slots.max_depth) == (6, 4)

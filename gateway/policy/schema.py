@@ -98,6 +98,14 @@ class HealthSpec(Spec):
     max_ejection_percent: float = Field(
         50.0, ge=0, le=100, description="Never eject more of a pool than this (at least one stays)."
     )
+    reconcile_interval_s: float = Field(
+        15.0,
+        ge=0,
+        description=(
+            "How often the replica's own `vllm:num_requests_running + vllm:num_requests_waiting`"
+            " is read from its /metrics and compared with this gateway's count; 0: never."
+        ),
+    )
 
 
 class PoolSpec(Spec):
