@@ -42,6 +42,8 @@ class Replica:
         "max_concurrency",
         "max_tokens",
         "observed",
+        "slow_since",
+        "tpot",
         "url",
     )
 
@@ -57,6 +59,8 @@ class Replica:
         self.leases = 0  # slots handed out by `slot()` and not yet given back
         self.observed: int | None = None  # the replica's own running + waiting, last scraped
         self.drift_strikes = 0  # scrapes in a row that found this gateway's count too high
+        self.tpot: float | None = None  # moving average of its streams' time per output token
+        self.slow_since: float | None = None  # since when it decodes slower than its peers
 
     @property
     def up(self) -> bool:
@@ -202,13 +206,8 @@ class PoolSlots:
         health = self.spec.health
         if self.due_for_probe(replica):  # failed its half-open trial: out again, for longer
             self._eject(replica, reason)
-        elif replica.up and replica.failures >= health.consecutive_failures:
-            ejected = sum(not r.up for r in self.replicas)
-            allowed = min(
-                len(self.replicas) - 1, int(len(self.replicas) * health.max_ejection_percent / 100)
-            )
-            if ejected < allowed:
-                self._eject(replica, reason)
+        elif replica.up and replica.failures >= health.consecutive_failures and self._may_eject():
+            self._eject(replica, reason)
 
     def _eject(self, replica: Replica, reason: str) -> None:
         replica.ejections += 1
@@ -217,6 +216,43 @@ class PoolSlots:
         self.ejections[(replica.url, reason)] += 1
         log.warning("pool %s: replica %s ejected for %.0fs (%s, %d failures in a row)",
                     self.name, replica.url, ejection_s, reason, replica.failures)  # fmt: skip
+
+    TPOT_SMOOTHING = 0.1
+
+    def observe_tpot(self, replica: Replica, tpot_s: float) -> None:
+        replica.tpot = (
+            tpot_s
+            if replica.tpot is None
+            else replica.tpot + self.TPOT_SMOOTHING * (tpot_s - replica.tpot)
+        )
+
+    def check_speed(self) -> None:
+        """Eject a replica that decodes slower than `slow_ratio` of its peers' median for
+        `slow_window_s`: the instance level of the article's circuit breaking."""
+        health = self.spec.health
+        measured = sorted(r.tpot for r in self.replicas if r.up and r.tpot is not None)
+        if len(measured) < 2:
+            return
+        median = (
+            measured[len(measured) // 2]
+            if len(measured) % 2
+            else ((measured[len(measured) // 2 - 1] + measured[len(measured) // 2]) / 2)
+        )
+        now = time.monotonic()
+        for replica in self.replicas:
+            if not replica.up or replica.tpot is None or replica.tpot * health.slow_ratio <= median:
+                replica.slow_since = None
+                continue
+            replica.slow_since = replica.slow_since or now
+            if now - replica.slow_since >= health.slow_window_s:
+                replica.slow_since, replica.tpot = None, None  # judged afresh once readmitted
+                if self._may_eject():
+                    self._eject(replica, "slow")
+
+    def _may_eject(self) -> bool:
+        ejected = sum(not r.up for r in self.replicas)
+        share = int(len(self.replicas) * self.spec.health.max_ejection_percent / 100)
+        return ejected < min(len(self.replicas) - 1, share)
 
     def readmit(self, replica: Replica) -> None:
         if not replica.up:

@@ -50,6 +50,7 @@ class HealthChecker:
             periods = (health.interval_s, health.reconcile_interval_s)
             await asyncio.sleep(min([p for p in periods if p] + [PASSIVE_TICK_S]))
             self.slots.demand.tick(self.slots.spec.max_concurrency)
+            self.slots.check_speed()
             now = time.monotonic()
             if health.reconcile_interval_s and now - last_reconcile >= health.reconcile_interval_s:
                 last_reconcile = now

@@ -267,6 +267,10 @@ class Gateway:
                         slots.failed(replica, ctx.reason or "5xx")
                     else:
                         slots.succeeded(replica)
+                        tokens = ctx.output_tokens or 0
+                        if ctx.first_token is not None and tokens > 1:
+                            decode_s = time.perf_counter() - ctx.first_token
+                            slots.observe_tpot(replica, decode_s / (tokens - 1))
                     return resp
             finally:
                 slots.retrying -= retrying

@@ -196,3 +196,27 @@ async def test_drift_against_the_replicas_own_metrics_is_detected_and_corrected(
             assert resp.status == 200  # the slots are whole again
     finally:
         await replica.close()
+
+
+async def test_a_replica_decoding_slower_than_its_peers_is_ejected(
+    stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    fast = [await stub_factory(chunk_delay_s=0.002) for _ in range(2)]
+    slow = await stub_factory(chunk_delay_s=0.02)  # a tenth of its peers' speed
+    policy = basic_policy(tokenizer_dir, [slow.url, *(r.url for r in fast)])
+    policy["pools"]["main"]["health"] = {"interval_s": 0.05, "slow_window_s": 0.3}
+    gw = await gateway_factory(policy)
+    body = {**CHAT, "max_tokens": 10, "stream": True}
+
+    async def user() -> None:
+        for _ in range(20):  # bounded
+            async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                await resp.read()
+            if not gw.gateway.slots["main"].replicas[0].up:
+                return
+
+    await asyncio.gather(*(user() for _ in range(6)))
+    pool = gw.gateway.slots["main"]
+    assert not pool.replicas[0].up and all(r.up for r in pool.replicas[1:])
+    assert list(pool.ejections) == [(slow.url, "slow")]

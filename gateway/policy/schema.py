@@ -98,6 +98,16 @@ class HealthSpec(Spec):
     max_ejection_percent: float = Field(
         50.0, ge=0, le=100, description="Never eject more of a pool than this (at least one stays)."
     )
+    slow_ratio: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description=(
+            "A replica whose decode speed (1 / TPOT) stays below this share of its peers' median"
+            " for `slow_window_s` is ejected as `slow` (the article: 80% for 5 minutes)."
+        ),
+    )
+    slow_window_s: PositiveFloat = 300.0
     reconcile_interval_s: float = Field(
         15.0,
         ge=0,
