@@ -28,6 +28,7 @@ from gateway.errors import (
     BodyTooLarge,
     ContextLengthExceeded,
     GatewayError,
+    NoReplica,
     ReplicaRefused,
     ShuttingDown,
     UpstreamError,
@@ -233,6 +234,7 @@ class Gateway:
         slots, session, key = runtime.slots[name], self.sessions[name], runtime.api_keys[name]
         timeouts = ctx.pool.spec.timeouts
         avoid: frozenset[str] = frozenset()
+        refused: ReplicaRefused | None = None
         while True:
             retrying = bool(avoid)
             slots.retrying += retrying
@@ -251,11 +253,11 @@ class Gateway:
                             runtime.client_timeouts[name],
                             retry_503=retry_next,
                         )
-                    except ReplicaRefused:
+                    except ReplicaRefused as exc:
                         slots.failed(replica, "refused")
-                        if not retry_next:
+                        if not (retry_next and slots.can_retry(ctx.reserved_tokens, tried)):
                             raise
-                        avoid, ctx.retries = tried, ctx.retries + 1
+                        avoid, ctx.retries, refused = tried, ctx.retries + 1, exc
                         continue
                     except UpstreamTimeout:
                         slots.failed(replica, "timeout")
@@ -272,6 +274,10 @@ class Gateway:
                             decode_s = time.perf_counter() - ctx.first_token
                             slots.observe_tpot(replica, decode_s / (tokens - 1))
                     return resp
+            except NoReplica:
+                if refused is None:
+                    raise
+                raise refused from None  # the other replica filled up meanwhile: the first error
             finally:
                 slots.retrying -= retrying
 

@@ -130,3 +130,31 @@ async def test_sighup_reloads_the_policy(stub, tokenizer_dir, tmp_path) -> None:
     finally:
         proc.terminate()
         await proc.wait()
+
+
+async def test_shutdown_past_the_grace_period_closes_upstream(
+    stub_factory, tokenizer_dir, tmp_path
+) -> None:
+    endless = await stub_factory(chunk_delay_s=0.05)
+    policy = basic_policy(tokenizer_dir, [endless.url])
+    policy["server"] = {"drain_grace_s": 0.5}
+    proc, url = await start_serve(write_policy(tmp_path, policy))
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": 2000,
+        "stream": True,
+    }
+    try:
+        async with aiohttp.ClientSession() as http:
+            resp = await http.post(f"{url}/v1/chat/completions", json=body)
+            await resp.content.readline()
+            proc.send_signal(signal.SIGTERM)
+            await eventually(lambda: endless.stats.disconnects == 1, within_s=20)
+            resp.close()
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+        assert endless.stats.running == 0 and endless.stats.completed == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

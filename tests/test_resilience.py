@@ -220,3 +220,36 @@ async def test_a_replica_decoding_slower_than_its_peers_is_ejected(
     pool = gw.gateway.slots["main"]
     assert not pool.replicas[0].up and all(r.up for r in pool.replicas[1:])
     assert list(pool.ejections) == [(slow.url, "slow")]
+
+
+async def test_retries_cannot_amplify_a_full_outage(gateway_factory, tokenizer_dir, http) -> None:
+    gw = await gateway_factory(
+        basic_policy(tokenizer_dir, [dead_url(), dead_url()], max_concurrency=64)
+    )
+
+    async def call() -> int:
+        async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+            return resp.status
+
+    statuses = await asyncio.gather(*(call() for _ in range(40)))
+    assert statuses == [502] * 40
+    retries = sum(x["retries"] for x in access(gw))
+    assert retries <= 10  # the budget's floor and the ejection stop retries, not the request count
+    assert gw.inflight() == 0 and gw.gateway.slots["main"].retrying == 0
+
+
+async def test_disconnect_while_waiting_for_the_first_token(
+    stub_factory, gateway_factory, tokenizer_dir
+) -> None:
+    slow = await stub_factory(delay_s=5)
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [slow.url]))
+    session = aiohttp.ClientSession()
+    request = asyncio.create_task(
+        session.post(f"{gw.url}/v1/chat/completions", json={**CHAT, "stream": True})
+    )
+    await eventually(lambda: slow.stats.running == 1)
+    request.cancel()
+    await session.close()
+    await eventually(lambda: slow.stats.disconnects == 1 and slow.stats.running == 0)
+    await eventually(lambda: gw.inflight() == 0 and gw.inflight_tokens() == 0)
+    assert access(gw)[-1]["status"] == 499
