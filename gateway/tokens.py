@@ -56,6 +56,28 @@ def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]
     return out
 
 
+class TemplateError(ValueError):
+    """Raised when the model's chat template refuses the messages (role order, missing fields)."""
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], body: dict[str, Any]) -> str:
+    """The prompt text vLLM renders for a chat request: the template, with the request's own
+    `tools`, `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs`."""
+    kwargs = body.get("chat_template_kwargs")
+    try:
+        rendered = tokenizer.apply_chat_template(
+            messages,
+            tools=body.get("tools"),
+            tokenize=False,
+            add_generation_prompt=body.get("add_generation_prompt", True),
+            continue_final_message=body.get("continue_final_message", False),
+            **(kwargs if isinstance(kwargs, dict) else {}),
+        )
+    except Exception as exc:  # templates raise whatever jinja or their own checks raise
+        raise TemplateError(f"the model's chat template rejected the messages: {exc}") from None
+    return str(rendered)
+
+
 class TokenCounter(Protocol):
     """Counts input tokens for one model."""
 
@@ -144,21 +166,10 @@ class HFCounter:
         return self._lengths(texts, special)
 
     def _render(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> str:
-        kwargs = body.get("chat_template_kwargs")
         try:
-            rendered = self.tokenizer.apply_chat_template(
-                messages,
-                tools=body.get("tools"),
-                tokenize=False,
-                add_generation_prompt=body.get("add_generation_prompt", True),
-                continue_final_message=body.get("continue_final_message", False),
-                **(kwargs if isinstance(kwargs, dict) else {}),
-            )
-        except Exception as exc:  # the template's own refusal (role order, missing fields)
-            raise BadRequest(
-                f"the model's chat template rejected the messages: {exc}", param="messages"
-            ) from None
-        return str(rendered)
+            return render_chat(self.tokenizer, messages, body)
+        except TemplateError as exc:
+            raise BadRequest(str(exc), param="messages") from None
 
     async def count_chat(self, body: dict[str, Any]) -> int:
         messages = template_messages(body["messages"])

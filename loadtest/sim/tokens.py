@@ -26,6 +26,8 @@ from typing import Any, Protocol
 
 import orjson
 
+from gateway.tokens import TemplateError, render_chat
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
@@ -125,19 +127,11 @@ class TokenizerCounter:
         return len(self._encode_batch([text], add_special_tokens=special)[0].ids)
 
     def _chat_length(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> int:
-        kwargs = body.get("chat_template_kwargs")
-        try:
-            rendered = self.tokenizer.apply_chat_template(
-                messages,
-                tools=body.get("tools"),
-                tokenize=False,
-                add_generation_prompt=body.get("add_generation_prompt", True),
-                continue_final_message=body.get("continue_final_message", False),
-                **(kwargs if isinstance(kwargs, dict) else {}),
-            )
-        except Exception as exc:  # the template's own refusal: vLLM answers 400 too
-            raise PromptError(f"the chat template rejected the messages: {exc}") from None
-        return self._length(str(rendered), body.get("add_special_tokens", False))
+        try:  # the same rendering as the gateway's: both follow vLLM's chat request handling
+            rendered = render_chat(self.tokenizer, messages, body)
+        except TemplateError as exc:  # vLLM answers 400 too
+            raise PromptError(str(exc)) from None
+        return self._length(rendered, body.get("add_special_tokens", False))
 
     async def _cached(self, key_bytes: bytes, size: int, compute: Callable[[], int]) -> int:
         key = (hash(key_bytes), len(key_bytes))
