@@ -34,7 +34,9 @@ async def test_disconnect_mid_stream_aborts_vllm(vllm, gateway_factory, http) ->
         assert resp.status == 200
         for _ in range(5):  # it is generating
             await resp.content.readline()
-        assert await scrape(http, vllm.url, "vllm:num_requests_running") == 1
+        async with asyncio.timeout(1.0):  # vLLM reports it running (its gauge lags a step)
+            while await scrape(http, vllm.url, "vllm:num_requests_running") != 1:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
         resp.close()  # the client hangs up with ~4,000 tokens to go
     async with asyncio.timeout(1.0):  # vLLM aborted it within a second
         while await scrape(http, vllm.url, "vllm:num_requests_running"):  # noqa: ASYNC110 - another process
@@ -50,7 +52,7 @@ async def test_cap_bounds_vllm_running_requests(vllm, gateway_factory, http) -> 
     gw = await gateway_factory(
         vllm_policy(vllm, max_concurrency=2, queue={"max_depth": 16, "max_wait_s": 60})
     )
-    body = {"model": "tiny", "messages": CHAT, "max_tokens": 150, "ignore_eos": True}
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 300, "ignore_eos": True}
     samples: list[float] = []
     done = asyncio.Event()
 
@@ -73,4 +75,6 @@ async def test_cap_bounds_vllm_running_requests(vllm, gateway_factory, http) -> 
         done.set()
         await sampler
     assert max(samples) <= 2
-    assert samples.count(2) >= 5  # the cap was reached, so the bound was really tested
+    # The cap was reached, so the bound was really tested. A scrape of vLLM's /metrics takes tens of
+    # milliseconds and its gauge reads 0 for a moment between two requests, so only a few are asked.
+    assert samples.count(2) >= 3
