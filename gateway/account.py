@@ -101,6 +101,7 @@ class Accountant:
         return {
             "ts": time.time(),
             "request_id": ctx.request_id,
+            "tenant": ctx.tenant.name if ctx.tenant else None,
             "endpoint": ctx.endpoint,
             "model": ctx.requested_model,
             "served_model": ctx.served_model or None,

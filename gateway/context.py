@@ -13,6 +13,7 @@ from multidict import CIMultiDictProxy
 if TYPE_CHECKING:
     from gateway.policy.compile import Model, Pool
     from gateway.route import Route
+    from gateway.tenants import Tenant
 
 Endpoint = str  # "chat" | "completions"
 
@@ -24,12 +25,15 @@ class Ctx:
     path: str
     headers: CIMultiDictProxy[str]
     arrived: float  # time.perf_counter() when the request came in
+    # authenticate
+    tenant: Tenant | None = None  # None: the policy has no tenants
+    tier: int = 0  # the highest priority this request may have (0, critical, without tenants)
     raw: bytes = b""
     body: dict[str, Any] = field(default_factory=dict)
     requested_model: str = ""
     stream: bool = False
     client_wants_usage: bool = False
-    priority: int = 1
+    priority: int = 1  # the tier, or lower if `x-priority` asks
     sequences: int = 1  # completions generated: n x prompts
     max_output: int | None = None  # the client's max_tokens / max_completion_tokens
     # tokenize

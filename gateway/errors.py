@@ -149,6 +149,12 @@ class Unauthorized(GatewayError):
     reason = "unauthorized"
 
 
+class InvalidApiKey(Unauthorized):
+    """Raised when tenants are configured and the request's bearer key is missing or unknown."""
+
+    reason = "invalid_api_key"
+
+
 class AdminDisabled(GatewayError):
     """Raised for admin calls while no admin token is configured."""
 

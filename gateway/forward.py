@@ -71,6 +71,8 @@ def upstream_headers(
     drop = _hop_by_hop(headers, _DROP_REQUEST)
     out: CIMultiDict[str] = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
     out["x-request-id"] = ctx.request_id
+    if ctx.tenant is not None:  # the client's key is the gateway's business, not the replica's
+        out.popall("Authorization", None)
     if api_key is not None:
         out["Authorization"] = f"Bearer {api_key}"
     return out

@@ -172,7 +172,7 @@ def parse(ctx: Ctx, content_type: str, raw: bytes, limits: ServerSpec) -> None:
             raise BadRequest(
                 f"x-priority must be one of {', '.join(PRIORITIES)}", param="x-priority"
             )
-        ctx.priority = _PRIORITY_INDEX[priority]
+        ctx.priority = max(ctx.tier, _PRIORITY_INDEX[priority])  # lowered, never raised
     ctx.raw = raw
     ctx.body = body
     ctx.requested_model = model

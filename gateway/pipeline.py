@@ -42,6 +42,7 @@ from gateway.parse import parse
 from gateway.policy.compile import Policy, compile_policy
 from gateway.policy.load import PolicyError, load_spec
 from gateway.route import find_candidates, route
+from gateway.tenants import authenticate
 
 log = logging.getLogger("gateway.pipeline")
 PASSIVE_WATCH_S = 5.0  # with watching off, how often to look whether a reload turned it on
@@ -294,6 +295,7 @@ class Gateway:
         try:
             if self.draining:
                 raise ShuttingDown("the gateway is shutting down", retry_after_s=1)
+            authenticate(ctx, policy.tenants)  # before the body: strangers cost no read
             try:
                 raw = await request.read()
             except web.HTTPRequestEntityTooLarge:

@@ -19,6 +19,7 @@ from gateway.policy.load import LoadedSpec, PolicyError, Problem, load_spec
 from gateway.policy.plugins import PluginError, create
 from gateway.policy.schema import ModelSpec, PolicySpec, PoolSpec
 from gateway.route import Route, compile_route
+from gateway.tenants import Tenant, compile_tenants
 from gateway.tokens import EstimateCounter, HFCounter, TokenCounter, load_tokenizer
 
 
@@ -48,6 +49,8 @@ class Policy:
     estimator: OutputEstimator
     served_models: tuple[str, ...]
     """Names `GET /v1/models` lists: each pool's model and each literal alias a route accepts."""
+    tenants: dict[bytes, Tenant]
+    """SHA-256 digest of each API key -> its tenant; empty: the gateway is open."""
     executor: ThreadPoolExecutor | None
     """Threads for long tokenizations; a reloaded policy inherits them with its models."""
     digest: str
@@ -165,6 +168,8 @@ def compile_policy(
     ):
         executor = ThreadPoolExecutor(spec.server.tokenizer_threads, thread_name_prefix="tokenize")
     base = Path(loaded.path).parent
+    tenants, tenant_problems = compile_tenants(spec.tenants, base)
+    problems += tenant_problems
     models: dict[str, Model] = {}
     reusable = (
         previous.models if previous is not None and previous.spec.server == spec.server else {}
@@ -198,6 +203,7 @@ def compile_policy(
         picker=plugins["picker"],
         estimator=plugins["output_estimator"],
         served_models=_served(spec),
+        tenants=tenants,
         executor=executor,
         digest=loaded.digest,
     )

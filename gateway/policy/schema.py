@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 Endpoint = Literal["chat", "completions"]
 PRIORITIES: tuple[str, ...] = ("critical", "standard", "sheddable")
-"""Queue priorities, highest first; `x-priority` picks one (issue 6 ties them to tenant tiers)."""
+"""Queue priorities, highest first: a tenant's tier, which `x-priority` may lower."""
 
 
 class Spec(BaseModel):
@@ -276,6 +276,53 @@ class AdminSpec(Spec):
     )
 
 
+Tier = Literal["critical", "standard", "sheddable"]
+KeyHash = Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")]
+
+
+class TenantSpec(Spec):
+    """A team or client: who it is (its API keys), how it is queued, and what it may spend.
+
+    Keys are never written in the policy in the clear: `keys` holds SHA-256 hashes, and raw keys
+    can come from a mounted Secret (`keys_file`) or the environment (`keys_env`).
+    """
+
+    keys: list[KeyHash] = Field(
+        [], description="`sha256:<hex>` of each API key (`printf %s KEY | sha256sum`)."
+    )
+    keys_file: str | None = Field(
+        None,
+        description=(
+            "File with one key or `sha256:<hex>` per line (a Kubernetes Secret mount);"
+            " relative to the policy file; read when the policy is loaded."
+        ),
+    )
+    keys_env: str | None = Field(
+        None, description="Environment variable holding keys or hashes, separated by whitespace."
+    )
+    tier: Tier = Field(
+        "standard", description="Queue priority; `x-priority` may lower it, never raise it."
+    )
+    tpm: PositiveInt | None = Field(
+        None,
+        description=(
+            "Tokens per minute (input + output) over a sliding 60-second window; none: unlimited."
+        ),
+    )
+    rpm: PositiveInt | None = Field(
+        None, description="Requests per minute over a sliding 60-second window; none: unlimited."
+    )
+    weight: PositiveFloat = Field(
+        1.0, description="Its share of its tier under contention (fair share: not applied yet)."
+    )
+
+    @model_validator(mode="after")
+    def _has_keys(self) -> TenantSpec:
+        if not self.keys and self.keys_file is None and self.keys_env is None:
+            raise ValueError("give at least one of keys, keys_file, keys_env")
+        return self
+
+
 class PolicySpec(Spec):
     models: dict[str, ModelSpec] = Field(min_length=1)
     pools: dict[str, PoolSpec] = Field(min_length=1)
@@ -284,3 +331,9 @@ class PolicySpec(Spec):
     plugins: PluginsSpec = PluginsSpec()
     server: ServerSpec = ServerSpec()
     admin: AdminSpec = AdminSpec()
+    tenants: dict[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$")], TenantSpec] = Field(
+        {},
+        description=(
+            "Who may call, by API key (`Authorization: Bearer`); none: the gateway is open."
+        ),
+    )
