@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # The real-vLLM suite's tiny model; vLLM's own environment is cached outside the repository.
 TINY_LLAMA := loadtest/out/tiny-llama
 
-.PHONY: test test-vllm lint demo schema bench-overhead bench-vllm clean
+.PHONY: test test-vllm lint demo schema bench-overhead bench-vllm soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,9 @@ demo: $(STAMP)
 
 bench-overhead: $(STAMP)
 	$(BIN)/python -m loadtest.bench_overhead
+
+soak: $(STAMP)
+	$(BIN)/python -m loadtest.soak
 
 bench-vllm: $(STAMP)
 	VLLM_PYTHON=$$(tests_vllm/vllm_env.sh) && \
