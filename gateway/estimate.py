@@ -89,6 +89,9 @@ class RollingQuantileEstimator:
     def __init__(self, params: Params) -> None:
         self.params = params
         self._windows: OrderedDict[Key, _Window] = OrderedDict()
+        # Most keys are seen once (a chat's first message is often unique): they only get a
+        # window when they come back, so one-offs cost an int each, not a deque.
+        self._first: OrderedDict[Key, int] = OrderedDict()
 
     def estimate(self, key: Key) -> int | None:
         window = self._windows.get(key)
@@ -103,7 +106,14 @@ class RollingQuantileEstimator:
     def observe(self, key: Key, output_tokens: int) -> None:
         window = self._windows.get(key)
         if window is None:
+            first = self._first.pop(key, None)
+            if first is None:
+                self._first[key] = output_tokens
+                if len(self._first) > self.params.max_keys:
+                    self._first.popitem(last=False)
+                return
             window = self._windows[key] = _Window(self.params.window)
+            window.samples.append(first)
             if len(self._windows) > self.params.max_keys:
                 self._windows.popitem(last=False)
         else:
