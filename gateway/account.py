@@ -86,6 +86,9 @@ class Accountant:
         series.input_tokens.inc(ctx.input_tokens)
         if ctx.output_tokens:
             series.output_tokens.inc(ctx.output_tokens)
+        if ctx.tenant is not None:  # the configured name: label values bounded by the policy
+            self.metrics.tenant_tokens.labels(ctx.tenant.name, "input").inc(ctx.input_tokens)
+            self.metrics.tenant_tokens.labels(ctx.tenant.name, "output").inc(ctx.output_tokens or 0)
         if ctx.first_token is not None:
             series.ttft.observe(ctx.first_token - ctx.arrived)
             if ctx.output_tokens and ctx.output_tokens > 1:

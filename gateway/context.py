@@ -56,6 +56,7 @@ class Ctx:
     first_token: float | None = None
     output_tokens: int | None = None
     chunks: int = 0
+    ratelimit_headers: dict[str, str] = field(default_factory=dict)  # the tenant's windows
     # outcome
     status: int = 0
     reason: str = ""

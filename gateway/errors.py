@@ -202,6 +202,24 @@ class QueueTimeout(Retryable):
     reason = "queue_timeout"
 
 
+class QuotaExceeded(Retryable):
+    """Raised when the tenant's TPM or RPM window has no room for this request yet."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+    reason = "quota_exceeded"
+
+
+class OverQuota(GatewayError):
+    """Raised when one request needs more tokens than the tenant's whole TPM: no wait helps."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "request_over_limit"
+    reason = "over_quota"
+
+
 class NoReplica(Retryable):
     """Raised when the routed pool has no replica at all."""
 

@@ -84,6 +84,7 @@ def _response_headers(upstream: Mapping[str, str], ctx: Ctx) -> CIMultiDict[str]
         (k, v) for k, v in upstream.items() if k.lower() not in drop
     )
     out["x-request-id"] = ctx.request_id
+    out.update(ctx.ratelimit_headers)
     return out
 
 

@@ -150,4 +150,12 @@ class Metrics:
         self.output_tokens = Counter(
             "llm_output_tokens", "Generated tokens streamed or returned.", WORKLOAD, registry=r
         )
+        self.tenant_tokens = Counter(
+            "llm_tenant_tokens", "Tokens of a tenant's served requests.", ("tenant", "direction"),
+            registry=r,
+        )  # fmt: skip
+        self.quota_rejections = Counter(
+            "llm_quota_rejections", "Requests refused by a tenant's TPM or RPM window.",
+            ("tenant", "kind"), registry=r,
+        )  # fmt: skip
         r.register(_Gauges(source))

@@ -1,4 +1,5 @@
-"""The request pipeline: parse -> tokenize -> estimate -> classify -> route -> admit -> forward -> account.
+"""The request pipeline: authenticate -> parse -> tokenize -> estimate -> classify -> route ->
+quota -> admit -> forward -> account.
 
 Each stage is a small function in its own module that fills in its part of the `Ctx` or raises a
 `GatewayError`; this module only calls them in order and owns the `finally` that accounts for
@@ -41,7 +42,9 @@ from gateway.metrics import Metrics
 from gateway.parse import parse
 from gateway.policy.compile import Policy, compile_policy
 from gateway.policy.load import PolicyError, load_spec
+from gateway.quota import Charge, Quotas
 from gateway.route import find_candidates, route
+from gateway.state import MemoryState, State
 from gateway.tenants import authenticate
 
 log = logging.getLogger("gateway.pipeline")
@@ -140,6 +143,8 @@ class Gateway:
         self.runtime = Runtime.build(policy, None)
         self.reload_errors = 0
         self.accountant = Accountant(Metrics(self), access_log)  # reads the above at scrape time
+        self.state: State = MemoryState()  # outlives reloads: windows keep their charges
+        self.quotas = Quotas(self.state, self.accountant.metrics)
         self.sessions: dict[str, aiohttp.ClientSession] = {}
         self.draining = False
         self._checkers: dict[str, asyncio.Task[None]] = {}
@@ -223,6 +228,8 @@ class Gateway:
         self._checkers.clear()
         for session in self.sessions.values():
             await session.close()
+        await self.quotas.close()
+        await self.state.close()
         self.policy.close()
 
     async def _admit_and_forward(
@@ -292,6 +299,7 @@ class Gateway:
         )
         runtime = self.runtime
         policy = runtime.policy
+        charge: Charge | None = None
         try:
             if self.draining:
                 raise ShuttingDown("the gateway is shutting down", retry_after_s=1)
@@ -303,10 +311,11 @@ class Gateway:
                 raise BodyTooLarge(f"request body is over the {limit}-byte limit") from None
             parse(ctx, request.content_type, raw, policy.spec.server)
             await decide(ctx, policy)
+            charge = await self.quotas.reserve(ctx)
             return await self._admit_and_forward(ctx, request, runtime)
         except GatewayError as exc:
             ctx.status, ctx.reason = exc.status, exc.reason
-            return exc.response({"x-request-id": ctx.request_id})
+            return exc.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
         except (asyncio.CancelledError, ConnectionResetError):
             ctx.status, ctx.reason = CLIENT_CLOSED, "client_disconnect"
             raise
@@ -314,6 +323,8 @@ class Gateway:
             log.exception("request %s failed", ctx.request_id)
             error = GatewayError("internal gateway error; see the gateway log")
             ctx.status, ctx.reason = error.status, error.reason
-            return error.response({"x-request-id": ctx.request_id})
+            return error.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
         finally:
             self.accountant.account(ctx, policy.estimator)
+            if charge is not None:  # after account, which completes the output count
+                self.quotas.settle(ctx, charge)

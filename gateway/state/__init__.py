@@ -1,0 +1,6 @@
+"""Shared admission state behind one protocol: in memory for one gateway, Redis for several."""
+
+from gateway.state.base import WINDOW_S, Limit, Refusal, Reservation, State, Window
+from gateway.state.memory import MemoryState
+
+__all__ = ["WINDOW_S", "Limit", "MemoryState", "Refusal", "Reservation", "State", "Window"]

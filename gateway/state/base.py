@@ -1,0 +1,79 @@
+"""The state protocol: what admission shares across requests, and, with Redis, across gateways.
+
+Each method is one atomic read-modify-write, so the Redis implementation is one Lua script per
+method; the in-memory one gets atomicity from the event loop (its methods never await).
+
+Rate windows are exact sliding windows of `WINDOW_S` seconds, kept as a log of charges: a charge
+made at `t` counts during `[t, t + WINDOW_S)`, and a new one is granted only if it fits with
+everything still in the window. So no interval of `WINDOW_S` ever holds more granted charges
+than the limit — a fixed window lets twice the limit through around its boundary. A charge has
+an id so that it can be corrected when the request ends (reserve, then reconcile). The window's
+clock belongs to the state (memory: an injectable clock; Redis: the server's `TIME`, one clock for
+every gateway), so callers never pass a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+WINDOW_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """Charge `amount` to window `key`, which holds at most `limit` per `WINDOW_S`.
+
+    The limit travels with each call rather than living in the state, so a reloaded policy's
+    limits apply to the very next request and windows outlive reloads.
+    """
+
+    key: str
+    amount: int
+    limit: int
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """One window as the call left it: what the `x-ratelimit-*` headers report."""
+
+    limit: int
+    remaining: int  # never below 0, even when corrections pushed usage past the limit
+    reset_s: float  # until the window is empty again (its newest charge leaves)
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Every limit was charged; `id` names the charges for `adjust`."""
+
+    id: str
+    windows: tuple[Window, ...]  # one per limit, in the order given
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Nothing was charged: limit `index` (the first that did not fit) is full."""
+
+    index: int
+    retry_after_s: float | None  # when every limit would fit; None: `amount` exceeds the limit
+    windows: tuple[Window, ...]
+
+
+class State(Protocol):
+    async def reserve(self, limits: Sequence[Limit]) -> Reservation | Refusal:
+        """Charge every limit, all or none: a request refused for RPM spends no tokens."""
+        ...
+
+    async def adjust(self, key: str, reservation_id: str, reserved: int, actual: int) -> None:
+        """Correct a charge of `reserved` in window `key` to `actual`, once, when the request ends.
+
+        While the charge is in the window it is rewritten in place (it keeps its time). Once it
+        has left, only an excess is still owed and is charged now, without a limit check: the
+        tokens were spent. A refund of a charge already gone is nothing.
+        """
+        ...
+
+    async def close(self) -> None:
+        """Release connections; the in-memory state has none."""
+        ...

@@ -1,0 +1,266 @@
+"""Tenant quotas: TPM and RPM reserved at admission over an exact sliding window, then corrected
+to real usage; 429 with the window's Retry-After; x-ratelimit headers on every response.
+
+The gateway's in-memory state takes an injectable clock, so a test moves time forward instead
+of sleeping through a minute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.state import WINDOW_S, Limit, MemoryState, Refusal, Reservation
+from tests.conftest import RunningGateway, basic_policy, eventually
+from tests.test_tenants import ACME_KEY, hashed
+
+AUTH = {"Authorization": f"Bearer {ACME_KEY}"}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def quota_policy(tokenizer_dir: Any, replicas: list[str], **tenant: Any) -> dict[str, Any]:
+    policy = basic_policy(tokenizer_dir, replicas)
+    policy["tenants"] = {"acme": {"keys": [hashed(ACME_KEY)], **tenant}}
+    return policy
+
+
+async def with_clock(gw: RunningGateway) -> Clock:
+    clock = Clock()
+    gw.gateway.state.clock = clock  # type: ignore[attr-defined]
+    return clock
+
+
+async def chat(
+    http: aiohttp.ClientSession, gw: RunningGateway, body: dict[str, Any]
+) -> tuple[int, dict[str, Any], dict[str, str]]:
+    async with http.post(f"{gw.url}/v1/chat/completions", json=body, headers=AUTH) as resp:
+        answer = await resp.json() if resp.content_type == "application/json" else {}
+        result = resp.status, answer, dict(resp.headers)
+    await eventually(lambda: gw.gateway.quotas.pending == 0)  # its charge is corrected
+    return result
+
+
+async def sized(gw: RunningGateway, tokens: int) -> dict[str, Any]:
+    """A chat body whose input + max_tokens is exactly `tokens`; the stub generates max_tokens."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "count me " * 50}]}
+    counted = await gw.gateway.policy.models["tiny"].counter.count_chat(body)
+    return {**body, "max_tokens": tokens - counted}
+
+
+async def test_a_tenant_at_10000_tpm_gets_its_third_4000_token_request_refused_until_the_window_moves(
+    stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    gw = await gateway_factory(quota_policy(tokenizer_dir, [stub.url], tpm=10_000))
+    clock = await with_clock(gw)
+    body = await sized(gw, 4000)
+
+    status, _, headers = await chat(http, gw, body)
+    assert status == 200
+    assert headers["x-ratelimit-limit-tokens"] == "10000"
+    assert headers["x-ratelimit-remaining-tokens"] == "6000"
+    assert headers["x-ratelimit-reset-tokens"] == "1m0s"
+
+    clock.now += 10
+    status, _, headers = await chat(http, gw, body)
+    assert (status, headers["x-ratelimit-remaining-tokens"]) == (200, "2000")
+
+    clock.now += 5  # 15 s after the first: it leaves the window 45 s from now
+    status, error, headers = await chat(http, gw, body)
+    assert status == 429
+    assert error["error"]["code"] == "rate_limit_exceeded"
+    assert headers["Retry-After"] == "45"
+    assert headers["x-ratelimit-remaining-tokens"] == "2000"
+    assert len(stub.stats.bodies) == 2  # the refused one never reached the replica
+
+    clock.now += 44.5  # not yet
+    assert (await chat(http, gw, body))[0] == 429
+    clock.now += 0.5  # the first request's charge has left the window
+    status, _, headers = await chat(http, gw, body)
+    assert (status, headers["x-ratelimit-remaining-tokens"]) == (200, "2000")
+    async with http.get(f"{gw.url}/metrics") as resp:
+        text = await resp.text()
+    assert 'llm_quota_rejections_total{kind="tokens",tenant="acme"} 2.0' in text
+    assert 'llm_tenant_tokens_total{direction="input",tenant="acme"}' in text
+
+
+async def test_the_charge_is_corrected_to_real_usage(
+    stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    policy = quota_policy(tokenizer_dir, [stub.url], tpm=10_000)
+    policy["models"]["tiny"]["default_output_tokens"] = 3000  # reserved; the stub writes 16
+    gw = await gateway_factory(policy)
+    await with_clock(gw)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "no max_tokens"}]}
+    counted = await gw.gateway.policy.models["tiny"].counter.count_chat(body)
+
+    status, _, headers = await chat(http, gw, body)
+    assert status == 200
+    assert headers["x-ratelimit-remaining-tokens"] == str(10_000 - counted - 3000)
+    status, _, headers = await chat(http, gw, {**body, "stream": True})
+    assert status == 200
+    # The first now counts what it used (input + 16 generated); the second is still reserved.
+    expected = 10_000 - (counted + 16) - (counted + 3000)
+    assert headers["x-ratelimit-remaining-tokens"] == str(expected)
+    status, _, headers = await chat(http, gw, {**body, "max_tokens": 1})
+    assert headers["x-ratelimit-remaining-tokens"] == str(10_000 - 3 * counted - 2 * 16 - 1)
+
+
+async def test_a_client_that_leaves_mid_stream_is_charged_what_was_relayed(
+    stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    stub = await stub_factory(chunk_delay_s=0.05)
+    gw = await gateway_factory(quota_policy(tokenizer_dir, [stub.url], tpm=100_000))
+    await with_clock(gw)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}
+    counted = await gw.gateway.policy.models["tiny"].counter.count_chat(body)
+    async with aiohttp.ClientSession() as leaver:
+        async with leaver.post(
+            f"{gw.url}/v1/chat/completions", json={**body, "stream": True}, headers=AUTH
+        ) as resp:
+            assert resp.headers["x-ratelimit-remaining-tokens"] == str(100_000 - counted - 500)
+            await resp.content.readuntil(b"\n\n")
+            await resp.content.readuntil(b"\n\n")
+    await eventually(lambda: b"client_disconnect" in gw.access_log.getvalue())
+    await eventually(lambda: gw.gateway.quotas.pending == 0)
+    relayed = [
+        line for line in gw.access_log.getvalue().splitlines() if b"client_disconnect" in line
+    ]
+    output = int(relayed[0].split(b'"output_tokens":')[1].split(b",")[0])
+    assert 2 <= output < 500
+    status, _, headers = await chat(http, gw, {**body, "max_tokens": 1})
+    assert status == 200
+    remaining = 100_000 - (counted + output) - (counted + 1)
+    assert headers["x-ratelimit-remaining-tokens"] == str(remaining)
+
+
+async def test_rpm_refuses_the_request_over_the_limit_and_every_answer_carries_the_headers(
+    stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    failing = await stub_factory(status=500)
+    gw = await gateway_factory(quota_policy(tokenizer_dir, [failing.url], rpm=2, tpm=50_000))
+    clock = await with_clock(gw)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    status, _, headers = await chat(http, gw, body)
+    assert status == 500  # the replica's own error, with the tenant's windows
+    assert headers["x-ratelimit-limit-requests"] == "2"
+    assert headers["x-ratelimit-remaining-requests"] == "1"
+    assert headers["x-ratelimit-limit-tokens"] == "50000"
+    clock.now += 30
+    status, _, headers = await chat(http, gw, body)
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert headers["x-ratelimit-reset-requests"] == "1m0s"
+    status, error, headers = await chat(http, gw, body)
+    assert status == 429 and error["error"]["code"] == "rate_limit_exceeded"
+    assert headers["Retry-After"] == "30"
+    assert "requests per minute" in error["error"]["message"]
+    async with http.get(f"{gw.url}/metrics") as resp:
+        assert 'llm_quota_rejections_total{kind="requests",tenant="acme"} 1.0' in await resp.text()
+
+
+async def test_a_request_that_never_reached_a_replica_gets_its_tokens_back(
+    stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    slow = await stub_factory(delay_s=0.5)
+    policy = quota_policy(tokenizer_dir, [slow.url], tpm=10_000)
+    policy["pools"]["main"].update(max_concurrency=1, queue={"max_depth": 0})
+    gw = await gateway_factory(policy)
+    await with_clock(gw)
+    body = await sized(gw, 1000)
+    running = asyncio.create_task(chat(http, gw, body))
+    await eventually(lambda: gw.inflight() == 1)
+    status, error, headers = await chat(http, gw, body)
+    assert (status, error["error"]["code"]) == (429, "queue_full")
+    assert headers["x-ratelimit-remaining-tokens"] == "8000"  # as charged at admission
+    assert (await running)[0] == 200
+    status, _, headers = await chat(http, gw, body)
+    assert (status, headers["x-ratelimit-remaining-tokens"]) == (200, "8000")  # refunded
+
+
+async def test_a_request_larger_than_the_whole_limit_is_refused_without_retry_after(
+    stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    gw = await gateway_factory(quota_policy(tokenizer_dir, [stub.url], tpm=1000))
+    status, error, headers = await chat(http, gw, await sized(gw, 1001))
+    assert (status, error["error"]["code"]) == (429, "request_over_limit")
+    assert "Retry-After" not in headers
+
+
+async def test_without_limits_a_tenant_gets_no_ratelimit_headers(
+    stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    gw = await gateway_factory(quota_policy(tokenizer_dir, [stub.url]))
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    status, _, headers = await chat(http, gw, body)
+    assert status == 200 and not any(h.startswith("x-ratelimit") for h in headers)
+
+
+arrivals = st.lists(
+    st.tuples(st.floats(min_value=0, max_value=200, allow_nan=False), st.integers(1, 400)),
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(arrivals=arrivals, limit=st.integers(1, 1000))
+async def test_no_window_of_a_minute_ever_holds_more_than_the_limit(
+    arrivals: list[tuple[float, int]], limit: int
+) -> None:
+    clock = Clock()
+    state = MemoryState(clock)
+    granted: list[tuple[float, int]] = []
+    for at, amount in sorted(arrivals):
+        clock.now = at
+        result = await state.reserve([Limit("k", amount, limit)])
+        if isinstance(result, Reservation):
+            granted.append((at, amount))
+            assert result.windows[0].remaining == limit - sum(
+                a for t, a in granted if t > at - WINDOW_S
+            )
+        else:
+            assert isinstance(result, Refusal)
+            in_window = sum(a for t, a in granted if t > at - WINDOW_S)
+            assert in_window + amount > limit  # refused only when it did not fit
+            if amount <= limit:  # Retry-After is exactly when enough has left
+                assert result.retry_after_s is not None
+                later = at + result.retry_after_s
+                after, before = later + 1e-6, later - 1e-6
+                assert sum(a for t, a in granted if t > after - WINDOW_S) + amount <= limit
+                assert sum(a for t, a in granted if t > before - WINDOW_S) + amount > limit
+            else:
+                assert result.retry_after_s is None
+    for start, _ in granted:  # every minute starting at a charge (the worst case)
+        assert sum(a for t, a in granted if start <= t < start + WINDOW_S) <= limit
+
+
+@settings(max_examples=200, deadline=None)
+@given(arrivals=arrivals)
+async def test_a_refusal_charges_no_window(arrivals: list[tuple[float, int]]) -> None:
+    """Tokens and requests are charged together or not at all: a request refused for RPM
+    spends no tokens, and one refused for TPM is not counted as a request."""
+    clock = Clock()
+    state = MemoryState(clock)
+    granted: list[tuple[float, int]] = []
+    for at, amount in sorted(arrivals):
+        clock.now = at
+        result = await state.reserve([Limit("tokens", amount, 1000), Limit("requests", 1, 3)])
+        tokens = sum(a for t, a in granted if t > at - WINDOW_S)
+        requests = sum(1 for t, _ in granted if t > at - WINDOW_S)
+        if isinstance(result, Reservation):
+            granted.append((at, amount))
+            assert [w.remaining for w in result.windows] == [
+                1000 - tokens - amount,
+                3 - requests - 1,
+            ]
+        else:
+            assert [w.remaining for w in result.windows] == [1000 - tokens, 3 - requests]
