@@ -315,6 +315,7 @@ class Gateway:
             return await self._admit_and_forward(ctx, request, runtime)
         except GatewayError as exc:
             ctx.status, ctx.reason = exc.status, exc.reason
+            await self.quotas.describe(ctx)
             return exc.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
         except (asyncio.CancelledError, ConnectionResetError):
             ctx.status, ctx.reason = CLIENT_CLOSED, "client_disconnect"
@@ -323,6 +324,7 @@ class Gateway:
             log.exception("request %s failed", ctx.request_id)
             error = GatewayError("internal gateway error; see the gateway log")
             ctx.status, ctx.reason = error.status, error.reason
+            await self.quotas.describe(ctx)
             return error.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
         finally:
             self.accountant.account(ctx, policy.estimator)

@@ -22,6 +22,7 @@ from gateway.context import Ctx
 from gateway.errors import OverQuota, QuotaExceeded
 from gateway.metrics import Metrics
 from gateway.state.base import Limit, Refusal, State, Window
+from gateway.tenants import Tenant
 
 log = logging.getLogger("gateway.quota")
 
@@ -63,11 +64,8 @@ class Quotas:
         self.metrics = metrics
         self._pending: set[asyncio.Task[None]] = set()
 
-    async def reserve(self, ctx: Ctx) -> Charge | None:
-        """Charge the tenant's windows or raise 429; None when there is nothing to correct."""
-        tenant = ctx.tenant
-        if tenant is None:
-            return None
+    @staticmethod
+    def _limits(tenant: Tenant, tokens: int) -> tuple[list[str], list[Limit]]:
         # One hash tag per tenant: its windows share a Redis Cluster slot, so one script
         # can charge them together.
         prefix = f"quota:{{{tenant.name}}}:"
@@ -75,10 +73,18 @@ class Quotas:
         limits: list[Limit] = []
         if tenant.spec.tpm is not None:
             kinds.append("tokens")
-            limits.append(Limit(prefix + "tokens", ctx.reserved_tokens, tenant.spec.tpm))
+            limits.append(Limit(prefix + "tokens", tokens, tenant.spec.tpm))
         if tenant.spec.rpm is not None:
             kinds.append("requests")
             limits.append(Limit(prefix + "requests", 1, tenant.spec.rpm))
+        return kinds, limits
+
+    async def reserve(self, ctx: Ctx) -> Charge | None:
+        """Charge the tenant's windows or raise 429; None when there is nothing to correct."""
+        if ctx.tenant is None:
+            return None
+        tenant = ctx.tenant
+        kinds, limits = self._limits(tenant, ctx.reserved_tokens)
         if not limits:
             return None
         result = await self.state.reserve(limits)
@@ -99,6 +105,20 @@ class Quotas:
             )
         tokens_key = limits[0].key if kinds[0] == "tokens" else None
         return Charge(result.id, tokens_key, ctx.reserved_tokens)
+
+    async def describe(self, ctx: Ctx) -> None:
+        """Give a response refused before the quota stage (a 400 of a known tenant) the headers
+        too, so every answer to a limited tenant says where its windows stand; never raises:
+        the headers inform, they must not turn a refusal into a failure."""
+        if ctx.tenant is None or ctx.ratelimit_headers:
+            return
+        kinds, limits = self._limits(ctx.tenant, 0)
+        if not limits:
+            return
+        try:
+            ctx.ratelimit_headers = _headers(kinds, await self.state.peek(limits))
+        except Exception:
+            log.exception("reading tenant %s's windows failed", ctx.tenant.name)
 
     def settle(self, ctx: Ctx, charge: Charge) -> None:
         """Correct the token charge to real usage. Call after `account`, which fills in output

@@ -8,6 +8,7 @@ of sleeping through a minute.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import aiohttp
@@ -168,6 +169,20 @@ async def test_rpm_refuses_the_request_over_the_limit_and_every_answer_carries_t
         assert 'llm_quota_rejections_total{kind="requests",tenant="acme"} 1.0' in await resp.text()
 
 
+async def test_a_bad_request_of_a_known_tenant_gets_the_headers_and_costs_nothing(
+    stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    gw = await gateway_factory(quota_policy(tokenizer_dir, [stub.url], tpm=10_000, rpm=5))
+    await with_clock(gw)
+    body = await sized(gw, 1000)
+    assert (await chat(http, gw, body))[0] == 200
+    for bad in ({**body, "max_tokens": 0}, {**body, "model": "unknown"}):
+        status, _, headers = await chat(http, gw, bad)
+        assert status in (400, 404)
+        assert headers["x-ratelimit-remaining-tokens"] == "9000"
+        assert headers["x-ratelimit-remaining-requests"] == "4"
+
+
 async def test_a_request_that_never_reached_a_replica_gets_its_tokens_back(
     stub_factory, gateway_factory, tokenizer_dir, http
 ) -> None:
@@ -264,3 +279,29 @@ async def test_a_refusal_charges_no_window(arrivals: list[tuple[float, int]]) ->
             ]
         else:
             assert [w.remaining for w in result.windows] == [1000 - tokens, 3 - requests]
+
+
+async def test_a_client_that_leaves_while_queued_is_refunded(
+    stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    slow = await stub_factory(delay_s=0.3)
+    policy = quota_policy(tokenizer_dir, [slow.url], tpm=10_000)
+    policy["pools"]["main"]["max_concurrency"] = 1
+    gw = await gateway_factory(policy)
+    await with_clock(gw)
+    body = await sized(gw, 1000)
+    running = asyncio.create_task(chat(http, gw, body))
+    await eventually(lambda: gw.inflight() == 1)
+    async with aiohttp.ClientSession() as leaver:
+        queued = asyncio.create_task(
+            leaver.post(f"{gw.url}/v1/chat/completions", json=body, headers=AUTH)
+        )
+        await eventually(lambda: gw.waiting() == 1)
+        queued.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await queued
+    await eventually(lambda: b"client_disconnect" in gw.access_log.getvalue())
+    assert (await running)[0] == 200
+    status, _, headers = await chat(http, gw, body)
+    assert (status, headers["x-ratelimit-remaining-tokens"]) == (200, "8000")
+    assert gw.inflight() == 0 and gw.waiting() == 0

@@ -65,6 +65,11 @@ class State(Protocol):
         """Charge every limit, all or none: a request refused for RPM spends no tokens."""
         ...
 
+    async def peek(self, limits: Sequence[Limit]) -> tuple[Window, ...]:
+        """The windows as they stand, charging nothing (`amount` is ignored): the headers of a
+        response refused before its charge (a 400 of a known tenant)."""
+        ...
+
     async def adjust(self, key: str, reservation_id: str, reserved: int, actual: int) -> None:
         """Correct a charge of `reserved` in window `key` to `actual`, once, when the request ends.
 

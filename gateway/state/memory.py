@@ -96,6 +96,10 @@ class MemoryState:
         windows = tuple(log.window(lim.limit, now) for log, lim in pairs)
         return Reservation(id=charge_id, windows=windows)
 
+    async def peek(self, limits: Sequence[Limit]) -> tuple[Window, ...]:
+        now = self.clock()
+        return tuple(self._log(limit.key, now).window(limit.limit, now) for limit in limits)
+
     async def adjust(self, key: str, reservation_id: str, reserved: int, actual: int) -> None:
         now = self.clock()
         log = self._log(key, now)
