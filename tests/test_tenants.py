@@ -155,3 +155,24 @@ async def test_x_priority_lowers_the_tier_but_never_raises_it(
         await eventually(lambda n=expected: gw.waiting() == n)
     await asyncio.gather(first, *waiters)
     assert order == ["critical", "standard-asking-critical", "critical-asking-sheddable"]
+
+
+async def test_a_reload_swaps_keys_and_limits_and_keeps_the_windows(
+    stub, gateway_factory, tokenizer_dir, http, tmp_path
+) -> None:
+    policy = tenant_policy(tokenizer_dir, [stub.url])
+    policy["tenants"]["acme"]["rpm"] = 3
+    gw = await gateway_factory(policy)
+    acme = {"Authorization": f"Bearer {ACME_KEY}"}
+    status, _, headers = await post(http, gw.url, CHAT, **acme)
+    assert (status, headers["x-ratelimit-remaining-requests"]) == (200, "2")
+    policy["tenants"]["acme"]["rpm"] = 2
+    policy["tenants"]["newcomer"] = {"keys": [hashed("sk-new")]}
+    del policy["tenants"]["batch-jobs"]
+    write_policy(tmp_path, policy)
+    await gw.gateway.reload()
+    status, _, headers = await post(http, gw.url, CHAT, **acme)
+    assert (status, headers["x-ratelimit-remaining-requests"]) == (200, "0")  # 2 of the new 2
+    assert (await post(http, gw.url, CHAT, **acme))[0] == 429
+    assert (await post(http, gw.url, CHAT, Authorization="Bearer sk-new"))[0] == 200
+    assert (await post(http, gw.url, CHAT, Authorization=f"Bearer {BATCH_KEY}"))[0] == 401
