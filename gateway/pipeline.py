@@ -98,6 +98,15 @@ def _request_id(request: web.Request) -> str:
     return f"{_ID_PREFIX}{next(_ID_SEQ):016x}"
 
 
+def _media_type(request: web.Request) -> str:
+    """The body's declared media type. aiohttp's `content_type` runs the stdlib e-mail parser,
+    which raises IndexError on some malformed values (`;0*`): such a body is simply not JSON."""
+    try:
+        return request.content_type
+    except (IndexError, ValueError):
+        return request.headers.get("Content-Type", "")
+
+
 @dataclass(frozen=True, slots=True)
 class Runtime:
     """One policy and the admission state serving it. A reload builds the next one and swaps a
@@ -309,7 +318,7 @@ class Gateway:
             except web.HTTPRequestEntityTooLarge:
                 limit = policy.spec.server.max_body_bytes
                 raise BodyTooLarge(f"request body is over the {limit}-byte limit") from None
-            parse(ctx, request.content_type, raw, policy.spec.server)
+            parse(ctx, _media_type(request), raw, policy.spec.server)
             await decide(ctx, policy)
             charge = await self.quotas.reserve(ctx)
             return await self._admit_and_forward(ctx, request, runtime)
