@@ -35,9 +35,13 @@ async def test_disconnect_mid_stream_aborts_vllm(vllm, gateway_factory, http) ->
         assert resp.status == 200
         for _ in range(5):  # it is generating
             await resp.content.readline()
-        async with asyncio.timeout(10):  # vLLM reports it running (its gauge lags a step)
-            while await scrape(http, vllm.url, "vllm:num_requests_running") != 1:  # noqa: ASYNC110
-                await asyncio.sleep(0.02)
+        seen = []  # vLLM reports it running (its gauge lags a step); at most 500 scrapes
+        for _ in range(500):
+            seen.append(await scrape(http, vllm.url, "vllm:num_requests_running"))
+            if seen[-1] >= 1:
+                break
+            await asyncio.sleep(0.02)
+        assert seen[-1] >= 1, f"vLLM never reported the stream running: {seen[-20:]}"
         resp.close()  # the client hangs up with ~4,000 tokens to go
         left = time.monotonic()
     # vLLM aborted it within a second: the first scrape that reads 0 was sent within a second of
