@@ -21,6 +21,7 @@ from typing import IO
 import aiohttp
 from aiohttp import web
 
+from gateway import discovery
 from gateway.account import Accountant
 from gateway.admit import PoolSlots
 from gateway.classify import classify
@@ -125,7 +126,10 @@ class Runtime:
             if kept is None:
                 slots[name] = PoolSlots(name, pool.spec, policy.picker)
             else:  # its replicas keep their counts: in-flight requests release where they took
-                kept.update(pool.spec, policy.picker)
+                spec = pool.spec
+                if spec.dns is not None:  # keep what DNS found until the next lookup
+                    spec = spec.model_copy(update={"replicas": [r.url for r in kept.replicas]})
+                kept.update(spec, policy.picker)
                 slots[name] = kept
         return cls(
             policy=policy,
@@ -157,6 +161,7 @@ class Gateway:
         self.sessions: dict[str, aiohttp.ClientSession] = {}
         self.draining = False
         self._checkers: dict[str, asyncio.Task[None]] = {}
+        self._discovery: dict[str, asyncio.Task[None]] = {}
         self._reload_lock = asyncio.Lock()
         self._watcher: asyncio.Task[None] | None = None
 
@@ -180,10 +185,20 @@ class Gateway:
             if name not in self._checkers:
                 checker = HealthChecker(slots, self.sessions[name])
                 self._checkers[name] = asyncio.create_task(checker.run(), name=f"health:{name}")
+            if slots.spec.dns is not None and (
+                name not in self._discovery or self._discovery[name].done()
+            ):
+                self._discovery[name] = asyncio.create_task(
+                    discovery.follow(slots), name=f"dns:{name}"
+                )
         for name in [n for n in self._checkers if n not in self.runtime.slots]:
             self._checkers.pop(name).cancel()
+        for name in [n for n in self._discovery if n not in self.runtime.slots]:
+            self._discovery.pop(name).cancel()
 
     async def open(self) -> None:
+        # Pools found by DNS start with what their name resolves to, not empty.
+        await asyncio.gather(*(discovery.refresh(s) for s in self.runtime.slots.values()))
         self._serve_pools()
         self._watcher = asyncio.create_task(self._watch(), name="policy-watch")
 
@@ -230,7 +245,11 @@ class Gateway:
             return policy
 
     async def close(self) -> None:
-        tasks = [*self._checkers.values(), *([self._watcher] if self._watcher else [])]
+        tasks = [
+            *self._checkers.values(),
+            *self._discovery.values(),
+            *([self._watcher] if self._watcher else []),
+        ]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

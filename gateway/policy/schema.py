@@ -118,11 +118,40 @@ class HealthSpec(Spec):
     )
 
 
+class DnsSpec(Spec):
+    """Replicas from a DNS name, e.g. a Kubernetes headless Service: every A / AAAA record is a
+    replica, re-resolved every `interval_s`. (A ClusterIP Service would balance behind the
+    gateway's back and defeat per-replica caps.)"""
+
+    name: str = Field(description="`host:port`, e.g. gemma3-27b-gen.llm.svc.cluster.local:8000")
+    scheme: Literal["http", "https"] = "http"
+    interval_s: PositiveFloat = 10.0
+    nameservers: list[str] = Field(
+        [], description="`ip` or `ip:port` (one port for all); empty: the system's resolv.conf."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _host_port(cls, name: str) -> str:
+        host, _, port = name.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{name!r} must be host:port")
+        return name
+
+    @field_validator("nameservers")
+    @classmethod
+    def _one_port(cls, servers: list[str]) -> list[str]:
+        if len({s.rpartition(":")[2] if ":" in s else "53" for s in servers}) > 1:
+            raise ValueError("all nameservers must use the same port")
+        return servers
+
+
 class PoolSpec(Spec):
     model: str = Field(
         description="The model name the replicas serve; requests are rewritten to it."
     )
-    replicas: list[str] = Field(min_length=1)
+    replicas: list[str] = Field([], description="Static replica URLs; or give `dns`.")
+    dns: DnsSpec | None = Field(None, description="Discover the replicas from DNS instead.")
     max_concurrency: PositiveInt = Field(description="Per replica: requests in flight.")
     max_inflight_tokens: PositiveInt | None = Field(
         None, description="Per replica: input + expected output tokens of the requests in flight."
@@ -134,6 +163,17 @@ class PoolSpec(Spec):
     api_key_env: str | None = Field(
         None, description="Environment variable holding the replicas' API key (sent as Bearer)."
     )
+
+    @field_validator("dns", mode="before")
+    @classmethod
+    def _dns_shorthand(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PoolSpec:
+        if bool(self.replicas) == (self.dns is not None):
+            raise ValueError("give either `replicas` (a non-empty list) or `dns`")
+        return self
 
     @field_validator("replicas")
     @classmethod
