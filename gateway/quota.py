@@ -32,8 +32,17 @@ class Charge:
     """A reservation to correct when the request ends."""
 
     id: str
-    tokens_key: str | None  # None: the tenant has no TPM, only its requests were counted
+    tokens_keys: tuple[str, ...]  # the TPM windows charged (overall, model, pool); maybe none
     reserved: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Scoped:
+    """One window of a tenant: `kind` is `tokens` or `requests`; `scope` says where it applies."""
+
+    kind: str
+    scope: str
+    limit: Limit
 
 
 def duration(seconds: float) -> str:
@@ -46,12 +55,41 @@ def duration(seconds: float) -> str:
     return f"{minutes}m{rest}s"
 
 
-def _headers(kinds: list[str], windows: tuple[Window, ...]) -> dict[str, str]:
+def _headers(scoped: list[_Scoped], windows: tuple[Window, ...]) -> dict[str, str]:
+    """Per kind, the window with the least room left: the one that binds the next request."""
+    binding: dict[str, Window] = {}
+    for item, window in zip(scoped, windows, strict=True):
+        held = binding.get(item.kind)
+        if held is None or window.remaining < held.remaining:
+            binding[item.kind] = window
     out = {}
-    for kind, window in zip(kinds, windows, strict=True):
+    for kind, window in binding.items():
         out[f"x-ratelimit-limit-{kind}"] = str(window.limit)
         out[f"x-ratelimit-remaining-{kind}"] = str(window.remaining)
         out[f"x-ratelimit-reset-{kind}"] = duration(window.reset_s)
+    return out
+
+
+def _windows(tenant: Tenant, ctx: Ctx, tokens: int) -> list[_Scoped]:
+    """The tenant's overall windows, then those of the model and the pool this request uses.
+
+    One hash tag per tenant: all its windows share a Redis Cluster slot, so one script can
+    charge them together.
+    """
+    prefix = f"quota:{{{tenant.name}}}:"
+    scopes = [("", tenant.spec.tpm, tenant.spec.rpm)]
+    if ctx.pool is not None:
+        model, pool = tenant.spec.models.get(ctx.served_model), tenant.spec.pools.get(ctx.pool.name)
+        if model is not None:
+            scopes.append((f"model:{ctx.served_model}:", model.tpm, model.rpm))
+        if pool is not None:
+            scopes.append((f"pool:{ctx.pool.name}:", pool.tpm, pool.rpm))
+    out = []
+    for scope, tpm, rpm in scopes:
+        if tpm is not None:
+            out.append(_Scoped("tokens", scope, Limit(prefix + scope + "tokens", tokens, tpm)))
+        if rpm is not None:
+            out.append(_Scoped("requests", scope, Limit(prefix + scope + "requests", 1, rpm)))
     return out
 
 
@@ -64,47 +102,33 @@ class Quotas:
         self.metrics = metrics
         self._pending: set[asyncio.Task[None]] = set()
 
-    @staticmethod
-    def _limits(tenant: Tenant, tokens: int) -> tuple[list[str], list[Limit]]:
-        # One hash tag per tenant: its windows share a Redis Cluster slot, so one script
-        # can charge them together.
-        prefix = f"quota:{{{tenant.name}}}:"
-        kinds: list[str] = []
-        limits: list[Limit] = []
-        if tenant.spec.tpm is not None:
-            kinds.append("tokens")
-            limits.append(Limit(prefix + "tokens", tokens, tenant.spec.tpm))
-        if tenant.spec.rpm is not None:
-            kinds.append("requests")
-            limits.append(Limit(prefix + "requests", 1, tenant.spec.rpm))
-        return kinds, limits
-
     async def reserve(self, ctx: Ctx) -> Charge | None:
         """Charge the tenant's windows or raise 429; None when there is nothing to correct."""
         if ctx.tenant is None:
             return None
         tenant = ctx.tenant
-        kinds, limits = self._limits(tenant, ctx.reserved_tokens)
-        if not limits:
+        scoped = _windows(tenant, ctx, ctx.reserved_tokens)
+        if not scoped:
             return None
-        result = await self.state.reserve(limits)
-        ctx.ratelimit_headers = _headers(kinds, result.windows)
+        result = await self.state.reserve([item.limit for item in scoped])
+        ctx.ratelimit_headers = _headers(scoped, result.windows)
         if isinstance(result, Refusal):
-            kind, limit = kinds[result.index], limits[result.index]
-            self.metrics.quota_rejections.labels(tenant.name, kind).inc()
-            per_minute = f"{limit.limit} {kind} per minute"
+            item = scoped[result.index]
+            self.metrics.quota_rejections.labels(tenant.name, item.kind).inc()
+            where = f" on {item.scope.rstrip(':').replace(':', ' ', 1)}" if item.scope else ""
+            per_minute = f"{item.limit.limit} {item.kind} per minute{where}"
             if result.retry_after_s is None:
                 raise OverQuota(
-                    f"this request needs {limit.amount} {kind}, more than tenant"
+                    f"this request needs {item.limit.amount} {item.kind}, more than tenant"
                     f" {tenant.name!r}'s whole limit of {per_minute}"
                 )
             raise QuotaExceeded(
                 f"tenant {tenant.name!r} is at its limit of {per_minute}; this request needs"
-                f" {limit.amount}; try again in {result.retry_after_s:.1f}s",
+                f" {item.limit.amount}; try again in {result.retry_after_s:.1f}s",
                 retry_after_s=result.retry_after_s,
             )
-        tokens_key = limits[0].key if kinds[0] == "tokens" else None
-        return Charge(result.id, tokens_key, ctx.reserved_tokens)
+        keys = tuple(item.limit.key for item in scoped if item.kind == "tokens")
+        return Charge(result.id, keys, ctx.reserved_tokens)
 
     async def describe(self, ctx: Ctx) -> None:
         """Give a response refused before the quota stage (a 400 of a known tenant) the headers
@@ -112,25 +136,24 @@ class Quotas:
         the headers inform, they must not turn a refusal into a failure."""
         if ctx.tenant is None or ctx.ratelimit_headers:
             return
-        kinds, limits = self._limits(ctx.tenant, 0)
-        if not limits:
+        scoped = _windows(ctx.tenant, ctx, 0)
+        if not scoped:
             return
         try:
-            ctx.ratelimit_headers = _headers(kinds, await self.state.peek(limits))
+            windows = await self.state.peek([item.limit for item in scoped])
         except Exception:
             log.exception("reading tenant %s's windows failed", ctx.tenant.name)
+            return
+        ctx.ratelimit_headers = _headers(scoped, windows)
 
     def settle(self, ctx: Ctx, charge: Charge) -> None:
-        """Correct the token charge to real usage. Call after `account`, which fills in output
+        """Correct the token charges to real usage. Call after `account`, which fills in output
         tokens from the chunks counted when a stream broke; never raises, never awaits."""
-        if charge.tokens_key is None:
-            return
         actual = ctx.input_tokens + (ctx.output_tokens or 0) if ctx.replica else 0
-        task = asyncio.create_task(
-            self.state.adjust(charge.tokens_key, charge.id, charge.reserved, actual)
-        )
-        self._pending.add(task)
-        task.add_done_callback(self._done)
+        for key in charge.tokens_keys:
+            task = asyncio.create_task(self.state.adjust(key, charge.id, charge.reserved, actual))
+            self._pending.add(task)
+            task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._pending.discard(task)

@@ -12,11 +12,14 @@ import contextlib
 from typing import Any
 
 import aiohttp
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.policy.compile import load_policy
+from gateway.policy.load import PolicyError
 from gateway.state import WINDOW_S, Limit, MemoryState, Refusal, Reservation
-from tests.conftest import RunningGateway, basic_policy, eventually
+from tests.conftest import RunningGateway, basic_policy, eventually, write_policy
 from tests.test_tenants import ACME_KEY, hashed
 
 AUTH = {"Authorization": f"Bearer {ACME_KEY}"}
@@ -305,3 +308,47 @@ async def test_a_client_that_leaves_while_queued_is_refunded(
     status, _, headers = await chat(http, gw, body)
     assert (status, headers["x-ratelimit-remaining-tokens"]) == (200, "8000")
     assert gw.inflight() == 0 and gw.waiting() == 0
+
+
+async def test_limits_per_model_and_pool_apply_on_top_and_the_tightest_is_reported(
+    stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    policy = quota_policy(
+        tokenizer_dir, [stub.url], tpm=100_000, rpm=100, pools={"main": {"tpm": 2500}}
+    )
+    gw = await gateway_factory(policy)
+    clock = await with_clock(gw)
+    body = await sized(gw, 1000)
+    status, _, headers = await chat(http, gw, body)
+    assert status == 200
+    assert headers["x-ratelimit-limit-tokens"] == "2500"  # the pool's window binds
+    assert headers["x-ratelimit-remaining-tokens"] == "1500"
+    assert headers["x-ratelimit-limit-requests"] == "100"
+    clock.now += 1
+    assert (await chat(http, gw, body))[0] == 200
+    status, error, headers = await chat(http, gw, body)
+    assert status == 429 and "on pool main" in error["error"]["message"]
+    assert headers["Retry-After"] == "59"
+    assert headers["x-ratelimit-remaining-requests"] == "98"  # the refusal charged nothing
+
+
+async def test_a_model_limit_counts_requests_to_that_model(
+    stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    gw = await gateway_factory(quota_policy(tokenizer_dir, [stub.url], models={"tiny": {"rpm": 1}}))
+    await with_clock(gw)
+    body = {"model": "tiny-alias", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    status, _, headers = await chat(http, gw, body)
+    assert (status, headers["x-ratelimit-remaining-requests"]) == (200, "0")
+    status, error, _ = await chat(http, gw, body)  # the alias serves the same model
+    assert status == 429 and "on model tiny" in error["error"]["message"]
+
+
+def test_limits_for_an_unknown_model_or_pool_are_refused(tmp_path, tokenizer_dir) -> None:
+    policy = quota_policy(
+        tokenizer_dir, ["http://127.0.0.1:9"], models={"nope": {"tpm": 5}}, pools={"gone": {}}
+    )
+    with pytest.raises(PolicyError) as raised:
+        load_policy(write_policy(tmp_path, policy))
+    assert "tenants.acme.models.nope: unknown model 'nope'" in str(raised.value)
+    assert "tenants.acme.pools.gone: unknown pool 'gone'" in str(raised.value)

@@ -90,6 +90,17 @@ def _cross_check(spec: PolicySpec) -> list[Problem]:
         if cls.name in seen:
             problems.append(Problem(("classes", index, "name"), f"duplicate class {cls.name!r}"))
         seen.add(cls.name)
+    for name, tenant in spec.tenants.items():
+        for model in tenant.models:
+            if model not in spec.models:
+                problems.append(
+                    Problem(("tenants", name, "models", model), f"unknown model {model!r}")
+                )
+        for pool_name in tenant.pools:
+            if pool_name not in spec.pools:
+                problems.append(
+                    Problem(("tenants", name, "pools", pool_name), f"unknown pool {pool_name!r}")
+                )
     for index, route in enumerate(spec.routes):
         if route.pool not in spec.pools:
             problems.append(Problem(("routes", index, "pool"), f"unknown pool {route.pool!r}"))

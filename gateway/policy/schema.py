@@ -320,6 +320,13 @@ Tier = Literal["critical", "standard", "sheddable"]
 KeyHash = Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")]
 
 
+class WindowLimits(Spec):
+    """A tenant's limits on one model or pool, on top of its overall ones."""
+
+    tpm: PositiveInt | None = Field(None, description="Tokens per sliding minute.")
+    rpm: PositiveInt | None = Field(None, description="Requests per sliding minute.")
+
+
 class TenantSpec(Spec):
     """A team or client: who it is (its API keys), how it is queued, and what it may spend.
 
@@ -351,6 +358,12 @@ class TenantSpec(Spec):
     )
     rpm: PositiveInt | None = Field(
         None, description="Requests per minute over a sliding 60-second window; none: unlimited."
+    )
+    models: dict[str, WindowLimits] = Field(
+        {}, description="Limits per served model (a name under `models`), on top of tpm / rpm."
+    )
+    pools: dict[str, WindowLimits] = Field(
+        {}, description="Limits per pool, on top of tpm / rpm and any model's."
     )
     weight: PositiveFloat = Field(
         1.0, description="Its share of its tier under contention (fair share: not applied yet)."
