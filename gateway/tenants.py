@@ -81,16 +81,23 @@ def compile_tenants(
     return keys, problems
 
 
-def authenticate(ctx: Ctx, keys: Mapping[bytes, Tenant]) -> None:
-    """Set `ctx.tenant` and its tier from the bearer key, or raise 401; a no-op without tenants."""
+def identify(headers: Mapping[str, str], keys: Mapping[bytes, Tenant]) -> Tenant | None:
+    """The tenant the bearer key names, or raise 401; None without tenants (the gateway is open)."""
     if not keys:
-        return
-    scheme, _, key = ctx.headers.get("Authorization", "").partition(" ")
+        return None
+    scheme, _, key = headers.get("Authorization", "").partition(" ")
     key = key.strip()
     if scheme.lower() != "bearer" or not key:
         raise InvalidApiKey("You didn't provide an API key: send `Authorization: Bearer <key>`.")
     tenant = keys.get(hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest())
     if tenant is None:
         raise InvalidApiKey("Incorrect API key provided.")
-    ctx.tenant = tenant
-    ctx.tier = ctx.priority = tenant.tier
+    return tenant
+
+
+def authenticate(ctx: Ctx, keys: Mapping[bytes, Tenant]) -> None:
+    """Set `ctx.tenant` and its tier from the bearer key, or raise 401."""
+    tenant = identify(ctx.headers, keys)
+    if tenant is not None:
+        ctx.tenant = tenant
+        ctx.tier = ctx.priority = tenant.tier

@@ -77,6 +77,18 @@ async def test_the_pools_own_key_replaces_the_clients(
     assert [h.get("authorization") for h in stub.stats.headers] == ["Bearer replica-secret"]
 
 
+async def test_listing_models_needs_a_key_too(stub, gateway_factory, tokenizer_dir, http) -> None:
+    gw = await gateway_factory(tenant_policy(tokenizer_dir, [stub.url]))
+    async with http.get(f"{gw.url}/v1/models") as resp:
+        assert resp.status == 401
+        assert (await resp.json())["error"]["code"] == "invalid_api_key"
+    async with http.get(
+        f"{gw.url}/v1/models", headers={"Authorization": f"Bearer {ACME_KEY}"}
+    ) as resp:
+        assert resp.status == 200
+        assert [m["id"] for m in (await resp.json())["data"]] == ["tiny", "tiny-alias"]
+
+
 async def test_without_tenants_the_gateway_stays_open(
     stub, gateway_factory, tokenizer_dir, http
 ) -> None:

@@ -25,6 +25,7 @@ from gateway.pipeline import Gateway
 from gateway.policy.compile import Policy
 from gateway.policy.load import PolicyError
 from gateway.server.limits import handler_args, limits_middleware
+from gateway.tenants import identify
 
 log = logging.getLogger("gateway.server")
 
@@ -62,6 +63,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def list_models(request: web.Request) -> web.Response:
     policy = request.app[GATEWAY].policy
+    identify(request.headers, policy.tenants)  # with tenants, strangers learn nothing here either
     data = [
         {"id": name, "object": "model", "created": 0, "owned_by": "llm-admission-gateway"}
         for name in policy.served_models
