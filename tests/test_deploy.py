@@ -1,0 +1,546 @@
+"""deploy/ checked by the real tools: kustomize renders it, the Kubernetes schemas accept every core
+object, promtool checks and unit-tests the alerts, and a real Prometheus scrapes a running gateway
+under traffic and evaluates every expression of the rules, the adapter config and the dashboard.
+
+Nothing here is skipped: a missing tool fails with how to install it (`.ci/run` installs them all),
+because a deploy tree nobody rendered is exactly the one that breaks on the first `kubectl apply`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from tests.conftest import RunningGateway, Stub, basic_policy
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+OVERLAY = DEPLOY / "overlays" / "gke-tpu-v6e"
+ADAPTER = DEPLOY / "prometheus-adapter"
+RULES_TEST = Path(__file__).resolve().parent / "deploy" / "rules_test.yaml"
+CRD_GROUP = "monitoring.coreos.com/"
+MIN_KUBERNETES = (1, 33)  # the oldest minor GKE's regular channel still runs
+
+INSTALL = {
+    "kubectl": "the machine image ships kubectl (kustomize v5 built in); see .ci/run",
+    "promtool": "apt-get install -y prometheus",
+    "prometheus": "apt-get install -y prometheus",
+}
+
+
+def tool(name: str) -> str:
+    """The tool's path, or a failure that says how to install it (never a skip)."""
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed: {INSTALL[name]} (.ci/run does it)")
+    return path
+
+
+def kustomize(directory: Path) -> list[dict[str, Any]]:
+    """Render a kustomization with kubectl's built-in kustomize, as `kubectl apply -k` would."""
+    out = subprocess.run(
+        [tool("kubectl"), "kustomize", str(directory)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> list[dict[str, Any]]:
+    return kustomize(OVERLAY)
+
+
+def one(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} objects"
+    return found[0]
+
+
+def kinds(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def rule_groups(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    return one(objects, "PrometheusRule", "llm-gateway")["spec"]  # type: ignore[no-any-return]
+
+
+def adapter_rules() -> list[dict[str, Any]]:
+    config = one(kustomize(ADAPTER), "ConfigMap", "prometheus-adapter-llm")
+    return yaml.safe_load(config["data"]["config.yaml"])["externalRules"]  # type: ignore[no-any-return]
+
+
+def dashboard() -> dict[str, Any]:
+    return json.loads((DEPLOY / "base" / "monitoring" / "dashboard.json").read_text())  # type: ignore[no-any-return]
+
+
+def deployed_policy(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    config = one(objects, "ConfigMap", gateway_policy_name(objects))
+    return yaml.safe_load(config["data"]["policy.yaml"])  # type: ignore[no-any-return]
+
+
+def gateway_policy_name(objects: list[dict[str, Any]]) -> str:
+    volumes = one(objects, "Deployment", "llm-gateway")["spec"]["template"]["spec"]["volumes"]
+    return next(v["configMap"]["name"] for v in volumes if v["name"] == "policy")  # type: ignore[no-any-return]
+
+
+# --- Kustomize and the Kubernetes schemas -------------------------------------------------------
+
+
+def test_kustomize_renders_every_tree_with_kustomize_v5() -> None:
+    out = subprocess.run(
+        [tool("kubectl"), "version", "--client", "-o", "json"],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    version = json.loads(out.stdout)["kustomizeVersion"]
+    assert re.match(r"v[5-9]\.", version), f"kubectl's kustomize is {version}; the tree needs v5+"
+    for tree in (DEPLOY / "base", OVERLAY, ADAPTER):
+        assert kustomize(tree), tree
+
+
+def test_every_core_object_validates_against_current_kubernetes_schemas(
+    rendered: list[dict[str, Any]],
+) -> None:
+    try:
+        import kubernetes_validate
+    except ImportError:
+        pytest.fail("kubernetes-validate is not installed: pip install -e '.[dev]'")
+    version = kubernetes_validate.latest_version()
+    assert tuple(int(x) for x in version.split(".")[:2]) >= MIN_KUBERNETES, version
+    core = [
+        o for o in [*rendered, *kustomize(ADAPTER)] if not o["apiVersion"].startswith(CRD_GROUP)
+    ]
+    assert len(core) >= 15
+    for obj in core:
+        for v in (version, f"{MIN_KUBERNETES[0]}.{MIN_KUBERNETES[1]}.0"):
+            kubernetes_validate.validate(obj, v, strict=True)
+    # The validator does reject: an unknown field in a Deployment's container.
+    broken = json.loads(json.dumps(one(rendered, "Deployment", "llm-gateway")))
+    broken["spec"]["template"]["spec"]["containers"][0]["livenessProbes"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, version, strict=True)
+
+
+def test_the_gateway_deployment_drains_within_its_grace_period_unprivileged(
+    rendered: list[dict[str, Any]],
+) -> None:
+    pod = one(rendered, "Deployment", "llm-gateway")["spec"]["template"]["spec"]
+    (gateway,) = pod["containers"]
+    assert gateway["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert gateway["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    # preStop, then /readyz fails for readiness_delay_s, then in-flight work gets drain_grace_s:
+    # all of it must end before the kubelet's SIGKILL.
+    server = deployed_policy(rendered)["server"]
+    sleep = float(gateway["lifecycle"]["preStop"]["exec"]["command"][1])
+    drain = sleep + server["readiness_delay_s"] + server["drain_grace_s"]
+    assert pod["terminationGracePeriodSeconds"] > drain, drain
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert gateway["securityContext"]["readOnlyRootFilesystem"] is True
+    assert gateway["securityContext"]["allowPrivilegeEscalation"] is False
+    assert gateway["resources"]["requests"] and gateway["resources"]["limits"]
+    env = {e["name"]: e for e in gateway["env"]}
+    assert env["LLM_GATEWAY_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]["name"]
+    mounts = {m["mountPath"] for m in gateway["volumeMounts"]}
+    assert "/etc/llm-gateway" in mounts and "/models/gemma-3-tokenizer" in mounts
+    pdb = one(rendered, "PodDisruptionBudget", "llm-gateway")
+    assert pdb["spec"]["selector"]["matchLabels"] == pod_labels(rendered, "llm-gateway")
+
+
+def pod_labels(objects: list[dict[str, Any]], deployment: str) -> dict[str, str]:
+    return one(objects, "Deployment", deployment)["spec"]["selector"]["matchLabels"]  # type: ignore[no-any-return]
+
+
+def test_each_pool_has_a_tpu_deployment_and_a_headless_service_its_dns_name_resolves_to(
+    rendered: list[dict[str, Any]],
+) -> None:
+    policy = deployed_policy(rendered)
+    assert set(policy["pools"]) == {"classify-27b", "generate-12b", "generate-27b"}
+    for name, pool in policy["pools"].items():
+        host, _, port = pool["dns"].rpartition(":")
+        service_name, namespace = host.split(".")[:2]
+        service = one(rendered, "Service", service_name)
+        assert service["metadata"]["namespace"] == namespace
+        assert service["spec"]["clusterIP"] == "None", "a ClusterIP would defeat per-replica caps"
+        assert [p["port"] for p in service["spec"]["ports"]] == [int(port)]
+        deployment = one(rendered, "Deployment", service_name)
+        assert deployment["metadata"]["labels"]["llm.gateway/pool"] == name
+        spec = deployment["spec"]["template"]["spec"]
+        assert spec["nodeSelector"] == {
+            "cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
+            "cloud.google.com/gke-tpu-topology": "2x2",
+        }
+        (vllm,) = spec["containers"]
+        assert vllm["resources"]["requests"]["google.com/tpu"] == "4"
+        assert vllm["resources"]["limits"]["google.com/tpu"] == "4"
+        flags = dict(a.removeprefix("--").split("=", 1) for a in vllm["args"])
+        assert flags["max-model-len"] == "128000"
+        assert flags["max-num-batched-tokens"] == "8192"
+        assert int(flags["max-num-seqs"]) == pool["max_concurrency"], "the cap is the knee"
+        assert flags["served-model-name"] == pool["model"]
+        assert "VLLM_TPU_BUCKET_PADDING_GAP" in {e["name"] for e in vllm["env"]}
+        assert vllm["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert vllm["ports"][0]["containerPort"] == int(port)
+    redis = one(rendered, "StatefulSet", "redis")
+    assert redis["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_the_deployed_policy_is_the_articles_fleet_on_headless_services_and_checks(
+    rendered: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """deploy/'s copy of policies/gemma3-tpu-v6e.yaml differs only where Kubernetes needs it:
+    replicas from DNS, and drain timings the pod's grace period is sized for."""
+    deployed = deployed_policy(rendered)
+    example = yaml.safe_load((ROOT / "policies" / "gemma3-tpu-v6e.yaml").read_text())
+    for pool in (*deployed["pools"].values(), *example["pools"].values()):
+        pool.pop("dns", None)
+        pool.pop("replicas", None)
+    deployed.pop("server")
+    assert deployed == example
+    path = tmp_path / "policy.yaml"
+    path.write_text(
+        one(rendered, "ConfigMap", gateway_policy_name(rendered))["data"]["policy.yaml"]
+    )
+    check = subprocess.run(
+        [sys.executable, "-m", "gateway", "check", str(path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_one_hpa_per_vllm_deployment_on_the_gateways_signals_never_cpu(
+    rendered: list[dict[str, Any]],
+) -> None:
+    served = {r["name"]["as"] for r in adapter_rules()}
+    vllm = {d["metadata"]["name"]: d for d in kinds(rendered, "Deployment") if d is not None}
+    vllm.pop("llm-gateway")
+    hpas = {
+        h["spec"]["scaleTargetRef"]["name"]: h for h in kinds(rendered, "HorizontalPodAutoscaler")
+    }
+    assert set(hpas) == set(vllm)
+    for name, hpa in hpas.items():
+        assert hpa["apiVersion"] == "autoscaling/v2"
+        pool = vllm[name]["metadata"]["labels"]["llm.gateway/pool"]
+        for metric in hpa["spec"]["metrics"]:
+            assert metric["type"] == "External", "never on CPU or memory"
+            assert metric["external"]["metric"]["name"] in served
+            assert metric["external"]["metric"]["selector"]["matchLabels"] == {"pool": pool}
+        up, down = hpa["spec"]["behavior"]["scaleUp"], hpa["spec"]["behavior"]["scaleDown"]
+        assert up["stabilizationWindowSeconds"] == 0
+        assert down["stabilizationWindowSeconds"] >= 300
+        assert max(p["value"] for p in down["policies"] if p["type"] == "Pods") == 1
+
+
+# --- The Prometheus Operator's objects (CRDs: no schema in kubernetes-validate) -------------------
+
+
+def test_servicemonitor_and_podmonitor_select_real_ports(rendered: list[dict[str, Any]]) -> None:
+    monitor = one(rendered, "ServiceMonitor", "llm-gateway")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    service = one(rendered, "Service", "llm-gateway")
+    labels = service["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert service["metadata"]["namespace"] in monitor["spec"]["namespaceSelector"]["matchNames"]
+    ports = {p["name"] for p in service["spec"]["ports"]}
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert endpoint["port"] in ports and endpoint["path"] == "/metrics"
+        assert re.fullmatch(r"\d+s", endpoint["interval"])
+    pods = one(rendered, "PodMonitor", "vllm")
+    assert pods["apiVersion"] == "monitoring.coreos.com/v1"
+    for deployment in kinds(rendered, "Deployment"):
+        if deployment["metadata"]["name"] == "llm-gateway":
+            continue
+        template = deployment["spec"]["template"]
+        assert (
+            pods["spec"]["selector"]["matchLabels"].items()
+            <= template["metadata"]["labels"].items()
+        )
+        names = {p["name"] for c in template["spec"]["containers"] for p in c["ports"]}
+        assert {e["port"] for e in pods["spec"]["podMetricsEndpoints"]} <= names
+
+
+def test_prometheusrule_has_the_operators_fields_and_a_runbook_per_alert(
+    rendered: list[dict[str, Any]],
+) -> None:
+    rule = one(rendered, "PrometheusRule", "llm-gateway")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["namespace"] == "llm"
+    groups = rule["spec"]["groups"]
+    assert len({g["name"] for g in groups}) == len(groups)
+    alerts = {}
+    for group in groups:
+        for r in group["rules"]:
+            assert set(r) <= {"alert", "expr", "for", "labels", "annotations"}
+            assert isinstance(r["expr"], str) and r["expr"].strip()
+            assert re.fullmatch(r"\d+[smh]", r.get("for", "0s"))
+            assert r["labels"]["severity"] in {"page", "warning"}
+            assert r["annotations"]["runbook"] and r["annotations"]["summary"]
+            alerts[r["alert"]] = r
+    article = alerts["LLMEndToEndLatencyP95High"]
+    assert article["expr"] == (
+        "histogram_quantile(0.95, sum by (le, model) "
+        "(rate(llm_request_e2e_seconds_bucket[5m]))) > 30"
+    )
+    assert article["for"] == "10m"
+    used = " ".join(r["expr"] for r in alerts.values())
+    for metric in ("llm_queue_wait_seconds_bucket", "llm_rejections_total", "llm_replica_up",
+                   "llm_replica_ejections_total", "llm_pool_capacity", "llm_state_backend_up",
+                   "llm_policy_reload_errors_total"):  # fmt: skip
+        assert metric in used, metric
+
+
+# --- promtool -----------------------------------------------------------------------------------
+
+
+def write_rules(objects: list[dict[str, Any]], directory: Path, annotations: bool) -> Path:
+    spec = json.loads(json.dumps(rule_groups(objects)))
+    if not annotations:
+        for group in spec["groups"]:
+            for r in group["rules"]:
+                r.pop("annotations", None)
+    path = directory / ("full.yaml" if annotations else "rules.yaml")
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def test_promtool_checks_the_rules_and_unit_tests_every_alert(
+    rendered: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    promtool = tool("promtool")
+    full = write_rules(rendered, tmp_path, annotations=True)
+    check = subprocess.run(
+        [promtool, "check", "rules", str(full)], capture_output=True, text=True, timeout=60
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    write_rules(rendered, tmp_path, annotations=False)
+    tests = yaml.safe_load(RULES_TEST.read_text())
+    tested = {t["alertname"] for case in tests["tests"] for t in case["alert_rule_test"]}
+    alerts = {r["alert"] for g in rule_groups(rendered)["groups"] for r in g["rules"]}
+    assert tested == alerts, "every alert has a unit test"
+    for name in alerts:  # ... in which it fires and in which it does not
+        cases = [t for c in tests["tests"] for t in c["alert_rule_test"] if t["alertname"] == name]
+        assert any(t["exp_alerts"] for t in cases) and any(not t["exp_alerts"] for t in cases)
+    shutil.copy(RULES_TEST, tmp_path / RULES_TEST.name)
+    run = subprocess.run(
+        [promtool, "test", "rules", RULES_TEST.name],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+# --- A real Prometheus scraping a real gateway ----------------------------------------------------
+
+KEY, LIMITED_KEY = "deploy-test-key", "deploy-limited-key"
+RATE_INTERVAL = "1m"
+# Expressions with no series yet, and why; every other expression must return data.
+NO_DATA = {
+    "llm_state_backend_up": "the Redis state backend (and its gauge) has not landed yet",
+    "llm_replica_ejections_total": "no replica is ejected in this test",
+}
+COMPARISON = re.compile(r"\s*(>|<|==|!=|>=|<=)\s*[-+0-9.e]+\s*$")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def sha(key: str) -> str:
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+@contextlib.contextmanager
+def prometheus(directory: Path, gateway_url: str, rules: Path) -> Iterator[str]:
+    """Debian's Prometheus on a free loopback port, scraping the gateway every second."""
+    port = free_port()
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(rules)],
+        "scrape_configs": [
+            {
+                "job_name": "llm-gateway",
+                "static_configs": [{"targets": [gateway_url.removeprefix("http://")]}],
+            }
+        ],
+    }
+    (directory / "prometheus.yml").write_text(yaml.safe_dump(config))
+    log = (directory / "prometheus.log").open("wb")
+    proc = subprocess.Popen(
+        [tool("prometheus"), f"--config.file={directory / 'prometheus.yml'}",
+         f"--storage.tsdb.path={directory / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        log.close()
+
+
+async def traffic(http: aiohttp.ClientSession, url: str, stop: asyncio.Event) -> None:
+    """Bursts past the pool's cap and queue (queue waits, 429s), streams (TTFT, TPOT), and a
+    tenant over its rpm (quota refusals); bounded by `stop` and the test's deadline."""
+
+    async def one(stream: bool, key: str = KEY) -> None:
+        body = {"model": "tiny", "prompt": "hello world " * 20, "max_tokens": 8, "stream": stream}
+        headers = {"Authorization": f"Bearer {key}"}
+        with contextlib.suppress(aiohttp.ClientError):
+            async with http.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+                await resp.read()
+
+    while not stop.is_set():
+        burst = [one(stream=i % 2 == 0) for i in range(12)] + [one(False, LIMITED_KEY)]
+        await asyncio.gather(*burst)
+        await asyncio.sleep(0.2)
+
+
+async def query(http: aiohttp.ClientSession, base: str, expr: str) -> list[Any]:
+    async with http.get(f"{base}/api/v1/query", params={"query": expr}) as resp:
+        body = await resp.json()
+    assert body["status"] == "success", f"{expr}: {body}"
+    return body["data"]["result"]  # type: ignore[no-any-return]
+
+
+LABEL_VALUES = re.compile(r"label_values\((\w+), *(\w+)\)")
+
+
+async def has_data(http: aiohttp.ClientSession, base: str, where: str, expr: str) -> bool:
+    """Evaluate `expr` (an error fails the test) and say whether it has data: for an alert, its
+    expression before the threshold (an alert that does not fire still has to see its series);
+    for a dashboard variable, Grafana's `label_values` through the same label API Grafana uses."""
+    if variable := LABEL_VALUES.fullmatch(expr):
+        metric, label = variable.groups()
+        url = f"{base}/api/v1/label/{label}/values"
+        async with http.get(url, params={"match[]": metric}) as resp:
+            body = await resp.json()
+        assert body["status"] == "success", f"{where}: {body}"
+        return bool(body["data"])
+    result = await query(http, base, expr)
+    if where.startswith("rule ") and not result:
+        result = await query(http, base, COMPARISON.sub("", expr))
+    return bool(result)
+
+
+def expressions(objects: list[dict[str, Any]]) -> dict[str, str]:
+    """Every PromQL expression deploy/ ships, by where it comes from, made evaluable: the adapter's
+    templates filled as prometheus-adapter fills them, the dashboard's variables set to All."""
+    found: dict[str, str] = {}
+    for group in rule_groups(objects)["groups"]:
+        for r in group["rules"]:
+            found[f"rule {r['alert']}"] = r["expr"]
+    for r in adapter_rules():
+        series = r["seriesQuery"].split("{")[0]
+        expr = r["metricsQuery"].replace("<<.Series>>", series)
+        found[f"adapter {r['name']['as']}"] = expr.replace("<<.LabelMatchers>>", 'pool="main"')
+    board = dashboard()
+    for panel in board["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"].replace("$__rate_interval", RATE_INTERVAL)
+            expr = expr.replace('"$pool"', '".*"').replace('"$class"', '".*"')
+            found[f"dashboard {panel['title']} {target['refId']}"] = expr
+    for var in board["templating"]["list"]:
+        if var["type"] == "query":
+            found[f"dashboard variable {var['name']}"] = var["definition"]
+    return found
+
+
+def wants_data(expr: str) -> bool:
+    return not any(metric in expr for metric in NO_DATA)
+
+
+async def test_prometheus_scrapes_the_gateway_and_evaluates_every_expression(
+    rendered: list[dict[str, Any]],
+    tmp_path: Path,
+    stub_factory: Callable[..., Awaitable[Stub]],
+    gateway_factory: Callable[[dict[str, Any]], Awaitable[RunningGateway]],
+    tokenizer_dir: Path,
+    http: aiohttp.ClientSession,
+) -> None:
+    stubs = [await stub_factory(delay_s=0.05, chunk_delay_s=0.01) for _ in range(2)]
+    policy = basic_policy(
+        tokenizer_dir, [s.url for s in stubs], max_concurrency=2,
+        queue={"max_depth": 4, "max_wait_s": 0.15},
+    )  # fmt: skip
+    policy["tenants"] = {
+        "deploy-test": {"keys": [sha(KEY)], "tier": "standard", "tpm": 10_000_000},
+        "limited": {"keys": [sha(LIMITED_KEY)], "tier": "sheddable", "rpm": 2},
+    }
+    gw = await gateway_factory(policy)
+    exprs = expressions(rendered)
+    with prometheus(tmp_path, gw.url, write_rules(rendered, tmp_path, annotations=True)) as base:
+        stop = asyncio.Event()
+        load = asyncio.create_task(traffic(http, gw.url, stop))
+        try:
+            async with asyncio.timeout(40):
+                await until_ready(http, base)
+                missing = dict(exprs)
+                while True:
+                    for where, expr in list(missing.items()):
+                        if await has_data(http, base, where, expr) or not wants_data(expr):
+                            del missing[where]
+                    if not missing:
+                        break
+                    await asyncio.sleep(1)
+        except TimeoutError:
+            pytest.fail(f"no data within 40 s for: {sorted(missing)}")
+        finally:
+            stop.set()
+            await load
+        for where, expr in exprs.items():
+            if not wants_data(expr):
+                assert not await has_data(http, base, where, expr), f"{where}: has data now"
+        await rules_are_healthy(http, base)
+
+
+async def until_ready(http: aiohttp.ClientSession, base: str) -> None:
+    while True:
+        with contextlib.suppress(aiohttp.ClientError):
+            async with http.get(f"{base}/-/ready") as resp:
+                if resp.status == 200:
+                    return
+        await asyncio.sleep(0.2)
+
+
+async def rules_are_healthy(http: aiohttp.ClientSession, base: str) -> None:
+    """Prometheus itself loaded the PrometheusRule's groups and evaluates them without error."""
+    async with http.get(f"{base}/api/v1/rules") as resp:
+        body = await resp.json()
+    rules = [r for g in body["data"]["groups"] for r in g["rules"]]
+    assert len(rules) >= 10
+    for r in rules:
+        assert r["health"] in {"ok", "unknown"} and not r.get("lastError"), r
+
+
+def test_the_dockerfile_runs_as_the_deployments_non_root_user_with_no_model_inside(
+    rendered: list[dict[str, Any]],
+) -> None:
+    """No container engine here: the Dockerfile is read for what the Deployment relies on."""
+    lines = [line.strip() for line in (ROOT / "Dockerfile").read_text().splitlines()]
+    (user,) = [line.split()[1] for line in lines if line.startswith("USER ")]
+    pod = one(rendered, "Deployment", "llm-gateway")["spec"]["template"]["spec"]
+    assert user == f"{pod['securityContext']['runAsUser']}:{pod['securityContext']['runAsGroup']}"
+    copies = " ".join(line for line in lines if line.startswith(("COPY", "ADD")))
+    assert "tokenizer" not in copies and "models" not in copies and "policies" not in copies
+    assert 'ENTRYPOINT ["llm-gateway"]' in lines
+    assert lines[0].startswith("#") and any(
+        line.startswith("FROM python:3.11-slim") for line in lines
+    )
