@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 
 import openai
 import pytest
@@ -109,4 +110,29 @@ async def test_models_lists_models_and_aliases(gw) -> None:
     client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
     models = [m.id async for m in client.models.list()]
     assert models == ["tiny", "tiny-alias"]
+    await client.close()
+
+
+async def test_tenant_keys_and_quotas_through_the_sdk(stub, gateway_factory, tokenizer_dir) -> None:
+    """The SDK's own api_key is the tenant's key; its errors map 401 and 429 as OpenAI's do."""
+    policy = basic_policy(tokenizer_dir, [stub.url])
+    digest = hashlib.sha256(b"sk-tenant").hexdigest()
+    policy["tenants"] = {"acme": {"keys": [f"sha256:{digest}"], "rpm": 1}}
+    gw = await gateway_factory(policy)
+    messages = [{"role": "user", "content": "hi"}]
+    stranger = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="sk-other", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as denied:
+        await stranger.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert denied.value.code == "invalid_api_key"
+    client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="sk-tenant", max_retries=0)
+    raw = await client.chat.completions.with_raw_response.create(
+        model="tiny", messages=messages, max_tokens=2
+    )
+    assert raw.headers["x-ratelimit-remaining-requests"] == "0"
+    assert raw.parse().choices[0].message.content == " tok" * 2
+    with pytest.raises(openai.RateLimitError) as limited:
+        await client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert limited.value.code == "rate_limit_exceeded"
+    assert int(limited.value.response.headers["Retry-After"]) >= 1
+    await stranger.close()
     await client.close()
