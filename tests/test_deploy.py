@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -346,10 +347,7 @@ def test_promtool_checks_the_rules_and_unit_tests_every_alert(
 KEY, LIMITED_KEY = "deploy-test-key", "deploy-limited-key"
 RATE_INTERVAL = "1m"
 # Expressions with no series yet, and why; every other expression must return data.
-NO_DATA = {
-    "llm_state_backend_up": "the Redis state backend (and its gauge) has not landed yet",
-    "llm_replica_ejections_total": "no replica is ejected in this test",
-}
+NO_DATA = {"llm_state_backend_up": "the Redis state backend (and its gauge) has not landed yet"}
 COMPARISON = re.compile(r"\s*(>|<|==|!=|>=|<=)\s*[-+0-9.e]+\s*$")
 
 
@@ -363,8 +361,22 @@ def sha(key: str) -> str:
     return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
 
 
+@dataclass
+class Prometheus:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def alive(self) -> None:
+        """Fail with Prometheus' own words if it exited (a bad rule file, a taken port)."""
+        if self.proc.poll() is not None:
+            pytest.fail(
+                f"prometheus exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}"
+            )
+
+
 @contextlib.contextmanager
-def prometheus(directory: Path, gateway_url: str, rules: Path) -> Iterator[str]:
+def prometheus(directory: Path, gateway_url: str, rules: Path) -> Iterator[Prometheus]:
     """Debian's Prometheus on a free loopback port, scraping the gateway every second."""
     port = free_port()
     config = {
@@ -378,14 +390,15 @@ def prometheus(directory: Path, gateway_url: str, rules: Path) -> Iterator[str]:
         ],
     }
     (directory / "prometheus.yml").write_text(yaml.safe_dump(config))
-    log = (directory / "prometheus.log").open("wb")
+    log_path = directory / "prometheus.log"
+    log = log_path.open("wb")
     proc = subprocess.Popen(
         [tool("prometheus"), f"--config.file={directory / 'prometheus.yml'}",
          f"--storage.tsdb.path={directory / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield Prometheus(f"http://127.0.0.1:{port}", proc, log_path)
     finally:
         proc.terminate()
         try:
@@ -476,6 +489,7 @@ async def test_prometheus_scrapes_the_gateway_and_evaluates_every_expression(
     http: aiohttp.ClientSession,
 ) -> None:
     stubs = [await stub_factory(delay_s=0.05, chunk_delay_s=0.01) for _ in range(2)]
+    stubs.append(await stub_factory(status=500))  # fails every request: ejected, then readmitted
     policy = basic_policy(
         tokenizer_dir, [s.url for s in stubs], max_concurrency=2,
         queue={"max_depth": 4, "max_wait_s": 0.15},
@@ -486,12 +500,13 @@ async def test_prometheus_scrapes_the_gateway_and_evaluates_every_expression(
     }
     gw = await gateway_factory(policy)
     exprs = expressions(rendered)
-    with prometheus(tmp_path, gw.url, write_rules(rendered, tmp_path, annotations=True)) as base:
+    with prometheus(tmp_path, gw.url, write_rules(rendered, tmp_path, annotations=True)) as prom:
+        base = prom.url
         stop = asyncio.Event()
         load = asyncio.create_task(traffic(http, gw.url, stop))
         try:
             async with asyncio.timeout(40):
-                await until_ready(http, base)
+                await until_ready(http, prom)
                 missing = dict(exprs)
                 while True:
                     for where, expr in list(missing.items()):
@@ -499,6 +514,7 @@ async def test_prometheus_scrapes_the_gateway_and_evaluates_every_expression(
                             del missing[where]
                     if not missing:
                         break
+                    prom.alive()
                     await asyncio.sleep(1)
         except TimeoutError:
             pytest.fail(f"no data within 40 s for: {sorted(missing)}")
@@ -511,10 +527,11 @@ async def test_prometheus_scrapes_the_gateway_and_evaluates_every_expression(
         await rules_are_healthy(http, base)
 
 
-async def until_ready(http: aiohttp.ClientSession, base: str) -> None:
+async def until_ready(http: aiohttp.ClientSession, prom: Prometheus) -> None:
     while True:
+        prom.alive()
         with contextlib.suppress(aiohttp.ClientError):
-            async with http.get(f"{base}/-/ready") as resp:
+            async with http.get(f"{prom.url}/-/ready") as resp:
                 if resp.status == 200:
                     return
         await asyncio.sleep(0.2)
