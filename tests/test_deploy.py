@@ -303,6 +303,34 @@ def test_prometheusrule_has_the_operators_fields_and_a_runbook_per_alert(
         assert metric in used, metric
 
 
+def test_the_dashboard_has_the_issues_panels_per_pool_and_class() -> None:
+    board = dashboard()
+    assert {v["name"] for v in board["templating"]["list"]} >= {"datasource", "pool", "class"}
+    exprs = {p["title"]: " ".join(t["expr"] for t in p["targets"]) for p in board["panels"]}
+    assert len({p["id"] for p in board["panels"]}) == len(board["panels"])
+
+    def panel(*needles: str) -> str:
+        found = [t for t, e in exprs.items() if all(n in e for n in needles)]
+        assert found, needles
+        return found[0]
+
+    panel("rate(llm_requests_total", "pool, class")  # requests/s
+    panel("llm_input_tokens_total", "llm_output_tokens_total", "* 60")  # TPM
+    for metric in ("e2e", "ttft", "tpot", "queue_wait"):
+        name = f"llm_{'request_' if metric != 'queue_wait' else ''}{metric}_seconds_bucket"
+        panel(
+            *(
+                f"histogram_quantile({q}, sum by (le, pool, class) (rate({name}"
+                for q in ("0.5", "0.95", "0.99")
+            )
+        )
+    panel("llm_queue_depth")
+    panel("llm_inflight_requests", "llm_pool_capacity")  # saturation
+    panel("llm_rejections_total", "reason")
+    panel("llm_replica_up", "llm_replica_ejections_total")
+    panel("llm_tenant_tokens_total")
+
+
 # --- promtool -----------------------------------------------------------------------------------
 
 
