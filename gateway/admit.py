@@ -21,9 +21,9 @@ from contextlib import asynccontextmanager
 from typing import Protocol
 
 from gateway.context import Ctx
-from gateway.errors import NoReplica, QueueFull, QueueTimeout
+from gateway.errors import NoReplica, QueueFull, QueueTimeout, Shed
 from gateway.policy.plugins import register
-from gateway.policy.schema import PoolSpec
+from gateway.policy.schema import PRIORITIES, PoolSpec
 
 log = logging.getLogger("gateway.admit")
 
@@ -167,6 +167,7 @@ class PoolSlots:
         self.ejections: Counter[tuple[str, str]] = Counter()  # (replica, reason) -> count
         self.demand = Demand()
         self.drift: Counter[tuple[str, str]] = Counter()  # (replica, kind) -> scrapes
+        self.sheds: Counter[str] = Counter()  # tier -> requests shed
 
     def update(self, spec: PoolSpec, picker: Picker) -> None:
         """Take a reloaded pool spec. Replicas that stay keep their counts and health; new ones
@@ -328,9 +329,27 @@ class PoolSlots:
             self.waiting -= 1
             head.future.set_result(self._take(replica, head.tokens))
 
+    @property
+    def saturation(self) -> float:
+        """(In flight + waiting) / capacity: 1.0 is every slot busy and nobody waiting."""
+        return (self.inflight + self.waiting) / max(1, self.capacity)
+
+    def _shed(self, priority: int) -> None:
+        tier = PRIORITIES[priority]
+        threshold = self.spec.shed.get(tier)  # type: ignore[call-overload]
+        if threshold is not None and self.saturation >= threshold:
+            self.sheds[tier] += 1
+            raise Shed(
+                f"pool {self.name} is saturated ({self.saturation:.2f} >= {threshold:g}):"
+                f" {tier} requests are shed first",
+                retry_after_s=self.spec.queue.retry_after_s,
+            )
+
     async def acquire(self, priority: int, tokens: int) -> Replica:
         if not self.replicas:
             raise NoReplica(f"pool {self.name} has no replica", retry_after_s=5)
+        if self.spec.shed:
+            self._shed(priority)
         if self.waiting == 0:
             replica = self.picker.pick(self.replicas, tokens)
             if replica is not None:
@@ -377,7 +396,7 @@ class PoolSlots:
             self.demand.arrivals += 1
             try:
                 replica = await self.acquire(ctx.priority, tokens)
-            except (QueueFull, QueueTimeout):
+            except (QueueFull, QueueTimeout, Shed):
                 self.demand.refused += 1
                 raise
             finally:

@@ -193,6 +193,15 @@ class QueueFull(Retryable):
     reason = "queue_full"
 
 
+class Shed(Retryable):
+    """Raised when the pool is saturated past the request's tier threshold: lower tiers go first."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "shed"
+    reason = "shed"
+
+
 class QueueTimeout(Retryable):
     """Raised when a queued request waited `max_wait_s` without a free slot."""
 

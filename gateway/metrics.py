@@ -96,6 +96,13 @@ class _Gauges(Collector):
             for replica in pool.replicas:
                 if replica.observed is not None:
                     observed.add_metric([name, replica.url], replica.observed)
+        shed = CounterMetricFamily(
+            "llm_shed", "Requests shed by tier while their pool was saturated.",
+            labels=["pool", "tier"],
+        )  # fmt: skip
+        for name, pool in self.source.slots.items():
+            for tier, count in pool.sheds.items():
+                shed.add_metric([name, tier], count)
         desired = GaugeMetricFamily(
             "llm_pool_desired_replicas",
             "Replicas the pool's demand needs at its per-replica cap (busy + waiting + refused"
@@ -112,8 +119,8 @@ class _Gauges(Collector):
             "llm_policy_reload_errors", "Policy reloads refused (the running policy stayed)."
         )
         errors.add_metric([], self.source.reload_errors)
-        return [requests, tokens, depth, capacity, up, ejections, drift, observed, desired, info,
-                errors]  # fmt: skip
+        return [requests, tokens, depth, capacity, up, ejections, drift, observed, shed, desired,
+                info, errors]  # fmt: skip
 
 
 class Metrics:

@@ -170,3 +170,27 @@ async def test_unreachable_replica_is_502(gateway_factory, tokenizer_dir, http) 
     status, body, _ = await post(http, gw.url, CHAT)
     assert status == 502 and body["error"]["code"] == "upstream_error"
     assert gw.inflight() == 0
+
+
+async def test_a_saturated_pool_sheds_the_lowest_tier_first(
+    stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    slow = await stub_factory(delay_s=0.5)
+    policy = basic_policy(tokenizer_dir, [slow.url], max_concurrency=2)
+    policy["pools"]["main"]["shed"] = {"sheddable": 1.0, "standard": 1.5}
+    gw = await gateway_factory(policy)
+    busy = [asyncio.create_task(post(http, gw.url, CHAT)) for _ in range(2)]
+    await eventually(lambda: gw.inflight() == 2)  # saturation 1.0
+    status, body, headers = await post(http, gw.url, CHAT, **{"x-priority": "sheddable"})
+    assert (status, body["error"]["code"]) == (429, "shed") and "Retry-After" in headers
+    queued = asyncio.create_task(post(http, gw.url, CHAT))  # standard still waits: 1.0 < 1.5
+    await eventually(lambda: gw.waiting() == 1)  # saturation 1.5 now
+    status, body, _ = await post(http, gw.url, CHAT)
+    assert (status, body["error"]["code"]) == (429, "shed")
+    critical = asyncio.create_task(post(http, gw.url, CHAT, **{"x-priority": "critical"}))
+    results = await asyncio.gather(*busy, queued, critical)
+    assert [s for s, _, _ in results] == [200] * 4  # critical is never shed here
+    async with http.get(f"{gw.url}/metrics") as resp:
+        text = await resp.text()
+    assert 'llm_shed_total{pool="main",tier="sheddable"} 1.0' in text
+    assert 'llm_shed_total{pool="main",tier="standard"} 1.0' in text

@@ -124,3 +124,15 @@ def test_shipped_policies_pass_check(policy) -> None:
 def test_schema_json_is_up_to_date() -> None:
     shipped = json.loads((ROOT / "policies" / "schema.json").read_text())
     assert shipped == PolicySpec.model_json_schema(by_alias=True), "run `make schema`"
+
+
+def test_lower_tiers_must_shed_first(tmp_path) -> None:
+    path = tmp_path / "x.yaml"
+    path.write_text(
+        "models:\n  a: {tokenizer: estimate, max_model_len: 10}\n"
+        "pools:\n  pa:\n    model: a\n    replicas: ['http://127.0.0.1:1']\n    max_concurrency: 1\n"
+        "    shed: {sheddable: 2.0, standard: 1.0}\n"
+        "classes: [{name: c}]\nroutes: [{pool: pa}]\n"
+    )
+    with pytest.raises(PolicyError, match=r"x.yaml:8: pools.pa.shed: a lower tier must shed"):
+        load_policy(path)

@@ -160,6 +160,15 @@ class PoolSpec(Spec):
     timeouts: TimeoutSpec = TimeoutSpec()
     retry: RetrySpec = RetrySpec()
     health: HealthSpec = HealthSpec()
+    shed: dict[Literal["critical", "standard", "sheddable"], PositiveFloat] = Field(
+        {},
+        description=(
+            "Service-level degradation: a request of a tier is refused (429 `shed`) while the"
+            " pool's saturation, (in flight + waiting) / capacity, is at or above the tier's"
+            " threshold. Lower tiers must shed first: sheddable <= standard <= critical. A tier"
+            " without a threshold is never shed (by default none is)."
+        ),
+    )
     api_key_env: str | None = Field(
         None, description="Environment variable holding the replicas' API key (sent as Bearer)."
     )
@@ -168,6 +177,14 @@ class PoolSpec(Spec):
     @classmethod
     def _dns_shorthand(cls, value: Any) -> Any:
         return {"name": value} if isinstance(value, str) else value
+
+    @field_validator("shed")
+    @classmethod
+    def _lowest_first(cls, shed: dict[str, float]) -> dict[str, float]:
+        given = [shed[t] for t in reversed(PRIORITIES) if t in shed]  # sheddable first
+        if given != sorted(given):
+            raise ValueError("a lower tier must shed at a lower or equal saturation")
+        return shed
 
     @model_validator(mode="after")
     def _one_source(self) -> PoolSpec:
