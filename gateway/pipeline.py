@@ -45,7 +45,8 @@ from gateway.policy.compile import Policy, compile_policy
 from gateway.policy.load import PolicyError, load_spec
 from gateway.quota import Charge, Quotas
 from gateway.route import find_candidates, route
-from gateway.state import MemoryState, State
+from gateway.state import State
+from gateway.state.redis_state import BackendUp, build_state
 from gateway.tenants import authenticate
 
 log = logging.getLogger("gateway.pipeline")
@@ -156,7 +157,9 @@ class Gateway:
         self.runtime = Runtime.build(policy, None)
         self.reload_errors = 0
         self.accountant = Accountant(Metrics(self), access_log)  # reads the above at scrape time
-        self.state: State = MemoryState()  # outlives reloads: windows keep their charges
+        # Outlives reloads: windows keep their charges (a changed `state` section needs a restart).
+        self.state: State = build_state(policy.spec.state)
+        self.accountant.metrics.registry.register(BackendUp(lambda: self.state))
         self.quotas = Quotas(self.state, self.accountant.metrics)
         self.sessions: dict[str, aiohttp.ClientSession] = {}
         self.draining = False

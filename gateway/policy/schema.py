@@ -393,6 +393,32 @@ class TenantSpec(Spec):
         return self
 
 
+class StateSpec(Spec):
+    """Where quota windows live: this process (one gateway), or Redis shared by several.
+
+    Read when the gateway starts; a reload that changes it takes effect at the next restart,
+    since windows must outlive reloads.
+    """
+
+    backend: Literal["memory", "redis"] = Field(
+        "memory", description="`memory`: one gateway's own windows; `redis`: shared by all."
+    )
+    url: str = Field("redis://127.0.0.1:6379/0", description="The Redis to share (`redis`).")
+    on_failure: Literal["open", "closed"] = Field(
+        "open",
+        description=(
+            "When Redis fails or times out: `open` counts locally at 1/`gateways` of each limit;"
+            " `closed` answers 503 `state_unavailable`. Redis is retried every second."
+        ),
+    )
+    gateways: PositiveInt = Field(
+        1, description="Gateway replicas sharing the limits: the local share when failing open."
+    )
+    timeout_s: PositiveFloat = Field(
+        0.5, description="Longest any Redis call (connect included) may take before it fails."
+    )
+
+
 class PolicySpec(Spec):
     models: dict[str, ModelSpec] = Field(min_length=1)
     pools: dict[str, PoolSpec] = Field(min_length=1)
@@ -401,6 +427,7 @@ class PolicySpec(Spec):
     plugins: PluginsSpec = PluginsSpec()
     server: ServerSpec = ServerSpec()
     admin: AdminSpec = AdminSpec()
+    state: StateSpec = StateSpec()
     tenants: dict[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$")], TenantSpec] = Field(
         {},
         description=(

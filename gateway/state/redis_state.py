@@ -1,0 +1,373 @@
+"""The shared `State`: the same sliding-window logs as `MemoryState`, kept in Redis for every gateway.
+
+Each protocol method is one Lua script, so each is atomic across gateways without locks or
+WATCH retries. Per window key `K` (always `quota:{tenant}:...`, so a tenant's keys share one
+Redis Cluster slot and one script may charge them together) the script keeps:
+
+- `K:z`, a ZSET of charge ids scored by the time they were made;
+- `K:a`, a hash of their amounts;
+- `K:u`, the running total, so a call costs the charges that expired, not the whole log.
+
+The clock is Redis' own `TIME`, read inside the script: one clock for all gateways, whose own
+clocks may disagree. Tests may inject a clock (as with `MemoryState`) to move time instead of
+sleeping a minute; production never does. Keys expire a window after their last write, so a
+tenant gone idle leaves nothing behind.
+
+Every call is bounded by `socket_timeout` / `socket_connect_timeout` and by an overall
+`asyncio.timeout`, with redis-py's own retries off: a slow or dead Redis turns into an error
+within `timeout_s`, which `FailoverState` turns into local limits or a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from gateway.errors import Retryable
+from gateway.policy.schema import StateSpec
+from gateway.state.base import WINDOW_S, Limit, Refusal, Reservation, State, Window
+from gateway.state.memory import MemoryState
+
+log = logging.getLogger("gateway.state")
+
+_PRELUDE = """
+local function clock()
+  if ARGV[1] ~= '' then return tonumber(ARGV[1]) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local function fmt(x) return string.format('%.17g', x) end
+local function expire(k, horizon)
+  local z, a, u = k .. ':z', k .. ':a', k .. ':u'
+  local used = tonumber(redis.call('GET', u) or '0')
+  local gone = redis.call('ZRANGEBYSCORE', z, '-inf', fmt(horizon))
+  if #gone > 0 then
+    for i = 1, #gone, 1000 do
+      local chunk = {}
+      for j = i, math.min(i + 999, #gone) do chunk[#chunk + 1] = gone[j] end
+      local amounts = redis.call('HMGET', a, unpack(chunk))
+      for _, amount in ipairs(amounts) do used = used - tonumber(amount or '0') end
+      redis.call('HDEL', a, unpack(chunk))
+    end
+    redis.call('ZREMRANGEBYSCORE', z, '-inf', fmt(horizon))
+    redis.call('SET', u, used)
+  end
+  return used
+end
+local function window(k, limit, used, now, span)
+  local newest = redis.call('ZRANGE', k .. ':z', -1, -1, 'WITHSCORES')
+  local reset = 0
+  if #newest > 0 then reset = tonumber(newest[2]) + span - now end
+  return {tostring(limit), tostring(math.max(0, limit - used)), fmt(reset)}
+end
+local function touch(k, span)
+  local ms = math.ceil((span + 1) * 1000)
+  for _, s in ipairs({':z', ':a', ':u'}) do redis.call('PEXPIRE', k .. s, ms) end
+end
+local function charge(k, id, at, amount, used, span)
+  redis.call('ZADD', k .. ':z', fmt(at), id)
+  redis.call('HSET', k .. ':a', id, amount)
+  redis.call('SET', k .. ':u', used + amount)
+  touch(k, span)
+end
+"""
+
+# KEYS: one per limit. ARGV: now ('' = TIME), window, id, then amount, limit per key.
+# Returns {granted (1/0), refused index (1-based, 0), retry ('' = none), then limit, remaining,
+# reset per key}.
+_RESERVE = (
+    _PRELUDE
+    + """
+local now, span, id = clock(), tonumber(ARGV[2]), ARGV[3]
+local used, amounts, limits, refused = {}, {}, {}, {}
+for i, k in ipairs(KEYS) do
+  amounts[i], limits[i] = tonumber(ARGV[2 + 2 * i]), tonumber(ARGV[3 + 2 * i])
+  used[i] = expire(k, now - span)
+  if used[i] + amounts[i] > limits[i] then refused[#refused + 1] = i end
+end
+local out = {}
+if #refused == 0 then
+  out = {1, 0, ''}
+  for i, k in ipairs(KEYS) do
+    charge(k, id, now, amounts[i], used[i], span)
+    used[i] = used[i] + amounts[i]
+  end
+else
+  local retry = 0
+  for _, i in ipairs(refused) do
+    if retry ~= nil then
+      if amounts[i] > limits[i] then
+        retry = nil
+      else
+        local excess = used[i] + amounts[i] - limits[i]
+        local log = redis.call('ZRANGE', KEYS[i] .. ':z', 0, -1, 'WITHSCORES')
+        for j = 1, #log, 2 do
+          excess = excess - tonumber(redis.call('HGET', KEYS[i] .. ':a', log[j]) or '0')
+          if excess <= 0 then
+            retry = math.max(retry, math.max(0, tonumber(log[j + 1]) + span - now))
+            break
+          end
+        end
+      end
+    end
+  end
+  out = {0, refused[1], retry == nil and '' or fmt(retry)}
+end
+for i, k in ipairs(KEYS) do
+  for _, v in ipairs(window(k, limits[i], used[i], now, span)) do out[#out + 1] = v end
+end
+return out
+"""
+)
+
+# KEYS: one per limit. ARGV: now, window, then one limit per key. Returns limit, remaining, reset.
+_PEEK = (
+    _PRELUDE
+    + """
+local now, span = clock(), tonumber(ARGV[2])
+local out = {}
+for i, k in ipairs(KEYS) do
+  local used = expire(k, now - span)
+  for _, v in ipairs(window(k, tonumber(ARGV[2 + i]), used, now, span)) do out[#out + 1] = v end
+end
+return out
+"""
+)
+
+# KEYS: the window. ARGV: now, window, id, reserved, actual.
+_ADJUST = (
+    _PRELUDE
+    + """
+local now, span, id = clock(), tonumber(ARGV[2]), ARGV[3]
+local reserved, actual, k = tonumber(ARGV[4]), tonumber(ARGV[5]), KEYS[1]
+local used = expire(k, now - span)
+local held = redis.call('HGET', k .. ':a', id)
+if held then
+  redis.call('HSET', k .. ':a', id, actual)
+  redis.call('SET', k .. ':u', used + actual - tonumber(held))
+  touch(k, span)
+elseif actual > reserved then
+  charge(k, id .. '+', now, actual - reserved, used, span)
+end
+return 1
+"""
+)
+
+
+def _windows(values: Sequence[Any]) -> tuple[Window, ...]:
+    return tuple(
+        Window(limit=int(values[i]), remaining=int(values[i + 1]), reset_s=float(values[i + 2]))
+        for i in range(0, len(values), 3)
+    )
+
+
+class RedisState:
+    """Windows in Redis through a bounded connection pool; see the module docstring.
+
+    Reservation ids are this gateway's random prefix plus a counter, so charges of several
+    gateways in one window never collide.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 0.5,
+        clock: Callable[[], float] | None = None,
+        max_connections: int = 64,
+    ) -> None:
+        self.clock = clock  # tests only: None reads Redis' TIME
+        self.timeout_s = timeout_s
+        self.client: aioredis.Redis = aioredis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            max_connections=max_connections,
+            retry=Retry(NoBackoff(), 0),  # no hidden retries: the caller decides
+        )
+        self._reserve = self.client.register_script(_RESERVE)
+        self._peek = self.client.register_script(_PEEK)
+        self._adjust = self.client.register_script(_ADJUST)
+        self._prefix = uuid.uuid4().hex[:12]
+        self._ids = itertools.count(1)
+
+    def _now(self) -> str:
+        return "" if self.clock is None else repr(float(self.clock()))
+
+    async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """One script call, never longer than `timeout_s` however the socket behaves."""
+        async with asyncio.timeout(self.timeout_s):
+            return await script(keys=keys, args=args)
+
+    async def reserve(self, limits: Sequence[Limit]) -> Reservation | Refusal:
+        charge_id = f"{self._prefix}:{next(self._ids)}"
+        args: list[Any] = [self._now(), WINDOW_S, charge_id]
+        for limit in limits:
+            args += [limit.amount, limit.limit]
+        out = await self._run(self._reserve, [limit.key for limit in limits], args)
+        windows = _windows(out[3:])
+        if int(out[0]) == 1:
+            return Reservation(id=charge_id, windows=windows)
+        retry = out[2].decode() if isinstance(out[2], bytes) else str(out[2])
+        return Refusal(
+            index=int(out[1]) - 1, retry_after_s=float(retry) if retry else None, windows=windows
+        )
+
+    async def peek(self, limits: Sequence[Limit]) -> tuple[Window, ...]:
+        args: list[Any] = [self._now(), WINDOW_S, *(limit.limit for limit in limits)]
+        return _windows(await self._run(self._peek, [limit.key for limit in limits], args))
+
+    async def adjust(self, key: str, reservation_id: str, reserved: int, actual: int) -> None:
+        args = [self._now(), WINDOW_S, reservation_id, reserved, actual]
+        await self._run(self._adjust, [key], args)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+class StateUnavailable(Retryable):
+    """Raised when the shared state cannot be reached and the policy says `on_failure: closed`."""
+
+    status = 503
+    type = "service_unavailable_error"
+    code = "state_unavailable"
+    reason = "state_unavailable"
+
+
+_FAILURES = (RedisError, OSError, TimeoutError)
+_LOCAL = "local:"
+
+
+class FailoverState:
+    """`RedisState` with a policy for when Redis fails.
+
+    `open`: fall back to a `MemoryState` whose limits are 1/`gateways` of the global ones, so
+    the gateways together stay near the global limit while each counts alone. `closed`: refuse
+    with 503 (`StateUnavailable`) rather than admit uncounted. After a failure Redis is tried
+    again once `retry_s` has passed (by the next call, no background task), so requests do not
+    each wait out a time-out on a dead Redis, and shared limits resume without a restart.
+    Charges made locally carry a `local:` id and are corrected locally.
+    """
+
+    def __init__(
+        self,
+        shared: RedisState,
+        *,
+        on_failure: Literal["open", "closed"],
+        gateways: int,
+        retry_s: float = 1.0,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.shared = shared
+        self.local = MemoryState()
+        self.on_failure = on_failure
+        self.gateways = gateways
+        self.retry_s = retry_s
+        self.monotonic = monotonic
+        self.up = True
+        self._retry_at = 0.0
+
+    def _usable(self) -> bool:
+        return self.up or self.monotonic() >= self._retry_at
+
+    def _failed(self, exc: BaseException) -> None:
+        self._retry_at = self.monotonic() + self.retry_s
+        if self.up:
+            self.up = False
+            mode = f"local limits at 1/{self.gateways}" if self.on_failure == "open" else "503"
+            log.error("shared state (Redis) failed: %r; now serving with %s", exc, mode)
+
+    def _recovered(self) -> None:
+        if not self.up:
+            self.up = True
+            log.warning("shared state (Redis) is back; shared limits apply again")
+
+    def _refuse(self) -> StateUnavailable:
+        return StateUnavailable(
+            "the gateway's shared quota state is unreachable; try again shortly",
+            retry_after_s=self.retry_s,
+        )
+
+    def _scaled(self, limits: Sequence[Limit]) -> list[Limit]:
+        return [
+            Limit(lim.key, lim.amount, max(1, math.floor(lim.limit / self.gateways)))
+            for lim in limits
+        ]
+
+    async def reserve(self, limits: Sequence[Limit]) -> Reservation | Refusal:
+        if self._usable():
+            try:
+                result = await self.shared.reserve(limits)
+            except _FAILURES as exc:
+                self._failed(exc)
+            else:
+                self._recovered()
+                return result
+        if self.on_failure == "closed":
+            raise self._refuse()
+        result = await self.local.reserve(self._scaled(limits))
+        if isinstance(result, Reservation):
+            return Reservation(id=_LOCAL + result.id, windows=result.windows)
+        return result
+
+    async def peek(self, limits: Sequence[Limit]) -> tuple[Window, ...]:
+        if self._usable():
+            try:
+                windows = await self.shared.peek(limits)
+            except _FAILURES as exc:
+                self._failed(exc)
+            else:
+                self._recovered()
+                return windows
+        if self.on_failure == "closed":
+            raise self._refuse()
+        return await self.local.peek(self._scaled(limits))
+
+    async def adjust(self, key: str, reservation_id: str, reserved: int, actual: int) -> None:
+        if reservation_id.startswith(_LOCAL):
+            await self.local.adjust(key, reservation_id[len(_LOCAL) :], reserved, actual)
+            return
+        try:
+            await self.shared.adjust(key, reservation_id, reserved, actual)
+        except _FAILURES as exc:  # called once: a lost correction is logged, never retried
+            self._failed(exc)
+            log.warning("correction of charge %s in %s lost: %r", reservation_id, key, exc)
+
+    async def close(self) -> None:
+        await self.shared.close()
+
+
+def build_state(spec: StateSpec) -> State:
+    """The policy's `state` section as a `State`: in memory, or Redis with its failure policy."""
+    if spec.backend == "memory":
+        return MemoryState()
+    shared = RedisState(spec.url, timeout_s=spec.timeout_s)
+    return FailoverState(shared, on_failure=spec.on_failure, gateways=spec.gateways)
+
+
+class BackendUp(Collector):
+    """`llm_state_backend_up`: 1 while the policy's state backend serves (always, in memory),
+    0 while a Redis failure has the gateway on local limits or 503s."""
+
+    def __init__(self, state: Callable[[], State]) -> None:
+        self.state = state
+
+    def collect(self) -> Iterable[Metric]:
+        up = GaugeMetricFamily(
+            "llm_state_backend_up", "1: the shared state (Redis) is in use; 0: failing over."
+        )
+        up.add_metric([], 1 if getattr(self.state(), "up", True) else 0)
+        return [up]
