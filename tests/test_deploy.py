@@ -203,13 +203,15 @@ def test_the_deployed_policy_is_the_articles_fleet_on_headless_services_and_chec
     rendered: list[dict[str, Any]], tmp_path: Path
 ) -> None:
     """deploy/'s copy of policies/gemma3-tpu-v6e.yaml differs only where Kubernetes needs it:
-    replicas from DNS, and drain timings the pod's grace period is sized for."""
+    replicas from DNS, drain timings the pod's grace period is sized for, and the Redis that
+    the gateways share their tenants' windows in."""
     deployed = deployed_policy(rendered)
     example = yaml.safe_load((ROOT / "policies" / "gemma3-tpu-v6e.yaml").read_text())
     for pool in (*deployed["pools"].values(), *example["pools"].values()):
         pool.pop("dns", None)
         pool.pop("replicas", None)
     deployed.pop("server")
+    assert deployed.pop("state")["url"] == "redis://redis.llm.svc.cluster.local:6379/0"
     assert deployed == example
     path = tmp_path / "policy.yaml"
     path.write_text(
