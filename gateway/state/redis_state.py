@@ -44,6 +44,10 @@ from gateway.state.memory import MemoryState
 log = logging.getLogger("gateway.state")
 
 _PRELUDE = """
+-- KEYS holds each window's three keys (K:z, K:a, K:u), so a script touches only declared keys
+-- (Redis Cluster routes by them); BASE is the windows' own names, K.
+local BASE = {}
+for i = 1, #KEYS, 3 do BASE[#BASE + 1] = string.sub(KEYS[i], 1, -3) end
 local function clock()
   if ARGV[1] ~= '' then return tonumber(ARGV[1]) end
   local t = redis.call('TIME')
@@ -85,7 +89,8 @@ local function charge(k, id, at, amount, used, span)
 end
 """
 
-# KEYS: one per limit. ARGV: now ('' = TIME), window, id, then amount, limit per key.
+# KEYS: the three keys of each limit's window. ARGV: now ('' = TIME), window, id, then amount,
+# limit per window.
 # Returns {granted (1/0), refused index (1-based, 0), retry ('' = none), then limit, remaining,
 # reset per key}.
 _RESERVE = (
@@ -93,7 +98,7 @@ _RESERVE = (
     + """
 local now, span, id = clock(), tonumber(ARGV[2]), ARGV[3]
 local used, amounts, limits, refused = {}, {}, {}, {}
-for i, k in ipairs(KEYS) do
+for i, k in ipairs(BASE) do
   amounts[i], limits[i] = tonumber(ARGV[2 + 2 * i]), tonumber(ARGV[3 + 2 * i])
   used[i] = expire(k, now - span)
   if used[i] + amounts[i] > limits[i] then refused[#refused + 1] = i end
@@ -101,7 +106,7 @@ end
 local out = {}
 if #refused == 0 then
   out = {1, 0, ''}
-  for i, k in ipairs(KEYS) do
+  for i, k in ipairs(BASE) do
     charge(k, id, now, amounts[i], used[i], span)
     used[i] = used[i] + amounts[i]
   end
@@ -113,9 +118,9 @@ else
         retry = nil
       else
         local excess = used[i] + amounts[i] - limits[i]
-        local log = redis.call('ZRANGE', KEYS[i] .. ':z', 0, -1, 'WITHSCORES')
+        local log = redis.call('ZRANGE', BASE[i] .. ':z', 0, -1, 'WITHSCORES')
         for j = 1, #log, 2 do
-          excess = excess - tonumber(redis.call('HGET', KEYS[i] .. ':a', log[j]) or '0')
+          excess = excess - tonumber(redis.call('HGET', BASE[i] .. ':a', log[j]) or '0')
           if excess <= 0 then
             retry = math.max(retry, math.max(0, tonumber(log[j + 1]) + span - now))
             break
@@ -126,20 +131,21 @@ else
   end
   out = {0, refused[1], retry == nil and '' or fmt(retry)}
 end
-for i, k in ipairs(KEYS) do
+for i, k in ipairs(BASE) do
   for _, v in ipairs(window(k, limits[i], used[i], now, span)) do out[#out + 1] = v end
 end
 return out
 """
 )
 
-# KEYS: one per limit. ARGV: now, window, then one limit per key. Returns limit, remaining, reset.
+# KEYS: the three keys of each limit's window. ARGV: now, window, then one limit per window.
+# Returns limit, remaining, reset per window.
 _PEEK = (
     _PRELUDE
     + """
 local now, span = clock(), tonumber(ARGV[2])
 local out = {}
-for i, k in ipairs(KEYS) do
+for i, k in ipairs(BASE) do
   local used = expire(k, now - span)
   for _, v in ipairs(window(k, tonumber(ARGV[2 + i]), used, now, span)) do out[#out + 1] = v end
 end
@@ -147,12 +153,12 @@ return out
 """
 )
 
-# KEYS: the window. ARGV: now, window, id, reserved, actual.
+# KEYS: the window's three keys. ARGV: now, window, id, reserved, actual.
 _ADJUST = (
     _PRELUDE
     + """
 local now, span, id = clock(), tonumber(ARGV[2]), ARGV[3]
-local reserved, actual, k = tonumber(ARGV[4]), tonumber(ARGV[5]), KEYS[1]
+local reserved, actual, k = tonumber(ARGV[4]), tonumber(ARGV[5]), BASE[1]
 local used = expire(k, now - span)
 local held = redis.call('HGET', k .. ':a', id)
 if held then
@@ -165,6 +171,12 @@ end
 return 1
 """
 )
+
+
+def _keys(windows: Iterable[str]) -> list[str]:
+    """Each window's ZSET, amounts and total: declared, as Redis Cluster wants every key a
+    script touches; one hash tag per tenant keeps them in one slot."""
+    return [f"{key}:{part}" for key in windows for part in ("z", "a", "u")]
 
 
 def _windows(values: Sequence[Any]) -> tuple[Window, ...]:
@@ -217,7 +229,7 @@ class RedisState:
         args: list[Any] = [self._now(), WINDOW_S, charge_id]
         for limit in limits:
             args += [limit.amount, limit.limit]
-        out = await self._run(self._reserve, [limit.key for limit in limits], args)
+        out = await self._run(self._reserve, _keys(limit.key for limit in limits), args)
         windows = _windows(out[3:])
         if int(out[0]) == 1:
             return Reservation(id=charge_id, windows=windows)
@@ -228,11 +240,11 @@ class RedisState:
 
     async def peek(self, limits: Sequence[Limit]) -> tuple[Window, ...]:
         args: list[Any] = [self._now(), WINDOW_S, *(limit.limit for limit in limits)]
-        return _windows(await self._run(self._peek, [limit.key for limit in limits], args))
+        return _windows(await self._run(self._peek, _keys(limit.key for limit in limits), args))
 
     async def adjust(self, key: str, reservation_id: str, reserved: int, actual: int) -> None:
         args = [self._now(), WINDOW_S, reservation_id, reserved, actual]
-        await self._run(self._adjust, [key], args)
+        await self._run(self._adjust, _keys([key]), args)
 
     async def close(self) -> None:
         await self.client.aclose()
