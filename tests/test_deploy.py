@@ -224,6 +224,25 @@ def test_the_deployed_policy_is_the_articles_fleet_on_headless_services_and_chec
     assert check.returncode == 0, check.stdout + check.stderr
 
 
+def test_the_policys_redis_is_the_statefulsets_and_counts_the_deployments_gateways(
+    rendered: list[dict[str, Any]],
+) -> None:
+    """While Redis is down each gateway takes 1/`gateways` of every limit: a count that drifts
+    from the Deployment's replicas over- or under-serves every tenant."""
+    state = deployed_policy(rendered)["state"]
+    assert state["gateways"] == one(rendered, "Deployment", "llm-gateway")["spec"]["replicas"]
+    host, port = state["url"].removeprefix("redis://").split("/")[0].split(":")
+    service_name, namespace = host.split(".")[:2]
+    service = one(rendered, "Service", service_name)
+    assert service["metadata"]["namespace"] == namespace
+    assert [p["port"] for p in service["spec"]["ports"]] == [int(port)]
+    assert service["spec"]["selector"] == pod_labels_of(one(rendered, "StatefulSet", "redis"))
+
+
+def pod_labels_of(workload: dict[str, Any]) -> dict[str, str]:
+    return workload["spec"]["template"]["metadata"]["labels"]  # type: ignore[no-any-return]
+
+
 def test_one_hpa_per_vllm_deployment_on_the_gateways_signals_never_cpu(
     rendered: list[dict[str, Any]],
 ) -> None:
