@@ -47,6 +47,7 @@ from loadtest.bench_overhead import (
     ROOT,
     Fleet,
     Service,
+    build_tokenizer,
     free_port,
     git_revision,
     machine,
@@ -150,12 +151,7 @@ def write_policy(workdir: Path, tokenizer: Path, bases: dict[str, int]) -> Path:
 
 def start_fleet(procs: Fleet, workdir: Path, time_scale: float) -> Service:
     """Tokenizer, simulators and gateway, each ready before this returns the gateway."""
-    log("building the tiny tokenizer")
-    tokenizer = workdir / "tokenizer"
-    subprocess.run(
-        [sys.executable, "-m", "loadtest.tiny_tokenizer", str(tokenizer)], cwd=ROOT, check=True,
-        capture_output=True, timeout=300,
-    )  # fmt: skip
+    tokenizer = build_tokenizer(workdir)
     bases: dict[str, int] = {}
     sims = []
     for name, spec in POOLS.items():
