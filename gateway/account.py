@@ -16,6 +16,7 @@ import orjson
 from gateway.context import Ctx
 from gateway.estimate import OutputEstimator, estimator_key
 from gateway.metrics import NONE, Metrics
+from gateway.policy.schema import PRIORITIES
 
 log = logging.getLogger("gateway.account")
 
@@ -23,15 +24,24 @@ log = logging.getLogger("gateway.account")
 class _Series:
     """The labelled children for one (model, pool, class), looked up once and reused."""
 
-    __slots__ = ("e2e", "input_tokens", "output_tokens", "queue_wait", "tpot", "ttft")
+    __slots__ = ("_labels", "_metrics", "_queue_wait", "e2e", "input_tokens", "output_tokens",
+                 "tpot", "ttft")  # fmt: skip
 
     def __init__(self, metrics: Metrics, labels: tuple[str, str, str]) -> None:
+        self._metrics, self._labels = metrics, labels
         self.e2e = metrics.e2e.labels(*labels)
         self.ttft = metrics.ttft.labels(*labels)
         self.tpot = metrics.tpot.labels(*labels)
-        self.queue_wait = metrics.queue_wait.labels(*labels)
+        self._queue_wait: list[Any] = [None] * len(PRIORITIES)  # made per tier when first seen
         self.input_tokens = metrics.input_tokens.labels(*labels)
         self.output_tokens = metrics.output_tokens.labels(*labels)
+
+    def queue_wait(self, priority: int) -> Any:
+        child = self._queue_wait[priority]
+        if child is None:
+            child = self._metrics.queue_wait.labels(*self._labels, PRIORITIES[priority])
+            self._queue_wait[priority] = child
+        return child
 
 
 class Accountant:
@@ -79,7 +89,7 @@ class Accountant:
         if series is None:
             series = self._series[labels] = _Series(self.metrics, labels)
         assert ctx.queue_wait is not None
-        series.queue_wait.observe(ctx.queue_wait)
+        series.queue_wait(ctx.priority).observe(ctx.queue_wait)
         if not ctx.replica:  # refused while queued
             return
         series.e2e.observe(ctx.ended - ctx.arrived)

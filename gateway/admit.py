@@ -1,47 +1,84 @@
 """Stage 6, admit: hold a slot on one replica while the request runs, or wait for one, or refuse.
 
-A replica takes a request while it is under `max_concurrency` in-flight requests and, when set,
-`max_inflight_tokens` (input + expected output of what it runs). When no replica has room, the
-request waits in its pool's bounded queue, ordered by priority, FIFO within a priority. Release is
-synchronous and sits in the `finally` of `slot()`, so a disconnect, a time-out or a cancellation
-can never leak a slot; a released slot goes straight to the head of the queue.
+A replica takes a request while it is under `max_concurrency` in-flight requests, leaves the
+slots `reserve` keeps for other classes, and, when set, stays under `max_inflight_tokens`. When no
+replica has room the request waits in its pool's bounded queue: strictly by tier, and within a
+tier by weighted fair share of the tokens each tenant is served (start-time fair queuing), so a
+tenant flooding the queue cannot starve another of its tier. A request whose predicted wait is
+confidently over `max_wait_s` is refused at once rather than left to time out.
+
+Release is synchronous and sits in the `finally` of `slot()`, so a disconnect, a time-out or a
+cancellation can never leak a slot. With a `SlotLedger` (several gateways sharing the replicas
+through Redis) every slot is also a lease there: taking one awaits the ledger, a release gives
+the lease back in the background, and waiters are dispatched by one task per pool, woken when a
+slot frees here and every `POLL_S` for the slots other gateways free.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import logging
 import math
 import time
-from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import asynccontextmanager
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from gateway.context import Ctx
-from gateway.errors import NoReplica, QueueFull, QueueTimeout, Shed
+from gateway.errors import GatewayError, NoReplica, QueueFull, QueueTimeout, QueueWaitTooLong, Shed
 from gateway.policy.plugins import register
 from gateway.policy.schema import PRIORITIES, PoolSpec
+from gateway.state.base import SlotClaim, SlotLedger
 
 log = logging.getLogger("gateway.admit")
+
+POLL_S = 0.02  # with a ledger: how often waiters look for a slot another gateway freed
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What admission weighs of a request."""
+
+    tokens: int  # input + expected output, held against `max_inflight_tokens`
+    priority: int = 1  # index into PRIORITIES
+    workload: str = ""  # its class, for the slots `reserve` keeps
+    tenant: str = ""  # its fair-share flow within the tier ("" without tenants)
+    weight: float = 1.0
+
+    @classmethod
+    def of(cls, ctx: Ctx) -> Claim:
+        tenant = ctx.tenant
+        if tenant is None:
+            return cls(ctx.reserved_tokens, ctx.priority, ctx.workload)
+        return cls(ctx.reserved_tokens, ctx.priority, ctx.workload, tenant.name, tenant.spec.weight)
 
 
 class Replica:
     """One upstream vLLM server, what this gateway has running on it, and its health."""
 
     __slots__ = (
+        "blocked_until",
+        "by_class",
+        "cap",
         "drift_strikes",
         "ejected_until",
         "ejections",
         "failures",
         "inflight",
         "inflight_tokens",
+        "key",
+        "lease_ids",
         "leases",
         "max_concurrency",
         "max_tokens",
         "observed",
+        "reserve",
+        "shared",
         "slow_since",
         "tpot",
         "url",
@@ -49,14 +86,21 @@ class Replica:
 
     def __init__(self, url: str, max_concurrency: int, max_tokens: int | None) -> None:
         self.url = url
+        self.key = url  # the ledger's name for it, `{pool|url}`, set by its pool
         self.max_concurrency = max_concurrency
+        self.cap = max_concurrency  # in force: less while a failing ledger leaves a share
         self.max_tokens = max_tokens
+        self.reserve: tuple[tuple[str, int], ...] = ()  # (class, slots kept for it)
         self.inflight = 0
         self.inflight_tokens = 0
+        self.by_class: dict[str, int] = {}  # in flight per class, against `reserve`
         self.failures = 0  # consecutive failed requests or probes
         self.ejections = 0  # times ejected so far: each ejection lasts longer
         self.ejected_until: float | None = None  # None: in the pool
         self.leases = 0  # slots handed out by `slot()` and not yet given back
+        self.lease_ids: dict[str, int] = {}  # the ledger's leases held here -> their group
+        self.shared: int | None = None  # leases on it across all gateways, as last seen
+        self.blocked_until = 0.0  # the ledger refused a lease: not asked again before this
         self.observed: int | None = None  # the replica's own running + waiting, last scraped
         self.drift_strikes = 0  # scrapes in a row that found this gateway's count too high
         self.tpot: float | None = None  # moving average of its streams' time per output token
@@ -66,21 +110,30 @@ class Replica:
     def up(self) -> bool:
         return self.ejected_until is None
 
-    def fits(self, tokens: int) -> bool:
-        if self.ejected_until is not None or self.inflight >= self.max_concurrency:
+    def fits(self, claim: Claim) -> bool:
+        if self.ejected_until is not None or self.inflight >= self.cap:
+            return False
+        if self.reserve:
+            kept = 0  # slots other classes have reserved and do not use
+            for workload, slots in self.reserve:
+                if workload != claim.workload:
+                    kept += max(0, slots - self.by_class.get(workload, 0))
+            if self.inflight + kept >= self.cap:
+                return False
+        if self.blocked_until and time.monotonic() < self.blocked_until:
             return False
         # A request larger than the token cap on its own still runs, alone, on an idle replica.
         return (
             self.max_tokens is None
             or self.inflight == 0
-            or self.inflight_tokens + tokens <= self.max_tokens
+            or self.inflight_tokens + claim.tokens <= self.max_tokens
         )
 
 
 class Picker(Protocol):
     """Chooses among replicas that have room; one instance per policy."""
 
-    def pick(self, replicas: Sequence[Replica], tokens: int) -> Replica | None: ...
+    def pick(self, replicas: Sequence[Replica], claim: Claim) -> Replica | None: ...
 
 
 @register("picker", "least-inflight")
@@ -90,31 +143,92 @@ class LeastInflightPicker:
     def __init__(self, params: object) -> None:
         pass
 
-    def pick(self, replicas: Sequence[Replica], tokens: int) -> Replica | None:
+    def pick(self, replicas: Sequence[Replica], claim: Claim) -> Replica | None:
         best: Replica | None = None
         best_key = (0, 0)
         for replica in replicas:
-            if not replica.fits(tokens):
+            if not replica.fits(claim):
                 continue
-            # What the replica itself last reported counts too: other gateways may share it.
-            load = max(replica.inflight, replica.observed or 0)
+            # What the replica itself last reported counts too, and its leases across gateways.
+            load = max(replica.inflight, replica.observed or 0, replica.shared or 0)
             key = (load, replica.inflight_tokens)
             if best is None or key < best_key:
                 best, best_key = replica, key
         return best
 
 
-class _Waiter:
-    __slots__ = ("future", "priority", "seq", "tokens")
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A slot held: on which replica, for what, and its lease in the ledger (None: no ledger)."""
 
-    def __init__(self, priority: int, seq: int, tokens: int, future: asyncio.Future[Replica]):
-        self.priority = priority
+    replica: Replica
+    claim: Claim
+    lease: str | None = None
+
+
+class _Flow:
+    """One tenant's share of one tier's queue: the virtual time its next request starts at."""
+
+    __slots__ = ("finish", "waiting")
+
+    def __init__(self, finish: float) -> None:
+        self.finish = finish
+        self.waiting = 0
+
+
+class _Waiter:
+    __slots__ = ("claim", "flow", "future", "priority", "seq", "tag")
+
+    def __init__(
+        self,
+        claim: Claim,
+        tag: float,
+        seq: int,
+        flow: tuple[int, str],
+        future: asyncio.Future[Grant],
+    ) -> None:
+        self.claim = claim
+        self.priority = claim.priority
+        self.tag = tag  # start tag: strict by tier, then fair share, then arrival
         self.seq = seq
-        self.tokens = tokens
+        self.flow = flow
         self.future = future
 
     def __lt__(self, other: _Waiter) -> bool:
-        return (self.priority, self.seq) < (other.priority, other.seq)
+        return (self.priority, self.tag, self.seq) < (other.priority, other.tag, other.seq)
+
+
+class HoldTimes:
+    """How long the pool's last `SIZE` slots were held: by Little's law the queue drains at the
+    slots in use over their mean hold time, which is what a wait is predicted from."""
+
+    SIZE = 256
+    MIN_SAMPLES = 20  # fewer: not enough history to refuse anybody early
+
+    def __init__(self) -> None:
+        self._ring: deque[float] = deque(maxlen=self.SIZE)
+        self._sum = 0.0
+        self._squares = 0.0
+
+    def add(self, seconds: float) -> None:
+        ring = self._ring
+        if len(ring) == self.SIZE:
+            old = ring[0]
+            self._sum -= old
+            self._squares -= old * old
+        ring.append(seconds)
+        self._sum += seconds
+        self._squares += seconds * seconds
+
+    def mean(self) -> tuple[float, float] | None:
+        """The mean hold time and a confident lower bound of it (three standard errors below);
+        None without enough history."""
+        n = len(self._ring)
+        if n < self.MIN_SAMPLES:
+            return None
+        mean = self._sum / n
+        variance = max(0.0, self._squares / n - mean * mean)
+        return mean, max(0.0, mean - 3 * math.sqrt(variance / n))
 
 
 class Demand:
@@ -153,32 +267,59 @@ class Demand:
 class PoolSlots:
     """The replicas of one pool and the queue in front of them."""
 
-    def __init__(self, name: str, spec: PoolSpec, picker: Picker) -> None:
+    def __init__(
+        self, name: str, spec: PoolSpec, picker: Picker, ledger: SlotLedger | None = None
+    ) -> None:
         self.name = name
-        self.spec = spec
         self.picker = picker
+        self.ledger = ledger
         self.replicas = [
             Replica(url, spec.max_concurrency, spec.max_inflight_tokens) for url in spec.replicas
         ]
         self._heap: list[_Waiter] = []
         self._seq = itertools.count()
         self.waiting = 0  # live waiters; the heap may also hold abandoned ones
+        self.waiting_by_tier = [0] * len(PRIORITIES)
+        self._vtime = [0.0] * len(PRIORITIES)  # per tier: the start tag last dispatched
+        self._flows: dict[tuple[int, str], _Flow] = {}
+        self.holds = HoldTimes()
+        self.others_waiting = 0  # other gateways' waiters in this pool, as last shared
+        self.degraded = False  # the ledger fails open: each replica's cap is this gateway's share
+        self._wake = asyncio.Event()
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
         self.retrying = 0  # retries in flight, against the retry budget
         self.ejections: Counter[tuple[str, str]] = Counter()  # (replica, reason) -> count
         self.demand = Demand()
         self.drift: Counter[tuple[str, str]] = Counter()  # (replica, kind) -> scrapes
         self.sheds: Counter[str] = Counter()  # tier -> requests shed
+        self._apply(spec)
+
+    def _apply(self, spec: PoolSpec) -> None:
+        self.spec = spec
+        self._groups = {workload: i + 1 for i, workload in enumerate(spec.reserve)}
+        self._reserved = (0, *spec.reserve.values())
+        reserve = tuple(spec.reserve.items())
+        for replica in self.replicas:
+            replica.key = f"{{{self.name}|{replica.url}}}"
+            replica.max_concurrency = spec.max_concurrency
+            replica.cap = self._cap()
+            replica.max_tokens = spec.max_inflight_tokens
+            replica.reserve = reserve
+
+    def _cap(self) -> int:
+        cap = self.spec.max_concurrency
+        if self.degraded and self.ledger is not None:
+            return max(1, cap // self.ledger.gateways)
+        return cap
 
     def update(self, spec: PoolSpec, picker: Picker) -> None:
         """Take a reloaded pool spec. Replicas that stay keep their counts and health; new ones
         join; those that left take no new request, and the requests they run release on them."""
         known = {r.url: r for r in self.replicas}
         self.replicas = [known.get(url) or Replica(url, 0, None) for url in spec.replicas]
-        for replica in self.replicas:
-            replica.max_concurrency = spec.max_concurrency
-            replica.max_tokens = spec.max_inflight_tokens
-        self.spec = spec
         self.picker = picker
+        self._apply(spec)
         self._dispatch()  # the caps may have grown
 
     @property
@@ -268,33 +409,146 @@ class PoolSlots:
 
     # --- retries -----------------------------------------------------------------------------
 
-    def can_retry(self, tokens: int, avoid: frozenset[str]) -> bool:
+    def can_retry(self, claim: Claim, avoid: frozenset[str]) -> bool:
         """Within the retry budget, and another replica has a free slot right now."""
         retry = self.spec.retry
         budget = max(retry.min_concurrent, retry.budget_percent / 100 * self.inflight)
         if self.retrying >= budget:
             return False
         others = [r for r in self.replicas if r.url not in avoid]
-        return self.picker.pick(others, tokens) is not None
+        return self.picker.pick(others, claim) is not None
 
-    def take_other(self, tokens: int, avoid: frozenset[str]) -> Replica:
-        """A slot on a replica not in `avoid`, at once; `can_retry` said there is one."""
-        replica = self.picker.pick([r for r in self.replicas if r.url not in avoid], tokens)
-        if replica is None:
-            raise NoReplica(f"pool {self.name} has no other free replica", retry_after_s=1)
-        return self._take(replica, tokens)
+    # --- taking and giving back slots ------------------------------------------------------
 
-    def _take(self, replica: Replica, tokens: int) -> Replica:
+    def _take(self, replica: Replica, claim: Claim) -> None:
         replica.inflight += 1
         replica.leases += 1
-        replica.inflight_tokens += tokens
-        return replica
+        replica.inflight_tokens += claim.tokens
+        by_class = replica.by_class
+        by_class[claim.workload] = by_class.get(claim.workload, 0) + 1
 
-    def release(self, replica: Replica, tokens: int) -> None:
+    def _untake(self, replica: Replica, claim: Claim) -> None:
         replica.inflight -= 1
         replica.leases -= 1
-        replica.inflight_tokens -= tokens
-        self._dispatch()
+        replica.inflight_tokens -= claim.tokens
+        by_class = replica.by_class
+        left = by_class[claim.workload] - 1
+        if left:
+            by_class[claim.workload] = left
+        else:
+            del by_class[claim.workload]
+
+    async def _take_any(self, claim: Claim, replicas: Sequence[Replica]) -> Grant | None:
+        """A slot at once on one of `replicas`, or None."""
+        if self.ledger is None:
+            replica = self.picker.pick(replicas, claim)
+            if replica is None:
+                return None
+            self._take(replica, claim)
+            return Grant(replica, claim)
+        return await self._take_leased(self.ledger, claim, replicas)
+
+    async def _take_leased(
+        self, ledger: SlotLedger, claim: Claim, replicas: Sequence[Replica]
+    ) -> Grant | None:
+        """Pick as alone, then ask the ledger; a replica it refuses (full across gateways) is
+        left alone for `POLL_S` and the next is tried. The local count is taken first, so
+        concurrent requests of this gateway never overbook while the ledger answers."""
+        while True:
+            replica = self.picker.pick(replicas, claim)
+            if replica is None:
+                return None
+            self._take(replica, claim)
+            lease_id = ledger.lease_id()
+            group = self._groups.get(claim.workload, 0)
+            asked = SlotClaim(replica.key, group, self._reserved, replica.max_concurrency)
+            try:
+                result = await ledger.lease(asked, lease_id)
+            except BaseException:  # failed closed, or cancelled: the lease may have been written
+                self._untake(replica, claim)
+                self._spawn(ledger.unlease(replica.key, group, lease_id))
+                self._dispatch()
+                raise
+            self._set_degraded(result is None)
+            if result is None:  # failing open: counted here only, within this gateway's share
+                if replica.inflight > replica.cap:
+                    self._untake(replica, claim)
+                    continue
+            else:
+                granted, replica.shared = result
+                if not granted:
+                    self._untake(replica, claim)
+                    replica.blocked_until = time.monotonic() + POLL_S
+                    continue
+            replica.lease_ids[lease_id] = group  # renewed from now on, written back if lost
+            return Grant(replica, claim, lease_id)
+
+    def release(self, grant: Grant) -> None:
+        replica = grant.replica
+        self._untake(replica, grant.claim)
+        if grant.lease is None or self.ledger is None:
+            self._dispatch()
+            return
+        group = replica.lease_ids.pop(grant.lease, 0)
+        self._spawn(self._unlease(self.ledger, replica, group, grant.lease))
+
+    async def _unlease(self, ledger: SlotLedger, replica: Replica, group: int, lease: str) -> None:
+        try:
+            await ledger.unlease(replica.key, group, lease)
+        finally:
+            self._dispatch()  # free in the ledger now: a waiter may take it
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run a release in the background: it must finish even if the request's task is
+        cancelled, so it cannot be awaited in the request's `finally`."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _set_degraded(self, degraded: bool) -> None:
+        if degraded == self.degraded:
+            return
+        self.degraded = degraded
+        for replica in self.replicas:
+            replica.cap = self._cap()
+        if degraded:
+            log.error("pool %s: the slot ledger is unreachable; each replica's cap here is %d",
+                      self.name, self._cap())  # fmt: skip
+        else:
+            log.warning("pool %s: the slot ledger is back; caps are shared again", self.name)
+            self._dispatch()
+
+    async def share(self) -> None:
+        """Renew this gateway's leases, learn each replica's leases across gateways, and trade
+        queue depths, so saturation (and shedding) reads the same in every gateway."""
+        ledger = self.ledger
+        if ledger is None:
+            return
+        groups = len(self._reserved)
+        totals = await asyncio.gather(
+            *(
+                ledger.renew(
+                    r.key,
+                    max(groups, 1 + max(r.lease_ids.values(), default=0)),
+                    [(group, lease) for lease, group in r.lease_ids.items()],
+                )
+                for r in self.replicas
+            )
+        )
+        for replica, total in zip(self.replicas, totals, strict=True):
+            if total is not None:
+                replica.shared = total
+        mine = self.waiting
+        everyone = await ledger.share_waiting(self.name, mine)
+        if everyone is not None:
+            self.others_waiting = max(0, everyone - mine)
+        self._set_degraded(not ledger.up)
+
+    async def close(self) -> None:
+        """Stop dispatching and let the releases under way reach the ledger."""
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
 
     def reconcile(self, replica: Replica, observed: int) -> None:
         """Compare this gateway's count with the replica's own figures (`vllm:num_requests_*`).
@@ -315,61 +569,151 @@ class PoolSlots:
             replica.inflight = replica.leases
             self._dispatch()
 
-    def _dispatch(self) -> None:
+    # --- the queue ---------------------------------------------------------------------------
+
+    def _enqueue(self, claim: Claim) -> _Waiter:
+        """Queue with a start tag: a tenant's next request starts where its last one finished in
+        virtual time (or now, if it had none waiting), and costs its tokens over its weight."""
+        tier = claim.priority
+        key = (tier, claim.tenant)
+        now = self._vtime[tier]
+        flow = self._flows.get(key)
+        if flow is None:
+            flow = self._flows[key] = _Flow(now)
+        start = max(now, flow.finish)
+        flow.finish = start + max(1, claim.tokens) / claim.weight
+        flow.waiting += 1
+        future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(claim, start, next(self._seq), key, future)
+        heapq.heappush(self._heap, waiter)
+        self.waiting += 1
+        self.waiting_by_tier[tier] += 1
+        return waiter
+
+    def _leave(self, waiter: _Waiter) -> None:
+        self.waiting -= 1
+        self.waiting_by_tier[waiter.priority] -= 1
+        flow = self._flows[waiter.flow]
+        flow.waiting -= 1
+        if not flow.waiting:  # an idle tenant neither banks credit nor carries debt
+            del self._flows[waiter.flow]
+
+    def _grant(self, waiter: _Waiter, grant: Grant) -> None:
+        self._leave(waiter)
+        tier = waiter.priority
+        self._vtime[tier] = max(self._vtime[tier], waiter.tag)
+        waiter.future.set_result(grant)
+
+    def _head(self) -> _Waiter | None:
         heap = self._heap
-        while heap:
-            head = heap[0]
-            if head.future.done():  # abandoned (timed out or cancelled): drop it
-                heapq.heappop(heap)
-                continue
-            replica = self.picker.pick(self.replicas, head.tokens)
-            if replica is None:
-                return  # strict order: the head waits, nobody overtakes it
+        while heap and heap[0].future.done():  # abandoned (timed out or cancelled), or granted
             heapq.heappop(heap)
-            self.waiting -= 1
-            head.future.set_result(self._take(replica, head.tokens))
+        return heap[0] if heap else None
+
+    def _dispatch(self) -> None:
+        if self.ledger is None:
+            while (head := self._head()) is not None:
+                replica = self.picker.pick(self.replicas, head.claim)
+                if replica is None:
+                    return  # strict order: the head waits, nobody overtakes it
+                heapq.heappop(self._heap)
+                self._take(replica, head.claim)
+                self._grant(head, Grant(replica, head.claim))
+            return
+        self._wake.set()
+        if self.waiting and (self._dispatcher is None or self._dispatcher.done()):
+            self._dispatcher = asyncio.get_running_loop().create_task(
+                self._dispatch_leased(self.ledger), name=f"dispatch:{self.name}"
+            )
+
+    async def _dispatch_leased(self, ledger: SlotLedger) -> None:
+        while (head := self._head()) is not None:
+            self._wake.clear()
+            try:
+                grant = await self._take_leased(ledger, head.claim, self.replicas)
+            except GatewayError as exc:  # the ledger failed closed: so does the head
+                if not head.future.done():
+                    self._leave(head)
+                    head.future.set_exception(exc)
+                continue
+            if grant is None:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(POLL_S):
+                        await self._wake.wait()
+                continue
+            if head.future.done():  # abandoned while its lease was asked for
+                self.release(grant)
+            else:
+                self._grant(head, grant)
 
     @property
     def saturation(self) -> float:
-        """(In flight + waiting) / capacity: 1.0 is every slot busy and nobody waiting."""
-        return (self.inflight + self.waiting) / max(1, self.capacity)
+        """(In flight + waiting) / capacity: 1.0 is every slot busy and nobody waiting. With a
+        ledger, every gateway's slots and waiters count."""
+        if self.ledger is None or self.degraded:
+            busy, waiting = self.inflight, self.waiting
+        else:
+            busy = sum(max(r.inflight, r.shared or 0) for r in self.replicas)
+            waiting = self.waiting + self.others_waiting
+        return (busy + waiting) / max(1, self.capacity)
 
     def _shed(self, priority: int) -> None:
         tier = PRIORITIES[priority]
         threshold = self.spec.shed.get(tier)  # type: ignore[call-overload]
-        if threshold is not None and self.saturation >= threshold:
+        if threshold is not None and (saturation := self.saturation) >= threshold:
             self.sheds[tier] += 1
             raise Shed(
-                f"pool {self.name} is saturated ({self.saturation:.2f} >= {threshold:g}):"
+                f"pool {self.name} is saturated ({saturation:.2f} >= {threshold:g}):"
                 f" {tier} requests are shed first",
                 retry_after_s=self.spec.queue.retry_after_s,
             )
 
-    async def acquire(self, priority: int, tokens: int) -> Replica:
+    def _fail_fast(self, claim: Claim) -> None:
+        """Refuse now a request that would confidently wait past `max_wait_s`: its place (the
+        waiters of its tier and above, itself included) over the drain rate (slots in use over
+        their mean hold time). The lower bound of the hold time decides, so a burst that would
+        drain in time is never refused; the point estimate is the Retry-After."""
+        measured = self.holds.mean()
+        if measured is None:
+            return
+        mean, low = measured
+        place = sum(self.waiting_by_tier[: claim.priority + 1]) + 1
+        slots = max(1, self.inflight)
+        max_wait = self.spec.queue.max_wait_s
+        if place * low / slots > max_wait:
+            predicted = place * mean / slots
+            raise QueueWaitTooLong(
+                f"pool {self.name}: the predicted wait for a slot, {predicted:.0f}s"
+                f" ({place} in line at the measured drain rate), is over {max_wait:g}s",
+                retry_after_s=predicted,
+            )
+
+    async def acquire(self, claim: Claim) -> Grant:
         if not self.replicas:
             raise NoReplica(f"pool {self.name} has no replica", retry_after_s=5)
         if self.spec.shed:
-            self._shed(priority)
+            self._shed(claim.priority)
         if self.waiting == 0:
-            replica = self.picker.pick(self.replicas, tokens)
-            if replica is not None:
-                return self._take(replica, tokens)
+            grant = await self._take_any(claim, self.replicas)
+            if grant is not None:
+                return grant
         queue = self.spec.queue
         if self.waiting >= self.max_depth:
             raise QueueFull(
                 f"pool {self.name} is at capacity and its queue is full ({self.max_depth})",
                 retry_after_s=queue.retry_after_s,
             )
-        future: asyncio.Future[Replica] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._heap, _Waiter(priority, next(self._seq), tokens, future))
-        self.waiting += 1
+        if queue.fail_fast:
+            self._fail_fast(claim)
+        waiter = self._enqueue(claim)
         self._dispatch()  # a higher priority than the current head may fit at once
+        future = waiter.future
         granted = False
         try:
             async with asyncio.timeout(queue.max_wait_s):
-                replica = await future
+                grant = await future
             granted = True
-            return replica
+            return grant
         except TimeoutError:
             raise QueueTimeout(
                 f"pool {self.name} had no free slot within {queue.max_wait_s:g}s",
@@ -379,33 +723,39 @@ class PoolSlots:
             if not future.done():
                 future.cancel()
             if future.cancelled():
-                self.waiting -= 1
+                self._leave(waiter)
                 self._dispatch()  # the waiter behind an abandoned head may fit
-            elif not granted:
+            elif not granted and future.exception() is None:
                 # Granted in the same tick as the time-out or cancellation: hand it back.
-                self.release(future.result(), tokens)
+                self.release(future.result())
 
     @asynccontextmanager
-    async def slot(self, ctx: Ctx, avoid: frozenset[str] = frozenset()) -> AsyncIterator[Replica]:
+    async def slot(self, ctx: Ctx, avoid: frozenset[str] = frozenset()) -> AsyncIterator[Grant]:
         """Hold a slot for `ctx`; with `avoid` (a retry), only on another replica and at once."""
-        tokens = ctx.reserved_tokens
+        claim = Claim.of(ctx)
         if avoid:
-            replica = self.take_other(tokens, avoid)
+            others = [r for r in self.replicas if r.url not in avoid]
+            taken = await self._take_any(claim, others)
+            if taken is None:
+                raise NoReplica(f"pool {self.name} has no other free replica", retry_after_s=1)
+            grant = taken
         else:
             started = time.perf_counter()
             self.demand.arrivals += 1
             try:
-                replica = await self.acquire(ctx.priority, tokens)
-            except (QueueFull, QueueTimeout, Shed):
+                grant = await self.acquire(claim)
+            except (QueueFull, QueueTimeout, QueueWaitTooLong, Shed):
                 self.demand.refused += 1
                 raise
             finally:
                 ctx.queue_wait = time.perf_counter() - started
                 self.demand.queued_s += ctx.queue_wait
-        ctx.replica = replica.url
+        ctx.replica = grant.replica.url
         held = time.perf_counter()
         try:
-            yield replica
+            yield grant
         finally:
-            self.demand.busy_s += time.perf_counter() - held
-            self.release(replica, tokens)
+            hold_s = time.perf_counter() - held
+            self.demand.busy_s += hold_s
+            self.holds.add(hold_s)
+            self.release(grant)

@@ -211,6 +211,16 @@ class QueueTimeout(Retryable):
     reason = "queue_timeout"
 
 
+class QueueWaitTooLong(Retryable):
+    """Raised at once when the predicted queue wait is confidently over `max_wait_s`: the client
+    learns now, with the prediction as Retry-After, what it would learn at the time-out."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_wait_too_long"
+    reason = "queue_wait"
+
+
 class QuotaExceeded(Retryable):
     """Raised when the tenant's TPM or RPM window has no room for this request yet."""
 

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gateway.admit import PoolSlots
+from gateway.policy.schema import PRIORITIES
 
 if TYPE_CHECKING:
     from gateway.policy.compile import Policy
@@ -57,7 +58,14 @@ class _Gauges(Collector):
             "Input + expected output tokens admitted and in flight per replica.",
             labels=["pool", "replica"],
         )
-        depth = GaugeMetricFamily("llm_queue_depth", "Requests waiting per pool.", labels=["pool"])
+        depth = GaugeMetricFamily(
+            "llm_queue_depth", "Requests waiting per pool and tier.", labels=["pool", "tier"]
+        )
+        leases = GaugeMetricFamily(
+            "llm_replica_leases",
+            "Slots leased on a replica by all gateways sharing it, as the ledger last said.",
+            labels=["pool", "replica"],
+        )
         capacity = GaugeMetricFamily(
             "llm_pool_capacity",
             "Sum of the per-replica concurrency caps of the replicas in the pool.",
@@ -78,7 +86,11 @@ class _Gauges(Collector):
                 up.add_metric([name, replica.url], 1 if replica.up else 0)
             for (url, reason), count in pool.ejections.items():
                 ejections.add_metric([name, url, reason], count)
-            depth.add_metric([name], pool.waiting)
+            for tier, waiting in zip(PRIORITIES, pool.waiting_by_tier, strict=True):
+                depth.add_metric([name, tier], waiting)
+            for replica in pool.replicas:
+                if replica.shared is not None:
+                    leases.add_metric([name, replica.url], replica.shared)
             capacity.add_metric([name], pool.capacity)
         drift = CounterMetricFamily(
             "llm_slot_drift",
@@ -119,7 +131,7 @@ class _Gauges(Collector):
             "llm_policy_reload_errors", "Policy reloads refused (the running policy stayed)."
         )
         errors.add_metric([], self.source.reload_errors)
-        return [requests, tokens, depth, capacity, up, ejections, drift, observed, shed, desired,
+        return [requests, tokens, depth, leases, capacity, up, ejections, drift, observed, shed, desired,
                 info, errors]  # fmt: skip
 
 
@@ -142,8 +154,8 @@ class Metrics:
             buckets=TPOT_BUCKETS, registry=r,
         )  # fmt: skip
         self.queue_wait = Histogram(
-            "llm_queue_wait_seconds", "Time waiting for a replica slot.", WORKLOAD,
-            buckets=QUEUE_BUCKETS, registry=r,
+            "llm_queue_wait_seconds", "Time waiting for a replica slot, by tier too.",
+            (*WORKLOAD, "tier"), buckets=QUEUE_BUCKETS, registry=r,
         )  # fmt: skip
         self.requests = Counter(
             "llm_requests", "Requests by outcome.", (*WORKLOAD, "code"), registry=r

@@ -45,7 +45,7 @@ from gateway.policy.compile import Policy, compile_policy
 from gateway.policy.load import PolicyError, load_spec
 from gateway.quota import Charge, Quotas
 from gateway.route import find_candidates, route
-from gateway.state import State
+from gateway.state import SlotLedger, State
 from gateway.state.redis_state import BackendUp, build_state
 from gateway.tenants import authenticate
 
@@ -120,12 +120,14 @@ class Runtime:
     client_timeouts: dict[str, aiohttp.ClientTimeout]
 
     @classmethod
-    def build(cls, policy: Policy, previous: Runtime | None) -> Runtime:
+    def build(
+        cls, policy: Policy, previous: Runtime | None, ledger: SlotLedger | None = None
+    ) -> Runtime:
         slots = {}
         for name, pool in policy.pools.items():
             kept = previous.slots.get(name) if previous is not None else None
             if kept is None:
-                slots[name] = PoolSlots(name, pool.spec, policy.picker)
+                slots[name] = PoolSlots(name, pool.spec, policy.picker, ledger)
             else:  # its replicas keep their counts: in-flight requests release where they took
                 spec = pool.spec
                 if spec.dns is not None:  # keep what DNS found until the next lookup
@@ -154,17 +156,21 @@ class Gateway:
     """The running gateway: the current `Runtime`, upstream sessions, health checks, accounting."""
 
     def __init__(self, policy: Policy, access_log: IO[bytes] | None) -> None:
-        self.runtime = Runtime.build(policy, None)
+        # Outlives reloads: windows keep their charges and slots their leases (a changed
+        # `state` section needs a restart).
+        self.state: State
+        self.ledger: SlotLedger | None
+        self.state, self.ledger = build_state(policy.spec.state)
+        self.runtime = Runtime.build(policy, None, self.ledger)
         self.reload_errors = 0
         self.accountant = Accountant(Metrics(self), access_log)  # reads the above at scrape time
-        # Outlives reloads: windows keep their charges (a changed `state` section needs a restart).
-        self.state: State = build_state(policy.spec.state)
         self.accountant.metrics.registry.register(BackendUp(lambda: self.state))
         self.quotas = Quotas(self.state, self.accountant.metrics)
         self.sessions: dict[str, aiohttp.ClientSession] = {}
         self.draining = False
         self._checkers: dict[str, asyncio.Task[None]] = {}
         self._discovery: dict[str, asyncio.Task[None]] = {}
+        self._sharers: dict[str, asyncio.Task[None]] = {}
         self._reload_lock = asyncio.Lock()
         self._watcher: asyncio.Task[None] | None = None
 
@@ -194,10 +200,25 @@ class Gateway:
                 self._discovery[name] = asyncio.create_task(
                     discovery.follow(slots), name=f"dns:{name}"
                 )
+            if self.ledger is not None and name not in self._sharers:
+                self._sharers[name] = asyncio.create_task(self._share(slots), name=f"share:{name}")
+        for name in [n for n in self._sharers if n not in self.runtime.slots]:
+            self._sharers.pop(name).cancel()
         for name in [n for n in self._checkers if n not in self.runtime.slots]:
             self._checkers.pop(name).cancel()
         for name in [n for n in self._discovery if n not in self.runtime.slots]:
             self._discovery.pop(name).cancel()
+
+    async def _share(self, slots: PoolSlots) -> None:
+        """Renew the pool's leases three times per lease life (at least every second, so
+        saturation agrees across gateways): a gateway that dies stops, and its leases expire."""
+        every_s = min(1.0, self.policy.spec.state.lease_ttl_s / 3)
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await slots.share()
+            except Exception:  # never lose the renewals to one bad tick
+                log.exception("pool %s: sharing its slots failed", slots.name)
 
     async def open(self) -> None:
         # Pools found by DNS start with what their name resolves to, not empty.
@@ -242,7 +263,7 @@ class Gateway:
                 log.error("policy reload refused, the running policy stays:\n%s", exc)
                 raise
             if policy.digest != current.digest:
-                self.runtime = Runtime.build(policy, self.runtime)
+                self.runtime = Runtime.build(policy, self.runtime, self.ledger)
                 self._serve_pools()
                 log.info("policy %s reloaded: %s -> %s", policy.path, current.digest, policy.digest)
             return policy
@@ -251,12 +272,14 @@ class Gateway:
         tasks = [
             *self._checkers.values(),
             *self._discovery.values(),
+            *self._sharers.values(),
             *([self._watcher] if self._watcher else []),
         ]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._checkers.clear()
+        await asyncio.gather(*(slots.close() for slots in self.runtime.slots.values()))
         for session in self.sessions.values():
             await session.close()
         await self.quotas.close()
@@ -278,9 +301,10 @@ class Gateway:
             retrying = bool(avoid)
             slots.retrying += retrying
             try:
-                async with slots.slot(ctx, avoid) as replica:
+                async with slots.slot(ctx, avoid) as grant:
+                    replica = grant.replica
                     tried = avoid | {replica.url}
-                    retry_next = slots.can_retry(ctx.reserved_tokens, tried)
+                    retry_next = slots.can_retry(grant.claim, tried)
                     try:
                         resp = await forward(
                             ctx,
@@ -294,7 +318,7 @@ class Gateway:
                         )
                     except ReplicaRefused as exc:
                         slots.failed(replica, "refused")
-                        if not (retry_next and slots.can_retry(ctx.reserved_tokens, tried)):
+                        if not (retry_next and slots.can_retry(grant.claim, tried)):
                             raise
                         avoid, ctx.retries, refused = tried, ctx.retries + 1, exc
                         continue

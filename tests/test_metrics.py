@@ -37,14 +37,14 @@ async def test_every_series_is_exported_with_its_labels(
         assert resp.status == 200 and resp.content_type == "text/plain"
         found = samples(await resp.text())
 
-    for name in (
-        "llm_request_e2e_seconds",
-        "llm_request_ttft_seconds",
-        "llm_request_tpot_seconds",
-        "llm_queue_wait_seconds",
+    for name, labels in (
+        ("llm_request_e2e_seconds", WORKLOAD),
+        ("llm_request_ttft_seconds", WORKLOAD),
+        ("llm_request_tpot_seconds", WORKLOAD),
+        ("llm_queue_wait_seconds", {**WORKLOAD, "tier": "standard"}),  # only tiers seen
     ):
         buckets = [s for s in found[f"{name}_bucket"] if s.labels["le"] == "+Inf"]
-        assert [{k: v for k, v in s.labels.items() if k != "le"} for s in buckets] == [WORKLOAD], (
+        assert [{k: v for k, v in s.labels.items() if k != "le"} for s in buckets] == [labels], (
             name
         )
     e2e_count = {s.labels["model"]: s.value for s in found["llm_request_e2e_seconds_count"]}
@@ -65,7 +65,9 @@ async def test_every_series_is_exported_with_its_labels(
     replica = {"pool": "main", "replica": stub.url}
     assert [(s.labels, s.value) for s in found["llm_inflight_requests"]] == [(replica, 0.0)]
     assert [(s.labels, s.value) for s in found["llm_inflight_tokens"]] == [(replica, 0.0)]
-    assert [(s.labels, s.value) for s in found["llm_queue_depth"]] == [({"pool": "main"}, 0.0)]
+    assert [(s.labels, s.value) for s in found["llm_queue_depth"]] == [
+        ({"pool": "main", "tier": tier}, 0.0) for tier in ("critical", "standard", "sheddable")
+    ]
     assert [(s.labels, s.value) for s in found["llm_pool_capacity"]] == [({"pool": "main"}, 4.0)]
 
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.admit import LeastInflightPicker, PoolSlots
+from gateway.admit import Claim, LeastInflightPicker, PoolSlots
 from gateway.errors import QueueFull, QueueTimeout
 from gateway.policy.schema import PoolSpec
 
@@ -22,25 +22,25 @@ def pool(replicas: int = 1, cap: int = 1, **spec: object) -> PoolSlots:
 
 async def test_least_inflight_spreads_load() -> None:
     slots = pool(replicas=3, cap=2)
-    taken = [await slots.acquire(1, 10) for _ in range(6)]
+    taken = [(await slots.acquire(Claim(10))).replica for _ in range(6)]
     assert sorted(r.url for r in taken) == sorted(r.url for r in slots.replicas for _ in "ab")
     assert [r.inflight_tokens for r in slots.replicas] == [20, 20, 20]
 
 
 async def test_no_queue_means_refusal_at_once() -> None:
     slots = pool(queue={"max_depth": 0})
-    await slots.acquire(1, 1)
+    await slots.acquire(Claim(1, 1))
     with pytest.raises(QueueFull):
-        await slots.acquire(1, 1)
+        await slots.acquire(Claim(1, 1))
 
 
 async def test_waiter_granted_and_cancelled_in_the_same_tick_gives_the_slot_back() -> None:
     slots = pool()
-    first = await slots.acquire(1, 5)
-    waiter = asyncio.create_task(slots.acquire(1, 5))
+    first = await slots.acquire(Claim(5, 1))
+    waiter = asyncio.create_task(slots.acquire(Claim(5, 1)))
     await asyncio.sleep(0)
     assert slots.waiting == 1
-    slots.release(first, 5)  # grants the waiter's future...
+    slots.release(first)  # grants the waiter's future...
     waiter.cancel()  # ...and the waiter is cancelled before it runs
     with pytest.raises(asyncio.CancelledError):
         await waiter
@@ -50,34 +50,34 @@ async def test_waiter_granted_and_cancelled_in_the_same_tick_gives_the_slot_back
 
 async def test_abandoned_head_does_not_block_the_next_waiter() -> None:
     slots = pool()
-    held = await slots.acquire(1, 1)
-    head = asyncio.create_task(slots.acquire(0, 1))
-    second = asyncio.create_task(slots.acquire(1, 1))
+    held = await slots.acquire(Claim(1, 1))
+    head = asyncio.create_task(slots.acquire(Claim(1, 0)))
+    second = asyncio.create_task(slots.acquire(Claim(1, 1)))
     await asyncio.sleep(0)
     head.cancel()
     await asyncio.sleep(0)
-    slots.release(held, 1)
+    slots.release(held)
     granted = await asyncio.wait_for(second, 1)
-    assert granted.inflight == 1 and slots.waiting == 0
+    assert granted.replica.inflight == 1 and slots.waiting == 0
 
 
 async def test_timeout_leaves_no_waiter() -> None:
     slots = pool(queue={"max_wait_s": 0.05})
-    await slots.acquire(1, 1)
+    await slots.acquire(Claim(1, 1))
     with pytest.raises(QueueTimeout):
-        await slots.acquire(1, 1)
+        await slots.acquire(Claim(1, 1))
     assert slots.waiting == 0
 
 
 async def test_an_oversized_request_runs_alone_on_an_idle_replica() -> None:
     slots = pool(cap=4, max_inflight_tokens=100)
-    big = await slots.acquire(1, 500)
-    assert big.inflight_tokens == 500
-    small = asyncio.create_task(slots.acquire(1, 10))
+    big = await slots.acquire(Claim(500, 1))
+    assert big.replica.inflight_tokens == 500
+    small = asyncio.create_task(slots.acquire(Claim(10, 1)))
     await asyncio.sleep(0)
     assert not small.done()
-    slots.release(big, 500)
-    assert (await small).inflight_tokens == 10
+    slots.release(big)
+    assert (await small).replica.inflight_tokens == 10
 
 
 async def test_capacity_and_queue_shrink_with_the_pool() -> None:

@@ -90,6 +90,12 @@ def _cross_check(spec: PolicySpec) -> list[Problem]:
         if cls.name in seen:
             problems.append(Problem(("classes", index, "name"), f"duplicate class {cls.name!r}"))
         seen.add(cls.name)
+    for name, pool in spec.pools.items():
+        for cls_name in pool.reserve:
+            if cls_name not in classes:
+                problems.append(
+                    Problem(("pools", name, "reserve", cls_name), f"unknown class {cls_name!r}")
+                )
     for name, tenant in spec.tenants.items():
         for model in tenant.models:
             if model not in spec.models:

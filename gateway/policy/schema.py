@@ -60,6 +60,14 @@ class QueueSpec(Spec):
     max_depth: int = Field(1024, ge=0, description="Waiting requests per pool; beyond it: 429.")
     max_wait_s: PositiveFloat = Field(30.0, description="Longest wait for a slot; then 429.")
     retry_after_s: PositiveFloat = Field(1.0, description="Retry-After sent with a queue refusal.")
+    fail_fast: bool = Field(
+        True,
+        description=(
+            "Refuse at once (429 `queue_wait`, the predicted wait as Retry-After) a request whose"
+            " predicted wait, its place in the queue over the measured drain rate, is confidently"
+            " above `max_wait_s`; nothing is refused early without enough drain history."
+        ),
+    )
 
 
 class TimeoutSpec(Spec):
@@ -169,6 +177,14 @@ class PoolSpec(Spec):
             " without a threshold is never shed (by default none is)."
         ),
     )
+    reserve: dict[str, PositiveInt] = Field(
+        {},
+        description=(
+            "Per replica, slots kept for a class (e.g. `classification: 16` of 64) that other"
+            " classes may not take while it does not use them; every class may borrow the"
+            " unreserved idle slots. The reservations must leave at least one slot unreserved."
+        ),
+    )
     api_key_env: str | None = Field(
         None, description="Environment variable holding the replicas' API key (sent as Bearer)."
     )
@@ -190,6 +206,15 @@ class PoolSpec(Spec):
     def _one_source(self) -> PoolSpec:
         if bool(self.replicas) == (self.dns is not None):
             raise ValueError("give either `replicas` (a non-empty list) or `dns`")
+        return self
+
+    @model_validator(mode="after")
+    def _reserve_fits(self) -> PoolSpec:
+        if sum(self.reserve.values()) >= self.max_concurrency:
+            raise ValueError(
+                f"`reserve` keeps {sum(self.reserve.values())} slots of {self.max_concurrency}:"
+                " leave at least one for the other classes"
+            )
         return self
 
     @field_validator("replicas")
@@ -383,7 +408,11 @@ class TenantSpec(Spec):
         {}, description="Limits per pool, on top of tpm / rpm and any model's."
     )
     weight: PositiveFloat = Field(
-        1.0, description="Its share of its tier under contention (fair share: not applied yet)."
+        1.0,
+        description=(
+            "Its share of the tokens its tier is served while the queue is contended: a tenant"
+            " of weight 2 gets twice the tokens of a tenant of weight 1 of the same tier."
+        ),
     )
 
     @model_validator(mode="after")
@@ -394,7 +423,8 @@ class TenantSpec(Spec):
 
 
 class StateSpec(Spec):
-    """Where quota windows live: this process (one gateway), or Redis shared by several.
+    """Where quota windows and replica slots live: this process (one gateway), or Redis shared
+    by several, so the caps and limits hold across all of them.
 
     Read when the gateway starts; a reload that changes it takes effect at the next restart,
     since windows must outlive reloads.
@@ -416,6 +446,13 @@ class StateSpec(Spec):
     )
     timeout_s: PositiveFloat = Field(
         0.5, description="Longest any Redis call (connect included) may take before it fails."
+    )
+    lease_ttl_s: PositiveFloat = Field(
+        10.0,
+        description=(
+            "Life of a replica-slot lease in Redis unless its gateway renews it (every third of"
+            " it): the slots of a gateway that dies return to the others this long after."
+        ),
     )
 
 

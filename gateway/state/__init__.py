@@ -1,6 +1,25 @@
 """Shared admission state behind one protocol: in memory for one gateway, Redis for several."""
 
-from gateway.state.base import WINDOW_S, Limit, Refusal, Reservation, State, Window
+from gateway.state.base import (
+    WINDOW_S,
+    Limit,
+    Refusal,
+    Reservation,
+    SlotClaim,
+    SlotLedger,
+    State,
+    Window,
+)
 from gateway.state.memory import MemoryState
 
-__all__ = ["WINDOW_S", "Limit", "MemoryState", "Refusal", "Reservation", "State", "Window"]
+__all__ = [
+    "WINDOW_S",
+    "Limit",
+    "MemoryState",
+    "Refusal",
+    "Reservation",
+    "SlotClaim",
+    "SlotLedger",
+    "State",
+    "Window",
+]

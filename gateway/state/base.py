@@ -82,3 +82,52 @@ class State(Protocol):
     async def close(self) -> None:
         """Release connections; the in-memory state has none."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class SlotClaim:
+    """One slot asked of a replica that several gateways share.
+
+    A replica's leases are kept in groups: group 0 for the classes without a reservation, group
+    `i` for the `i`-th reserved class. A lease is granted while the replica's leases in all, plus
+    the reserved slots the other groups leave unused, stay under `cap`.
+    """
+
+    replica: str  # the replica's key, `{pool|url}`: a hash tag, one Redis Cluster slot
+    group: int
+    reserved: tuple[int, ...]  # slots kept per group; group 0 keeps none
+    cap: int
+
+
+class SlotLedger(Protocol):
+    """Replica slots shared by several gateways, as leases that live `ttl_s` unless renewed.
+
+    A gateway alone needs no ledger: its own counts (`PoolSlots`) are every slot there is. With
+    several, each slot a gateway holds is also a lease here, so together they never exceed a
+    replica's cap, and the slots of a gateway that dies come back when its leases expire.
+    """
+
+    gateways: int  # how many share: while the ledger fails open, each keeps 1/gateways of a cap
+    up: bool  # False while failing over
+
+    def lease_id(self) -> str:
+        """A new id, unique across gateways: taken before the call so a cancelled call can
+        still be undone."""
+        ...
+
+    async def lease(self, claim: SlotClaim, lease_id: str) -> tuple[bool, int] | None:
+        """(granted, the replica's leases now); None while failing open: count locally."""
+        ...
+
+    async def renew(self, replica: str, groups: int, held: Sequence[tuple[int, str]]) -> int | None:
+        """Extend this gateway's leases (`(group, id)`) on a replica, writing back any that
+        expired (their requests still run); the replica's leases in all, None if unreachable."""
+        ...
+
+    async def unlease(self, replica: str, group: int, lease_id: str) -> None:
+        """Give a slot back; a lost release expires with its lease."""
+        ...
+
+    async def share_waiting(self, pool: str, waiting: int) -> int | None:
+        """Report this gateway's waiters in `pool`; all gateways' (recent reports), or None."""
+        ...

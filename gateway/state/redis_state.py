@@ -14,8 +14,9 @@ sleeping a minute; production never does. Keys expire a window after their last 
 tenant gone idle leaves nothing behind.
 
 Every call is bounded by `socket_timeout` / `socket_connect_timeout` and by an overall
-`asyncio.timeout`, with redis-py's own retries off: a slow or dead Redis turns into an error
-within `timeout_s`, which `FailoverState` turns into local limits or a 503.
+`asyncio.timeout`: a slow or dead Redis turns into an error within `timeout_s`, which
+`FailoverState` turns into local limits or a 503. redis-py retries a call once, at once, inside
+that bound: after Redis restarts, every pooled connection is stale and fails its first use.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
@@ -38,7 +39,16 @@ from redis.exceptions import RedisError
 
 from gateway.errors import Retryable
 from gateway.policy.schema import StateSpec
-from gateway.state.base import WINDOW_S, Limit, Refusal, Reservation, State, Window
+from gateway.state.base import (
+    WINDOW_S,
+    Limit,
+    Refusal,
+    Reservation,
+    SlotClaim,
+    SlotLedger,
+    State,
+    Window,
+)
 from gateway.state.memory import MemoryState
 
 log = logging.getLogger("gateway.state")
@@ -173,6 +183,85 @@ return 1
 )
 
 
+_CLOCK = """
+local function clock()
+  if ARGV[1] ~= '' then return tonumber(ARGV[1]) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local function fmt(x) return string.format('%.17g', x) end
+-- Drop the expired leases of each group key; the leases left, per group and in all.
+local function live(now)
+  local counts, total = {}, 0
+  for i, k in ipairs(KEYS) do
+    redis.call('ZREMRANGEBYSCORE', k, '-inf', fmt(now))
+    counts[i] = redis.call('ZCARD', k)
+    total = total + counts[i]
+  end
+  return counts, total
+end
+"""
+
+# KEYS: the replica's group ZSETs (lease id -> expiry). ARGV: now, ttl, id, group (1-based),
+# cap, then the slots reserved per group. Returns {granted 1/0, the replica's leases}.
+_LEASE = (
+    _CLOCK
+    + """
+local now, ttl, id = clock(), tonumber(ARGV[2]), ARGV[3]
+local mine, cap = tonumber(ARGV[4]), tonumber(ARGV[5])
+local counts, total = live(now)
+local kept = 0
+for i = 1, #KEYS do
+  if i ~= mine then kept = kept + math.max(0, tonumber(ARGV[5 + i]) - counts[i]) end
+end
+if total + kept >= cap then return {0, total} end
+redis.call('ZADD', KEYS[mine], fmt(now + ttl), id)
+redis.call('PEXPIRE', KEYS[mine], math.ceil(ttl * 2000))
+return {1, total + 1}
+"""
+)
+
+# KEYS: the replica's group ZSETs. ARGV: now, ttl, then group (1-based), id per lease held.
+# Returns the replica's leases in all.
+_RENEW = (
+    _CLOCK
+    + """
+local now, ttl = clock(), tonumber(ARGV[2])
+for j = 3, #ARGV, 2 do
+  redis.call('ZADD', KEYS[tonumber(ARGV[j])], fmt(now + ttl), ARGV[j + 1])
+end
+local _, total = live(now)
+for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, math.ceil(ttl * 2000)) end
+return total
+"""
+)
+
+# KEYS: the pool's waiting counts (HASH gateway -> waiting) and their expiries (ZSET).
+# ARGV: now, ttl, gateway, waiting. Returns the waiting of every gateway that reported lately.
+_WAITING = (
+    _CLOCK
+    + """
+local now, ttl = clock(), tonumber(ARGV[2])
+local w, t = KEYS[1], KEYS[2]
+redis.call('HSET', w, ARGV[3], ARGV[4])
+redis.call('ZADD', t, fmt(now + ttl), ARGV[3])
+local gone = redis.call('ZRANGEBYSCORE', t, '-inf', fmt(now))
+if #gone > 0 then
+  redis.call('HDEL', w, unpack(gone))
+  redis.call('ZREMRANGEBYSCORE', t, '-inf', fmt(now))
+end
+local total = 0
+for _, v in ipairs(redis.call('HVALS', w)) do total = total + tonumber(v) end
+for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, math.ceil(ttl * 2000)) end
+return total
+"""
+)
+
+
+def _slot_keys(replica: str, groups: int) -> list[str]:
+    return [f"slots:{replica}:g{group}" for group in range(groups)]
+
+
 def _keys(windows: Iterable[str]) -> list[str]:
     """Each window's ZSET, amounts and total: declared, as Redis Cluster wants every key a
     script touches; one hash tag per tenant keeps them in one slot."""
@@ -200,19 +289,24 @@ class RedisState:
         timeout_s: float = 0.5,
         clock: Callable[[], float] | None = None,
         max_connections: int = 64,
+        lease_ttl_s: float = 10.0,
     ) -> None:
         self.clock = clock  # tests only: None reads Redis' TIME
         self.timeout_s = timeout_s
+        self.lease_ttl_s = lease_ttl_s
         self.client: aioredis.Redis = aioredis.Redis.from_url(
             url,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             max_connections=max_connections,
-            retry=Retry(NoBackoff(), 0),  # no hidden retries: the caller decides
+            retry=Retry(NoBackoff(), 1),  # a stale pooled connection; still within timeout_s
         )
         self._reserve = self.client.register_script(_RESERVE)
         self._peek = self.client.register_script(_PEEK)
         self._adjust = self.client.register_script(_ADJUST)
+        self._lease = self.client.register_script(_LEASE)
+        self._renew = self.client.register_script(_RENEW)
+        self._waiting = self.client.register_script(_WAITING)
         self._prefix = uuid.uuid4().hex[:12]
         self._ids = itertools.count(1)
 
@@ -245,6 +339,33 @@ class RedisState:
     async def adjust(self, key: str, reservation_id: str, reserved: int, actual: int) -> None:
         args = [self._now(), WINDOW_S, reservation_id, reserved, actual]
         await self._run(self._adjust, _keys([key]), args)
+
+    # --- replica slots as leases (the `SlotLedger` calls, undecorated: `FailoverState` adds
+    # the failure policy) ------------------------------------------------------------------
+
+    def lease_id(self) -> str:
+        return f"{self._prefix}:s{next(self._ids)}"
+
+    async def lease(self, claim: SlotClaim, lease_id: str) -> tuple[bool, int]:
+        args: list[Any] = [self._now(), self.lease_ttl_s, lease_id, claim.group + 1, claim.cap]
+        keys = _slot_keys(claim.replica, len(claim.reserved))
+        granted, total = await self._run(self._lease, keys, args + list(claim.reserved))
+        return bool(int(granted)), int(total)
+
+    async def renew(self, replica: str, groups: int, held: Sequence[tuple[int, str]]) -> int:
+        args: list[Any] = [self._now(), self.lease_ttl_s]
+        for group, lease_id in held:
+            args += [group + 1, lease_id]
+        return int(await self._run(self._renew, _slot_keys(replica, groups), args))
+
+    async def unlease(self, replica: str, group: int, lease_id: str) -> None:
+        async with asyncio.timeout(self.timeout_s):
+            await self.client.zrem(_slot_keys(replica, group + 1)[group], lease_id)
+
+    async def share_waiting(self, pool: str, waiting: int) -> int:
+        keys = [f"queue:{{{pool}}}:w", f"queue:{{{pool}}}:t"]
+        args = [self._now(), self.lease_ttl_s, self._prefix, waiting]
+        return int(await self._run(self._waiting, keys, args))
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -358,16 +479,63 @@ class FailoverState:
             self._failed(exc)
             log.warning("correction of charge %s in %s lost: %r", reservation_id, key, exc)
 
+    # --- replica slots: failing open counts locally (the caller keeps 1/gateways of a cap) ---
+
+    def lease_id(self) -> str:
+        return self.shared.lease_id()
+
+    async def lease(self, claim: SlotClaim, lease_id: str) -> tuple[bool, int] | None:
+        if self._usable():
+            try:
+                result = await self.shared.lease(claim, lease_id)
+            except _FAILURES as exc:
+                self._failed(exc)
+            else:
+                self._recovered()
+                return result
+        if self.on_failure == "closed":
+            raise self._refuse()
+        return None
+
+    async def _quietly(self, call: Coroutine[Any, Any, int]) -> int | None:
+        """A background call (renewal, report): it fails over, and also probes a Redis that
+        failed, so shared state resumes even while no request asks for a slot."""
+        if not self._usable():
+            call.close()
+            return None
+        try:
+            result = await call
+        except _FAILURES as exc:
+            self._failed(exc)
+            return None
+        self._recovered()
+        return result
+
+    async def renew(self, replica: str, groups: int, held: Sequence[tuple[int, str]]) -> int | None:
+        return await self._quietly(self.shared.renew(replica, groups, held))
+
+    async def unlease(self, replica: str, group: int, lease_id: str) -> None:
+        await self._quietly(self._unlease(replica, group, lease_id))
+
+    async def _unlease(self, replica: str, group: int, lease_id: str) -> int:
+        await self.shared.unlease(replica, group, lease_id)
+        return 0
+
+    async def share_waiting(self, pool: str, waiting: int) -> int | None:
+        return await self._quietly(self.shared.share_waiting(pool, waiting))
+
     async def close(self) -> None:
         await self.shared.close()
 
 
-def build_state(spec: StateSpec) -> State:
-    """The policy's `state` section as a `State`: in memory, or Redis with its failure policy."""
+def build_state(spec: StateSpec) -> tuple[State, SlotLedger | None]:
+    """The policy's `state` section: quota windows in memory and no slot ledger (this
+    gateway's own counts are every slot), or both in Redis with its failure policy."""
     if spec.backend == "memory":
-        return MemoryState()
-    shared = RedisState(spec.url, timeout_s=spec.timeout_s)
-    return FailoverState(shared, on_failure=spec.on_failure, gateways=spec.gateways)
+        return MemoryState(), None
+    shared = RedisState(spec.url, timeout_s=spec.timeout_s, lease_ttl_s=spec.lease_ttl_s)
+    failover = FailoverState(shared, on_failure=spec.on_failure, gateways=spec.gateways)
+    return failover, failover
 
 
 class BackendUp(Collector):
