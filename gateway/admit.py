@@ -10,18 +10,18 @@ confidently over `max_wait_s` is refused at once rather than left to time out.
 Release is synchronous and sits in the `finally` of `slot()`, so a disconnect, a time-out or a
 cancellation can never leak a slot. With a `SlotLedger` (several gateways sharing the replicas
 through Redis) every slot is also a lease there: taking one awaits the ledger, a release gives
-the lease back in the background, and waiters are dispatched by one task per pool, woken when a
-slot frees here and every `POLL_S` for the slots other gateways free.
+the lease back in the background, and waiters are dispatched by one task per pool that looks
+for a free slot every `POLL_S`, as every other gateway's does.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import itertools
 import logging
 import math
+import random
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -37,7 +37,11 @@ from gateway.state.base import SlotClaim, SlotLedger
 
 log = logging.getLogger("gateway.admit")
 
-POLL_S = 0.02  # with a ledger: how often waiters look for a slot another gateway freed
+# With a ledger, waiters look for a free slot this often (jittered). A release here does not
+# wake them: the gateway that frees a slot must not win it back every time, or a gateway that
+# held no slot when the overload began would wait while the others keep theirs. Polling at one
+# rate gives every gateway with waiters the same chance at each freed slot.
+POLL_S = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,17 +181,19 @@ class _Flow:
 
 
 class _Waiter:
-    __slots__ = ("claim", "flow", "future", "priority", "seq", "tag")
+    __slots__ = ("claim", "flow", "future", "group", "priority", "seq", "tag")
 
     def __init__(
         self,
         claim: Claim,
+        group: int,
         tag: float,
         seq: int,
         flow: tuple[int, str],
         future: asyncio.Future[Grant],
     ) -> None:
         self.claim = claim
+        self.group = group  # its class's reservation group: 0, or 1 + the reserved class's index
         self.priority = claim.priority
         self.tag = tag  # start tag: strict by tier, then fair share, then arrival
         self.seq = seq
@@ -276,16 +282,18 @@ class PoolSlots:
         self.replicas = [
             Replica(url, spec.max_concurrency, spec.max_inflight_tokens) for url in spec.replicas
         ]
-        self._heap: list[_Waiter] = []
+        # One queue per reservation group: slots a class keeps are no use to the others, so a
+        # waiter that fits them passes the head of another group, never one of its own.
+        self._heaps: list[list[_Waiter]] = [[]]
         self._seq = itertools.count()
-        self.waiting = 0  # live waiters; the heap may also hold abandoned ones
+        self.waiting = 0  # live waiters; the heaps may also hold abandoned and granted ones
+        self.waiting_by_group = [0]
         self.waiting_by_tier = [0] * len(PRIORITIES)
         self._vtime = [0.0] * len(PRIORITIES)  # per tier: the start tag last dispatched
         self._flows: dict[tuple[int, str], _Flow] = {}
-        self.holds = HoldTimes()
+        self.holds = [HoldTimes()]  # per reservation group: they drain at their own pace
         self.others_waiting = 0  # other gateways' waiters in this pool, as last shared
         self.degraded = False  # the ledger fails open: each replica's cap is this gateway's share
-        self._wake = asyncio.Event()
         self._dispatcher: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self.retrying = 0  # retries in flight, against the retry budget
@@ -293,11 +301,14 @@ class PoolSlots:
         self.demand = Demand()
         self.drift: Counter[tuple[str, str]] = Counter()  # (replica, kind) -> scrapes
         self.sheds: Counter[str] = Counter()  # tier -> requests shed
+        self._groups: dict[str, int] = {}  # reserved class -> its group
         self._apply(spec)
 
     def _apply(self, spec: PoolSpec) -> None:
         self.spec = spec
-        self._groups = {workload: i + 1 for i, workload in enumerate(spec.reserve)}
+        groups = {workload: i + 1 for i, workload in enumerate(spec.reserve)}
+        if groups != self._groups:
+            self._regroup(groups)
         self._reserved = (0, *spec.reserve.values())
         reserve = tuple(spec.reserve.items())
         for replica in self.replicas:
@@ -306,6 +317,18 @@ class PoolSlots:
             replica.cap = self._cap()
             replica.max_tokens = spec.max_inflight_tokens
             replica.reserve = reserve
+
+    def _regroup(self, groups: dict[str, int]) -> None:
+        """New reservations (a reload): the waiters move to their classes' new queues."""
+        self._groups = groups
+        live = [w for heap in self._heaps for w in heap if not w.future.done()]
+        self._heaps = [[] for _ in range(len(groups) + 1)]
+        self.waiting_by_group = [0] * len(self._heaps)
+        self.holds = [HoldTimes() for _ in self._heaps]
+        for waiter in live:
+            waiter.group = groups.get(waiter.claim.workload, 0)
+            self.waiting_by_group[waiter.group] += 1
+            heapq.heappush(self._heaps[waiter.group], waiter)
 
     def _cap(self) -> int:
         cap = self.spec.max_concurrency
@@ -496,7 +519,7 @@ class PoolSlots:
         try:
             await ledger.unlease(replica.key, group, lease)
         finally:
-            self._dispatch()  # free in the ledger now: a waiter may take it
+            self._dispatch()  # free in the ledger now: waiters here may take it at their next poll
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         """Run a release in the background: it must finish even if the request's task is
@@ -571,28 +594,35 @@ class PoolSlots:
 
     # --- the queue ---------------------------------------------------------------------------
 
-    def _enqueue(self, claim: Claim) -> _Waiter:
-        """Queue with a start tag: a tenant's next request starts where its last one finished in
-        virtual time (or now, if it had none waiting), and costs its tokens over its weight."""
+    def _start_tag(self, claim: Claim) -> float:
+        """Where a tenant's next request starts in its tier's virtual time: where its last one
+        waiting finishes, or now if none waits."""
+        now = self._vtime[claim.priority]
+        flow = self._flows.get((claim.priority, claim.tenant))
+        return now if flow is None else max(now, flow.finish)
+
+    def _enqueue(self, claim: Claim, group: int) -> _Waiter:
+        """Queue with a start tag; each request costs its tokens over its tenant's weight."""
         tier = claim.priority
         key = (tier, claim.tenant)
-        now = self._vtime[tier]
+        start = self._start_tag(claim)
         flow = self._flows.get(key)
         if flow is None:
-            flow = self._flows[key] = _Flow(now)
-        start = max(now, flow.finish)
+            flow = self._flows[key] = _Flow(start)
         flow.finish = start + max(1, claim.tokens) / claim.weight
         flow.waiting += 1
         future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(claim, start, next(self._seq), key, future)
-        heapq.heappush(self._heap, waiter)
+        waiter = _Waiter(claim, group, start, next(self._seq), key, future)
+        heapq.heappush(self._heaps[group], waiter)
         self.waiting += 1
         self.waiting_by_tier[tier] += 1
+        self.waiting_by_group[group] += 1
         return waiter
 
     def _leave(self, waiter: _Waiter) -> None:
         self.waiting -= 1
         self.waiting_by_tier[waiter.priority] -= 1
+        self.waiting_by_group[waiter.group] -= 1
         flow = self._flows[waiter.flow]
         flow.waiting -= 1
         if not flow.waiting:  # an idle tenant neither banks credit nor carries debt
@@ -604,47 +634,52 @@ class PoolSlots:
         self._vtime[tier] = max(self._vtime[tier], waiter.tag)
         waiter.future.set_result(grant)
 
-    def _head(self) -> _Waiter | None:
-        heap = self._heap
-        while heap and heap[0].future.done():  # abandoned (timed out or cancelled), or granted
-            heapq.heappop(heap)
-        return heap[0] if heap else None
+    def _heads(self) -> list[_Waiter]:
+        """The head of each group's queue, in dispatch order."""
+        heads = []
+        for heap in self._heaps:
+            while heap and heap[0].future.done():  # abandoned (timed out, cancelled) or granted
+                heapq.heappop(heap)
+            if heap:
+                heads.append(heap[0])
+        heads.sort()
+        return heads
 
     def _dispatch(self) -> None:
         if self.ledger is None:
-            while (head := self._head()) is not None:
-                replica = self.picker.pick(self.replicas, head.claim)
-                if replica is None:
-                    return  # strict order: the head waits, nobody overtakes it
-                heapq.heappop(self._heap)
-                self._take(replica, head.claim)
-                self._grant(head, Grant(replica, head.claim))
-            return
-        self._wake.set()
+            while True:
+                for head in self._heads():
+                    replica = self.picker.pick(self.replicas, head.claim)
+                    if replica is not None:
+                        heapq.heappop(self._heaps[head.group])
+                        self._take(replica, head.claim)
+                        self._grant(head, Grant(replica, head.claim))
+                        break
+                else:
+                    return  # strict order within a group: its head waits, nobody overtakes it
         if self.waiting and (self._dispatcher is None or self._dispatcher.done()):
             self._dispatcher = asyncio.get_running_loop().create_task(
                 self._dispatch_leased(self.ledger), name=f"dispatch:{self.name}"
             )
 
     async def _dispatch_leased(self, ledger: SlotLedger) -> None:
-        while (head := self._head()) is not None:
-            self._wake.clear()
-            try:
-                grant = await self._take_leased(ledger, head.claim, self.replicas)
-            except GatewayError as exc:  # the ledger failed closed: so does the head
-                if not head.future.done():
-                    self._leave(head)
-                    head.future.set_exception(exc)
-                continue
-            if grant is None:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(POLL_S):
-                        await self._wake.wait()
-                continue
-            if head.future.done():  # abandoned while its lease was asked for
-                self.release(grant)
+        while heads := self._heads():
+            for head in heads:
+                try:
+                    grant = await self._take_leased(ledger, head.claim, self.replicas)
+                except GatewayError as exc:  # the ledger failed closed: so does the head
+                    if not head.future.done():
+                        self._leave(head)
+                        head.future.set_exception(exc)
+                    break
+                if grant is not None:
+                    if head.future.done():  # abandoned while its lease was asked for
+                        self.release(grant)
+                    else:
+                        self._grant(head, grant)
+                    break
             else:
-                self._grant(head, grant)
+                await asyncio.sleep(POLL_S * (0.5 + random.random()))
 
     @property
     def saturation(self) -> float:
@@ -668,18 +703,35 @@ class PoolSlots:
                 retry_after_s=self.spec.queue.retry_after_s,
             )
 
-    def _fail_fast(self, claim: Claim) -> None:
-        """Refuse now a request that would confidently wait past `max_wait_s`: its place (the
-        waiters of its tier and above, itself included) over the drain rate (slots in use over
+    def _group_inflight(self, group: int) -> int:
+        if len(self._heaps) == 1:
+            return self.inflight
+        if group:
+            workload = next(w for w, g in self._groups.items() if g == group)
+            return sum(r.by_class.get(workload, 0) for r in self.replicas)
+        return self.inflight - sum(
+            r.by_class.get(w, 0) for r in self.replicas for w in self._groups
+        )
+
+    def _fail_fast(self, claim: Claim, group: int) -> None:
+        """Refuse now a request that would confidently wait past `max_wait_s`: its place in its
+        group's queue (itself included) over the group's drain rate (its slots in use over
         their mean hold time). The lower bound of the hold time decides, so a burst that would
         drain in time is never refused; the point estimate is the Retry-After."""
-        measured = self.holds.mean()
+        measured = self.holds[group].mean()
         if measured is None:
             return
         mean, low = measured
-        place = sum(self.waiting_by_tier[: claim.priority + 1]) + 1
-        slots = max(1, self.inflight)
+        slots = max(1, self._group_inflight(group))
         max_wait = self.spec.queue.max_wait_s
+        place = self.waiting_by_group[group] + 1  # at most: fair share may put it further up
+        if place * low / slots <= max_wait:
+            return
+        # Only now, when the bound says it may be refused, count who is really ahead of it.
+        mine = (claim.priority, self._start_tag(claim))
+        place = 1 + sum(
+            1 for w in self._heaps[group] if not w.future.done() and (w.priority, w.tag) <= mine
+        )
         if place * low / slots > max_wait:
             predicted = place * mean / slots
             raise QueueWaitTooLong(
@@ -693,7 +745,8 @@ class PoolSlots:
             raise NoReplica(f"pool {self.name} has no replica", retry_after_s=5)
         if self.spec.shed:
             self._shed(claim.priority)
-        if self.waiting == 0:
+        group = self._groups.get(claim.workload, 0)
+        if self.waiting_by_group[group] == 0:  # else it queues behind them
             grant = await self._take_any(claim, self.replicas)
             if grant is not None:
                 return grant
@@ -704,8 +757,8 @@ class PoolSlots:
                 retry_after_s=queue.retry_after_s,
             )
         if queue.fail_fast:
-            self._fail_fast(claim)
-        waiter = self._enqueue(claim)
+            self._fail_fast(claim, group)
+        waiter = self._enqueue(claim, group)
         self._dispatch()  # a higher priority than the current head may fit at once
         future = waiter.future
         granted = False
@@ -757,5 +810,5 @@ class PoolSlots:
         finally:
             hold_s = time.perf_counter() - held
             self.demand.busy_s += hold_s
-            self.holds.add(hold_s)
+            self.holds[self._groups.get(grant.claim.workload, 0)].add(hold_s)
             self.release(grant)
