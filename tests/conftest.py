@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
-from collections.abc import AsyncIterator, Awaitable, Callable
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import redis
 import yaml
 from aiohttp import web
 
@@ -124,3 +132,98 @@ async def eventually(predicate: Callable[[], bool], within_s: float = 5.0) -> No
     async with asyncio.timeout(within_s):
         while not predicate():  # noqa: ASYNC110 - the state lives in another component
             await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    policy_path: Path, stdout: int = asyncio.subprocess.PIPE
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+    """`llm-gateway serve` in its own process, as an operator runs it; killed if still running."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "serve", "--policy", str(policy_path), "--port", "0",
+        stdout=stdout, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    drain: asyncio.Task[bytes] | None = None
+    try:
+        async with asyncio.timeout(60):
+            while True:
+                line = (await proc.stderr.readline()).decode()
+                assert line, "gateway exited before listening"
+                if match := re.search(r"listening on (http://\S+)", line):
+                    break
+        drain = asyncio.create_task(proc.stderr.read())  # or a chatty gateway fills the pipe
+        yield proc, match.group(1)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        if drain is not None:
+            await drain
+
+
+class RedisServer:
+    """A throwaway `redis-server` (no persistence) that a test may stop and start again."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail(
+                "redis-server is not installed: `apt-get install -y redis-server` (.ci/run does)"
+            )
+        self.binary = binary
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis(port=self.port, socket_timeout=1).ping()
+                return
+            except redis.ConnectionError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"redis-server did not start on port {self.port}")
+                time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(10)
+            self.process = None
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fresh_redis(redis_server: RedisServer) -> Iterator[RedisServer]:
+    """The module's server, empty, and running again after a test that stopped it."""
+    if redis_server.process is None:
+        redis_server.start()
+    redis.Redis(port=redis_server.port).flushdb()
+    yield redis_server
+    if redis_server.process is None:
+        redis_server.start()

@@ -4,28 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import signal
-import sys
 
 import aiohttp
 import yaml
 
-from tests.conftest import basic_policy, eventually, write_policy
-
-
-async def start_serve(policy_path) -> tuple[asyncio.subprocess.Process, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway", "serve", "--policy", str(policy_path), "--port", "0",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    assert proc.stderr is not None
-    async with asyncio.timeout(60):
-        while True:
-            line = (await proc.stderr.readline()).decode()
-            assert line, "gateway exited before listening"
-            if match := re.search(r"listening on (http://\S+)", line):
-                return proc, match.group(1)
+from tests.conftest import basic_policy, eventually, serving, write_policy
 
 
 async def test_sigterm_turns_readiness_off_and_drains_in_flight(
@@ -34,8 +18,7 @@ async def test_sigterm_turns_readiness_off_and_drains_in_flight(
     slow = await stub_factory(delay_s=1.5)
     policy = basic_policy(tokenizer_dir, [slow.url])
     policy["server"] = {"readiness_delay_s": 0.5, "drain_grace_s": 10}
-    proc, url = await start_serve(write_policy(tmp_path, policy))
-    try:
+    async with serving(write_policy(tmp_path, policy)) as (proc, url):
         async with aiohttp.ClientSession() as http:
             body = {
                 "model": "tiny",
@@ -58,24 +41,19 @@ async def test_sigterm_turns_readiness_off_and_drains_in_flight(
         assert len(served) == 1 and served[0]["pool"] == "main" and served[0]["replica"] == slow.url
         assert set(served[0]) >= {"request_id", "model", "class", "input_tokens", "expected_output_tokens",
                                   "output_tokens", "estimate_source", "queue_wait_s", "ttft_s", "e2e_s", "reason"}  # fmt: skip
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 async def test_sigterm_during_50_open_streams(stub_factory, tokenizer_dir, tmp_path) -> None:
     streaming = await stub_factory(chunk_delay_s=0.02)
     policy = basic_policy(tokenizer_dir, [streaming.url], max_concurrency=64)
     policy["server"] = {"drain_grace_s": 20}
-    proc, url = await start_serve(write_policy(tmp_path, policy))
-    body = {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": "go"}],
-        "max_tokens": 60,
-        "stream": True,
-    }
-    try:
+    async with serving(write_policy(tmp_path, policy)) as (proc, url):
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "go"}],
+            "max_tokens": 60,
+            "stream": True,
+        }
         async with aiohttp.ClientSession() as http:
 
             async def stream() -> bytes:
@@ -103,18 +81,13 @@ async def test_sigterm_during_50_open_streams(stub_factory, tokenizer_dir, tmp_p
         assert all(b.endswith(b"data: [DONE]\n\n") for b in bodies)
         assert streaming.stats.completed == 50 and streaming.stats.disconnects == 0
         assert await asyncio.wait_for(proc.wait(), 20) == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 async def test_sighup_reloads_the_policy(stub, tokenizer_dir, tmp_path) -> None:
     policy = basic_policy(tokenizer_dir, [stub.url])
     policy["admin"] = {"watch_interval_s": 0}  # only the signal reloads
     path = write_policy(tmp_path, policy)
-    proc, url = await start_serve(path)
-    try:
+    async with serving(path) as (proc, url):
         policy["routes"][0]["match"]["model"] = ["tiny", "after-hup"]
         path.write_text(yaml.safe_dump(policy))
         proc.send_signal(signal.SIGHUP)
@@ -127,9 +100,6 @@ async def test_sighup_reloads_the_policy(stub, tokenizer_dir, tmp_path) -> None:
             async with asyncio.timeout(20):
                 while "after-hup" not in await served():  # noqa: ASYNC110 - another process
                     await asyncio.sleep(0.05)
-    finally:
-        proc.terminate()
-        await proc.wait()
 
 
 async def test_shutdown_past_the_grace_period_closes_upstream(
@@ -138,14 +108,13 @@ async def test_shutdown_past_the_grace_period_closes_upstream(
     endless = await stub_factory(chunk_delay_s=0.05)
     policy = basic_policy(tokenizer_dir, [endless.url])
     policy["server"] = {"drain_grace_s": 0.5}
-    proc, url = await start_serve(write_policy(tmp_path, policy))
-    body = {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": "go"}],
-        "max_tokens": 2000,
-        "stream": True,
-    }
-    try:
+    async with serving(write_policy(tmp_path, policy)) as (proc, url):
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "go"}],
+            "max_tokens": 2000,
+            "stream": True,
+        }
         async with aiohttp.ClientSession() as http:
             resp = await http.post(f"{url}/v1/chat/completions", json=body)
             await resp.content.readline()
@@ -154,7 +123,3 @@ async def test_shutdown_past_the_grace_period_closes_upstream(
             resp.close()
         assert await asyncio.wait_for(proc.wait(), 20) == 0
         assert endless.stats.running == 0 and endless.stats.completed == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()

@@ -44,9 +44,7 @@ async def test_every_series_is_exported_with_its_labels(
         ("llm_queue_wait_seconds", {**WORKLOAD, "tier": "standard"}),  # only tiers seen
     ):
         buckets = [s for s in found[f"{name}_bucket"] if s.labels["le"] == "+Inf"]
-        assert [{k: v for k, v in s.labels.items() if k != "le"} for s in buckets] == [labels], (
-            name
-        )
+        assert [{k: v for k, v in s.labels.items() if k != "le"} for s in buckets] == [labels], name
     e2e_count = {s.labels["model"]: s.value for s in found["llm_request_e2e_seconds_count"]}
     assert e2e_count == {"tiny": 2.0}
     ttft_count = [s.value for s in found["llm_request_ttft_seconds_count"]]

@@ -10,91 +10,19 @@ to 1/N local limits or closed to a fast 503, and shared limits return with Redis
 from __future__ import annotations
 
 import asyncio
-import shutil
-import socket
-import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
-import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.state import Limit, MemoryState, Refusal, Reservation
 from gateway.state.redis_state import FailoverState, RedisState, StateUnavailable
-from tests.conftest import RunningGateway, eventually
+from tests.conftest import RedisServer, RunningGateway, eventually
 from tests.test_quotas import Clock, chat, quota_policy, sized
-
-
-class RedisServer:
-    """A throwaway `redis-server` (no persistence) that a test may stop and start again."""
-
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.fail(
-                "redis-server is not installed: `apt-get install -y redis-server` (.ci/run does)"
-            )
-        self.binary = binary
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            [
-                self.binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],
-            stdout=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis(port=self.port, socket_timeout=1).ping()
-                return
-            except redis.ConnectionError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"redis-server did not start on port {self.port}")
-                time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(10)
-            self.process = None
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def fresh_redis(redis_server: RedisServer) -> Iterator[RedisServer]:
-    """The module's server, empty, and running again after a test that stopped it."""
-    if redis_server.process is None:
-        redis_server.start()
-    redis.Redis(port=redis_server.port).flushdb()
-    yield redis_server
-    if redis_server.process is None:
-        redis_server.start()
-
 
 steps = st.lists(
     st.tuples(

@@ -1,0 +1,168 @@
+"""Replica slots shared by several gateways through a real `redis-server`: the cap holds across
+all of them, a gateway killed with `kill -9` gives its slots back when its leases expire, and a
+Redis outage falls back to each gateway's share of the cap (open) or to fast 503s (closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from typing import Any
+
+import aiohttp
+import redis
+
+from tests.conftest import RedisServer, basic_policy, eventually, serving, write_policy
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "share"}], "max_tokens": 4}
+
+
+def shared_policy(
+    tokenizer_dir: Any, replica: str, server: RedisServer, *, cap: int, **state: Any
+) -> dict[str, Any]:
+    policy = basic_policy(
+        tokenizer_dir, [replica], max_concurrency=cap, queue={"max_depth": 1000, "max_wait_s": 60}
+    )
+    policy["state"] = {"backend": "redis", "url": server.url, "timeout_s": 0.3, **state}
+    return policy
+
+
+async def post(http: aiohttp.ClientSession, url: str) -> int:
+    async with http.post(f"{url}/v1/chat/completions", json=CHAT) as resp:
+        await resp.read()
+        return resp.status
+
+
+def members(server: RedisServer) -> set[bytes]:
+    """Every slot lease in Redis, by id."""
+    client = redis.Redis(port=server.port)
+    return {m for key in client.scan_iter("slots:*") for m in client.zrange(key, 0, -1)}
+
+
+def leases(server: RedisServer) -> int:
+    return len(members(server))
+
+
+async def test_two_gateways_never_run_more_than_the_replicas_cap_together(
+    fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    replica = await stub_factory(delay_s=0.05)
+    policy = shared_policy(tokenizer_dir, replica.url, fresh_redis, cap=3, gateways=2)
+    first, second = await gateway_factory(policy), await gateway_factory(policy)
+    statuses = await asyncio.gather(
+        *(post(http, gw.url) for _ in range(20) for gw in (first, second))
+    )
+    assert statuses == [200] * 40
+    assert replica.stats.max_running == 3  # reached, never passed
+    await eventually(lambda: leases(fresh_redis) == 0)  # every release reached Redis
+    assert first.inflight() == second.inflight() == 0
+
+
+async def test_three_gateway_processes_hold_the_cap_and_a_killed_ones_slots_come_back(
+    fresh_redis, stub_factory, tokenizer_dir, tmp_path
+) -> None:
+    replica = await stub_factory(delay_s=0.2)
+    ttl = 2.0
+    policy = shared_policy(
+        tokenizer_dir, replica.url, fresh_redis, cap=8, gateways=3, lease_ttl_s=ttl
+    )
+    policy["server"] = {"access_log": False}
+    path = write_policy(tmp_path, policy)
+    running: list[int] = []  # the replica's own concurrency, sampled throughout
+    done = asyncio.Event()
+
+    async def sample() -> None:
+        while not done.is_set():
+            running.append(replica.stats.running)
+            await asyncio.sleep(0.005)
+
+    def victims() -> set[bytes]:
+        return {m for m in members(fresh_redis) if m.startswith(prefix)}
+
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http,
+        serving(path) as (victim, three),
+    ):
+        # The gateway to be killed starts alone: its leases are the ones Redis holds now.
+        first = asyncio.create_task(post(http, three))
+        async with asyncio.timeout(10):
+            while not members(fresh_redis):  # noqa: ASYNC110 - Redis holds the state
+                await asyncio.sleep(0.005)
+        prefix = next(iter(members(fresh_redis))).split(b":")[0] + b":"
+        assert await first == 200
+        async with serving(path) as (_, one), serving(path) as (_, two):
+            sampler = asyncio.create_task(sample())
+            urls = [one, two, three] * 134  # 400 clients at once, over the three gateways
+            clients = [asyncio.create_task(post(http, url)) for url in urls[:400]]
+            async with asyncio.timeout(30):
+                while len(victims()) < 2:  # noqa: ASYNC110 - Redis holds the state
+                    await asyncio.sleep(0.005)
+            victim.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            await victim.wait()
+            orphans = victims()
+            assert orphans  # the dead gateway's slots stay leased: nobody may take them yet
+            async with asyncio.timeout(ttl + 5):
+                while victims():  # noqa: ASYNC110 - Redis holds the state
+                    await asyncio.sleep(0.005)
+            returned_s = time.monotonic() - killed
+            async with asyncio.timeout(5):  # and the survivors fill the replica again
+                while replica.stats.running < 8:  # noqa: ASYNC110 - the stub counts
+                    await asyncio.sleep(0.005)
+            results = await asyncio.gather(*clients, return_exceptions=True)
+            done.set()
+            await sampler
+
+    survivors = [r for url, r in zip(urls, results, strict=False) if url != three]
+    assert survivors == [200] * len(survivors)  # the others carried on: nothing lost
+    assert max(running) == 8  # the cap, reached and never passed by three gateways together
+    print(f"{len(orphans)} orphaned leases returned {returned_s:.2f}s after the kill")
+    assert returned_s <= ttl + 0.5, returned_s  # the lease TTL, plus scheduling slack
+    await eventually(lambda: leases(fresh_redis) == 0, within_s=ttl + 2)
+
+
+async def test_redis_down_each_gateway_keeps_its_share_of_the_cap_then_shares_again(
+    fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    replica = await stub_factory(delay_s=0.1)
+    policy = shared_policy(tokenizer_dir, replica.url, fresh_redis, cap=4, gateways=2)
+    gw = await gateway_factory(policy)
+    assert await asyncio.gather(*(post(http, gw.url) for _ in range(8))) == [200] * 8
+    assert replica.stats.max_running == 4  # shared: one gateway may use the whole cap
+
+    fresh_redis.stop()
+    replica.stats.max_running = 0
+    assert await asyncio.gather(*(post(http, gw.url) for _ in range(8))) == [200] * 8
+    assert replica.stats.max_running == 2  # failing open: its half of the cap
+    assert gw.gateway.slots["main"].degraded
+
+    fresh_redis.start()
+    await eventually(lambda: not gw.gateway.slots["main"].degraded)  # renewals probe Redis
+    replica.stats.max_running = 0
+    assert await asyncio.gather(*(post(http, gw.url) for _ in range(8))) == [200] * 8
+    assert replica.stats.max_running == 4
+    assert gw.inflight() == 0
+
+
+async def test_redis_down_and_failing_closed_answers_503_at_once_then_recovers(
+    fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    replica = await stub_factory()
+    policy = shared_policy(tokenizer_dir, replica.url, fresh_redis, cap=4, on_failure="closed")
+    gw = await gateway_factory(policy)
+    assert await post(http, gw.url) == 200
+    fresh_redis.stop()
+    for _ in range(3):
+        started = time.monotonic()
+        async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+            body = await resp.json()
+            assert (resp.status, body["error"]["code"]) == (503, "state_unavailable")
+            assert "Retry-After" in resp.headers
+        assert time.monotonic() - started < 1
+    assert replica.stats.requests == 1 and gw.inflight() == 0
+    fresh_redis.start()
+    deadline = time.monotonic() + 5
+    while await post(http, gw.url) != 200:
+        assert time.monotonic() < deadline, "shared slots never resumed"
+        await asyncio.sleep(0.2)
