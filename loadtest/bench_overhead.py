@@ -324,9 +324,10 @@ def wait_ready(service: Service, path: str | None) -> None:
     )
 
 
-def write_policy(workdir: Path, tokenizer: Path, replica: str) -> Path:
-    """One model, one pool of one replica with caps that never queue, access log on."""
-    policy = {
+def write_policy(workdir: Path, tokenizer: Path, replica: str, redis_url: str | None) -> Path:
+    """One model, one pool of one replica with caps that never queue, access log on; with
+    `redis_url`, quotas and slots shared through Redis as several gateways would run."""
+    policy: dict[str, Any] = {
         "models": {
             MODEL: {
                 "tokenizer": str(tokenizer),
@@ -352,6 +353,8 @@ def write_policy(workdir: Path, tokenizer: Path, replica: str) -> Path:
         "routes": [{"match": {"model": MODEL}, "pool": "bench"}],
         "server": {"access_log": True, "drain_grace_s": 2},
     }
+    if redis_url is not None:
+        policy["state"] = {"backend": "redis", "url": redis_url, "gateways": 3}
     path = workdir / "policy.yaml"
     path.write_text(json.dumps(policy, indent=2))  # JSON is YAML
     return path
@@ -746,12 +749,23 @@ def log(message: str, stream: TextIO = sys.stderr) -> None:
 
 
 @contextlib.contextmanager
-def fleet(workdir: Path) -> Iterator[dict[str, Service]]:
-    """Start stub, pass-through and gateway, wait until each is ready, and yield them by name."""
+def fleet(workdir: Path, shared: bool) -> Iterator[dict[str, Service]]:
+    """Start stub, pass-through and gateway (and, `shared`, the Redis the gateway shares its
+    slots through), wait until each is ready, and yield the three targets by name."""
     tokenizer = build_tokenizer(workdir)
     procs = Fleet(workdir)
     try:
         py = sys.executable
+        redis_url = None
+        if shared:
+            redis_port = free_port()
+            redis = procs.start(
+                "redis",
+                ["redis-server", "--port", str(redis_port), "--bind", HOST, "--save", "", "--appendonly", "no"],
+                redis_port,
+            )  # fmt: skip
+            wait_ready(redis, None)
+            redis_url = f"redis://{HOST}:{redis_port}/0"
         stub_port, pt_port, gw_port = free_port(), free_port(), free_port()
         stub = procs.start(
             "direct",
@@ -772,7 +786,7 @@ def fleet(workdir: Path) -> Iterator[dict[str, Service]]:
             [py, "-m", "loadtest.passthrough", "--host", HOST, "--port", str(pt_port), "--upstream", stub.url],
             pt_port,
         )  # fmt: skip
-        policy = write_policy(workdir, tokenizer, stub.url)
+        policy = write_policy(workdir, tokenizer, stub.url, redis_url)
         gateway = procs.start(
             "gateway",
             [py, "-m", "gateway", "serve", "--policy", str(policy), "--host", HOST, "--port", str(gw_port)],
@@ -786,9 +800,12 @@ def fleet(workdir: Path) -> Iterator[dict[str, Service]]:
         procs.stop()
 
 
-def run(duration: int, out_path: Path) -> int:
+def run(duration: int, out_path: Path, shared: bool) -> int:
     if shutil.which("wrk") is None:
         log("wrk is not installed (apt-get install -y wrk)")
+        return 2
+    if shared and shutil.which("redis-server") is None:
+        log("redis-server is not installed (apt-get install -y redis-server)")
         return 2
     started = time.monotonic()
     load = os.getloadavg()[0]  # anything else on these two cores skews every number below
@@ -804,7 +821,7 @@ def run(duration: int, out_path: Path) -> int:
         stream_file.write_text(stream_body)
         runs: list[Run] = []
         ttfb: list[TtfbResult] = []
-        with fleet(workdir) as targets:
+        with fleet(workdir, shared) as targets:
             services = list(targets.values())
             policy = workdir / "policy.yaml"
             decision = explain(policy, sample_classify, workdir)
@@ -845,6 +862,10 @@ def run(duration: int, out_path: Path) -> int:
         f" gateway at {git_revision()}, load average {load:.2f} at the start,"
         f" {time.monotonic() - started:.0f}s in all.",
         "",
+        "The gateway shares its slots and quotas through a local redis-server (`state: redis`)."
+        if shared
+        else "The gateway keeps its slots and quotas in memory (`state: memory`).",
+        "",
         f"(a) short chat: 1 user message, max_tokens 16, {len(short_body)} bytes,"
         f" {short_decision['input_tokens']} input tokens, class {short_decision['class']}.",
         f"(b) classification: a fixed {RULE_COUNT}-rule system message + a user message unique per"
@@ -866,6 +887,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--duration", type=int, default=5, help="seconds per measured run (>= 1)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="Markdown report file")
+    parser.add_argument(
+        "--state",
+        choices=("memory", "redis"),
+        default="memory",
+        help="where the gateway keeps slots and quotas: `redis` starts a local redis-server",
+    )
     # Internal: the child processes this benchmark starts.
     parser.add_argument("--ttfb-client", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--ttfb-body", type=Path, help=argparse.SUPPRESS)
@@ -877,7 +904,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM's default would end this process without its `finally`, leaving the children
     # running: turn it into SystemExit so the fleet is stopped either way.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    return run(args.duration, args.out)
+    return run(args.duration, args.out, args.state == "redis")
 
 
 if __name__ == "__main__":
