@@ -6,6 +6,7 @@ Redis outage falls back to each gateway's share of the cap (open) or to fast 503
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from typing import Any
@@ -186,3 +187,27 @@ async def test_gateways_agree_on_saturation_so_an_idle_one_sheds_too(
         body = await resp.json()
         assert (resp.status, body["error"]["code"]) == (429, "shed")
     assert await asyncio.gather(*load) == [200] * 4
+
+
+async def test_clients_that_give_up_while_queued_or_served_leave_no_lease_behind(
+    fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    replica = await stub_factory(delay_s=0.05, chunk_delay_s=0.01)
+    policy = shared_policy(tokenizer_dir, replica.url, fresh_redis, cap=3, gateways=2)
+    first, second = await gateway_factory(policy), await gateway_factory(policy)
+    stream = {**CHAT, "stream": True, "max_tokens": 20}
+
+    async def impatient(gw: Any, i: int) -> None:
+        # Hang up at different moments: queued, waiting for the first token, mid-stream.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.01 * (i % 25)):
+                async with http.post(f"{gw.url}/v1/chat/completions", json=stream) as resp:
+                    await resp.read()
+
+    await asyncio.gather(*(impatient(gw, i) for i in range(60) for gw in (first, second)))
+    assert replica.stats.max_running <= 3
+    await eventually(lambda: first.inflight() == second.inflight() == 0)
+    await eventually(lambda: first.waiting() == second.waiting() == 0)
+    await eventually(lambda: leases(fresh_redis) == 0)  # every lease given back, none expired
+    async with http.get(f"{first.url}/metrics") as resp:
+        assert f'llm_replica_leases{{pool="main",replica="{replica.url}"}}' in await resp.text()
