@@ -34,7 +34,7 @@ import aiohttp
 
 from loadtest.bench_overhead import Fleet, wait_ready
 from loadtest.tiny_tokenizer import WORDS
-from loadtest.vllm_server import SERVED_NAME, free_port, serve_vllm
+from loadtest.vllm_server import MAX_MODEL_LEN, SERVED_NAME, free_port, serve_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "loadtest" / "out" / "bench-vllm.md"
@@ -103,7 +103,7 @@ async def run_round(
 
 def write_policy(workdir: Path, model_dir: Path, replica: str) -> Path:
     policy = {
-        "models": {SERVED_NAME: {"tokenizer": str(model_dir), "max_model_len": 4096}},
+        "models": {SERVED_NAME: {"tokenizer": str(model_dir), "max_model_len": MAX_MODEL_LEN}},
         "pools": {
             "vllm": {
                 "model": SERVED_NAME,

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from loadtest.tiny_tokenizer import build as build_tokenizer
+from loadtest.vllm_server import MAX_MODEL_LEN
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -27,7 +28,7 @@ SHAPE = {
     "num_hidden_layers": 2,
     "num_attention_heads": 2,  # head size 64, which vLLM's CPU attention supports
     "num_key_value_heads": 2,
-    "max_position_embeddings": 4096,
+    "max_position_embeddings": MAX_MODEL_LEN,  # what vLLM serves it with
 }
 SEED = 0
 

@@ -22,7 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SERVED_NAME = "tiny"
-MAX_MODEL_LEN = 4096  # below the gateway policies' limit, so vLLM's own 400 can be provoked
+# Long enough that one request with `ignore_eos` outlasts any abort latency (the tiny model makes
+# ~1,000 tokens/s, so 60,000 tokens take a minute); the real-vLLM suite's policy allows more, so
+# vLLM's own 400 for a too-long prompt can still be provoked through the gateway. `tiny_llama`
+# builds the model with max_position_embeddings equal to it. KV cache per token is 2 layers x K,V x
+# 2 heads x 64 x 2 bytes = 1 KiB, so 16 sequences of this length fill VLLM_CPU_KVCACHE_SPACE=1 GiB.
+MAX_MODEL_LEN = 65536
 START_TIMEOUT_S = 300.0  # seen here: 40-80 s to a 200 on /health
 STOP_TIMEOUT_S = 30.0
 

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from loadtest.vllm_server import SERVED_NAME, VLLMServer, serve_vllm
+from loadtest.vllm_server import MAX_MODEL_LEN, SERVED_NAME, VLLMServer, serve_vllm
 from tests.conftest import basic_policy, eventually, gateway_factory, http
 
 __all__ = ["basic_policy", "eventually", "gateway_factory", "http"]
@@ -32,18 +32,34 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
         yield server
 
 
+POLICY_MAX_MODEL_LEN = 2 * MAX_MODEL_LEN
+
+
 def vllm_policy(server: VLLMServer, **pool: Any) -> dict[str, Any]:
-    """The normal suite's one-pool policy, with the model's own tokenizer and vLLM as replica."""
+    """The normal suite's one-pool policy, with the model's own tokenizer and vLLM as replica.
+
+    Its `max_model_len` is twice vLLM's, so the gateway lets through everything vLLM accepts and a
+    prompt between the two reaches vLLM and draws vLLM's own 400."""
     policy = basic_policy(server.model_dir, [server.url], **pool)
     assert SERVED_NAME in policy["models"]
+    policy["models"][SERVED_NAME]["max_model_len"] = POLICY_MAX_MODEL_LEN
     return policy
 
 
 _SAMPLE = re.compile(r"^(?P<name>[^{\s]+)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$", re.M)
 
 
-async def scrape(http: aiohttp.ClientSession, url: str, name: str) -> float:
-    """Sum of the samples of series `name` in the exposition at `url`/metrics."""
+async def scrape_all(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Every series of the exposition at `url`/metrics, each the sum of its samples: one read, so
+    the values are of one instant."""
     async with http.get(f"{url}/metrics") as resp:
         text = await resp.text()
-    return sum(float(m["value"]) for m in _SAMPLE.finditer(text) if m["name"] == name)
+    sums: dict[str, float] = {}
+    for m in _SAMPLE.finditer(text):
+        sums[m["name"]] = sums.get(m["name"], 0.0) + float(m["value"])
+    return sums
+
+
+async def scrape(http: aiohttp.ClientSession, url: str, name: str) -> float:
+    """Sum of the samples of series `name` in the exposition at `url`/metrics."""
+    return (await scrape_all(http, url)).get(name, 0.0)

@@ -11,7 +11,8 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from tests_vllm.conftest import vllm_policy
+from loadtest.vllm_server import MAX_MODEL_LEN
+from tests_vllm.conftest import POLICY_MAX_MODEL_LEN, vllm_policy
 
 CHAT = [{"role": "user", "content": "write the listing review summary"}]
 
@@ -145,7 +146,9 @@ async def test_vllm_errors_reach_the_client_intact(vllm, gateway_factory, http) 
     policy["pools"]["ghost"] = {**policy["pools"]["main"], "model": "ghost"}
     policy["routes"].append({"match": {"model": "ghost"}, "pool": "ghost"})
     gw = await gateway_factory(policy)
-    too_long = "review " * 5000  # under the policy's max_model_len, over vLLM's
+    # One token per "review " (plus <bos>): over vLLM's max-model-len, under the policy's.
+    too_long = "review " * (MAX_MODEL_LEN + 1000)
+    assert MAX_MODEL_LEN + 1000 < POLICY_MAX_MODEL_LEN - 100  # room for the chat template too
     for body, status in (
         ({"model": "ghost", "messages": CHAT, "max_tokens": 2}, 404),
         ({"model": "tiny", "messages": [{"role": "user", "content": too_long}]}, 400),

@@ -9,10 +9,12 @@ import time
 
 import orjson
 
-from tests_vllm.conftest import eventually, scrape, vllm_policy
+from loadtest.vllm_server import MAX_MODEL_LEN
+from tests_vllm.conftest import eventually, scrape, scrape_all, vllm_policy
 from tests_vllm.test_passthrough import CHAT, events
 
 CHAT_URL = "/v1/chat/completions"
+RUNNING, GENERATED = "vllm:num_requests_running", "vllm:generation_tokens_total"
 
 
 async def test_injected_usage_is_accounted_and_not_shown(vllm, gateway_factory, http) -> None:
@@ -29,38 +31,67 @@ async def test_injected_usage_is_accounted_and_not_shown(vllm, gateway_factory, 
 
 async def test_disconnect_mid_stream_aborts_vllm(vllm, gateway_factory, http) -> None:
     gw = await gateway_factory(vllm_policy(vllm))
-    generated = await scrape(http, vllm.url, "vllm:generation_tokens_total")
-    # One sequence of 4,000 tokens (the server's max-model-len allows no more), hung up on at once.
-    # The tiny model can make all 4,000 before the abort lands, so the test cannot tell an abort
-    # from a finish by the count alone; it asserts what holds either way (see the note below).
-    body = {"model": "tiny", "prompt": "the", "max_tokens": 4000, "ignore_eos": True}
+    before = await scrape(http, vllm.url, GENERATED)
+    # One sequence of 60,000 tokens: at the tiny model's ~1,000 tokens/s that is a minute, far
+    # longer than any abort latency or a slow scrape before the hang-up, so a count that stops well
+    # short of it is an abort, not a finish.
+    asked_for = 60_000
+    assert asked_for < MAX_MODEL_LEN
+    body = {"model": "tiny", "prompt": "the", "max_tokens": asked_for, "ignore_eos": True}
+    sent = time.monotonic()
     async with http.post(f"{gw.url}/v1/completions", json={**body, "stream": True}) as resp:
         assert resp.status == 200
-        for _ in range(5):  # it is generating
-            await resp.content.readline()
-        # No wait on vLLM's running gauge here: after other tests it was seen to read 0 for
-        # seconds while this stream generated (the token counter below is the proof that counts).
-        resp.close()  # the client hangs up with most of the tokens to go
+        chunks = 0
+        while chunks < 10:  # tokens flow through the gateway
+            line = await resp.content.readline()
+            if line.startswith(b"data: {"):
+                assert json.loads(line[6:])["choices"][0]["finish_reason"] is None
+                chunks += 1
+        streaming = time.monotonic()
+        # And vLLM is generating them: its token counter moved (nothing else runs). Its running
+        # gauge is read but not waited on. The gauge itself is fresh: it is set every engine step,
+        # in the same record() call that adds the step's tokens to the counter (vllm/v1/metrics/
+        # loggers.py, PrometheusStatLogger.record, gauge_scheduler_running from
+        # scheduler_stats.num_running_reqs, made by Scheduler.make_stats in update_from_output).
+        # But vLLM answers /metrics on the event loop that streams, and with the two cores
+        # contended a scrape was answered 0.5-10 s late, at moments with nothing running: with
+        # four CPU burners beside it, the scrapes during ten 500-token streams (two at a time) all
+        # read 0 while the counter advanced by whole requests between reads. A version of this
+        # test that waited for a 1 before hanging up saw the request make 16,138 tokens first.
+        seen = await scrape_all(http, vllm.url)
+        last = seen[GENERATED]
+        assert last > before
+        resp.close()  # the client hangs up with nearly all of the tokens to go
         left = time.monotonic()
-    # vLLM aborted it within a second: the first scrape that reads 0 was sent within a second of
-    # the hang-up (on a loaded machine the scrape itself can take longer to be answered).
-    async with asyncio.timeout(10):
+    # vLLM aborted it within a second: the first scrape that reads its running gauge at 0 was sent
+    # within a second of the hang-up. (An abort leaves the id in the scheduler's finished_req_ids,
+    # so has_requests() holds and the engine takes one more, empty, step whose stats read 0:
+    # vllm/v1/engine/core.py, EngineCore.step.)
+    async with asyncio.timeout(30):
         while True:
             asked = time.monotonic()
-            if not await scrape(http, vllm.url, "vllm:num_requests_running"):
+            after = await scrape_all(http, vllm.url)
+            if after[RUNNING] == 0:
                 break
             await asyncio.sleep(0.02)
+    stopped_at = after[GENERATED]  # of the same instant as the 0
+    print(
+        f"request to 10 chunks {streaming - sent:.3f} s, to hang-up {left - sent:.3f} s, vLLM"
+        f" read running {seen[RUNNING]:.0f} before it; hang-up to running 0: scrape sent"
+        f" {asked - left:.3f} s after, answered {time.monotonic() - left:.3f} s after; generated"
+        f" {stopped_at - before:.0f} of {asked_for}, {stopped_at - last:.0f} after the last read"
+        " before the hang-up"
+    )
     assert asked - left < 1.0
+    # The gateway let go of it too.
     await eventually(lambda: gw.inflight() == 0 and gw.inflight_tokens() == 0, within_s=1.0)
     assert await scrape(http, gw.url, "llm_inflight_requests") == 0
     assert await scrape(http, gw.url, "llm_inflight_tokens") == 0
-    # Nothing goes on generating after the hang-up: the counter no longer moves. (That it stopped
-    # short of 4,000 was seen in isolated runs; telling it apart reliably needs a request that
-    # outlasts the abort latency, i.e. a larger max-model-len for the tiny model.)
-    settled = await scrape(http, vllm.url, "vllm:generation_tokens_total")
+    # Nothing generates after that: the counter no longer moves, and the request made far less
+    # than half of what it asked for, so it was aborted, not finished.
     await asyncio.sleep(1.0)
-    now = await scrape(http, vllm.url, "vllm:generation_tokens_total")
-    assert now == settled and now - generated <= 4000, now - generated
+    assert await scrape(http, vllm.url, GENERATED) == stopped_at
+    assert stopped_at - before < asked_for / 2, stopped_at - before
 
 
 async def test_cap_bounds_vllm_running_requests(vllm, gateway_factory, http) -> None:
