@@ -26,8 +26,7 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from gateway.context import Ctx
 from gateway.errors import GatewayError, NoReplica, QueueFull, QueueTimeout, QueueWaitTooLong, Shed
@@ -44,9 +43,8 @@ log = logging.getLogger("gateway.admit")
 POLL_S = 0.02
 
 
-@dataclass(frozen=True, slots=True)
-class Claim:
-    """What admission weighs of a request."""
+class Claim(NamedTuple):
+    """What admission weighs of a request (a tuple: made for every request, it must be cheap)."""
 
     tokens: int  # input + expected output, held against `max_inflight_tokens`
     priority: int = 1  # index into PRIORITIES
@@ -161,8 +159,7 @@ class LeastInflightPicker:
         return best
 
 
-@dataclass(frozen=True, slots=True)
-class Grant:
+class Grant(NamedTuple):
     """A slot held: on which replica, for what, and its lease in the ledger (None: no ledger)."""
 
     replica: Replica
@@ -646,6 +643,8 @@ class PoolSlots:
         return heads
 
     def _dispatch(self) -> None:
+        if not self.waiting:  # the common case, on every release
+            return
         if self.ledger is None:
             while True:
                 for head in self._heads():
@@ -657,7 +656,7 @@ class PoolSlots:
                         break
                 else:
                     return  # strict order within a group: its head waits, nobody overtakes it
-        if self.waiting and (self._dispatcher is None or self._dispatcher.done()):
+        if self._dispatcher is None or self._dispatcher.done():
             self._dispatcher = asyncio.get_running_loop().create_task(
                 self._dispatch_leased(self.ledger), name=f"dispatch:{self.name}"
             )
