@@ -174,6 +174,8 @@ async def test_fail_open_serves_at_local_limits_then_shares_again_when_redis_ret
     status, _, _ = await chat(http, first, body)
     assert status == 429  # 8000 would exceed this gateway's half of the limit
     assert await backend_up(http, first) == "llm_state_backend_up 0.0"
+    async with http.get(f"{first.url}/metrics") as resp:
+        assert 'llm_state_mode{mode="local"} 1.0' in await resp.text()
 
     fresh_redis.start()  # empty: it persisted nothing
     await asyncio.sleep(1.1)  # the failover retries Redis a second after the failure
@@ -198,6 +200,8 @@ async def test_fail_closed_answers_503_within_a_second_and_recovers(
         assert time.monotonic() - started < 1
         assert (status, error["error"]["code"]) == (503, "state_unavailable")
     assert len(stub.stats.bodies) == 1
+    async with http.get(f"{gw.url}/metrics") as resp:
+        assert 'llm_state_mode{mode="refusing"} 1.0' in await resp.text()
     fresh_redis.start()
 
     async def served() -> bool:

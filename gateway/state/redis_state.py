@@ -540,14 +540,30 @@ def build_state(spec: StateSpec) -> tuple[State, SlotLedger | None]:
 
 class BackendUp(Collector):
     """`llm_state_backend_up`: 1 while the policy's state backend serves (always, in memory),
-    0 while a Redis failure has the gateway on local limits or 503s."""
+    0 while a Redis failure has the gateway on local limits or 503s; `llm_state_mode` names the
+    mode in force, so a dashboard shows which limits apply without reading the policy."""
 
     def __init__(self, state: Callable[[], State]) -> None:
         self.state = state
 
     def collect(self) -> Iterable[Metric]:
+        state = self.state()
         up = GaugeMetricFamily(
             "llm_state_backend_up", "1: the shared state (Redis) is in use; 0: failing over."
         )
-        up.add_metric([], 1 if getattr(self.state(), "up", True) else 0)
-        return [up]
+        up.add_metric([], 1 if getattr(state, "up", True) else 0)
+        mode = GaugeMetricFamily(
+            "llm_state_mode",
+            "1 for the mode in force: memory (one gateway), shared (Redis), local (Redis failed:"
+            " 1/gateways of every limit and cap) or refusing (Redis failed: 503).",
+            labels=["mode"],
+        )
+        if not isinstance(state, FailoverState):
+            current = "memory"
+        elif state.up:
+            current = "shared"
+        else:
+            current = "local" if state.on_failure == "open" else "refusing"
+        for name in ("memory", "shared", "local", "refusing"):
+            mode.add_metric([name], 1 if name == current else 0)
+        return [up, mode]
