@@ -283,8 +283,7 @@ class PoolSlots:
         # waiter that fits them passes the head of another group, never one of its own.
         self._heaps: list[list[_Waiter]] = [[]]
         self._seq = itertools.count()
-        self.waiting = 0  # live waiters; the heaps may also hold abandoned and granted ones
-        self.waiting_by_group = [0]
+        self.waiting_by_group = [0]  # live waiters; the heaps also hold abandoned and granted ones
         self.waiting_by_tier = [0] * len(PRIORITIES)
         self._vtime = [0.0] * len(PRIORITIES)  # per tier: the start tag last dispatched
         self._flows: dict[tuple[int, str], _Flow] = {}
@@ -352,6 +351,10 @@ class PoolSlots:
         """The queue shrinks with the pool: waiting for replicas that are gone only adds latency."""
         up = sum(r.up for r in self.replicas)
         return math.ceil(self.spec.queue.max_depth * up / max(1, len(self.replicas)))
+
+    @property
+    def waiting(self) -> int:
+        return sum(self.waiting_by_group)
 
     @property
     def inflight(self) -> int:
@@ -611,13 +614,11 @@ class PoolSlots:
         future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
         waiter = _Waiter(claim, group, start, next(self._seq), key, future)
         heapq.heappush(self._heaps[group], waiter)
-        self.waiting += 1
         self.waiting_by_tier[tier] += 1
         self.waiting_by_group[group] += 1
         return waiter
 
     def _leave(self, waiter: _Waiter) -> None:
-        self.waiting -= 1
         self.waiting_by_tier[waiter.priority] -= 1
         self.waiting_by_group[waiter.group] -= 1
         flow = self._flows[waiter.flow]
