@@ -100,7 +100,7 @@ class Replica:
         self.ejections = 0  # times ejected so far: each ejection lasts longer
         self.ejected_until: float | None = None  # None: in the pool
         self.leases = 0  # slots handed out by `slot()` and not yet given back
-        self.lease_ids: dict[str, int] = {}  # the ledger's leases held here -> their group
+        self.lease_ids: dict[str, str] = {}  # the ledger's leases held here -> reserved class
         self.shared: int | None = None  # leases on it across all gateways, as last seen
         self.blocked_until = 0.0  # the ledger refused a lease: not asked again before this
         self.observed: int | None = None  # the replica's own running + waiting, last scraped
@@ -167,35 +167,19 @@ class Grant(NamedTuple):
     lease: str | None = None
 
 
-class _Flow:
-    """One tenant's share of one tier's queue: the virtual time its next request starts at."""
-
-    __slots__ = ("finish", "waiting")
-
-    def __init__(self, finish: float) -> None:
-        self.finish = finish
-        self.waiting = 0
-
-
 class _Waiter:
-    __slots__ = ("claim", "flow", "future", "group", "priority", "seq", "tag")
+    __slots__ = ("claim", "future", "group", "priority", "queued", "seq", "tag")
 
     def __init__(
-        self,
-        claim: Claim,
-        group: int,
-        tag: float,
-        seq: int,
-        flow: tuple[int, str],
-        future: asyncio.Future[Grant],
+        self, claim: Claim, group: int, tag: float, seq: int, future: asyncio.Future[Grant]
     ) -> None:
         self.claim = claim
         self.group = group  # its class's reservation group: 0, or 1 + the reserved class's index
         self.priority = claim.priority
         self.tag = tag  # start tag: strict by tier, then fair share, then arrival
         self.seq = seq
-        self.flow = flow
         self.future = future
+        self.queued = True  # counted in the queue; its future may be done before it leaves
 
     def __lt__(self, other: _Waiter) -> bool:
         return (self.priority, self.tag, self.seq) < (other.priority, other.tag, other.seq)
@@ -286,12 +270,17 @@ class PoolSlots:
         self.waiting_by_group = [0]  # live waiters; the heaps also hold abandoned and granted ones
         self.waiting_by_tier = [0] * len(PRIORITIES)
         self._vtime = [0.0] * len(PRIORITIES)  # per tier: the start tag last dispatched
-        self._flows: dict[tuple[int, str], _Flow] = {}
+        # (tier, tenant) -> the virtual time its last request queued finishes: kept after it
+        # is served (a tenant that keeps one request waiting at a time still pays for each),
+        # and bounded by the policy's tenants.
+        self._finish: dict[tuple[int, str], float] = {}
         self.holds = [HoldTimes()]  # per reservation group: they drain at their own pace
         self.others_waiting = 0  # other gateways' waiters in this pool, as last shared
         self.degraded = False  # the ledger fails open: each replica's cap is this gateway's share
         self._dispatcher: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        self._departed: list[Replica] = []  # left the pool with leases held: renewed till released
         self.retrying = 0  # retries in flight, against the retry budget
         self.ejections: Counter[tuple[str, str]] = Counter()  # (replica, reason) -> count
         self.demand = Demand()
@@ -305,8 +294,7 @@ class PoolSlots:
         groups = {workload: i + 1 for i, workload in enumerate(spec.reserve)}
         if groups != self._groups:
             self._regroup(groups)
-        self._reserved = (0, *spec.reserve.values())
-        reserve = tuple(spec.reserve.items())
+        reserve = self._reservations = tuple(spec.reserve.items())
         for replica in self.replicas:
             replica.key = f"{{{self.name}|{replica.url}}}"
             replica.max_concurrency = spec.max_concurrency
@@ -317,7 +305,8 @@ class PoolSlots:
     def _regroup(self, groups: dict[str, int]) -> None:
         """New reservations (a reload): the waiters move to their classes' new queues."""
         self._groups = groups
-        live = [w for heap in self._heaps for w in heap if not w.future.done()]
+        # Every waiter not yet left, even one whose future is done: its `_leave` is still to run.
+        live = [w for heap in self._heaps for w in heap if w.queued]
         self._heaps = [[] for _ in range(len(groups) + 1)]
         self.waiting_by_group = [0] * len(self._heaps)
         self.holds = [HoldTimes() for _ in self._heaps]
@@ -337,6 +326,7 @@ class PoolSlots:
         join; those that left take no new request, and the requests they run release on them."""
         known = {r.url: r for r in self.replicas}
         self.replicas = [known.get(url) or Replica(url, 0, None) for url in spec.replicas]
+        self._departed += [r for url, r in known.items() if url not in spec.replicas]
         self.picker = picker
         self._apply(spec)
         self._dispatch()  # the caps may have grown
@@ -483,19 +473,19 @@ class PoolSlots:
                 return None
             self._take(replica, claim)
             lease_id = ledger.lease_id()
-            group = self._groups.get(claim.workload, 0)
-            asked = SlotClaim(replica.key, group, self._reserved, replica.max_concurrency)
+            workload = claim.workload if claim.workload in self._groups else ""
+            asked = SlotClaim(replica.key, workload, self._reservations, replica.max_concurrency)
             try:
                 result = await ledger.lease(asked, lease_id)
             except BaseException:  # failed closed, or cancelled: the lease may have been written
                 self._untake(replica, claim)
-                self._spawn(ledger.unlease(replica.key, group, lease_id))
-                self._dispatch()
+                self._spawn(self._unlease(ledger, replica.key, workload, lease_id))
                 raise
             self._set_degraded(result is None)
             if result is None:  # failing open: counted here only, within this gateway's share
                 if replica.inflight > replica.cap:
                     self._untake(replica, claim)
+                    self._spawn(self._unlease(ledger, replica.key, workload, lease_id))
                     continue
             else:
                 granted, replica.shared = result
@@ -503,7 +493,7 @@ class PoolSlots:
                     self._untake(replica, claim)
                     replica.blocked_until = time.monotonic() + POLL_S
                     continue
-            replica.lease_ids[lease_id] = group  # renewed from now on, written back if lost
+            replica.lease_ids[lease_id] = workload  # renewed from now on, written back if lost
             return Grant(replica, claim, lease_id)
 
     def release(self, grant: Grant) -> None:
@@ -512,12 +502,12 @@ class PoolSlots:
         if grant.lease is None or self.ledger is None:
             self._dispatch()
             return
-        group = replica.lease_ids.pop(grant.lease, 0)
-        self._spawn(self._unlease(self.ledger, replica, group, grant.lease))
+        workload = replica.lease_ids.pop(grant.lease, "")
+        self._spawn(self._unlease(self.ledger, replica.key, workload, grant.lease))
 
-    async def _unlease(self, ledger: SlotLedger, replica: Replica, group: int, lease: str) -> None:
+    async def _unlease(self, ledger: SlotLedger, key: str, workload: str, lease: str) -> None:
         try:
-            await ledger.unlease(replica.key, group, lease)
+            await ledger.unlease(key, workload, lease)
         finally:
             self._dispatch()  # free in the ledger now: waiters here may take it at their next poll
 
@@ -547,20 +537,20 @@ class PoolSlots:
         ledger = self.ledger
         if ledger is None:
             return
-        groups = len(self._reserved)
+        self._departed = [r for r in self._departed if r.lease_ids]
+        replicas = [*self.replicas, *self._departed]  # a replica that left still runs some
+        held = [[(workload, lease) for lease, workload in r.lease_ids.items()] for r in replicas]
         totals = await asyncio.gather(
-            *(
-                ledger.renew(
-                    r.key,
-                    max(groups, 1 + max(r.lease_ids.values(), default=0)),
-                    [(group, lease) for lease, group in r.lease_ids.items()],
-                )
-                for r in self.replicas
-            )
+            *(ledger.renew(r.key, leases) for r, leases in zip(replicas, held, strict=True))
         )
-        for replica, total in zip(self.replicas, totals, strict=True):
+        for replica, leases, total in zip(replicas, held, totals, strict=True):
             if total is not None:
                 replica.shared = total
+            # Released while the renewal was under way: its release may have reached Redis
+            # first and the renewal written it back.
+            for workload, lease in leases:
+                if lease not in replica.lease_ids:
+                    self._spawn(self._unlease(ledger, replica.key, workload, lease))
         mine = self.waiting
         everyone = await ledger.share_waiting(self.name, mine)
         if everyone is not None:
@@ -569,9 +559,11 @@ class PoolSlots:
 
     async def close(self) -> None:
         """Stop dispatching and let the releases under way reach the ledger."""
+        self._closed = True
         if self._dispatcher is not None:
             self._dispatcher.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        while self._background:  # a release may spawn another (a raced renewal's)
+            await asyncio.gather(*self._background, return_exceptions=True)
 
     def reconcile(self, replica: Replica, observed: int) -> None:
         """Compare this gateway's count with the replica's own figures (`vllm:num_requests_*`).
@@ -596,35 +588,26 @@ class PoolSlots:
 
     def _start_tag(self, claim: Claim) -> float:
         """Where a tenant's next request starts in its tier's virtual time: where its last one
-        waiting finishes, or now if none waits."""
+        finishes, or now if that is past (an idle tenant banks no credit)."""
         now = self._vtime[claim.priority]
-        flow = self._flows.get((claim.priority, claim.tenant))
-        return now if flow is None else max(now, flow.finish)
+        return max(now, self._finish.get((claim.priority, claim.tenant), now))
 
     def _enqueue(self, claim: Claim, group: int) -> _Waiter:
         """Queue with a start tag; each request costs its tokens over its tenant's weight."""
         tier = claim.priority
-        key = (tier, claim.tenant)
         start = self._start_tag(claim)
-        flow = self._flows.get(key)
-        if flow is None:
-            flow = self._flows[key] = _Flow(start)
-        flow.finish = start + max(1, claim.tokens) / claim.weight
-        flow.waiting += 1
         future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(claim, group, start, next(self._seq), key, future)
+        waiter = _Waiter(claim, group, start, next(self._seq), future)
         heapq.heappush(self._heaps[group], waiter)
+        self._finish[(tier, claim.tenant)] = start + max(1, claim.tokens) / claim.weight
         self.waiting_by_tier[tier] += 1
         self.waiting_by_group[group] += 1
         return waiter
 
     def _leave(self, waiter: _Waiter) -> None:
+        waiter.queued = False
         self.waiting_by_tier[waiter.priority] -= 1
         self.waiting_by_group[waiter.group] -= 1
-        flow = self._flows[waiter.flow]
-        flow.waiting -= 1
-        if not flow.waiting:  # an idle tenant neither banks credit nor carries debt
-            del self._flows[waiter.flow]
 
     def _grant(self, waiter: _Waiter, grant: Grant) -> None:
         self._leave(waiter)
@@ -657,7 +640,7 @@ class PoolSlots:
                         break
                 else:
                     return  # strict order within a group: its head waits, nobody overtakes it
-        if self._dispatcher is None or self._dispatcher.done():
+        if not self._closed and (self._dispatcher is None or self._dispatcher.done()):
             self._dispatcher = asyncio.get_running_loop().create_task(
                 self._dispatch_leased(self.ledger), name=f"dispatch:{self.name}"
             )
@@ -667,7 +650,9 @@ class PoolSlots:
             for head in heads:
                 try:
                     grant = await self._take_leased(ledger, head.claim, self.replicas)
-                except GatewayError as exc:  # the ledger failed closed: so does the head
+                except Exception as exc:  # failed closed (or a bug): so does the head, alone
+                    if not isinstance(exc, GatewayError):
+                        log.exception("pool %s: dispatching a waiter failed", self.name)
                     if not head.future.done():
                         self._leave(head)
                         head.future.set_exception(exc)
@@ -685,12 +670,14 @@ class PoolSlots:
     def saturation(self) -> float:
         """(In flight + waiting) / capacity: 1.0 is every slot busy and nobody waiting. With a
         ledger, every gateway's slots and waiters count."""
-        if self.ledger is None or self.degraded:
+        if self.ledger is None or self.degraded:  # against the caps in force here
             busy, waiting = self.inflight, self.waiting
+            capacity = sum(r.cap for r in self.replicas if r.up)
         else:
             busy = sum(max(r.inflight, r.shared or 0) for r in self.replicas)
             waiting = self.waiting + self.others_waiting
-        return (busy + waiting) / max(1, self.capacity)
+            capacity = self.capacity
+        return (busy + waiting) / max(1, capacity)
 
     def _shed(self, priority: int) -> None:
         tier = PRIORITIES[priority]
@@ -716,13 +703,20 @@ class PoolSlots:
     def _fail_fast(self, claim: Claim, group: int) -> None:
         """Refuse now a request that would confidently wait past `max_wait_s`: its place in its
         group's queue (itself included) over the group's drain rate (its slots in use over
-        their mean hold time). The lower bound of the hold time decides, so a burst that would
+        their mean hold time; with a ledger, every gateway's, in this queue's share of all the
+        waiters). The lower bound of the hold time decides, so a burst that would
         drain in time is never refused; the point estimate is the Retry-After."""
         measured = self.holds[group].mean()
         if measured is None:
             return
         mean, low = measured
-        slots = max(1, self._group_inflight(group))
+        slots: float = self._group_inflight(group)
+        if self.ledger is not None and not self.degraded and len(self._heaps) == 1:
+            # Shared slots drain to every gateway's waiters: this queue gets its share of them.
+            busy = sum(max(r.inflight, r.shared or 0) for r in self.replicas)
+            here = self.waiting + 1
+            slots = busy * here / (here + self.others_waiting)
+        slots = max(1.0, slots)
         max_wait = self.spec.queue.max_wait_s
         place = self.waiting_by_group[group] + 1  # at most: fair share may put it further up
         if place * low / slots <= max_wait:
@@ -745,11 +739,11 @@ class PoolSlots:
             raise NoReplica(f"pool {self.name} has no replica", retry_after_s=5)
         if self.spec.shed:
             self._shed(claim.priority)
-        group = self._groups.get(claim.workload, 0)
-        if self.waiting_by_group[group] == 0:  # else it queues behind them
+        if self.waiting_by_group[self._groups.get(claim.workload, 0)] == 0:  # else: behind them
             grant = await self._take_any(claim, self.replicas)
             if grant is not None:
                 return grant
+        group = self._groups.get(claim.workload, 0)  # after the await: a reload may regroup
         queue = self.spec.queue
         if self.waiting >= self.max_depth:
             raise QueueFull(

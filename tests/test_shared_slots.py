@@ -211,3 +211,21 @@ async def test_clients_that_give_up_while_queued_or_served_leave_no_lease_behind
     await eventually(lambda: leases(fresh_redis) == 0)  # every lease given back, none expired
     async with http.get(f"{first.url}/metrics") as resp:
         assert f'llm_replica_leases{{pool="main",replica="{replica.url}"}}' in await resp.text()
+
+
+async def test_releases_redis_missed_during_a_stall_are_dropped_by_the_next_renewal(
+    fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    replica = await stub_factory(delay_s=0.3)
+    policy = shared_policy(tokenizer_dir, replica.url, fresh_redis, cap=4, lease_ttl_s=30)
+    gw = await gateway_factory(policy)
+    running = [asyncio.create_task(post(http, gw.url)) for _ in range(3)]
+    await eventually(lambda: leases(fresh_redis) == 3)
+    # Redis stalls for longer than the gateway's time-out: the releases of the requests that end
+    # meanwhile, and the lease a timed-out call may still write, do not reach it.
+    redis.Redis(port=fresh_redis.port).execute_command("CLIENT", "PAUSE", "600", "ALL")
+    late = asyncio.create_task(post(http, gw.url))
+    assert await asyncio.gather(*running, late) == [200] * 4  # fail-open served the fourth
+    await eventually(lambda: gw.inflight() == 0)
+    # Well inside the 30 s lease life, the first renewal after Redis answers drops them all.
+    await eventually(lambda: leases(fresh_redis) == 0, within_s=5)

@@ -87,3 +87,51 @@ async def test_capacity_and_queue_shrink_with_the_pool() -> None:
     assert (slots.capacity, slots.max_depth) == (3, 2)
     slots.readmit(slots.replicas[0])
     assert (slots.capacity, slots.max_depth) == (6, 4)
+
+
+async def test_a_tenant_keeping_one_request_waiting_pays_for_each_it_is_served() -> None:
+    # One slot; tenant a asks 1,000 tokens at a time from one client, b 10 tokens from ten.
+    slots = pool()
+    tokens = {"a": 0, "b": 0}
+    stop = asyncio.Event()
+
+    async def client(tenant: str, size: int) -> None:
+        while not stop.is_set():
+            grant = await slots.acquire(Claim(size, tenant=tenant))
+            tokens[tenant] += size
+            await asyncio.sleep(0)
+            slots.release(grant)
+            await asyncio.sleep(0)
+
+    clients = [asyncio.create_task(client("a", 1000))]
+    clients += [asyncio.create_task(client("b", 10)) for _ in range(10)]
+    await asyncio.sleep(0.3)
+    stop.set()
+    for task in clients:
+        task.cancel()
+    await asyncio.gather(*clients, return_exceptions=True)
+    share = tokens["a"] / (tokens["a"] + tokens["b"])
+    assert 0.4 <= share <= 0.6, tokens  # equal weights: half the tokens each, not every other slot
+
+
+@pytest.mark.parametrize("after", [{}, {"x": 1, "short": 1}])
+async def test_a_reload_in_the_tick_a_waiter_gives_up_keeps_the_queue_counts(after) -> None:
+    slots = pool(cap=4, reserve={"short": 1})
+    held = [await slots.acquire(Claim(10, workload="long")) for _ in range(3)]
+    held.append(await slots.acquire(Claim(10, workload="short")))
+    waiter = asyncio.create_task(slots.acquire(Claim(10, workload="short", tenant="t")))
+    await asyncio.sleep(0)
+    assert slots.waiting == 1
+    waiter.cancel()  # its future is cancelled now; its `finally` runs a tick later
+    slots.update(
+        PoolSpec(model="m", replicas=[r.url for r in slots.replicas], max_concurrency=4,
+                 reserve=after),
+        LeastInflightPicker(None),
+    )  # fmt: skip
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert slots.waiting == 0 and set(slots.waiting_by_group) == {0}
+    assert slots.waiting_by_tier == [0, 0, 0]
+    for grant in held:
+        slots.release(grant)
+    assert slots.inflight == 0

@@ -88,14 +88,13 @@ class State(Protocol):
 class SlotClaim:
     """One slot asked of a replica that several gateways share.
 
-    A replica's leases are kept in groups: group 0 for the classes without a reservation, group
-    `i` for the `i`-th reserved class. A lease is granted while the replica's leases in all, plus
-    the reserved slots the other groups leave unused, stay under `cap`.
+    Granted while the replica's leases (of every class) plus the slots the other reserved
+    classes keep and do not use stay under `cap`.
     """
 
     replica: str  # the replica's key, `{pool|url}`: a hash tag, one Redis Cluster slot
-    group: int
-    reserved: tuple[int, ...]  # slots kept per group; group 0 keeps none
+    workload: str  # the class it is for; "" or a class without a reservation shares the rest
+    reserved: tuple[tuple[str, int], ...]  # (class, slots kept for it) of the pool
     cap: int
 
 
@@ -105,6 +104,7 @@ class SlotLedger(Protocol):
     A gateway alone needs no ledger: its own counts (`PoolSlots`) are every slot there is. With
     several, each slot a gateway holds is also a lease here, so together they never exceed a
     replica's cap, and the slots of a gateway that dies come back when its leases expire.
+    Leases are named with their class ("" for none reserved) so reservations can be counted.
     """
 
     gateways: int  # how many share: while the ledger fails open, each keeps 1/gateways of a cap
@@ -119,13 +119,19 @@ class SlotLedger(Protocol):
         """(granted, the replica's leases now); None while failing open: count locally."""
         ...
 
-    async def renew(self, replica: str, groups: int, held: Sequence[tuple[int, str]]) -> int | None:
-        """Extend this gateway's leases (`(group, id)`) on a replica, writing back any that
-        expired (their requests still run); the replica's leases in all, None if unreachable."""
+    async def renew(
+        self,
+        replica: str,
+        held: Sequence[tuple[str, str]],
+        released: Sequence[tuple[str, str]] = (),
+    ) -> int | None:
+        """Extend this gateway's leases (`(class, id)`) on a replica, writing back any that
+        expired (their requests still run), and drop `released` ones again (a release that
+        raced the renewal); the replica's leases in all, None if unreachable."""
         ...
 
-    async def unlease(self, replica: str, group: int, lease_id: str) -> None:
-        """Give a slot back; a lost release expires with its lease."""
+    async def unlease(self, replica: str, workload: str, lease_id: str) -> None:
+        """Give a slot back; one Redis missed is dropped by the replica's next renewal."""
         ...
 
     async def share_waiting(self, pool: str, waiting: int) -> int | None:

@@ -190,48 +190,60 @@ local function clock()
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
 local function fmt(x) return string.format('%.17g', x) end
--- Drop the expired leases of each group key; the leases left, per group and in all.
-local function live(now)
-  local counts, total = {}, 0
-  for i, k in ipairs(KEYS) do
-    redis.call('ZREMRANGEBYSCORE', k, '-inf', fmt(now))
-    counts[i] = redis.call('ZCARD', k)
-    total = total + counts[i]
-  end
-  return counts, total
+local function live(k, now)
+  redis.call('ZREMRANGEBYSCORE', k, '-inf', fmt(now))
+  return redis.call('ZCARD', k)
+end
+local function touch(ttl)
+  for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, math.ceil(ttl * 2000)) end
 end
 """
 
-# KEYS: the replica's group ZSETs (lease id -> expiry). ARGV: now, ttl, id, group (1-based),
-# cap, then the slots reserved per group. Returns {granted 1/0, the replica's leases}.
+# A replica's leases: KEYS[1], every lease (id -> expiry), against the cap; KEYS[2..], one per
+# reserved class, its leases again, against the reservations. Keys are named by class, and the
+# cap counts every lease whatever its class, so a reload that changes reservations (or two
+# gateways mid-rollout with different ones) can never hide a lease from the cap.
+
+# ARGV: now, ttl, id, the index of its class among KEYS[2..] (0: unreserved), cap, then the slots
+# reserved per class. Returns {granted 1/0, the replica's leases}.
 _LEASE = (
     _CLOCK
     + """
 local now, ttl, id = clock(), tonumber(ARGV[2]), ARGV[3]
 local mine, cap = tonumber(ARGV[4]), tonumber(ARGV[5])
-local counts, total = live(now)
-local kept = 0
-for i = 1, #KEYS do
-  if i ~= mine then kept = kept + math.max(0, tonumber(ARGV[5 + i]) - counts[i]) end
+local total = live(KEYS[1], now)
+local kept = 0  -- slots the other reserved classes keep and do not use
+for i = 2, #KEYS do
+  local used = live(KEYS[i], now)
+  if i - 1 ~= mine then kept = kept + math.max(0, tonumber(ARGV[4 + i]) - used) end
 end
 if total + kept >= cap then return {0, total} end
-redis.call('ZADD', KEYS[mine], fmt(now + ttl), id)
-redis.call('PEXPIRE', KEYS[mine], math.ceil(ttl * 2000))
+redis.call('ZADD', KEYS[1], fmt(now + ttl), id)
+if mine > 0 then redis.call('ZADD', KEYS[1 + mine], fmt(now + ttl), id) end
+touch(ttl)
 return {1, total + 1}
 """
 )
 
-# KEYS: the replica's group ZSETs. ARGV: now, ttl, then group (1-based), id per lease held.
-# Returns the replica's leases in all.
+# ARGV: now, ttl, then per lease: 'k' (held: extend it, writing it back if it expired) or 'x'
+# (released: drop it, a release that was lost or raced this renewal), the index of its class
+# among KEYS[2..] (0: none), its id. Returns the replica's leases.
 _RENEW = (
     _CLOCK
     + """
 local now, ttl = clock(), tonumber(ARGV[2])
-for j = 3, #ARGV, 2 do
-  redis.call('ZADD', KEYS[tonumber(ARGV[j])], fmt(now + ttl), ARGV[j + 1])
+for j = 3, #ARGV, 3 do
+  local class, id = tonumber(ARGV[j + 1]), ARGV[j + 2]
+  if ARGV[j] == 'k' then
+    redis.call('ZADD', KEYS[1], fmt(now + ttl), id)
+    if class > 0 then redis.call('ZADD', KEYS[1 + class], fmt(now + ttl), id) end
+  else
+    redis.call('ZREM', KEYS[1], id)
+    if class > 0 then redis.call('ZREM', KEYS[1 + class], id) end
+  end
 end
-local _, total = live(now)
-for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, math.ceil(ttl * 2000)) end
+local total = live(KEYS[1], now)
+touch(ttl)
 return total
 """
 )
@@ -252,14 +264,15 @@ if #gone > 0 then
 end
 local total = 0
 for _, v in ipairs(redis.call('HVALS', w)) do total = total + tonumber(v) end
-for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, math.ceil(ttl * 2000)) end
+touch(ttl)
 return total
 """
 )
 
 
-def _slot_keys(replica: str, groups: int) -> list[str]:
-    return [f"slots:{replica}:g{group}" for group in range(groups)]
+def _slot_keys(replica: str, classes: Iterable[str]) -> list[str]:
+    """Every lease of the replica, then the leases of each reserved class named."""
+    return [f"slots:{replica}:all", *(f"slots:{replica}:class:{c}" for c in classes)]
 
 
 def _keys(windows: Iterable[str]) -> list[str]:
@@ -294,13 +307,17 @@ class RedisState:
         self.clock = clock  # tests only: None reads Redis' TIME
         self.timeout_s = timeout_s
         self.lease_ttl_s = lease_ttl_s
-        self.client: aioredis.Redis = aioredis.Redis.from_url(
+        # A blocking pool: a burst over `max_connections` waits (within `timeout_s`) for a
+        # connection rather than failing over, as redis-py's default pool would.
+        pool = aioredis.BlockingConnectionPool.from_url(
             url,
+            max_connections=max_connections,
+            timeout=timeout_s,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
-            max_connections=max_connections,
             retry=Retry(NoBackoff(), 1),  # a stale pooled connection; still within timeout_s
         )
+        self.client: aioredis.Redis = aioredis.Redis.from_pool(pool)  # closes the pool with it
         self._reserve = self.client.register_script(_RESERVE)
         self._peek = self.client.register_script(_PEEK)
         self._adjust = self.client.register_script(_ADJUST)
@@ -347,20 +364,30 @@ class RedisState:
         return f"{self._prefix}:s{next(self._ids)}"
 
     async def lease(self, claim: SlotClaim, lease_id: str) -> tuple[bool, int]:
-        args: list[Any] = [self._now(), self.lease_ttl_s, lease_id, claim.group + 1, claim.cap]
-        keys = _slot_keys(claim.replica, len(claim.reserved))
-        granted, total = await self._run(self._lease, keys, args + list(claim.reserved))
+        classes = [workload for workload, _ in claim.reserved]
+        mine = classes.index(claim.workload) + 1 if claim.workload in classes else 0
+        args: list[Any] = [self._now(), self.lease_ttl_s, lease_id, mine, claim.cap]
+        args += [slots for _, slots in claim.reserved]
+        granted, total = await self._run(self._lease, _slot_keys(claim.replica, classes), args)
         return bool(int(granted)), int(total)
 
-    async def renew(self, replica: str, groups: int, held: Sequence[tuple[int, str]]) -> int:
+    async def renew(
+        self,
+        replica: str,
+        held: Sequence[tuple[str, str]],
+        released: Sequence[tuple[str, str]] = (),
+    ) -> int:
+        """`held` and `released` are (class, lease id); the class "" has no reservation."""
+        classes = sorted({c for c, _ in (*held, *released) if c})
+        index = {c: i + 1 for i, c in enumerate(classes)}
         args: list[Any] = [self._now(), self.lease_ttl_s]
-        for group, lease_id in held:
-            args += [group + 1, lease_id]
-        return int(await self._run(self._renew, _slot_keys(replica, groups), args))
+        for op, leases in (("k", held), ("x", released)):
+            for workload, lease_id in leases:
+                args += [op, index.get(workload, 0), lease_id]
+        return int(await self._run(self._renew, _slot_keys(replica, classes), args))
 
-    async def unlease(self, replica: str, group: int, lease_id: str) -> None:
-        async with asyncio.timeout(self.timeout_s):
-            await self.client.zrem(_slot_keys(replica, group + 1)[group], lease_id)
+    async def unlease(self, replica: str, workload: str, lease_id: str) -> None:
+        await self.renew(replica, (), [(workload, lease_id)])
 
     async def share_waiting(self, pool: str, waiting: int) -> int:
         keys = [f"queue:{{{pool}}}:w", f"queue:{{{pool}}}:t"]
@@ -395,6 +422,8 @@ class FailoverState:
     Charges made locally carry a `local:` id and are corrected locally.
     """
 
+    MAX_LOST = 100_000  # per replica: past it, leases left behind expire with their TTL
+
     def __init__(
         self,
         shared: RedisState,
@@ -412,6 +441,7 @@ class FailoverState:
         self.monotonic = monotonic
         self.up = True
         self._retry_at = 0.0
+        self._lost: dict[str, dict[str, str]] = {}  # replica -> lease id -> class
 
     def _usable(self) -> bool:
         return self.up or self.monotonic() >= self._retry_at
@@ -511,15 +541,38 @@ class FailoverState:
         self._recovered()
         return result
 
-    async def renew(self, replica: str, groups: int, held: Sequence[tuple[int, str]]) -> int | None:
-        return await self._quietly(self.shared.renew(replica, groups, held))
+    def _lose(self, replica: str, workload: str, lease_id: str) -> None:
+        """A release Redis did not get (or a lease a failed call may have written): the next
+        renewal of the replica drops it, rather than it outliving its request by a TTL."""
+        lost = self._lost.setdefault(replica, {})
+        if len(lost) < self.MAX_LOST:
+            lost[lease_id] = workload
 
-    async def unlease(self, replica: str, group: int, lease_id: str) -> None:
-        await self._quietly(self._unlease(replica, group, lease_id))
+    async def renew(
+        self,
+        replica: str,
+        held: Sequence[tuple[str, str]],
+        released: Sequence[tuple[str, str]] = (),
+    ) -> int | None:
+        lost = self._lost.pop(replica, {})
+        gone = [*released, *((workload, lease) for lease, workload in lost.items())]
+        total = await self._quietly(self.shared.renew(replica, held, gone))
+        if total is None:
+            for workload, lease in gone:
+                self._lose(replica, workload, lease)
+        return total
 
-    async def _unlease(self, replica: str, group: int, lease_id: str) -> int:
-        await self.shared.unlease(replica, group, lease_id)
-        return 0
+    async def unlease(self, replica: str, workload: str, lease_id: str) -> None:
+        if not self._usable():
+            self._lose(replica, workload, lease_id)
+            return
+        try:
+            await self.shared.unlease(replica, workload, lease_id)
+        except _FAILURES as exc:
+            self._failed(exc)
+            self._lose(replica, workload, lease_id)
+        else:
+            self._recovered()
 
     async def share_waiting(self, pool: str, waiting: int) -> int | None:
         return await self._quietly(self.shared.share_waiting(pool, waiting))
