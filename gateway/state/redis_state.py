@@ -28,7 +28,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -409,6 +409,14 @@ class StateUnavailable(Retryable):
 
 _FAILURES = (RedisError, OSError, TimeoutError)
 _LOCAL = "local:"
+T = TypeVar("T")
+
+
+class _Down:
+    """What `FailoverState._shared` gives for a call Redis did not answer."""
+
+
+DOWN = _Down()
 
 
 class FailoverState:
@@ -470,15 +478,25 @@ class FailoverState:
             for lim in limits
         ]
 
+    async def _shared(self, call: Coroutine[Any, Any, T]) -> T | _Down:
+        """`call` on Redis, unless Redis is known down (then it is not even sent); a failure
+        switches to the failure policy, and any answer (a renewal's too) ends it, so shared
+        state resumes even while no request asks."""
+        if not self._usable():
+            call.close()
+            return DOWN
+        try:
+            result = await call
+        except _FAILURES as exc:
+            self._failed(exc)
+            return DOWN
+        self._recovered()
+        return result
+
     async def reserve(self, limits: Sequence[Limit]) -> Reservation | Refusal:
-        if self._usable():
-            try:
-                result = await self.shared.reserve(limits)
-            except _FAILURES as exc:
-                self._failed(exc)
-            else:
-                self._recovered()
-                return result
+        result = await self._shared(self.shared.reserve(limits))
+        if not isinstance(result, _Down):
+            return result
         if self.on_failure == "closed":
             raise self._refuse()
         result = await self.local.reserve(self._scaled(limits))
@@ -487,14 +505,9 @@ class FailoverState:
         return result
 
     async def peek(self, limits: Sequence[Limit]) -> tuple[Window, ...]:
-        if self._usable():
-            try:
-                windows = await self.shared.peek(limits)
-            except _FAILURES as exc:
-                self._failed(exc)
-            else:
-                self._recovered()
-                return windows
+        windows = await self._shared(self.shared.peek(limits))
+        if not isinstance(windows, _Down):
+            return windows
         if self.on_failure == "closed":
             raise self._refuse()
         return await self.local.peek(self._scaled(limits))
@@ -515,31 +528,12 @@ class FailoverState:
         return self.shared.lease_id()
 
     async def lease(self, claim: SlotClaim, lease_id: str) -> tuple[bool, int] | None:
-        if self._usable():
-            try:
-                result = await self.shared.lease(claim, lease_id)
-            except _FAILURES as exc:
-                self._failed(exc)
-            else:
-                self._recovered()
-                return result
+        result = await self._shared(self.shared.lease(claim, lease_id))
+        if not isinstance(result, _Down):
+            return result
         if self.on_failure == "closed":
             raise self._refuse()
         return None
-
-    async def _quietly(self, call: Coroutine[Any, Any, int]) -> int | None:
-        """A background call (renewal, report): it fails over, and also probes a Redis that
-        failed, so shared state resumes even while no request asks for a slot."""
-        if not self._usable():
-            call.close()
-            return None
-        try:
-            result = await call
-        except _FAILURES as exc:
-            self._failed(exc)
-            return None
-        self._recovered()
-        return result
 
     def _lose(self, replica: str, workload: str, lease_id: str) -> None:
         """A release Redis did not get (or a lease a failed call may have written): the next
@@ -556,26 +550,20 @@ class FailoverState:
     ) -> int | None:
         lost = self._lost.pop(replica, {})
         gone = [*released, *((workload, lease) for lease, workload in lost.items())]
-        total = await self._quietly(self.shared.renew(replica, held, gone))
-        if total is None:
+        total = await self._shared(self.shared.renew(replica, held, gone))
+        if isinstance(total, _Down):
             for workload, lease in gone:
                 self._lose(replica, workload, lease)
+            return None
         return total
 
     async def unlease(self, replica: str, workload: str, lease_id: str) -> None:
-        if not self._usable():
+        if isinstance(await self._shared(self.shared.unlease(replica, workload, lease_id)), _Down):
             self._lose(replica, workload, lease_id)
-            return
-        try:
-            await self.shared.unlease(replica, workload, lease_id)
-        except _FAILURES as exc:
-            self._failed(exc)
-            self._lose(replica, workload, lease_id)
-        else:
-            self._recovered()
 
     async def share_waiting(self, pool: str, waiting: int) -> int | None:
-        return await self._quietly(self.shared.share_waiting(pool, waiting))
+        everyone = await self._shared(self.shared.share_waiting(pool, waiting))
+        return None if isinstance(everyone, _Down) else everyone
 
     async def close(self) -> None:
         await self.shared.close()
