@@ -326,7 +326,9 @@ class PoolSlots:
         join; those that left take no new request, and the requests they run release on them."""
         known = {r.url: r for r in self.replicas}
         self.replicas = [known.get(url) or Replica(url, 0, None) for url in spec.replicas]
-        self._departed += [r for url, r in known.items() if url not in spec.replicas]
+        self._departed += [
+            r for url, r in known.items() if url not in spec.replicas and r.lease_ids
+        ]
         self.picker = picker
         self._apply(spec)
         self._dispatch()  # the caps may have grown
