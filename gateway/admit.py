@@ -275,7 +275,7 @@ class PoolSlots:
         # and bounded by the policy's tenants.
         self._finish: dict[tuple[int, str], float] = {}
         self.holds = [HoldTimes()]  # per reservation group: they drain at their own pace
-        self.others_waiting = 0  # other gateways' waiters in this pool, as last shared
+        self.others_by_tier = [0] * len(PRIORITIES)  # other gateways' waiters, as last shared
         self.degraded = False  # the ledger fails open: each replica's cap is this gateway's share
         self._dispatcher: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -347,6 +347,15 @@ class PoolSlots:
     @property
     def waiting(self) -> int:
         return sum(self.waiting_by_group)
+
+    @property
+    def others_waiting(self) -> int:
+        return sum(self.others_by_tier)
+
+    def _outranked(self, priority: int) -> bool:
+        """Another gateway has waiters of a higher tier (as last shared, while the ledger
+        answers): a slot freed in the ledger is theirs, so tiers hold across gateways too."""
+        return not self.degraded and any(self.others_by_tier[:priority])
 
     @property
     def inflight(self) -> int:
@@ -553,10 +562,10 @@ class PoolSlots:
             for workload, lease in leases:
                 if lease not in replica.lease_ids:
                     self._spawn(self._unlease(ledger, replica.key, workload, lease))
-        mine = self.waiting
+        mine = list(self.waiting_by_tier)
         everyone = await ledger.share_waiting(self.name, mine)
         if everyone is not None:
-            self.others_waiting = max(0, everyone - mine)
+            self.others_by_tier = [max(0, e - m) for e, m in zip(everyone, mine, strict=True)]
         self._set_degraded(not ledger.up)
 
     async def close(self) -> None:
@@ -650,6 +659,8 @@ class PoolSlots:
     async def _dispatch_leased(self, ledger: SlotLedger) -> None:
         while heads := self._heads():
             for head in heads:
+                if self._outranked(head.priority):
+                    continue
                 try:
                     grant = await self._take_leased(ledger, head.claim, self.replicas)
                 except Exception as exc:  # failed closed (or a bug): so does the head, alone
@@ -741,7 +752,9 @@ class PoolSlots:
             raise NoReplica(f"pool {self.name} has no replica", retry_after_s=5)
         if self.spec.shed:
             self._shed(claim.priority)
-        if self.waiting_by_group[self._groups.get(claim.workload, 0)] == 0:  # else: behind them
+        if self.waiting_by_group[self._groups.get(claim.workload, 0)] == 0 and (
+            self.ledger is None or not self._outranked(claim.priority)
+        ):  # else it queues behind them
             grant = await self._take_any(claim, self.replicas)
             if grant is not None:
                 return grant

@@ -134,6 +134,7 @@ class SlotLedger(Protocol):
         """Give a slot back; one Redis missed is dropped by the replica's next renewal."""
         ...
 
-    async def share_waiting(self, pool: str, waiting: int) -> int | None:
-        """Report this gateway's waiters in `pool`; all gateways' (recent reports), or None."""
+    async def share_waiting(self, pool: str, waiting: Sequence[int]) -> tuple[int, ...] | None:
+        """Report this gateway's waiters in `pool` per tier; all gateways' (recent reports) per
+        tier, or None."""
         ...

@@ -248,8 +248,9 @@ return total
 """
 )
 
-# KEYS: the pool's waiting counts (HASH gateway -> waiting) and their expiries (ZSET).
-# ARGV: now, ttl, gateway, waiting. Returns the waiting of every gateway that reported lately.
+# KEYS: the pool's waiting counts (HASH gateway -> "n,n,n", one per tier) and their expiries
+# (ZSET). ARGV: now, ttl, gateway, its counts. Returns the waiting per tier of every gateway that
+# reported lately.
 _WAITING = (
     _CLOCK
     + """
@@ -262,10 +263,16 @@ if #gone > 0 then
   redis.call('HDEL', w, unpack(gone))
   redis.call('ZREMRANGEBYSCORE', t, '-inf', fmt(now))
 end
-local total = 0
-for _, v in ipairs(redis.call('HVALS', w)) do total = total + tonumber(v) end
+local totals = {}
+for _, v in ipairs(redis.call('HVALS', w)) do
+  local tier = 1
+  for n in string.gmatch(v, '%d+') do
+    totals[tier] = (totals[tier] or 0) + tonumber(n)
+    tier = tier + 1
+  end
+end
 touch(ttl)
-return total
+return totals
 """
 )
 
@@ -389,10 +396,11 @@ class RedisState:
     async def unlease(self, replica: str, workload: str, lease_id: str) -> None:
         await self.renew(replica, (), [(workload, lease_id)])
 
-    async def share_waiting(self, pool: str, waiting: int) -> int:
+    async def share_waiting(self, pool: str, waiting: Sequence[int]) -> tuple[int, ...]:
         keys = [f"queue:{{{pool}}}:w", f"queue:{{{pool}}}:t"]
-        args = [self._now(), self.lease_ttl_s, self._prefix, waiting]
-        return int(await self._run(self._waiting, keys, args))
+        args = [self._now(), self.lease_ttl_s, self._prefix, ",".join(map(str, waiting))]
+        totals = [int(n) for n in await self._run(self._waiting, keys, args)]
+        return tuple(totals + [0] * (len(waiting) - len(totals)))
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -561,7 +569,7 @@ class FailoverState:
         if isinstance(await self._shared(self.shared.unlease(replica, workload, lease_id)), _Down):
             self._lose(replica, workload, lease_id)
 
-    async def share_waiting(self, pool: str, waiting: int) -> int | None:
+    async def share_waiting(self, pool: str, waiting: Sequence[int]) -> tuple[int, ...] | None:
         everyone = await self._shared(self.shared.share_waiting(pool, waiting))
         return None if isinstance(everyone, _Down) else everyone
 
