@@ -748,6 +748,18 @@ def log(message: str, stream: TextIO = sys.stderr) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=stream, flush=True)
 
 
+def start_redis(procs: Fleet) -> str:
+    """A memory-only redis-server on a free loopback port, for `state: redis`; its URL."""
+    port = free_port()
+    redis = procs.start(
+        "redis",
+        ["redis-server", "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no"],
+        port,
+    )  # fmt: skip
+    wait_ready(redis, None)
+    return f"redis://{HOST}:{port}/0"
+
+
 @contextlib.contextmanager
 def fleet(workdir: Path, shared: bool) -> Iterator[dict[str, Service]]:
     """Start stub, pass-through and gateway (and, `shared`, the Redis the gateway shares its
@@ -756,16 +768,7 @@ def fleet(workdir: Path, shared: bool) -> Iterator[dict[str, Service]]:
     procs = Fleet(workdir)
     try:
         py = sys.executable
-        redis_url = None
-        if shared:
-            redis_port = free_port()
-            redis = procs.start(
-                "redis",
-                ["redis-server", "--port", str(redis_port), "--bind", HOST, "--save", "", "--appendonly", "no"],
-                redis_port,
-            )  # fmt: skip
-            wait_ready(redis, None)
-            redis_url = f"redis://{HOST}:{redis_port}/0"
+        redis_url = start_redis(procs) if shared else None
         stub_port, pt_port, gw_port = free_port(), free_port(), free_port()
         stub = procs.start(
             "direct",

@@ -12,7 +12,10 @@ generation 500 in / 1,000 out, every prompt unique): about half streamed, half n
 of the streams cut by the client after a few chunks. Every few seconds it samples the gateway's
 VmRSS (/proc/PID/status), its open descriptors and the in-flight gauges of its /metrics.
 
-    python -m loadtest.soak [--minutes 10] [--rate 8] [--out loadtest/out/soak.md]
+    python -m loadtest.soak [--minutes 10] [--rate 8] [--out loadtest/out/soak.md] [--state redis]
+
+With `--state redis` the gateway leases its slots from a local redis-server, and the drained
+gateway must also report no lease left.
 
 The figure is RSS after warm-up (the first minute: imports, tokenizer caches, connection pools
 and allocator arenas settle there) against the end and the maximum. Pass: the maximum after
@@ -38,6 +41,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -51,6 +55,7 @@ from loadtest.bench_overhead import (
     free_port,
     git_revision,
     machine,
+    start_redis,
     wait_ready,
 )
 from loadtest.loadgen import PromptBuilder, RequestRecord, SweepConfig, Target, load_workload
@@ -113,9 +118,12 @@ def consecutive_free_ports(count: int, attempts: int = 50) -> int:
     raise RuntimeError(f"no {count} consecutive free ports on {HOST}")
 
 
-def write_policy(workdir: Path, tokenizer: Path, bases: dict[str, int]) -> Path:
-    """Two pools on the simulated replicas; exact tokenization with the tiny tokenizer."""
-    policy = {
+def write_policy(
+    workdir: Path, tokenizer: Path, bases: dict[str, int], redis_url: str | None
+) -> Path:
+    """Two pools on the simulated replicas; exact tokenization with the tiny tokenizer; with
+    `redis_url`, slots and quotas shared through Redis as several gateways would run."""
+    policy: dict[str, Any] = {
         "models": {
             spec["model"]: {"tokenizer": str(tokenizer), "max_model_len": 128000}
             for spec in POOLS.values()
@@ -144,14 +152,17 @@ def write_policy(workdir: Path, tokenizer: Path, bases: dict[str, int]) -> Path:
         ],
         "server": {"access_log": True, "drain_grace_s": 5},
     }
+    if redis_url is not None:
+        policy["state"] = {"backend": "redis", "url": redis_url, "gateways": 3}
     path = workdir / "policy.yaml"
     path.write_text(json.dumps(policy, indent=2))  # JSON is YAML
     return path
 
 
-def start_fleet(procs: Fleet, workdir: Path, time_scale: float) -> Service:
-    """Tokenizer, simulators and gateway, each ready before this returns the gateway."""
+def start_fleet(procs: Fleet, workdir: Path, time_scale: float, shared: bool) -> Service:
+    """Tokenizer, simulators (and Redis), gateway, each ready before this returns the gateway."""
     tokenizer = build_tokenizer(workdir)
+    redis_url = start_redis(procs) if shared else None
     bases: dict[str, int] = {}
     sims = []
     for name, spec in POOLS.items():
@@ -163,7 +174,7 @@ def start_fleet(procs: Fleet, workdir: Path, time_scale: float) -> Service:
             "--time-scale", f"{time_scale:g}", "--tokenizer", str(tokenizer),
         ]  # fmt: skip
         sims.append((procs.start(f"sim-{name}", argv, base), count))
-    policy = write_policy(workdir, tokenizer, bases)
+    policy = write_policy(workdir, tokenizer, bases, redis_url)
     port = free_port()
     gateway = procs.start(
         "gateway",
@@ -206,7 +217,8 @@ async def gauges(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
     """Sums of the gateway's in-flight gauges, from its own /metrics."""
     async with http.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=10)) as resp:
         text = await resp.text()
-    wanted = ("llm_inflight_requests", "llm_inflight_tokens", "llm_queue_depth")
+    wanted = ("llm_inflight_requests", "llm_inflight_tokens", "llm_queue_depth",
+              "llm_replica_leases")  # fmt: skip
     out = dict.fromkeys(wanted, 0.0)
     for family in text_string_to_metric_families(text):
         if family.name in out:
@@ -421,7 +433,7 @@ def slope_mb_per_min(samples: list[Sample]) -> float:
 
 
 def report(
-    out: Outcome, minutes: float, rate: float, warmup_s: float, time_scale: float
+    out: Outcome, minutes: float, rate: float, warmup_s: float, time_scale: float, state: str
 ) -> tuple[str, bool]:
     load, samples = out.load, out.samples
     during = [s for s in samples if s.t_s <= minutes * 60 + 1]
@@ -435,8 +447,9 @@ def report(
     completed = outcomes.pop("ok", 0)
     cut = outcomes.pop("client_cut", 0)
     failed = sum(outcomes.values())
-    idle = (
-        out.final_gauges["llm_inflight_requests"] == 0 and out.final_gauges["llm_queue_depth"] == 0
+    idle = all(
+        out.final_gauges[name] == 0
+        for name in ("llm_inflight_requests", "llm_queue_depth", "llm_replica_leases")
     )
     flat = growth_max <= GROWTH_LIMIT
     passed = flat and idle
@@ -446,7 +459,8 @@ def report(
         "# Soak",
         "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; machine: {machine()};"
-        f" gateway at {git_revision()}; Python {sys.version.split()[0]}.",
+        f" gateway at {git_revision()}; Python {sys.version.split()[0]};"
+        f" slots and quotas in {state}.",
         "",
         f"`mixed` workload, open loop at {rate:g} req/s for {minutes:g} min"
         f" ({len(load.records)} sent: {modes['stream']} streamed, {modes['plain']} not,"
@@ -469,7 +483,8 @@ def report(
         f" {out.final.fds} after the drain",
         f"- after the drain: llm_inflight_requests {out.final_gauges['llm_inflight_requests']:g},"
         f" llm_queue_depth {out.final_gauges['llm_queue_depth']:g},"
-        f" llm_inflight_tokens {out.final_gauges['llm_inflight_tokens']:g}",
+        f" llm_inflight_tokens {out.final_gauges['llm_inflight_tokens']:g},"
+        f" llm_replica_leases {out.final_gauges['llm_replica_leases']:g}",
         "",
         "| minute | t (s) | RSS MB | vs warm-up | open fds | in flight | queued | requests done |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -489,7 +504,7 @@ def report(
         "",
         f"**{verdict}**: RSS growth after warm-up {growth_max:+.1%} at the max"
         f" ({'within' if flat else 'beyond'} {GROWTH_LIMIT:.0%});"
-        f" in flight and queued after the drain {'both 0' if idle else 'NOT 0'}.",
+        f" in flight, queued and leased after the drain {'all 0' if idle else 'NOT 0'}.",
     ]
     return "\n".join(lines) + "\n", passed
 
@@ -509,6 +524,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-scale", type=float, default=10.0, help="simulated s per wall s")
     parser.add_argument("--stream-share", type=float, default=0.5, help="share streamed")
     parser.add_argument("--cut-share", type=float, default=0.05, help="share cut mid-stream")
+    parser.add_argument(
+        "--state",
+        choices=("memory", "redis"),
+        default="memory",
+        help="where the gateway keeps slots and quotas: `redis` starts a local redis-server",
+    )
     args = parser.parse_args(argv)
     duration = args.minutes * 60
     warmup = args.warmup if args.warmup is not None else min(60.0, duration / 5)
@@ -518,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tmp)
         procs = Fleet(workdir)
         try:
-            gateway = start_fleet(procs, workdir, args.time_scale)
+            gateway = start_fleet(procs, workdir, args.time_scale, args.state == "redis")
             log(f"building {args.rate * duration:.0f} request bodies")
             load = build_load(
                 workdir / "tokenizer", args.rate, duration, args.stream_share, args.cut_share
@@ -535,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         finally:
             procs.stop()
-    text, passed = report(outcome, args.minutes, args.rate, warmup, args.time_scale)
+    text, passed = report(outcome, args.minutes, args.rate, warmup, args.time_scale, args.state)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)
