@@ -53,17 +53,23 @@ from gateway.state.memory import MemoryState
 
 log = logging.getLogger("gateway.state")
 
-_PRELUDE = """
--- KEYS holds each window's three keys (K:z, K:a, K:u), so a script touches only declared keys
--- (Redis Cluster routes by them); BASE is the windows' own names, K.
-local BASE = {}
-for i = 1, #KEYS, 3 do BASE[#BASE + 1] = string.sub(KEYS[i], 1, -3) end
+# Every script's clock: the caller's (tests move time) or, given '', Redis' own TIME.
+_CLOCK = """
 local function clock()
   if ARGV[1] ~= '' then return tonumber(ARGV[1]) end
   local t = redis.call('TIME')
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
 local function fmt(x) return string.format('%.17g', x) end
+"""
+
+_PRELUDE = (
+    _CLOCK
+    + """
+-- KEYS holds each window's three keys (K:z, K:a, K:u), so a script touches only declared keys
+-- (Redis Cluster routes by them); BASE is the windows' own names, K.
+local BASE = {}
+for i = 1, #KEYS, 3 do BASE[#BASE + 1] = string.sub(KEYS[i], 1, -3) end
 local function expire(k, horizon)
   local z, a, u = k .. ':z', k .. ':a', k .. ':u'
   local used = tonumber(redis.call('GET', u) or '0')
@@ -98,6 +104,7 @@ local function charge(k, id, at, amount, used, span)
   touch(k, span)
 end
 """
+)
 
 # KEYS: the three keys of each limit's window. ARGV: now ('' = TIME), window, id, then amount,
 # limit per window.
@@ -183,13 +190,9 @@ return 1
 )
 
 
-_CLOCK = """
-local function clock()
-  if ARGV[1] ~= '' then return tonumber(ARGV[1]) end
-  local t = redis.call('TIME')
-  return tonumber(t[1]) + tonumber(t[2]) / 1000000
-end
-local function fmt(x) return string.format('%.17g', x) end
+_SLOTS = (
+    _CLOCK
+    + """
 local function live(k, now)
   redis.call('ZREMRANGEBYSCORE', k, '-inf', fmt(now))
   return redis.call('ZCARD', k)
@@ -198,6 +201,7 @@ local function touch(ttl)
   for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, math.ceil(ttl * 2000)) end
 end
 """
+)
 
 # A replica's leases: KEYS[1], every lease (id -> expiry), against the cap; KEYS[2..], one per
 # reserved class, its leases again, against the reservations. Keys are named by class, and the
@@ -207,7 +211,7 @@ end
 # ARGV: now, ttl, id, the index of its class among KEYS[2..] (0: unreserved), cap, then the slots
 # reserved per class. Returns {granted 1/0, the replica's leases}.
 _LEASE = (
-    _CLOCK
+    _SLOTS
     + """
 local now, ttl, id = clock(), tonumber(ARGV[2]), ARGV[3]
 local mine, cap = tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -229,7 +233,7 @@ return {1, total + 1}
 # (released: drop it, a release that was lost or raced this renewal), the index of its class
 # among KEYS[2..] (0: none), its id. Returns the replica's leases.
 _RENEW = (
-    _CLOCK
+    _SLOTS
     + """
 local now, ttl = clock(), tonumber(ARGV[2])
 for j = 3, #ARGV, 3 do
@@ -252,7 +256,7 @@ return total
 # (ZSET). ARGV: now, ttl, gateway, its counts. Returns the waiting per tier of every gateway that
 # reported lately.
 _WAITING = (
-    _CLOCK
+    _SLOTS
     + """
 local now, ttl = clock(), tonumber(ARGV[2])
 local w, t = KEYS[1], KEYS[2]
