@@ -264,3 +264,22 @@ async def test_tiers_hold_across_gateways_a_critical_backlog_gets_the_freed_slot
     assert len(batch_meanwhile) <= 2, (len(batch_meanwhile), last_critical - critical_at)
     assert last_critical - critical_at < 2.0
     assert set(await asyncio.gather(*flood)) == {200}
+
+
+async def test_slots_taken_while_redis_was_down_are_leased_again_when_it_returns(
+    fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    replica = await stub_factory(delay_s=4.0)
+    policy = shared_policy(tokenizer_dir, replica.url, fresh_redis, cap=4, lease_ttl_s=1.5)
+    gw = await gateway_factory(policy)
+    fresh_redis.stop()
+    running = [asyncio.create_task(post(http, gw.url)) for _ in range(2)]
+    await eventually(lambda: replica.stats.running == 2)  # counted here only, failing open
+    assert gw.gateway.slots["main"].degraded
+    fresh_redis.start()  # empty: it kept nothing
+    # The first renewal after Redis answers writes both back, while their requests still run, so
+    # other gateways count them against the cap again.
+    await eventually(lambda: leases(fresh_redis) == 2, within_s=3)
+    assert replica.stats.running == 2 and not gw.gateway.slots["main"].degraded
+    assert await asyncio.gather(*running) == [200, 200]
+    await eventually(lambda: leases(fresh_redis) == 0)
