@@ -24,6 +24,7 @@ async def _serve(policy_path: str, host: str, port: int) -> int:
 
     from gateway.policy.compile import load_policy
     from gateway.server.app import GATEWAY, create_app
+    from gateway.server.protocol import GatewayRunner
 
     policy = load_policy(policy_path)
     server = policy.spec.server
@@ -46,7 +47,7 @@ async def _serve(policy_path: str, host: str, port: int) -> int:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # logged by reload
 
     loop.add_signal_handler(signal.SIGHUP, reload_on_hup)
-    runner = web.AppRunner(
+    runner = GatewayRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=server.drain_grace_s
     )
     await runner.setup()

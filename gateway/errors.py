@@ -59,6 +59,13 @@ class BadRequest(GatewayError):
             self.code = code
 
 
+class MalformedRequest(BadRequest):
+    """Raised when the request head is not valid HTTP/1.1 or holds bytes that cannot be forwarded."""
+
+    code = "malformed_request"
+    reason = "malformed_request"
+
+
 class ContextLengthExceeded(BadRequest):
     """Raised when input + output tokens exceed the model's `max_model_len` (vLLM would refuse)."""
 

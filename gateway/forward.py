@@ -20,14 +20,21 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.context import Ctx
-from gateway.errors import ReplicaRefused, UpstreamError, UpstreamTimeout, error_body
+from gateway.errors import (
+    MalformedRequest,
+    ReplicaRefused,
+    UpstreamError,
+    UpstreamTimeout,
+    error_body,
+)
 from gateway.policy.schema import TimeoutSpec
 
 # Hop-by-hop headers, plus those the gateway recomputes: it re-frames bodies and reads SSE events,
 # so it asks for identity encoding and sets its own lengths.
 _DROP_REQUEST = frozenset(
     {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-     "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "x-priority"}
+     "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "x-priority",
+     "expect"}  # the gateway has read the whole body already: a replica's 100 would be noise
 )  # fmt: skip
 _DROP_RESPONSE = frozenset(
     {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -65,13 +72,44 @@ def _hop_by_hop(headers: Mapping[str, str], always: frozenset[str]) -> frozenset
     return always | {token.strip().lower() for token in named.split(",")}
 
 
+def check_forwardable(raw_headers: tuple[tuple[bytes, bytes], ...]) -> None:
+    """Refuse a header value that is not UTF-8: aiohttp's client cannot send it as received (it
+    went upstream empty), and a proxy that forwards something other than what it got is worse than
+    one that says no."""
+    for name, value in raw_headers:
+        if not value.isascii():
+            try:
+                value.decode()
+            except UnicodeDecodeError:
+                field = name[:64].decode("ascii", "replace")
+                raise MalformedRequest(
+                    f"the value of header field {field!r} is not valid UTF-8"
+                ) from None
+
+
+def _forwarded_for(peer: str) -> str:
+    """A `Forwarded` element naming the peer (RFC 7239, 6: IPv6 in brackets, quoted)."""
+    return f'for="[{peer}]"' if ":" in peer else f"for={peer}"
+
+
 def upstream_headers(
-    headers: CIMultiDictProxy[str], ctx: Ctx, api_key: str | None
+    headers: CIMultiDictProxy[str], ctx: Ctx, api_key: str | None, peer: str | None = None
 ) -> CIMultiDict[str]:
+    """The client's end-to-end headers, the gateway's request id, the peer appended to
+    `X-Forwarded-For` (and to `Forwarded` when the client sent one) as any proxy does, and the
+    credentials the policy says (README, Tenants)."""
     drop = _hop_by_hop(headers, _DROP_REQUEST)
     out: CIMultiDict[str] = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
     out["x-request-id"] = ctx.request_id
-    if ctx.tenant is not None:  # the client's key is the gateway's business, not the replica's
+    if peer:
+        out["X-Forwarded-For"] = ", ".join([*out.popall("X-Forwarded-For", []), peer])
+        if "Forwarded" in out:
+            out["Forwarded"] = ", ".join([*out.popall("Forwarded"), _forwarded_for(peer)])
+    # With tenants the client's key is the gateway's business, never the replica's.
+    forward_auth = ctx.tenant is None and (
+        ctx.pool is None or ctx.pool.spec.forward_client_authorization
+    )
+    if not forward_auth:
         out.popall("Authorization", None)
     if api_key is not None:
         out["Authorization"] = f"Bearer {api_key}"
@@ -204,7 +242,7 @@ async def forward(
     reached the client.
     """
     url = replica_url + ctx.path
-    headers = upstream_headers(request.headers, ctx, api_key)
+    headers = upstream_headers(request.headers, ctx, api_key, request.remote)
     now = asyncio.get_running_loop().time()
     total = now + timeouts.total_s
     first = now + timeouts.first_token_s

@@ -18,6 +18,8 @@ from gateway.policy.schema import PRIORITIES, ServerSpec
 
 _PRIORITY_INDEX = {name: index for index, name in enumerate(PRIORITIES)}
 DEFAULT_PRIORITY = _PRIORITY_INDEX["standard"]
+# Longer than any served name or alias (Hugging Face ids are at most 96 characters).
+MAX_MODEL_CHARS = 256
 
 
 def _positive_int(body: dict[str, Any], name: str) -> int | None:
@@ -146,6 +148,10 @@ def parse(ctx: Ctx, content_type: str, raw: bytes, limits: ServerSpec) -> None:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a string", param="model")
+    if len(model) > MAX_MODEL_CHARS:  # else a 7 MB name is echoed in the 404 and the access log
+        raise BadRequest(
+            f"'model' is over {MAX_MODEL_CHARS} characters", param="model", code="model_too_long"
+        )
     if ctx.endpoint == "chat":
         _check_messages(body.get("messages"), limits)
         _check_flags(body)

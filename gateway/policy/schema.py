@@ -188,6 +188,14 @@ class PoolSpec(Spec):
     api_key_env: str | None = Field(
         None, description="Environment variable holding the replicas' API key (sent as Bearer)."
     )
+    forward_client_authorization: bool = Field(
+        True,
+        description=(
+            "On a gateway without tenants, pass the client's `Authorization` header to this"
+            " pool's replicas (replicas that check keys themselves rely on it). With tenants the"
+            " client's key is never forwarded, and `api_key_env` replaces it in any case."
+        ),
+    )
 
     @field_validator("dns", mode="before")
     @classmethod

@@ -21,9 +21,11 @@ from gateway.errors import (
     Unauthorized,
     error_body,
 )
+from gateway.forward import check_forwardable
 from gateway.pipeline import Gateway
 from gateway.policy.compile import Policy
 from gateway.policy.load import PolicyError
+from gateway.server import logs
 from gateway.server.limits import handler_args, limits_middleware
 from gateway.tenants import identify
 
@@ -54,10 +56,12 @@ def _json(data: object, status: int = 200) -> web.Response:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    check_forwardable(request.raw_headers)
     return await request.app[GATEWAY].handle(request, "chat")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    check_forwardable(request.raw_headers)
     return await request.app[GATEWAY].handle(request, "completions")
 
 
@@ -96,8 +100,11 @@ async def admin_reload(request: web.Request) -> web.Response:
     token = os.environ.get(env)
     if not token:
         raise AdminDisabled(f"admin endpoints are off: set {env} to enable them")
-    given = request.headers.get("Authorization", "").encode()
-    if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+    # Any case of the scheme, as for tenant keys (RFC 9110, 11.1); only the token is compared,
+    # in constant time. surrogateescape: a non-UTF-8 byte is a wrong token, not a crash.
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    given_bytes = given.strip().encode("utf-8", "surrogateescape")
+    if not (scheme.lower() == "bearer" and hmac.compare_digest(given_bytes, token.encode())):
         raise Unauthorized("admin calls need `Authorization: Bearer <admin token>`")
     try:
         policy = await gateway.reload()
@@ -115,6 +122,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 def create_app(policy: Policy, *, access_log: IO[bytes] | None = None) -> web.Application:
     """Build the gateway app for a compiled policy; `access_log` gets one JSON line per request."""
+    logs.install()
     gateway = Gateway(policy, access_log if policy.spec.server.access_log else None)
     server = policy.spec.server
     app = web.Application(
