@@ -23,7 +23,7 @@ async def _serve(policy_path: str, host: str, port: int) -> int:
     from aiohttp import web
 
     from gateway.policy.compile import load_policy
-    from gateway.server.app import GATEWAY, create_app
+    from gateway.server.app import GATEWAY, create_app, create_metrics_app
     from gateway.server.protocol import GatewayRunner
 
     policy = load_policy(policy_path)
@@ -54,6 +54,13 @@ async def _serve(policy_path: str, host: str, port: int) -> int:
     await web.TCPSite(runner, host, port, backlog=1024).start()
     for address in runner.addresses:
         log.info("listening on http://%s:%s (policy %s)", address[0], address[1], policy_path)
+    runners = [runner]
+    if server.metrics_port is not None:  # its labels name tenants and replicas: not public
+        metrics = GatewayRunner(create_metrics_app(app), access_log=None)
+        await metrics.setup()
+        runners.append(metrics)
+        await web.TCPSite(metrics, host, server.metrics_port).start()
+        log.info("metrics on http://%s:%s/metrics", host, server.metrics_port)
     await stop.wait()
     app[GATEWAY].draining = True
     log.info(
@@ -62,7 +69,8 @@ async def _serve(policy_path: str, host: str, port: int) -> int:
         server.drain_grace_s,
     )
     await asyncio.sleep(server.readiness_delay_s)
-    await runner.cleanup()
+    for each in runners:
+        await each.cleanup()
     log.info("stopped")
     return 0
 

@@ -272,9 +272,13 @@ def test_one_hpa_per_vllm_deployment_on_the_gateways_signals_never_cpu(
 def test_servicemonitor_and_podmonitor_select_real_ports(rendered: list[dict[str, Any]]) -> None:
     monitor = one(rendered, "ServiceMonitor", "llm-gateway")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
-    service = one(rendered, "Service", "llm-gateway")
-    labels = service["metadata"]["labels"]
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    selected = [
+        s
+        for s in kinds(rendered, "Service")
+        if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+    ]
+    assert [s["metadata"]["name"] for s in selected] == ["llm-gateway-metrics"]
+    (service,) = selected
     assert service["metadata"]["namespace"] in monitor["spec"]["namespaceSelector"]["matchNames"]
     ports = {p["name"] for p in service["spec"]["ports"]}
     for endpoint in monitor["spec"]["endpoints"]:
@@ -292,6 +296,23 @@ def test_servicemonitor_and_podmonitor_select_real_ports(rendered: list[dict[str
         )
         names = {p["name"] for c in template["spec"]["containers"] for p in c["ports"]}
         assert {e["port"] for e in pods["spec"]["podMetricsEndpoints"]} <= names
+
+
+def test_metrics_are_served_on_their_own_port_which_the_client_service_does_not_expose(
+    rendered: list[dict[str, Any]],
+) -> None:
+    """/metrics names tenants and replica URLs: the policy moves it to `server.metrics_port`, the
+    container names that port `metrics`, and only the metrics Service (scraped) reaches it."""
+    metrics_port = deployed_policy(rendered)["server"]["metrics_port"]
+    (gateway,) = one(rendered, "Deployment", "llm-gateway")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    container_ports = {p["name"]: p["containerPort"] for p in gateway["ports"]}
+    assert container_ports["metrics"] == metrics_port != container_ports["http"]
+    public = one(rendered, "Service", "llm-gateway")["spec"]["ports"]
+    assert [p["targetPort"] for p in public] == ["http"]
+    private = one(rendered, "Service", "llm-gateway-metrics")["spec"]["ports"]
+    assert [p["targetPort"] for p in private] == ["metrics"]
 
 
 def test_prometheusrule_has_the_operators_fields_and_a_runbook_per_alert(

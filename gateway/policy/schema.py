@@ -346,6 +346,16 @@ class ServerSpec(Spec):
     readiness_delay_s: float = Field(
         0.0, ge=0, description="After SIGTERM, /readyz fails this long before the listener closes."
     )
+    metrics_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description=(
+            "Serve `/metrics` on this port only (same host as the listener) and answer 404 for it"
+            " on the public port: its labels name tenants and replica URLs. Unset: `/metrics` is"
+            " on the public port, as before. Read at start; a reload does not move it."
+        ),
+    )
     access_log: bool = True
     tokenizer_threads: PositiveInt = 2
     inline_tokenize_max_chars: int = Field(

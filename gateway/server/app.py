@@ -144,6 +144,15 @@ def create_app(policy: Policy, *, access_log: IO[bytes] | None = None) -> web.Ap
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/health", health)
     app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
+    if server.metrics_port is None:
+        app.router.add_get("/metrics", metrics)
     app.router.add_post("/admin/reload", admin_reload)
     return app
+
+
+def create_metrics_app(app: web.Application) -> web.Application:
+    """`/metrics` alone, for `server.metrics_port`, reading the gateway `app` serves."""
+    metrics_app = web.Application(middlewares=[openai_errors])
+    metrics_app[GATEWAY] = app[GATEWAY]
+    metrics_app.router.add_get("/metrics", metrics)
+    return metrics_app

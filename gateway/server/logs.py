@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from aiohttp.http_exceptions import HttpProcessingError
 
 SERVER_LOGGER = "aiohttp.server"
+# A head the parser refused, or a client that left while its answer was being written (the
+# handler re-raises that so aiohttp closes the connection): nothing for an operator to fix.
+_CLIENTS_FAULT = (HttpProcessingError, ConnectionError)
 
 
 @dataclass(slots=True)
@@ -80,7 +83,7 @@ def _where(exc: BaseException) -> str:
 class ServerLogFilter(logging.Filter):
     """Rewrite every `aiohttp.server` record into one secret-free, rate-limited line.
 
-    A parser refusal (the client's fault) becomes a WARNING; any other exception keeps its level
+    A parser refusal or a client gone mid-answer (the client's doing) becomes a WARNING; any other exception keeps its level
     and gains the innermost frame, so a gateway bug is still found. The exception's message and
     traceback are dropped in both cases: either may quote request bytes.
     """
@@ -99,7 +102,7 @@ class ServerLogFilter(logging.Filter):
         if suppressed is None:
             return False
         message = record.getMessage()
-        if isinstance(exc, HttpProcessingError):
+        if isinstance(exc, _CLIENTS_FAULT):
             message += f": {kind}"
             record.levelno, record.levelname = logging.WARNING, "WARNING"
         elif exc is not None:
