@@ -293,7 +293,7 @@ class ServerSpec(Spec):
         64,
         description=(
             "Request header fields; beyond it: 431 `headers_too_large`. aiohttp's parser stops"
-            " reading at twice this and answers a plain 400, so headers never pile up unbounded."
+            " reading at twice this (also a 431), so headers never pile up unbounded."
         ),
     )
     max_header_bytes: PositiveInt = Field(
@@ -301,7 +301,7 @@ class ServerSpec(Spec):
         description=(
             "Names and values of all request header fields together; beyond it: 431"
             " `headers_too_large`. No single line (the request line or one field) may be longer:"
-            " aiohttp's parser stops reading it and answers a plain 400."
+            " aiohttp's parser stops reading it (also a 431)."
         ),
     )
     max_json_depth: int = Field(

@@ -3,8 +3,8 @@
 aiohttp parses a request's head before any gateway code runs, so the policy reaches its parser
 through the application's `handler_args`. The parser's bounds sit a little above the policy's
 limits: it is the backstop that keeps a hostile client from making the gateway buffer unbounded
-headers (it answers a plain-text 400 and closes), while `limits_middleware` applies the exact
-limits and answers in the OpenAI error shape.
+headers (it refuses and closes; gateway/server/protocol.py answers that in the OpenAI shape),
+while `limits_middleware` applies the exact limits.
 
 Slow clients. aiohttp's keep-alive timer runs from when a connection opens, or answers its last
 request, until a complete request head has arrived, and partial data does not reset it: as
