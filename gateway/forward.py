@@ -273,8 +273,8 @@ async def forward(
             except TimeoutError:
                 raise UpstreamTimeout("the replica did not finish its answer in time") from None
         resp = web.StreamResponse(status=200, headers=_response_headers(up.headers, ctx))
-        await resp.prepare(request)
         try:
+            await resp.prepare(request)  # the first write: the client may be gone already
             await _relay(ctx, up, resp, first, total)
         except ConnectionResetError:  # the client left mid-stream (before cancellation reached us)
             up.close()

@@ -131,6 +131,10 @@ MALFORMED = {
         431,
     ),
     "a long line after the token": (post("/admin/reload", BEARER_TOKEN, PAD), 431),
+    "the key among too many fields": (
+        post("/v1/chat/completions", *[b"X-A: b"] * 200, BEARER_KEY),
+        431,
+    ),
     "a bare-LF admin call": (post("/admin/reload", BEARER_TOKEN, eol=b"\n"), 400),
     "the key in the request line": (
         b"GET /v1/models?key=" + KEY.encode() + b" HTTP/1.1 junk\r\n\r\n",
