@@ -276,6 +276,14 @@ async def test_a_huge_model_name_is_refused_and_not_echoed(stub, gateway_factory
     assert stub.stats.headers == []
 
 
+async def test_an_unknown_long_path_is_not_echoed_whole(gateway_factory, stub, tokenizer_dir):
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [stub.url]))
+    data = b"GET /" + b"p" * 10_000 + b" HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n"
+    status, body, _ = await exchange(urlsplit(gw.url).port, data)
+    assert (status, body["error"]["code"]) == (404, "not_found")
+    assert len(body["error"]["message"]) < 300
+
+
 async def test_a_non_utf8_header_is_refused_instead_of_going_upstream_empty(
     stub, gateway_factory, tokenizer_dir
 ) -> None:

@@ -35,6 +35,11 @@ GATEWAY = web.AppKey("gateway", Gateway)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def _clip(text: str, limit: int = 200) -> str:
+    """What of a client's identifier is echoed: a 16 KB path is not worth sending back."""
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 @web.middleware
 async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Render every refusal in the OpenAI error shape, including the router's 404 and 405."""
@@ -43,9 +48,11 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
     except GatewayError as exc:
         return exc.response()
     except web.HTTPMethodNotAllowed:
-        return MethodNotAllowed(f"{request.method} is not allowed on {request.path}").response()
+        method, path = _clip(request.method), _clip(request.path)
+        return MethodNotAllowed(f"{method} is not allowed on {path}").response()
     except web.HTTPNotFound:
-        return NotFound(f"{request.method} {request.path} is not served by this gateway").response()
+        method, path = _clip(request.method), _clip(request.path)
+        return NotFound(f"{method} {path} is not served by this gateway").response()
     except web.HTTPException as exc:
         body = error_body(exc.reason, "invalid_request_error", exc.status)
         return web.Response(status=exc.status, body=body, content_type="application/json")
