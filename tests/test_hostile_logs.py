@@ -196,10 +196,16 @@ async def test_a_flood_of_malformed_heads_writes_a_few_warning_lines(
     assert len(gw.stderr.splitlines()) < 40
 
 
-async def test_a_client_gone_mid_answer_is_one_warning_line(caplog, http) -> None:
+async def test_a_client_gone_mid_answer_is_one_warning_line(caplog, http, monkeypatch) -> None:
     """The pipeline re-raises a client's disconnect so that aiohttp closes the connection; aiohttp
     logged it as a 40-line ERROR. The gateway's filter on `aiohttp.server` makes it one line."""
     logs.install()
+    (installed,) = [
+        f
+        for f in logging.getLogger(logs.SERVER_LOGGER).filters
+        if isinstance(f, logs.ServerLogFilter)
+    ]
+    monkeypatch.setattr(installed, "limiter", logs.RateLimited())  # other tests' lines spent none
 
     async def gone(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse()
