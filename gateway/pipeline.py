@@ -39,6 +39,7 @@ from gateway.errors import (
 from gateway.estimate import estimate_output
 from gateway.forward import CLIENT_CLOSED, forward
 from gateway.health import HealthChecker
+from gateway.looplag import watch_lag
 from gateway.metrics import Metrics
 from gateway.parse import parse
 from gateway.policy.compile import Policy, compile_policy
@@ -173,6 +174,7 @@ class Gateway:
         self._sharers: dict[str, asyncio.Task[None]] = {}
         self._reload_lock = asyncio.Lock()
         self._watcher: asyncio.Task[None] | None = None
+        self._lag: asyncio.Task[None] | None = None
 
     @property
     def policy(self) -> Policy:
@@ -225,6 +227,9 @@ class Gateway:
         await asyncio.gather(*(discovery.refresh(s) for s in self.runtime.slots.values()))
         self._serve_pools()
         self._watcher = asyncio.create_task(self._watch(), name="policy-watch")
+        self._lag = asyncio.create_task(
+            watch_lag(self.accountant.metrics.loop_lag), name="loop-lag"
+        )
 
     async def _watch(self) -> None:
         """Reload when the policy file changes (a ConfigMap update swaps it under us)."""
@@ -274,6 +279,7 @@ class Gateway:
             *self._discovery.values(),
             *self._sharers.values(),
             *([self._watcher] if self._watcher else []),
+            *([self._lag] if self._lag else []),
         ]
         for task in tasks:
             task.cancel()

@@ -296,6 +296,15 @@ class ServerSpec(Spec):
             " aiohttp's parser stops reading it and answers a plain 400."
         ),
     )
+    max_json_nodes: PositiveInt = Field(
+        65_536,
+        description=(
+            "JSON values in the body, counted on its structural characters (`[`, `{`, `,`, `:`"
+            " outside strings) before it is parsed; beyond it: 400 `json_too_complex`. Parsing"
+            " costs per value and holds the event loop: 65,536 empty arrays take about 7 ms. A"
+            " completions prompt of token ids counts one per id: raise it for longer ones."
+        ),
+    )
     max_json_depth: int = Field(
         64,
         ge=1,
