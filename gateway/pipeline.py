@@ -49,6 +49,7 @@ from gateway.route import find_candidates, route
 from gateway.state import SlotLedger, State
 from gateway.state.redis_state import BackendUp, build_state
 from gateway.tenants import authenticate
+from gateway.tokens import TooManyTokens
 
 log = logging.getLogger("gateway.pipeline")
 PASSIVE_WATCH_S = 5.0  # with watching off, how often to look whether a reload turned it on
@@ -56,13 +57,32 @@ _BROKEN_STREAM = frozenset({"upstream_error", "upstream_timeout"})  # failed aft
 
 
 async def count_input(ctx: Ctx) -> None:
+    """Count the prompt; one that provably cannot fit any candidate pool's context is refused
+    before the tokenizer spends time on it."""
     assert ctx.model is not None
     counter = ctx.model.counter
-    if ctx.endpoint == "chat":
-        ctx.input_tokens = ctx.longest_prompt = await counter.count_chat(ctx.body)
-    else:
-        counts = await counter.count_prompts(ctx.body["prompt"])
-        ctx.input_tokens, ctx.longest_prompt = sum(counts), max(counts)
+    limit = max(c.pool.model.spec.max_model_len for c in ctx.candidates)
+    refuse_at = limit - max(
+        (ctx.max_output or 0) - 1, 0
+    )  # the first count check_context_length refuses
+    try:
+        if ctx.endpoint == "chat":
+            ctx.input_tokens = ctx.longest_prompt = await counter.count_chat(ctx.body, refuse_at)
+        else:
+            counts = await counter.count_prompts(ctx.body["prompt"], refuse_at)
+            ctx.input_tokens, ctx.longest_prompt = sum(counts), max(counts)
+    except TooManyTokens as exc:
+        raise _too_long(ctx, limit, exc.tokens, "at least ") from None
+
+
+def _too_long(ctx: Ctx, limit: int, prompt: int, qualifier: str = "") -> ContextLengthExceeded:
+    output = ctx.max_output or 0
+    return ContextLengthExceeded(
+        f"This model's maximum context length is {limit} tokens. However, you requested"
+        f" {qualifier}{prompt + output} tokens ({qualifier}{prompt} in the messages,"
+        f" {output} in the completion).",
+        param="messages" if ctx.endpoint == "chat" else "prompt",
+    )
 
 
 def check_context_length(ctx: Ctx) -> None:
@@ -71,12 +91,7 @@ def check_context_length(ctx: Ctx) -> None:
     limit = ctx.pool.model.spec.max_model_len
     needed = ctx.longest_prompt + (ctx.max_output or 0)
     if ctx.longest_prompt >= limit or needed > limit:
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {limit} tokens. However, you requested"
-            f" {needed} tokens ({ctx.longest_prompt} in the messages,"
-            f" {ctx.max_output or 0} in the completion).",
-            param="messages" if ctx.endpoint == "chat" else "prompt",
-        )
+        raise _too_long(ctx, limit, ctx.longest_prompt)
 
 
 async def decide(ctx: Ctx, policy: Policy) -> None:

@@ -94,3 +94,89 @@ async def test_loop_lag_is_exported(gw, http):
         line for line in text.splitlines() if line.startswith("llm_event_loop_lag_seconds_count")
     ]
     assert counts and float(counts[0].split()[-1]) >= 1
+
+
+# Tokenizer time: what cannot fit costs none, and huge prompts do not hold up small ones.
+
+EMOJI_PROMPT = "😀" * 1_000_000  # 4 MB, 4 million tokens with the test tokenizer
+
+
+def _fitting_prompt(chars: int) -> str:
+    words = "product rules prohibit weapons drugs review listing seller brand price ".split()
+    return " ".join(words[i % len(words)] for i in range(chars // 6))[:chars]
+
+
+@pytest.fixture
+async def big_gw(stub, gateway_factory, tokenizer_dir):
+    policy = basic_policy(tokenizer_dir, [stub.url])
+    policy["models"]["tiny"]["max_model_len"] = 8_000_000  # the huge prompts below fit
+    policy["server"] = {"max_prompt_chars": 4_000_000}
+    return await gateway_factory(policy)
+
+
+def _count_encodes(counter) -> list[int]:
+    """Wrap the counter's tokenizer entry point to record the characters of each call."""
+    calls: list[int] = []
+    encode = counter._encode_batch
+
+    def counting(texts, **kwargs):
+        calls.append(sum(map(len, texts)))
+        return encode(texts, **kwargs)
+
+    counter._encode_batch = counting
+    return calls
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+async def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(gw, http, endpoint):
+    calls = _count_encodes(gw.gateway.policy.models["tiny"].counter)
+    if endpoint == "completions":
+        body = {"model": "tiny", "prompt": EMOJI_PROMPT}
+    else:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": EMOJI_PROMPT}]}
+    async with http.post(f"{gw.url}/v1/{endpoint}", data=orjson.dumps(body),
+                         headers={"Content-Type": "application/json"}) as resp:  # fmt: skip
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert error["type"] == "invalid_request_error"
+    assert "maximum context length is 8192 tokens" in error["message"]
+    assert not [chars for chars in calls if chars > 1000]  # the prompt never reached the tokenizer
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "hello world",
+        "😀" * 5000,
+        "日本語のテキスト" * 1000,
+        "<start_of_turn>" * 2000,  # the longest token, back to back
+        "=" * 3000,
+        "a\u0301é" * 2000,
+        _fitting_prompt(20_000),
+    ],
+)
+def test_the_floor_never_exceeds_the_count(tokenizer_dir, text):
+    from gateway.tokenfloor import TokenFloor
+    from gateway.tokens import load_tokenizer
+
+    backend = load_tokenizer(str(tokenizer_dir)).backend_tokenizer
+    floor = TokenFloor.of(backend)
+    assert floor is not None
+    assert floor.tokens(text) <= len(backend.encode(text, add_special_tokens=False).ids)
+
+
+async def test_small_counts_do_not_wait_behind_huge_prompts(big_gw):
+    counter = big_gw.gateway.policy.models["tiny"].counter
+    huge = [_fitting_prompt(2_000_000) + str(i) for i in range(4)]  # each tokenizes for ~1 s
+    done: list[str] = []
+
+    async def count(name: str, prompt: str) -> None:
+        await counter.count_prompts(prompt, refuse_at=8_000_000)
+        done.append(name)
+
+    bigs = [asyncio.create_task(count(f"huge{i}", p)) for i, p in enumerate(huge)]
+    await asyncio.sleep(0.05)  # the huge ones hold the tokenizer threads
+    await count("small", _fitting_prompt(3_400))
+    await asyncio.gather(*bigs)
+    assert done[0] == "small", done

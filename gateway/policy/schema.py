@@ -353,6 +353,13 @@ class ServerSpec(Spec):
         2048, ge=0, description="Text longer than this is tokenized off the event loop."
     )
     token_cache_entries: int = Field(8192, ge=0, description="Memoized message counts kept (LRU).")
+    large_tokenize_chars: PositiveInt = Field(
+        65_536,
+        description=(
+            "Text of this many characters or more is tokenized on `tokenizer_threads` threads of"
+            " its own, so a few huge prompts never make the small ones queue behind them."
+        ),
+    )
 
 
 class AdminSpec(Spec):
