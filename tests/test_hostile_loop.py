@@ -181,3 +181,31 @@ async def test_small_counts_do_not_wait_behind_huge_prompts(big_gw):
     await count("small", _fitting_prompt(3_400))
     await asyncio.gather(*bigs)
     assert done[0] == "small", done
+
+
+def test_the_floor_is_off_where_a_token_may_swallow_text():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from gateway.tokenfloor import TokenFloor
+
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()  # one [UNK] per word, however long
+    assert TokenFloor.of(wordpiece) is None
+
+
+def test_the_floor_holds_for_byte_fallback_tokenizers():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from gateway.tokenfloor import TokenFloor
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)}
+    for piece in ("▁", "▁a", "▁aa", "aaaa", "▁😀"):
+        vocab[piece] = len(vocab)
+    merges = [("▁", "a"), ("▁a", "a"), ("a", "a"), ("aa", "aa")]
+    vocab["a"], vocab["aa"] = len(vocab), len(vocab) + 1
+    sentencepiece = Tokenizer(models.BPE(vocab, merges, byte_fallback=True))
+    sentencepiece.pre_tokenizer = pre_tokenizers.Metaspace()
+    floor = TokenFloor.of(sentencepiece)
+    assert floor is not None
+    for text in ("a" * 999, " aa" * 300, "😀" * 500, "日本 語" * 200, "▁▁▁" * 100):
+        assert floor.tokens(text) <= len(sentencepiece.encode(text).ids), text
