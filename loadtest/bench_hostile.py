@@ -5,7 +5,8 @@ Two measurements against an in-process gateway (stub replica, the tiny test toke
 - (a) a JSON bomb (4.5 MB: 1.5 million `[]`) while `/healthz` is probed every 10 ms: the slowest
   probe answer is the time the loop was held;
 - (b) a 3,400-character chat request while four 1,000,000-character prompts that fit are being
-  tokenized: its round trip is how long small requests wait behind huge ones.
+  tokenized: its round trip is how long small requests wait behind huge ones;
+- (c) a 4 MB prompt of emoji (4 million tokens) to a model of 8,192: how long its 400 takes.
 
     python -m loadtest.bench_hostile
 """
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import orjson
 import yaml
 from aiohttp import web
 
@@ -92,6 +94,16 @@ async def _small_behind_huge(http: aiohttp.ClientSession, url: str, trial: int) 
     return took
 
 
+async def _emoji_refusal(http: aiohttp.ClientSession, url: str) -> float:
+    body = orjson.dumps({"model": "short", "prompt": "\U0001f600" * 1_000_000})
+    started = time.perf_counter()
+    async with http.post(
+        f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    ) as resp:
+        assert resp.status == 400, await resp.text()
+    return time.perf_counter() - started
+
+
 async def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = build(Path(tmp) / "tiny")
@@ -99,16 +111,26 @@ async def main() -> None:
         policy_path = Path(tmp) / "policy.yaml"
         policy_path.write_text(yaml.safe_dump({
             "server": {"max_prompt_chars": 4_000_000, "max_body_bytes": 16 * 1024 * 1024},
-            "models": {"tiny": {"tokenizer": str(tokenizer), "max_model_len": 8_000_000}},
-            "pools": {"main": {"model": "tiny", "replicas": [stub_url], "max_concurrency": 8}},
+            "models": {
+                "tiny": {"tokenizer": str(tokenizer), "max_model_len": 8_000_000},
+                "short": {"tokenizer": str(tokenizer), "max_model_len": 8192},
+            },
+            "pools": {
+                "main": {"model": "tiny", "replicas": [stub_url], "max_concurrency": 8},
+                "short": {"model": "short", "replicas": [stub_url], "max_concurrency": 8},
+            },
             "classes": [{"name": "any", "when": {}}],
-            "routes": [{"match": {"model": "tiny"}, "pool": "main"}],
+            "routes": [
+                {"match": {"model": "tiny"}, "pool": "main"},
+                {"match": {"model": "short"}, "pool": "short"},
+            ],
         }))  # fmt: skip
         gateway, url = await _serve(create_app(load_policy(policy_path)))
         try:
             async with aiohttp.ClientSession() as http:
                 lags = [await _bomb_lag(http, url) for _ in range(3)]
                 small = [await _small_behind_huge(http, url, trial) for trial in range(3)]
+                emoji = [await _emoji_refusal(http, url) for _ in range(3)]
         finally:
             await gateway.cleanup()
             await stub.cleanup()
@@ -116,8 +138,12 @@ async def main() -> None:
         f"(a) bomb: worst /healthz delay {max(w for w, _ in lags) * 1000:.0f} ms,"
         f" bomb answered in {statistics.median(t for _, t in lags) * 1000:.0f} ms (median of 3)"
     )
-    print(f"(b) 3,400-char request behind 4 huge prompts: median {statistics.median(small) * 1000:.0f} ms,"
-          f" worst {max(small) * 1000:.0f} ms (of 3)")  # fmt: skip
+    print(
+        f"(b) 3,400-char request behind 4 huge prompts: median {statistics.median(small) * 1000:.0f} ms,"
+        f" worst {max(small) * 1000:.0f} ms (of 3)"
+    )
+    print(f"(c) 4 MB emoji prompt over max_model_len: 400 in {statistics.median(emoji) * 1000:.0f} ms"
+          " (median of 3)")  # fmt: skip
 
 
 if __name__ == "__main__":

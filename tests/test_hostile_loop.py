@@ -142,6 +142,7 @@ async def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(gw, http, e
     assert error["code"] == "context_length_exceeded"
     assert error["type"] == "invalid_request_error"
     assert "maximum context length is 8192 tokens" in error["message"]
+    assert "you requested at least" in error["message"]
     assert not [chars for chars in calls if chars > 1000]  # the prompt never reached the tokenizer
 
 
