@@ -67,8 +67,9 @@ def _check_nodes(raw: bytes, limit: int) -> bytes | None:
     Parsing costs per value, not per byte (1.5 million `[]` in 4.5 MB hold the loop for a
     second), so the bound is on structural characters. Counting them in the raw bytes also counts
     commas and colons inside strings; only when that count is over the limit are strings taken
-    out for the exact count. Every string but the last is followed by `,` or `:`, so a body with
-    more strings than the limit is refused on its quotes, and the split stays small. Returns the
+    out for the exact count. Every string but a top-level one comes right after its own `[`, `{`,
+    `,` or `:`, so a body with more strings than the limit is refused on its quotes, and the split
+    stays small. Returns the
     body outside strings when it was computed, for the depth check.
     """
     if len(raw) <= limit or not _over(raw, limit):
