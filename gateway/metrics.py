@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gateway.admit import PoolSlots
+from gateway.looplag import LAG_BUCKETS
 from gateway.policy.schema import PRIORITIES
 
 if TYPE_CHECKING:
@@ -176,5 +177,9 @@ class Metrics:
         self.quota_rejections = Counter(
             "llm_quota_rejections", "Requests refused by a tenant's TPM or RPM window.",
             ("tenant", "kind"), registry=r,
+        )  # fmt: skip
+        self.loop_lag = Histogram(
+            "llm_event_loop_lag_seconds", "How late a periodic timer woke: the loop was held.",
+            buckets=LAG_BUCKETS, registry=r,
         )  # fmt: skip
         r.register(_Gauges(source))

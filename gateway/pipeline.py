@@ -39,6 +39,7 @@ from gateway.errors import (
 from gateway.estimate import estimate_output
 from gateway.forward import CLIENT_CLOSED, forward
 from gateway.health import HealthChecker
+from gateway.looplag import watch_lag
 from gateway.metrics import Metrics
 from gateway.parse import parse
 from gateway.policy.compile import Policy, compile_policy
@@ -48,6 +49,7 @@ from gateway.route import find_candidates, route
 from gateway.state import SlotLedger, State
 from gateway.state.redis_state import BackendUp, build_state
 from gateway.tenants import authenticate
+from gateway.tokens import TooManyTokens
 
 log = logging.getLogger("gateway.pipeline")
 PASSIVE_WATCH_S = 5.0  # with watching off, how often to look whether a reload turned it on
@@ -55,13 +57,32 @@ _BROKEN_STREAM = frozenset({"upstream_error", "upstream_timeout"})  # failed aft
 
 
 async def count_input(ctx: Ctx) -> None:
+    """Count the prompt; one that provably cannot fit any candidate pool's context is refused
+    before the tokenizer spends time on it."""
     assert ctx.model is not None
     counter = ctx.model.counter
-    if ctx.endpoint == "chat":
-        ctx.input_tokens = ctx.longest_prompt = await counter.count_chat(ctx.body)
-    else:
-        counts = await counter.count_prompts(ctx.body["prompt"])
-        ctx.input_tokens, ctx.longest_prompt = sum(counts), max(counts)
+    limit = max(c.pool.model.spec.max_model_len for c in ctx.candidates)
+    refuse_at = limit - max(
+        (ctx.max_output or 0) - 1, 0
+    )  # the first count check_context_length refuses
+    try:
+        if ctx.endpoint == "chat":
+            ctx.input_tokens = ctx.longest_prompt = await counter.count_chat(ctx.body, refuse_at)
+        else:
+            counts = await counter.count_prompts(ctx.body["prompt"], refuse_at)
+            ctx.input_tokens, ctx.longest_prompt = sum(counts), max(counts)
+    except TooManyTokens as exc:
+        raise _too_long(ctx, limit, exc.tokens, "at least ") from None
+
+
+def _too_long(ctx: Ctx, limit: int, prompt: int, qualifier: str = "") -> ContextLengthExceeded:
+    output = ctx.max_output or 0
+    return ContextLengthExceeded(
+        f"This model's maximum context length is {limit} tokens. However, you requested"
+        f" {qualifier}{prompt + output} tokens ({qualifier}{prompt} in the messages,"
+        f" {output} in the completion).",
+        param="messages" if ctx.endpoint == "chat" else "prompt",
+    )
 
 
 def check_context_length(ctx: Ctx) -> None:
@@ -70,12 +91,7 @@ def check_context_length(ctx: Ctx) -> None:
     limit = ctx.pool.model.spec.max_model_len
     needed = ctx.longest_prompt + (ctx.max_output or 0)
     if ctx.longest_prompt >= limit or needed > limit:
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {limit} tokens. However, you requested"
-            f" {needed} tokens ({ctx.longest_prompt} in the messages,"
-            f" {ctx.max_output or 0} in the completion).",
-            param="messages" if ctx.endpoint == "chat" else "prompt",
-        )
+        raise _too_long(ctx, limit, ctx.longest_prompt)
 
 
 async def decide(ctx: Ctx, policy: Policy) -> None:
@@ -173,6 +189,7 @@ class Gateway:
         self._sharers: dict[str, asyncio.Task[None]] = {}
         self._reload_lock = asyncio.Lock()
         self._watcher: asyncio.Task[None] | None = None
+        self._lag: asyncio.Task[None] | None = None
 
     @property
     def policy(self) -> Policy:
@@ -225,6 +242,9 @@ class Gateway:
         await asyncio.gather(*(discovery.refresh(s) for s in self.runtime.slots.values()))
         self._serve_pools()
         self._watcher = asyncio.create_task(self._watch(), name="policy-watch")
+        self._lag = asyncio.create_task(
+            watch_lag(self.accountant.metrics.loop_lag), name="loop-lag"
+        )
 
     async def _watch(self) -> None:
         """Reload when the policy file changes (a ConfigMap update swaps it under us)."""
@@ -274,6 +294,7 @@ class Gateway:
             *self._discovery.values(),
             *self._sharers.values(),
             *([self._watcher] if self._watcher else []),
+            *([self._lag] if self._lag else []),
         ]
         for task in tasks:
             task.cancel()

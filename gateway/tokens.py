@@ -9,6 +9,11 @@ hot path. `memoized` counting sums cached per-message counts with the template's
 sequence of roles: the 3,000-token rules block that repeats in every classification prompt costs a
 dict lookup. And text longer than `inline_tokenize_max_chars` goes to a small thread pool through
 the batch entry point, which releases the GIL (the single-text `encode` holds it).
+
+Tokenizer time is shared, so two more rules keep one client's huge prompts from costing everyone
+else's small ones. Before any encoding, a provable floor on the count (gateway/tokenfloor.py) refuses
+what cannot fit in the context (`TooManyTokens`), so a 4 MB prompt costs no tokenizer time. And text
+of `large_tokenize_chars` or more runs on threads of its own: small texts never queue behind it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from concurrent.futures import Executor
 from typing import Any, Protocol
 
 from gateway.errors import BadRequest
+from gateway.tokenfloor import TokenFloor
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -78,12 +84,24 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], body: dict[str, 
     return str(rendered)
 
 
+class TooManyTokens(Exception):
+    """Raised, before tokenizing, when a prompt has at least `tokens`, the caller's `refuse_at`."""
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__(tokens)
+        self.tokens = tokens
+
+
 class TokenCounter(Protocol):
-    """Counts input tokens for one model."""
+    """Counts input tokens for one model.
 
-    async def count_chat(self, body: dict[str, Any]) -> int: ...
+    With `refuse_at`, a counter may raise `TooManyTokens` instead of counting a prompt it can prove
+    has at least that many tokens (the whole chat, or the longest prompt of a completion).
+    """
 
-    async def count_prompts(self, prompt: Any) -> list[int]:
+    async def count_chat(self, body: dict[str, Any], refuse_at: int | None = None) -> int: ...
+
+    async def count_prompts(self, prompt: Any, refuse_at: int | None = None) -> list[int]:
         """Tokens of each prompt of a completions request."""
         ...
 
@@ -99,13 +117,14 @@ class EstimateCounter:
     def _count(self, text: str) -> int:
         return math.ceil(len(text) / self.chars_per_token)
 
-    async def count_chat(self, body: dict[str, Any]) -> int:
+    async def count_chat(self, body: dict[str, Any], refuse_at: int | None = None) -> int:
+        """`refuse_at` is not needed: the estimate costs a length per message."""
         messages = body["messages"]
         return sum(self._count(message_text(m.get("content"))) for m in messages) + (
             self.PER_MESSAGE * len(messages)
         )
 
-    async def count_prompts(self, prompt: Any) -> list[int]:
+    async def count_prompts(self, prompt: Any, refuse_at: int | None = None) -> list[int]:
         if isinstance(prompt, str):
             return [self._count(prompt)]
         if isinstance(prompt[0], int):
@@ -133,11 +152,15 @@ class HFCounter:
         executor: Executor | None,
         inline_max_chars: int,
         cache_entries: int,
+        large_executor: Executor | None = None,
+        large_min_chars: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.memoized = memoized
         self.executor = executor
         self.inline_max_chars = inline_max_chars
+        self.large_executor = large_executor or executor
+        self.large_min_chars = large_min_chars
         self.cache_entries = cache_entries
         backend = tokenizer.backend_tokenizer
         self._encode_batch: Callable[..., Any] = getattr(
@@ -146,6 +169,7 @@ class HFCounter:
         self._content_counts: OrderedDict[tuple[int, int], int] = OrderedDict()
         self._overheads: dict[tuple[Any, ...], int] = {}
         self._trims = self._template_trims()
+        self.floor = TokenFloor.of(backend)
 
     def _template_trims(self) -> bool:
         """Whether the chat template trims message content (Gemma's does), probed once."""
@@ -159,10 +183,22 @@ class HFCounter:
     def _lengths(self, texts: list[str], special: bool) -> list[int]:
         return [len(e.ids) for e in self._encode_batch(texts, add_special_tokens=special)]
 
-    async def _count_texts(self, texts: list[str], special: bool) -> list[int]:
-        if self.executor is not None and sum(map(len, texts)) > self.inline_max_chars:
+    async def _count_texts(
+        self, texts: list[str], special: bool, refuse_at: int | None = None, summed: bool = True
+    ) -> list[int]:
+        """Token counts of `texts`; with `refuse_at`, first refuse on the floor of their sum (a
+        chat's parts) or of the longest (a completion's prompts)."""
+        if refuse_at is not None and self.floor is not None:
+            floors = map(self.floor.tokens, texts)
+            floor = sum(floors) if summed else max(floors, default=0)
+            if floor >= refuse_at:
+                raise TooManyTokens(floor)
+        chars = sum(map(len, texts))
+        if self.executor is not None and chars > self.inline_max_chars:
+            large = self.large_min_chars and chars >= self.large_min_chars
+            executor = self.large_executor if large else self.executor
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.executor, self._lengths, texts, special)
+            return await loop.run_in_executor(executor, self._lengths, texts, special)
         return self._lengths(texts, special)
 
     def _render(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> str:
@@ -171,13 +207,18 @@ class HFCounter:
         except TemplateError as exc:
             raise BadRequest(str(exc), param="messages") from None
 
-    async def count_chat(self, body: dict[str, Any]) -> int:
+    async def count_chat(self, body: dict[str, Any], refuse_at: int | None = None) -> int:
         messages = template_messages(body["messages"])
         plain = not body.get("tools") and not body.get("chat_template_kwargs")
         overhead = self._template_overhead(messages, body) if self.memoized and plain else None
         if overhead is None:
-            return (await self._count_texts([self._render(messages, body)], False))[0]
-        return overhead + await self._content_total(messages)
+            rendered = self._render(messages, body)
+            return (await self._count_texts([rendered], False, refuse_at))[0]
+        room = None if refuse_at is None else refuse_at - overhead
+        try:
+            return overhead + await self._content_total(messages, room)
+        except TooManyTokens as exc:
+            raise TooManyTokens(overhead + exc.tokens) from None
 
     def _template_overhead(
         self, messages: list[dict[str, Any]], body: dict[str, Any]
@@ -204,7 +245,7 @@ class HFCounter:
                 self._overheads[key] = overhead
         return overhead
 
-    async def _content_total(self, messages: list[dict[str, Any]]) -> int:
+    async def _content_total(self, messages: list[dict[str, Any]], refuse_at: int | None) -> int:
         cache = self._content_counts
         total = 0
         misses: list[tuple[tuple[int, int], str]] = []
@@ -222,7 +263,11 @@ class HFCounter:
                 cache.move_to_end(key)
                 total += count
         if misses:
-            counts = await self._count_texts([text for _, text in misses], False)
+            room = None if refuse_at is None else refuse_at - total
+            try:
+                counts = await self._count_texts([text for _, text in misses], False, room)
+            except TooManyTokens as exc:
+                raise TooManyTokens(total + exc.tokens) from None
             for (key, _), count in zip(misses, counts, strict=True):
                 total += count
                 if self.cache_entries:
@@ -231,11 +276,11 @@ class HFCounter:
                 cache.popitem(last=False)
         return total
 
-    async def count_prompts(self, prompt: Any) -> list[int]:
+    async def count_prompts(self, prompt: Any, refuse_at: int | None = None) -> list[int]:
         if isinstance(prompt, str):
-            return await self._count_texts([prompt], True)
+            return await self._count_texts([prompt], True, refuse_at)
         if isinstance(prompt[0], int):
             return [len(prompt)]
         if isinstance(prompt[0], list):
             return [len(p) for p in prompt]
-        return await self._count_texts(list(prompt), True)
+        return await self._count_texts(list(prompt), True, refuse_at, summed=False)

@@ -7,7 +7,7 @@ and swaps one reference.
 
 from __future__ import annotations
 
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,17 +51,37 @@ class Policy:
     """Names `GET /v1/models` lists: each pool's model and each literal alias a route accepts."""
     tenants: dict[bytes, Tenant]
     """SHA-256 digest of each API key -> its tenant; empty: the gateway is open."""
-    executor: ThreadPoolExecutor | None
+    executor: TokenizerThreads | None
     """Threads for long tokenizations; a reloaded policy inherits them with its models."""
     digest: str
 
     def close(self) -> None:
         if self.executor is not None:
-            self.executor.shutdown(wait=False, cancel_futures=True)
+            self.executor.shutdown()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerThreads:
+    """Two pools of tokenizer threads: `large` for texts of `server.large_tokenize_chars` or more,
+    `small` for the rest, so huge prompts queue only behind each other."""
+
+    small: ThreadPoolExecutor
+    large: ThreadPoolExecutor
+
+    @classmethod
+    def start(cls, threads: int) -> TokenizerThreads:
+        return cls(
+            ThreadPoolExecutor(threads, thread_name_prefix="tokenize"),
+            ThreadPoolExecutor(threads, thread_name_prefix="tokenize-large"),
+        )
+
+    def shutdown(self) -> None:
+        for pool in (self.small, self.large):
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _counter(
-    spec: ModelSpec, policy: PolicySpec, base: Path, executor: Executor | None, load: bool
+    spec: ModelSpec, policy: PolicySpec, base: Path, threads: TokenizerThreads | None, load: bool
 ) -> Any:
     if spec.tokenizer == "estimate" or not load:
         return EstimateCounter(spec.chars_per_token)
@@ -71,9 +91,11 @@ def _counter(
             str(base / spec.tokenizer)
         ),  # a relative path is the policy file's neighbour
         memoized=spec.token_counting == "memoized",
-        executor=executor,
+        executor=threads.small if threads is not None else None,
         inline_max_chars=server.inline_tokenize_max_chars,
         cache_entries=server.token_cache_entries,
+        large_executor=threads.large if threads is not None else None,
+        large_min_chars=server.large_tokenize_chars,
     )
 
 
@@ -183,7 +205,7 @@ def compile_policy(
         and load_tokenizers
         and any(m.tokenizer != "estimate" for m in spec.models.values())
     ):
-        executor = ThreadPoolExecutor(spec.server.tokenizer_threads, thread_name_prefix="tokenize")
+        executor = TokenizerThreads.start(spec.server.tokenizer_threads)
     base = Path(loaded.path).parent
     tenants, tenant_problems = compile_tenants(spec.tenants, base)
     problems += tenant_problems
@@ -204,7 +226,7 @@ def compile_policy(
         models[name] = Model(name, model_spec, counter)
     if problems:
         if executor is not None and (previous is None or executor is not previous.executor):
-            executor.shutdown(wait=False)
+            executor.shutdown()
         raise loaded.error(problems)
     pools = {
         name: Pool(name, pool_spec, models[pool_spec.model])

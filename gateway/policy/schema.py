@@ -304,6 +304,15 @@ class ServerSpec(Spec):
             " aiohttp's parser stops reading it (also a 431)."
         ),
     )
+    max_json_nodes: PositiveInt = Field(
+        65_536,
+        description=(
+            "JSON values in the body, counted on its structural characters (`[`, `{`, `,`, `:`"
+            " outside strings) before it is parsed; beyond it: 400 `json_too_complex`. Parsing"
+            " costs per value and holds the event loop: 65,536 empty arrays take about 7 ms. A"
+            " completions prompt of token ids counts one per id: raise it for longer ones."
+        ),
+    )
     max_json_depth: int = Field(
         64,
         ge=1,
@@ -362,6 +371,13 @@ class ServerSpec(Spec):
         2048, ge=0, description="Text longer than this is tokenized off the event loop."
     )
     token_cache_entries: int = Field(8192, ge=0, description="Memoized message counts kept (LRU).")
+    large_tokenize_chars: PositiveInt = Field(
+        65_536,
+        description=(
+            "Text of this many characters or more is tokenized on `tokenizer_threads` threads of"
+            " its own, so a few huge prompts never make the small ones queue behind them."
+        ),
+    )
 
 
 class AdminSpec(Spec):

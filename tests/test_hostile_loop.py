@@ -1,0 +1,213 @@
+"""No single request holds the event loop: JSON bombs and huge prompts cost their sender only."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+import pytest
+
+from tests.conftest import basic_policy
+
+GENEROUS_S = 0.5  # what the issue allows a probe while bombs land (a kubelet probe gives 1 s)
+BOMB = (
+    b'{"model":"tiny","messages":[{"role":"user","content":"hi"}],"x":['
+    + b",".join([b"[]"] * 1_500_000)
+    + b"]}"
+)
+
+
+@pytest.fixture
+async def gw(stub_factory, gateway_factory, tokenizer_dir):
+    stub = await stub_factory(chunk_delay_s=0.02)
+    return await gateway_factory(basic_policy(tokenizer_dir, [stub.url]))
+
+
+async def _bombs(http, url: str, count: int) -> list[tuple[int, bytes]]:
+    answers = []
+    for _ in range(count):
+        async with http.post(
+            f"{url}/v1/chat/completions", data=BOMB, headers={"Content-Type": "application/json"}
+        ) as resp:
+            answers.append((resp.status, await resp.read()))
+    return answers
+
+
+async def _probe(http, url: str, stop: asyncio.Event) -> float:
+    """The longest `/healthz` was delayed until `stop`: the client shares the gateway's loop, so
+    a loop held between probes delays the next one as much as one held during a probe."""
+    worst = 0.0
+    while not stop.is_set():
+        started = time.perf_counter()
+        await asyncio.sleep(0.01)
+        async with http.get(f"{url}/healthz") as resp:
+            assert resp.status == 200
+        worst = max(worst, time.perf_counter() - started - 0.01)
+    return worst
+
+
+async def _stream(http, url: str, stop: asyncio.Event) -> float:
+    """The longest gap between chunks of one live stream, read until `stop`."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello"}],
+        "stream": True,
+        "max_tokens": 4000,
+    }
+    worst, last = 0.0, time.perf_counter()
+    async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        async for _ in resp.content.iter_any():
+            now = time.perf_counter()
+            worst, last = max(worst, now - last), now
+            if stop.is_set():
+                break
+    return worst
+
+
+async def test_json_bombs_do_not_stall_probes_or_streams(gw, http):
+    stop = asyncio.Event()
+    stream = asyncio.create_task(_stream(http, gw.url, stop))
+    await asyncio.sleep(0.2)  # the stream is flowing
+    probe = asyncio.create_task(_probe(http, gw.url, stop))
+    answers = await asyncio.gather(*(_bombs(http, gw.url, 3) for _ in range(2)))
+    stop.set()
+    assert await probe < GENEROUS_S
+    assert await stream < GENEROUS_S
+    codes = [(s, orjson.loads(body)["error"]["code"]) for sender in answers for s, body in sender]
+    assert codes == [(400, "json_too_complex")] * 6
+
+
+async def test_a_long_body_of_prose_is_not_mistaken_for_a_bomb(gw, http):
+    text = 'a, b: "c", [d] {e} \\ ' * 40_000  # 160,000 commas and colons, all inside a string
+    body = {"model": "tiny", "messages": [{"role": "user", "content": text}]}
+    async with http.post(f"{gw.url}/v1/chat/completions", data=orjson.dumps(body),
+                         headers={"Content-Type": "application/json"}) as resp:  # fmt: skip
+        error = (await resp.json())["error"]
+    assert error["code"] == "context_length_exceeded"  # parsed, and refused only for its length
+
+
+async def test_loop_lag_is_exported(gw, http):
+    await asyncio.sleep(0.6)  # two ticks of the lag timer
+    async with http.get(f"{gw.url}/metrics") as resp:
+        text = await resp.text()
+    counts = [
+        line for line in text.splitlines() if line.startswith("llm_event_loop_lag_seconds_count")
+    ]
+    assert counts and float(counts[0].split()[-1]) >= 1
+
+
+# Tokenizer time: what cannot fit costs none, and huge prompts do not hold up small ones.
+
+EMOJI_PROMPT = "😀" * 1_000_000  # 4 MB, 4 million tokens with the test tokenizer
+
+
+def _fitting_prompt(chars: int) -> str:
+    words = "product rules prohibit weapons drugs review listing seller brand price ".split()
+    return " ".join(words[i % len(words)] for i in range(chars // 6))[:chars]
+
+
+@pytest.fixture
+async def big_gw(stub, gateway_factory, tokenizer_dir):
+    policy = basic_policy(tokenizer_dir, [stub.url])
+    policy["models"]["tiny"]["max_model_len"] = 8_000_000  # the huge prompts below fit
+    policy["server"] = {"max_prompt_chars": 4_000_000}
+    return await gateway_factory(policy)
+
+
+def _count_encodes(counter) -> list[int]:
+    """Wrap the counter's tokenizer entry point to record the characters of each call."""
+    calls: list[int] = []
+    encode = counter._encode_batch
+
+    def counting(texts, **kwargs):
+        calls.append(sum(map(len, texts)))
+        return encode(texts, **kwargs)
+
+    counter._encode_batch = counting
+    return calls
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+async def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(gw, http, endpoint):
+    calls = _count_encodes(gw.gateway.policy.models["tiny"].counter)
+    if endpoint == "completions":
+        body = {"model": "tiny", "prompt": EMOJI_PROMPT}
+    else:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": EMOJI_PROMPT}]}
+    async with http.post(f"{gw.url}/v1/{endpoint}", data=orjson.dumps(body),
+                         headers={"Content-Type": "application/json"}) as resp:  # fmt: skip
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert error["type"] == "invalid_request_error"
+    assert "maximum context length is 8192 tokens" in error["message"]
+    assert "you requested at least" in error["message"]
+    assert not [chars for chars in calls if chars > 1000]  # the prompt never reached the tokenizer
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "hello world",
+        "😀" * 5000,
+        "日本語のテキスト" * 1000,
+        "<start_of_turn>" * 2000,  # the longest token, back to back
+        "=" * 3000,
+        "a\u0301é" * 2000,
+        _fitting_prompt(20_000),
+    ],
+)
+def test_the_floor_never_exceeds_the_count(tokenizer_dir, text):
+    from gateway.tokenfloor import TokenFloor
+    from gateway.tokens import load_tokenizer
+
+    backend = load_tokenizer(str(tokenizer_dir)).backend_tokenizer
+    floor = TokenFloor.of(backend)
+    assert floor is not None
+    assert floor.tokens(text) <= len(backend.encode(text, add_special_tokens=False).ids)
+
+
+async def test_small_counts_do_not_wait_behind_huge_prompts(big_gw):
+    counter = big_gw.gateway.policy.models["tiny"].counter
+    huge = [_fitting_prompt(2_000_000) + str(i) for i in range(4)]  # each tokenizes for ~1 s
+    done: list[str] = []
+
+    async def count(name: str, prompt: str) -> None:
+        await counter.count_prompts(prompt)
+        done.append(name)
+
+    bigs = [asyncio.create_task(count(f"huge{i}", p)) for i, p in enumerate(huge)]
+    await asyncio.sleep(0.05)  # the huge ones hold the tokenizer threads
+    await count("small", _fitting_prompt(3_400))
+    await asyncio.gather(*bigs)
+    assert done[0] == "small", done
+
+
+def test_the_floor_is_off_where_a_token_may_swallow_text():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from gateway.tokenfloor import TokenFloor
+
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()  # one [UNK] per word, however long
+    assert TokenFloor.of(wordpiece) is None
+
+
+def test_the_floor_holds_for_byte_fallback_tokenizers():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from gateway.tokenfloor import TokenFloor
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)}
+    for piece in ("▁", "▁a", "▁aa", "aaaa", "▁😀"):
+        vocab[piece] = len(vocab)
+    merges = [("▁", "a"), ("▁a", "a"), ("a", "a"), ("aa", "aa")]
+    vocab["a"], vocab["aa"] = len(vocab), len(vocab) + 1
+    sentencepiece = Tokenizer(models.BPE(vocab, merges, byte_fallback=True))
+    sentencepiece.pre_tokenizer = pre_tokenizers.Metaspace()
+    floor = TokenFloor.of(sentencepiece)
+    assert floor is not None
+    for text in ("a" * 999, " aa" * 300, "😀" * 500, "日本 語" * 200, "▁▁▁" * 100):
+        assert floor.tokens(text) <= len(sentencepiece.encode(text).ids), text
