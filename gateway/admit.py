@@ -589,11 +589,13 @@ class PoolSlots:
             for workload, lease in leases:
                 if lease not in replica.lease_ids:
                     self._spawn(self._unlease(ledger, replica.key, workload, lease))
+        # As soon as the renewals say how the ledger is, not one round-trip later: the leases
+        # they wrote back already count against the shared caps.
+        self._set_degraded(not ledger.up)
         mine = list(self.waiting_by_tier)
         everyone = await ledger.share_waiting(self.name, mine)
         if everyone is not None:
             self.others_by_tier = [max(0, e - m) for e, m in zip(everyone, mine, strict=True)]
-        self._set_degraded(not ledger.up)
 
     async def close(self) -> None:
         """Stop dispatching and let the releases under way reach the ledger."""
