@@ -15,6 +15,7 @@ import orjson
 
 from gateway.context import Ctx
 from gateway.estimate import OutputEstimator, estimator_key
+from gateway.forward import CLIENT_CLOSED
 from gateway.metrics import NONE, Metrics
 from gateway.policy.schema import PRIORITIES
 
@@ -71,12 +72,13 @@ class Accountant:
                 *labels, str(ctx.status)
             )
         outcome.inc()
-        if ctx.reason and ctx.status >= 400:
+        if ctx.reason and ctx.status >= 400 and ctx.status != CLIENT_CLOSED:
+            # A client that leaves was not refused: it is in `llm_requests_total{code="499"}`.
             self.metrics.rejections.labels(labels[1], ctx.reason).inc()
         if ctx.output_tokens is None and ctx.chunks and ctx.stream:
             # The stream broke or the client left before the usage chunk: count what was sent.
             ctx.output_tokens = ctx.chunks
-        if ctx.queue_wait is not None:  # it reached admission: it has a pool and a class
+        if ctx.queue_wait is not None:  # admitted, or it queued: a pool, a class, a wait
             self._observe(ctx, labels, estimator)
         if self.access_log is not None:
             self.access_log.write(orjson.dumps(self.record(ctx), option=orjson.OPT_APPEND_NEWLINE))
@@ -90,7 +92,7 @@ class Accountant:
             series = self._series[labels] = _Series(self.metrics, labels)
         assert ctx.queue_wait is not None
         series.queue_wait(ctx.priority).observe(ctx.queue_wait)
-        if not ctx.replica:  # refused while queued
+        if not ctx.replica:  # it waited, then timed out or left
             return
         series.e2e.observe(ctx.ended - ctx.arrived)
         series.input_tokens.inc(ctx.input_tokens)

@@ -26,6 +26,7 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import asynccontextmanager
+from operator import itemgetter
 from typing import Any, NamedTuple, Protocol
 
 from gateway.context import Ctx
@@ -167,17 +168,43 @@ class Grant(NamedTuple):
     lease: str | None = None
 
 
+class Place:
+    """A request's standing in its pool's queue, kept across its attempts.
+
+    A replica that refuses a request before taking it (connection refused, reset before the
+    headers, a 503: the pipeline's retry) sends it back to the queue where it stood: its start
+    tag and arrival order, so whoever came after it stays behind it, and its deadline, the rest
+    of its `max_wait_s`. There it waits for a slot on a replica it has not tried, however busy
+    the pool is. A retry is the same request: it pays no second fair-share cost.
+    """
+
+    __slots__ = ("avoid", "deadline", "queued", "seq", "tag")
+
+    def __init__(self) -> None:
+        self.tag: float | None = None  # none until its first attempt is admitted or queued
+        self.seq = 0
+        self.deadline = 0.0  # loop time, when its `max_wait_s` ends
+        self.queued = False  # it has waited in the queue (so its time there is a wait)
+        self.avoid: frozenset[str] = frozenset()  # the replicas that refused it
+
+
 class _Waiter:
-    __slots__ = ("claim", "future", "group", "priority", "queued", "seq", "tag")
+    __slots__ = ("avoid", "claim", "future", "group", "priority", "queued", "seq", "tag")
 
     def __init__(
-        self, claim: Claim, group: int, tag: float, seq: int, future: asyncio.Future[Grant]
+        self,
+        claim: Claim,
+        group: int,
+        tag: float,
+        place: Place,
+        future: asyncio.Future[Grant],
     ) -> None:
         self.claim = claim
         self.group = group  # its class's reservation group: 0, or 1 + the reserved class's index
         self.priority = claim.priority
         self.tag = tag  # start tag: strict by tier, then fair share, then arrival
-        self.seq = seq
+        self.seq = place.seq
+        self.avoid = place.avoid  # a retry is never placed on a replica that refused it
         self.future = future
         self.queued = True  # counted in the queue; its future may be done before it leaves
 
@@ -433,14 +460,14 @@ class PoolSlots:
 
     # --- retries -----------------------------------------------------------------------------
 
-    def can_retry(self, claim: Claim, avoid: frozenset[str]) -> bool:
-        """Within the retry budget, and another replica has a free slot right now."""
+    def can_retry(self, avoid: frozenset[str]) -> bool:
+        """Within the retry budget, and a replica in service that `avoid` leaves, to wait for
+        (`Place`): busy or not, a slot frees on it sooner or later."""
         retry = self.spec.retry
         budget = max(retry.min_concurrent, retry.budget_percent / 100 * self.inflight)
         if self.retrying >= budget:
             return False
-        others = [r for r in self.replicas if r.url not in avoid]
-        return self.picker.pick(others, claim) is not None
+        return any(r.up and r.url not in avoid for r in self.replicas)
 
     # --- taking and giving back slots ------------------------------------------------------
 
@@ -562,11 +589,13 @@ class PoolSlots:
             for workload, lease in leases:
                 if lease not in replica.lease_ids:
                     self._spawn(self._unlease(ledger, replica.key, workload, lease))
+        # As soon as the renewals say how the ledger is, not one round-trip later: the leases
+        # they wrote back already count against the shared caps.
+        self._set_degraded(not ledger.up)
         mine = list(self.waiting_by_tier)
         everyone = await ledger.share_waiting(self.name, mine)
         if everyone is not None:
             self.others_by_tier = [max(0, e - m) for e, m in zip(everyone, mine, strict=True)]
-        self._set_degraded(not ledger.up)
 
     async def close(self) -> None:
         """Stop dispatching and let the releases under way reach the ledger."""
@@ -603,14 +632,19 @@ class PoolSlots:
         now = self._vtime[claim.priority]
         return max(now, self._finish.get((claim.priority, claim.tenant), now))
 
-    def _enqueue(self, claim: Claim, group: int) -> _Waiter:
-        """Queue with a start tag; each request costs its tokens over its tenant's weight."""
+    def _enqueue(self, claim: Claim, group: int, place: Place) -> _Waiter:
+        """Queue at `place`, or, the first time, with a start tag: then the request costs its
+        tokens over its tenant's weight."""
         tier = claim.priority
-        start = self._start_tag(claim)
+        tag = place.tag
+        if tag is None:
+            tag = self._start_tag(claim)
+            place.tag, place.seq = tag, next(self._seq)
+            self._finish[(tier, claim.tenant)] = tag + max(1, claim.tokens) / claim.weight
+        place.queued = True
         future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(claim, group, start, next(self._seq), future)
+        waiter = _Waiter(claim, group, tag, place, future)
         heapq.heappush(self._heaps[group], waiter)
-        self._finish[(tier, claim.tenant)] = start + max(1, claim.tokens) / claim.weight
         self.waiting_by_tier[tier] += 1
         self.waiting_by_group[group] += 1
         return waiter
@@ -626,26 +660,47 @@ class PoolSlots:
         self._vtime[tier] = max(self._vtime[tier], waiter.tag)
         waiter.future.set_result(grant)
 
-    def _heads(self) -> list[_Waiter]:
-        """The head of each group's queue, in dispatch order."""
-        heads = []
+    def _heads(self) -> list[tuple[_Waiter, Sequence[Replica]]]:
+        """Who may be served next, in dispatch order, and on which replicas: the head of each
+        group's queue, on any of them, and behind a head that avoids some (a retry), those
+        after it up to the first that avoids none, each only on replicas every waiter before
+        it avoids. So no waiter ever passes another to a slot that one could take."""
+        heads: list[tuple[_Waiter, Sequence[Replica]]] = []
         for heap in self._heaps:
             while heap and heap[0].future.done():  # abandoned (timed out, cancelled) or granted
                 heapq.heappop(heap)
-            if heap:
-                heads.append(heap[0])
-        heads.sort()
+            if heap and heap[0].avoid:
+                heads += self._front(heap)
+            elif heap:
+                heads.append((heap[0], self.replicas))
+        heads.sort(key=itemgetter(0))
         return heads
+
+    def _front(self, heap: list[_Waiter]) -> list[tuple[_Waiter, Sequence[Replica]]]:
+        """The front of a queue headed by retries (see `_heads`): popped in order and pushed
+        back, a few at most, as retries in flight are bounded by the retry budget."""
+        front: list[tuple[_Waiter, Sequence[Replica]]] = []
+        popped = []
+        left: Sequence[Replica] = self.replicas  # the replicas no waiter before this one takes
+        while heap and left:
+            waiter = heapq.heappop(heap)
+            if waiter.future.done():
+                continue
+            popped.append(waiter)
+            front.append((waiter, [r for r in left if r.url not in waiter.avoid]))
+            left = [r for r in left if r.url in waiter.avoid]
+        for waiter in popped:
+            heapq.heappush(heap, waiter)
+        return front
 
     def _dispatch(self) -> None:
         if not self.waiting:  # the common case, on every release
             return
         if self.ledger is None:
             while True:
-                for head in self._heads():
-                    replica = self.picker.pick(self.replicas, head.claim)
-                    if replica is not None:
-                        heapq.heappop(self._heaps[head.group])
+                for head, replicas in self._heads():
+                    replica = self.picker.pick(replicas, head.claim)
+                    if replica is not None:  # the granted waiter leaves the heap at its top
                         self._take(replica, head.claim)
                         self._grant(head, Grant(replica, head.claim))
                         break
@@ -658,11 +713,11 @@ class PoolSlots:
 
     async def _dispatch_leased(self, ledger: SlotLedger) -> None:
         while heads := self._heads():
-            for head in heads:
+            for head, replicas in heads:
                 if self._outranked(head.priority):
                     continue
                 try:
-                    grant = await self._take_leased(ledger, head.claim, self.replicas)
+                    grant = await self._take_leased(ledger, head.claim, replicas)
                 except Exception as exc:  # failed closed (or a bug): so does the head, alone
                     if not isinstance(exc, GatewayError):
                         log.exception("pool %s: dispatching a waiter failed", self.name)
@@ -747,36 +802,54 @@ class PoolSlots:
                 retry_after_s=predicted,
             )
 
-    async def acquire(self, claim: Claim) -> Grant:
+    async def acquire(self, claim: Claim, place: Place | None = None) -> Grant:
+        """A slot for `claim`: at once, after a wait in the queue, or a refusal. A request with
+        a `place` from an earlier attempt goes straight back to it (see `Place`)."""
+        if place is None:
+            place = Place()
+        if place.tag is None:
+            grant = await self._admit(claim, place)
+            if grant is not None:
+                return grant
+        return await self._wait(claim, place)
+
+    async def _admit(self, claim: Claim, place: Place) -> Grant | None:
+        """A first attempt: a slot at once, a refusal (raised), or None: it is to wait."""
         if not self.replicas:
             raise NoReplica(f"pool {self.name} has no replica", retry_after_s=5)
+        queue = self.spec.queue
+        place.deadline = asyncio.get_running_loop().time() + queue.max_wait_s
         if self.spec.shed:
             self._shed(claim.priority)
         if self.waiting_by_group[self._groups.get(claim.workload, 0)] == 0 and (
             self.ledger is None or not self._outranked(claim.priority)
         ):  # else it queues behind them
             grant = await self._take_any(claim, self.replicas)
-            if grant is not None:
+            if grant is not None:  # its standing, should a replica refuse it: unpaid
+                place.tag, place.seq = self._start_tag(claim), next(self._seq)
                 return grant
-        group = self._groups.get(claim.workload, 0)  # after the await: a reload may regroup
-        queue = self.spec.queue
         if self.waiting >= self.max_depth:
             raise QueueFull(
                 f"pool {self.name} is at capacity and its queue is full ({self.max_depth})",
                 retry_after_s=queue.retry_after_s,
             )
         if queue.fail_fast:
-            self._fail_fast(claim, group)
-        waiter = self._enqueue(claim, group)
+            self._fail_fast(claim, self._groups.get(claim.workload, 0))
+        return None
+
+    async def _wait(self, claim: Claim, place: Place) -> Grant:
+        group = self._groups.get(claim.workload, 0)  # after the awaits: a reload may regroup
+        waiter = self._enqueue(claim, group, place)
         self._dispatch()  # a higher priority than the current head may fit at once
         future = waiter.future
         granted = False
         try:
-            async with asyncio.timeout(queue.max_wait_s):
+            async with asyncio.timeout_at(place.deadline):
                 grant = await future
             granted = True
             return grant
         except TimeoutError:
+            queue = self.spec.queue
             raise QueueTimeout(
                 f"pool {self.name} had no free slot within {queue.max_wait_s:g}s",
                 retry_after_s=queue.retry_after_s,
@@ -792,26 +865,24 @@ class PoolSlots:
                 self.release(future.result())
 
     @asynccontextmanager
-    async def slot(self, ctx: Ctx, avoid: frozenset[str] = frozenset()) -> AsyncIterator[Grant]:
-        """Hold a slot for `ctx`; with `avoid` (a retry), only on another replica and at once."""
+    async def slot(self, ctx: Ctx, place: Place) -> AsyncIterator[Grant]:
+        """Hold a slot for `ctx`; `place` is its standing, new on its first attempt."""
         claim = Claim.of(ctx)
-        if avoid:
-            others = [r for r in self.replicas if r.url not in avoid]
-            taken = await self._take_any(claim, others)
-            if taken is None:
-                raise NoReplica(f"pool {self.name} has no other free replica", retry_after_s=1)
-            grant = taken
-        else:
-            started = time.perf_counter()
-            self.demand.arrivals += 1
-            try:
-                grant = await self.acquire(claim)
-            except (QueueFull, QueueTimeout, QueueWaitTooLong, Shed):
-                self.demand.refused += 1
-                raise
-            finally:
-                ctx.queue_wait = time.perf_counter() - started
-                self.demand.queued_s += ctx.queue_wait
+        self.demand.arrivals += place.tag is None
+        started = time.perf_counter()
+        grant: Grant | None = None
+        try:
+            grant = await self.acquire(claim, place)
+        except (QueueFull, QueueTimeout, QueueWaitTooLong, Shed):
+            self.demand.refused += 1
+            raise
+        finally:
+            # The wait for a slot: ~0 for a request served at once; none at all for one refused
+            # before it queued, which is no sample of how long the queue makes requests wait.
+            if grant is not None or place.queued:
+                waited = time.perf_counter() - started
+                ctx.queue_wait = (ctx.queue_wait or 0.0) + waited
+                self.demand.queued_s += waited
         ctx.replica = grant.replica.url
         held = time.perf_counter()
         try:

@@ -51,7 +51,7 @@ class Ctx:
     pool: Pool | None = None
     # admit / forward
     replica: str = ""
-    queue_wait: float | None = None  # seconds spent acquiring a slot, served or not
+    queue_wait: float | None = None  # seconds waiting for a slot; None: refused before queueing
     retries: int = 0  # attempts on other replicas after one refused the request
     first_token: float | None = None
     output_tokens: int | None = None

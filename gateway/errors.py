@@ -278,6 +278,16 @@ class ReplicaRefused(UpstreamError):
     retry on another replica."""
 
 
+class ResponseTooLarge(GatewayError):
+    """Raised when a replica's whole (non-streamed) answer is over `server.max_response_bytes`;
+    not an `UpstreamError`, so not held against the replica: a client can ask for a huge answer."""
+
+    status = 502
+    type = "upstream_error"
+    code = "response_too_large"
+    reason = "response_too_large"
+
+
 class UpstreamTimeout(GatewayError):
     """Raised when the replica did not answer within the pool's time-outs."""
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -23,11 +26,14 @@ from gateway.context import Ctx
 from gateway.errors import (
     MalformedRequest,
     ReplicaRefused,
+    ResponseTooLarge,
     UpstreamError,
     UpstreamTimeout,
     error_body,
 )
 from gateway.policy.schema import TimeoutSpec
+
+log = logging.getLogger("gateway.forward")
 
 # Hop-by-hop headers, plus those the gateway recomputes: it re-frames bodies and reads SSE events,
 # so it asks for identity encoding and sets its own lengths.
@@ -45,6 +51,9 @@ _MAX_PENDING = 1 << 16  # an SSE event this long without a separator is passed o
 _DATA = b"data: "
 _DONE = b"data: [DONE]"
 _USAGE = b'"usage"'
+_USAGE_KEY = re.compile(rb'"usage"\s*:\s*')
+_USAGE_SPAN = 4096  # a usage object is a few hundred bytes
+_DECODER = json.JSONDecoder()
 CLIENT_CLOSED = 499  # nginx's code for "the client went away"; bounded, so fine as a label
 
 
@@ -182,15 +191,21 @@ def _scan(ctx: Ctx, events: bytes, drop_usage: bool) -> bytes:
     return b"".join(out)
 
 
-def _stream_error(exc: BaseException) -> bytes:
+def _failed(ctx: Ctx, replica_url: str, told: str, exc: BaseException | str) -> str:
+    """Log what the replica did, for the operator, in one line; return `told`, all the client
+    learns: replica addresses and the HTTP client's internals are none of its business."""
+    detail = exc if isinstance(exc, str) else str(exc) or type(exc).__name__
+    log.warning("request %s: replica %s: %s: %s", ctx.request_id, replica_url, told, detail)
+    return told
+
+
+def _stream_error(ctx: Ctx, replica_url: str, exc: BaseException) -> bytes:
     if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
-        body = error_body(
-            "the replica stopped streaming (time-out)", "upstream_error", "upstream_timeout"
-        )
+        told = _failed(ctx, replica_url, "the replica stopped streaming (time-out)", exc)
+        body = error_body(told, "upstream_error", "upstream_timeout")
     else:
-        body = error_body(
-            f"the replica broke the stream: {exc}", "upstream_error", "upstream_error"
-        )
+        told = _failed(ctx, replica_url, "the replica broke the stream", exc)
+        body = error_body(told, "upstream_error", "upstream_error")
     return b"data: " + body + b"\n\ndata: [DONE]\n\n"
 
 
@@ -198,16 +213,19 @@ async def _relay(
     ctx: Ctx, up: aiohttp.ClientResponse, resp: web.StreamResponse, first: float, total: float
 ) -> None:
     """Relay events until the end; `first` and `total` are loop-time deadlines for the first
-    event and for the whole answer."""
+    bytes and for the whole answer. Any bytes end the wait for the first: an SSE comment
+    (`: ping`) carries no token but proves the replica alive; silence stays bounded by `read_s`."""
     drop_usage = not ctx.client_wants_usage
     pending = b""
+    deadline = min(first, total)
     chunks = up.content.iter_any().__aiter__()
     while True:
-        async with asyncio.timeout_at(total if ctx.chunks else min(first, total)):
+        async with asyncio.timeout_at(deadline):
             try:
                 data = await anext(chunks)
             except StopAsyncIteration:
                 break
+        deadline = total
         if pending:
             data = pending + data
         end = data.rfind(_EVENT_END)
@@ -232,6 +250,7 @@ async def forward(
     api_key: str | None,
     timeouts: TimeoutSpec,
     client_timeout: aiohttp.ClientTimeout,
+    max_response_bytes: int,
     *,
     retry_503: bool = False,
 ) -> web.StreamResponse:
@@ -239,7 +258,7 @@ async def forward(
 
     `ReplicaRefused` means the replica never took the request (refused, reset before headers, or
     503 when `retry_503`): the caller may retry it elsewhere. Nothing is retried after a byte
-    reached the client.
+    reached the client. What went wrong is logged; the client is told less.
     """
     url = replica_url + ctx.path
     headers = upstream_headers(request.headers, ctx, api_key, request.remote)
@@ -251,27 +270,35 @@ async def forward(
             up = await session.post(
                 url, data=upstream_body(ctx), headers=headers, timeout=client_timeout
             )
-    except (TimeoutError, aiohttp.ServerTimeoutError):
-        raise UpstreamTimeout(f"replica {replica_url} did not answer in time") from None
+    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+        raise UpstreamTimeout(
+            _failed(ctx, replica_url, "the replica did not answer in time", exc)
+        ) from None
     except (
         aiohttp.ClientConnectorError,
         aiohttp.ServerDisconnectedError,
         aiohttp.ClientOSError,
     ) as exc:
-        raise ReplicaRefused(f"replica {replica_url} failed: {exc}") from None
+        raise ReplicaRefused(
+            _failed(ctx, replica_url, "the replica failed before answering", exc)
+        ) from None
     except aiohttp.ClientError as exc:
-        raise UpstreamError(f"replica {replica_url} failed: {exc}") from None
+        raise UpstreamError(
+            _failed(ctx, replica_url, "the replica failed before answering", exc)
+        ) from None
     try:
         if up.status == 503 and retry_503:
-            raise ReplicaRefused(f"replica {replica_url} answered 503")
+            raise ReplicaRefused(_failed(ctx, replica_url, "the replica is unavailable", "503"))
         ctx.status = up.status
         streaming = ctx.stream and up.status == 200 and up.content_type == "text/event-stream"
         if not streaming:
             try:
                 async with asyncio.timeout_at(total):
-                    return await _whole(ctx, up)
-            except TimeoutError:
-                raise UpstreamTimeout("the replica did not finish its answer in time") from None
+                    return await _whole(ctx, up, replica_url, max_response_bytes)
+            except TimeoutError as exc:
+                raise UpstreamTimeout(
+                    _failed(ctx, replica_url, "the replica did not finish its answer in time", exc)
+                ) from None
         resp = web.StreamResponse(status=200, headers=_response_headers(up.headers, ctx))
         try:
             await resp.prepare(request)  # the first write: the client may be gone already
@@ -286,7 +313,7 @@ async def forward(
                 "upstream_timeout" if isinstance(exc, asyncio.TimeoutError) else "upstream_error"
             )
             with contextlib.suppress(ConnectionResetError):
-                await resp.write(_stream_error(exc))
+                await resp.write(_stream_error(ctx, replica_url, exc))
         with contextlib.suppress(ConnectionResetError):  # it had it all and hung up first
             await resp.write_eof()
         return resp
@@ -297,16 +324,51 @@ async def forward(
         up.release()
 
 
-async def _whole(ctx: Ctx, up: aiohttp.ClientResponse) -> web.Response:
+async def _whole(
+    ctx: Ctx, up: aiohttp.ClientResponse, replica_url: str, limit: int
+) -> web.Response:
+    """Read the answer whole, but no more than `limit` bytes: past it, the request ends and the
+    caller closes the connection, so a huge answer costs the gateway `limit` at most."""
+    usage_at = -1  # where `"usage"` last occurs, looked for in each chunk as it arrives
     try:
-        data = await up.read()
-    except (TimeoutError, aiohttp.ServerTimeoutError):
-        raise UpstreamTimeout("the replica did not finish its answer in time") from None
+        if (up.content_length or 0) > limit:
+            raise _too_large(ctx, replica_url, limit, f"Content-Length {up.content_length}")
+        data = bytearray()
+        async for chunk in up.content.iter_any():
+            start = max(0, len(data) - len(_USAGE) + 1)
+            data += chunk
+            if len(data) > limit:
+                raise _too_large(ctx, replica_url, limit, "it sent more")
+            usage_at = max(usage_at, data.rfind(_USAGE, start))
+    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+        raise UpstreamTimeout(
+            _failed(ctx, replica_url, "the replica did not finish its answer in time", exc)
+        ) from None
     except aiohttp.ClientError as exc:
-        raise UpstreamError(f"the replica broke its answer: {exc}") from None
-    if up.status == 200 and _USAGE in data:
-        try:
-            _read_usage(ctx, orjson.loads(data).get("usage"))
-        except (orjson.JSONDecodeError, AttributeError):
-            pass
+        raise UpstreamError(
+            _failed(ctx, replica_url, "the replica broke its answer", exc)
+        ) from None
+    if up.status == 200 and usage_at >= 0:
+        _read_usage(ctx, _usage_object(data, usage_at))
     return web.Response(status=up.status, body=data, headers=_response_headers(up.headers, ctx))
+
+
+def _usage_object(data: bytearray, at: int) -> Any:
+    """The value of the last `"usage"` key at or before `at`, decoded alone: parsing a large
+    answer whole (logprobs, many choices) would hold the event loop for up to seconds. vLLM
+    writes the top-level usage after the choices; a `"usage"` not followed by `:` is a string."""
+    while at >= 0:
+        key = _USAGE_KEY.match(data, at)
+        if key is not None:
+            span = bytes(data[key.end() : key.end() + _USAGE_SPAN]).decode("utf-8", "replace")
+            try:
+                return _DECODER.raw_decode(span)[0]
+            except ValueError:
+                return None
+        at = data.rfind(_USAGE, 0, at)
+    return None
+
+
+def _too_large(ctx: Ctx, replica_url: str, limit: int, why: str) -> ResponseTooLarge:
+    told = f"the replica's answer is over the gateway's {limit}-byte limit"
+    return ResponseTooLarge(_failed(ctx, replica_url, told, why))

@@ -223,8 +223,10 @@ def parse(ctx: Ctx, content_type: str, raw: bytes, limits: ServerSpec) -> None:
         _check_prompt_chars(chars, limits, "prompt")
         max_output = _positive_int(body, "max_tokens")
     n = _positive_int(body, "n") or 1
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
+    stream = body.get("stream")
+    if stream is None:  # `null` is false to vLLM (pydantic's default), so it is here too
+        stream = False
+    elif not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):

@@ -23,14 +23,13 @@ from aiohttp import web
 
 from gateway import discovery
 from gateway.account import Accountant
-from gateway.admit import PoolSlots
+from gateway.admit import Place, PoolSlots
 from gateway.classify import classify
 from gateway.context import Ctx, Endpoint
 from gateway.errors import (
     BodyTooLarge,
     ContextLengthExceeded,
     GatewayError,
-    NoReplica,
     ReplicaRefused,
     ShuttingDown,
     UpstreamError,
@@ -310,22 +309,23 @@ class Gateway:
     async def _admit_and_forward(
         self, ctx: Ctx, request: web.Request, runtime: Runtime
     ) -> web.StreamResponse:
-        """Hold a slot and forward; what a replica refused before taking it is retried on
-        another replica of the pool, within the pool's retry budget, never after a byte was sent."""
+        """Hold a slot and forward. What a replica refused before taking it goes back to its
+        place in the queue, to wait for a replica it has not tried (`admit.Place`), within the
+        pool's retry budget and the request's `max_wait_s`; never after a byte was sent."""
         assert ctx.pool is not None
         name = ctx.pool.name
         slots, session, key = runtime.slots[name], self.sessions[name], runtime.api_keys[name]
         timeouts = ctx.pool.spec.timeouts
-        avoid: frozenset[str] = frozenset()
-        refused: ReplicaRefused | None = None
+        max_bytes = runtime.policy.spec.server.max_response_bytes
+        place = Place()
         while True:
-            retrying = bool(avoid)
+            retrying = bool(place.avoid)
             slots.retrying += retrying
             try:
-                async with slots.slot(ctx, avoid) as grant:
+                async with slots.slot(ctx, place) as grant:
                     replica = grant.replica
-                    tried = avoid | {replica.url}
-                    retry_next = slots.can_retry(grant.claim, tried)
+                    tried = place.avoid | {replica.url}
+                    retry_next = slots.can_retry(tried)
                     try:
                         resp = await forward(
                             ctx,
@@ -335,13 +335,14 @@ class Gateway:
                             key,
                             timeouts,
                             runtime.client_timeouts[name],
+                            max_bytes,
                             retry_503=retry_next,
                         )
-                    except ReplicaRefused as exc:
+                    except ReplicaRefused:
                         slots.failed(replica, "refused")
-                        if not (retry_next and slots.can_retry(grant.claim, tried)):
+                        if not (retry_next and slots.can_retry(tried)):
                             raise
-                        avoid, ctx.retries, refused = tried, ctx.retries + 1, exc
+                        place.avoid, ctx.retries = tried, ctx.retries + 1
                         continue
                     except UpstreamTimeout:
                         slots.failed(replica, "timeout")
@@ -358,10 +359,6 @@ class Gateway:
                             decode_s = time.perf_counter() - ctx.first_token
                             slots.observe_tpot(replica, decode_s / (tokens - 1))
                     return resp
-            except NoReplica:
-                if refused is None:
-                    raise
-                raise refused from None  # the other replica filled up meanwhile: the first error
             finally:
                 slots.retrying -= retrying
 

@@ -75,7 +75,12 @@ class TimeoutSpec(Spec):
 
     connect_s: PositiveFloat = 5.0
     first_token_s: PositiveFloat = Field(
-        120.0, description="Streams: longest wait from sending the request to its first event."
+        120.0,
+        description=(
+            "Streams: longest wait from sending the request to the replica's first bytes of"
+            " the stream. Any bytes count, an SSE comment (`: ping`) too: they prove it alive,"
+            " and from then on `read_s` and `total_s` bound the stream."
+        ),
     )
     read_s: PositiveFloat = Field(
         300.0, description="Longest silence from the replica (before headers or between chunks)."
@@ -331,6 +336,14 @@ class ServerSpec(Spec):
             "Characters of prompt text (message contents, or all prompts of a completion),"
             " checked before tokenizing; beyond it: 400 `prompt_too_long`. Keep it above the"
             " largest `max_model_len` times the characters per token the models see."
+        ),
+    )
+    max_response_bytes: PositiveInt = Field(
+        64 * 1024 * 1024,
+        description=(
+            "Largest non-streamed answer from a replica, which the gateway holds whole to"
+            " relay it; beyond it: 502 `response_too_large`, and the replica's connection is"
+            " closed. Streams are relayed as they come and never held whole."
         ),
     )
     idle_timeout_s: PositiveFloat = Field(
