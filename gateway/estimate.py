@@ -2,15 +2,23 @@
 
 `max_completion_tokens` / `max_tokens` is a bound, and clients often send 4,096 for a 10-token answer.
 So an output-length estimator learns what similar requests really produced and the expected output
-is the smaller of the two. "Similar" is keyed by (endpoint, requested model, prompt fingerprint): the
-fingerprint hashes the start of the first message (a system prompt or a rules block), which is what
-makes a classification prompt recognisable from one request to the next.
+is the smaller of the two. "Similar" is keyed by (tenant, endpoint, requested model, prompt
+fingerprint): the fingerprint hashes the start of the first message (a system prompt or a rules
+block), which is what makes a classification prompt recognisable from one request to the next.
+
+The tenant is part of the key because an estimate decides what a request reserves of its tenant's
+TPM and which class it falls in: with a shared key, 22 requests of one tenant asking for 5,000
+tokens on a common system prompt made another tenant's every request need more than its whole
+TPM. Each tenant learns only from its own traffic, in a table of its own, so one tenant's flood of
+new prompts cannot evict another's estimates either.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,7 +29,9 @@ from gateway.tokens import message_text
 
 FINGERPRINT_CHARS = 256
 
-Key = tuple[str, str, int]
+Key = tuple[
+    str | None, str, str, int
+]  # tenant (None without tenants), endpoint, model, fingerprint
 
 
 class OutputEstimator(Protocol):
@@ -51,7 +61,8 @@ def fingerprint(ctx: Ctx) -> int:
 
 
 def estimator_key(ctx: Ctx) -> Key:
-    return (ctx.endpoint, ctx.requested_model, ctx.fingerprint)
+    tenant = ctx.tenant.name if ctx.tenant is not None else None
+    return (tenant, ctx.endpoint, ctx.requested_model, ctx.fingerprint)
 
 
 def estimate_output(ctx: Ctx, estimator: OutputEstimator, default_tokens: int) -> None:
@@ -68,11 +79,24 @@ def estimate_output(ctx: Ctx, estimator: OutputEstimator, default_tokens: int) -
 
 
 class _Window:
-    __slots__ = ("quantile", "samples")
+    __slots__ = ("quantile", "samples", "updated")
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, now: float) -> None:
         self.samples: deque[int] = deque(maxlen=size)
         self.quantile: int | None = None  # cached; None after a new sample
+        self.updated = now
+
+
+class _Table:
+    """One tenant's windows, an LRU of at most `max_keys`."""
+
+    __slots__ = ("first", "windows")
+
+    def __init__(self) -> None:
+        self.windows: OrderedDict[Key, _Window] = OrderedDict()
+        # Most keys are seen once (a chat's first message is often unique): they only get a
+        # window when they come back, so one-offs cost a pair each, not a deque.
+        self.first: OrderedDict[Key, tuple[int, float]] = OrderedDict()
 
 
 @register("output_estimator", "rolling-quantile")
@@ -84,18 +108,38 @@ class RollingQuantileEstimator:
         quantile: float = Field(0.9, gt=0, le=1)
         window: int = Field(200, ge=1)
         min_samples: int = Field(20, ge=1)
-        max_keys: int = Field(10_000, ge=1)
+        max_keys: int = Field(10_000, ge=1, description="Keys kept per tenant (LRU).")
+        max_age_s: float = Field(
+            600.0,
+            gt=0,
+            description=(
+                "A key with no new sample for this long is forgotten: its requests fall back to"
+                " their `max_tokens` or the model's default, so an estimate that nothing refreshes"
+                " (its requests refused, its traffic gone) does not stay in force."
+            ),
+        )
 
-    def __init__(self, params: Params) -> None:
+    def __init__(self, params: Params, clock: Callable[[], float] = time.monotonic) -> None:
         self.params = params
-        self._windows: OrderedDict[Key, _Window] = OrderedDict()
-        # Most keys are seen once (a chat's first message is often unique): they only get a
-        # window when they come back, so one-offs cost an int each, not a deque.
-        self._first: OrderedDict[Key, int] = OrderedDict()
+        self.clock = clock
+        # Tenants are the policy's (plus None): the tables are bounded by the policy.
+        self._tables: dict[str | None, _Table] = {}
+
+    def _table(self, key: Key) -> _Table:
+        table = self._tables.get(key[0])
+        if table is None:
+            table = self._tables[key[0]] = _Table()
+        return table
 
     def estimate(self, key: Key) -> int | None:
-        window = self._windows.get(key)
-        if window is None or len(window.samples) < self.params.min_samples:
+        table = self._tables.get(key[0])
+        window = None if table is None else table.windows.get(key)
+        if table is None or window is None:
+            return None
+        if self.clock() - window.updated > self.params.max_age_s:
+            del table.windows[key]
+            return None
+        if len(window.samples) < self.params.min_samples:
             return None
         if window.quantile is None:
             ordered = sorted(window.samples)
@@ -104,19 +148,25 @@ class RollingQuantileEstimator:
         return window.quantile
 
     def observe(self, key: Key, output_tokens: int) -> None:
-        window = self._windows.get(key)
+        now = self.clock()
+        table = self._table(key)
+        window = table.windows.get(key)
+        if window is not None and now - window.updated > self.params.max_age_s:
+            window = None  # stale samples describe traffic that is gone: start again
+            del table.windows[key]
         if window is None:
-            first = self._first.pop(key, None)
-            if first is None:
-                self._first[key] = output_tokens
-                if len(self._first) > self.params.max_keys:
-                    self._first.popitem(last=False)
+            first = table.first.pop(key, None)
+            if first is None or now - first[1] > self.params.max_age_s:
+                table.first[key] = (output_tokens, now)
+                if len(table.first) > self.params.max_keys:
+                    table.first.popitem(last=False)
                 return
-            window = self._windows[key] = _Window(self.params.window)
-            window.samples.append(first)
-            if len(self._windows) > self.params.max_keys:
-                self._windows.popitem(last=False)
+            window = table.windows[key] = _Window(self.params.window, now)
+            window.samples.append(first[0])
+            if len(table.windows) > self.params.max_keys:
+                table.windows.popitem(last=False)
         else:
-            self._windows.move_to_end(key)
+            table.windows.move_to_end(key)
         window.samples.append(output_tokens)
         window.quantile = None
+        window.updated = now

@@ -3,7 +3,8 @@
 At this point the input tokens are counted and the output estimated, so the request's
 `reserved_tokens` (input + expected output) is charged to the tenant's TPM window and 1 to its
 RPM window, all or nothing; a request that does not fit is refused with the `Retry-After` its
-window computes, before it takes a place in any queue. When the response ends, however it ended,
+window computes, before it takes a place in any queue. A request larger than a whole window is
+refused for good (`request_over_limit`) only on its own numbers; see `_charged`. When the response ends, however it ended,
 the token charge is corrected to what was really used: input + output tokens if a replica served
 it (output from the usage chunk, or the chunks counted when the stream broke or the client
 left), 0 if it never reached one. The request itself stays counted against RPM.
@@ -32,8 +33,9 @@ class Charge:
     """A reservation to correct when the request ends."""
 
     id: str
-    tokens_keys: tuple[str, ...]  # the TPM windows charged (overall, model, pool); maybe none
-    reserved: int
+    tokens: tuple[
+        tuple[str, int], ...
+    ]  # each TPM window charged (overall, model, pool), and how much
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,12 +72,33 @@ def _headers(scoped: list[_Scoped], windows: tuple[Window, ...]) -> dict[str, st
     return out
 
 
+def _stated(ctx: Ctx) -> int:
+    """The tokens the request itself says it may use: its input, and its output when the client's
+    own bound is what was reserved (a learned or default output is the gateway's guess)."""
+    if ctx.estimate_source == "max_tokens":
+        return ctx.reserved_tokens
+    return ctx.input_tokens
+
+
+def _charged(reserved: int, stated: int, tpm: int) -> int:
+    """What to charge a window of `tpm` for a request of `reserved` tokens (`stated` certain).
+
+    A refusal that no wait can lift must rest on the client's own numbers: a reservation larger
+    than the whole window only because its output was estimated is cut to the window, so the
+    request runs once the window is empty, and its charge is settled to real use afterwards.
+    """
+    if reserved <= tpm:
+        return reserved
+    return max(stated, tpm)
+
+
 def _windows(tenant: Tenant, ctx: Ctx, tokens: int) -> list[_Scoped]:
     """The tenant's overall windows, then those of the model and the pool this request uses.
 
     One hash tag per tenant: all its windows share a Redis Cluster slot, so one script can
     charge them together.
     """
+    stated = _stated(ctx) if tokens else 0
     prefix = f"quota:{{{tenant.name}}}:"
     scopes = [("", tenant.spec.tpm, tenant.spec.rpm)]
     if ctx.pool is not None:
@@ -87,7 +110,8 @@ def _windows(tenant: Tenant, ctx: Ctx, tokens: int) -> list[_Scoped]:
     out = []
     for scope, tpm, rpm in scopes:
         if tpm is not None:
-            out.append(_Scoped("tokens", scope, Limit(prefix + scope + "tokens", tokens, tpm)))
+            amount = _charged(tokens, stated, tpm)
+            out.append(_Scoped("tokens", scope, Limit(prefix + scope + "tokens", amount, tpm)))
         if rpm is not None:
             out.append(_Scoped("requests", scope, Limit(prefix + scope + "requests", 1, rpm)))
     return out
@@ -127,8 +151,10 @@ class Quotas:
                 f" {item.limit.amount}; try again in {result.retry_after_s:.1f}s",
                 retry_after_s=result.retry_after_s,
             )
-        keys = tuple(item.limit.key for item in scoped if item.kind == "tokens")
-        return Charge(result.id, keys, ctx.reserved_tokens)
+        tokens = tuple(
+            (item.limit.key, item.limit.amount) for item in scoped if item.kind == "tokens"
+        )
+        return Charge(result.id, tokens)
 
     async def describe(self, ctx: Ctx) -> None:
         """Give a response refused before the quota stage (a 400 of a known tenant) the headers
@@ -150,8 +176,8 @@ class Quotas:
         """Correct the token charges to real usage. Call after `account`, which fills in output
         tokens from the chunks counted when a stream broke; never raises, never awaits."""
         actual = ctx.input_tokens + (ctx.output_tokens or 0) if ctx.replica else 0
-        for key in charge.tokens_keys:
-            task = asyncio.create_task(self.state.adjust(key, charge.id, charge.reserved, actual))
+        for key, reserved in charge.tokens:
+            task = asyncio.create_task(self.state.adjust(key, charge.id, reserved, actual))
             self._pending.add(task)
             task.add_done_callback(self._done)
 
