@@ -342,7 +342,9 @@ class Gateway:
                         slots.failed(replica, "refused")
                         if not (retry_next and slots.can_retry(tried)):
                             raise
-                        place.avoid, ctx.retries = tried, ctx.retries + 1
+                        # Back in the queue it is served by no replica (nor charged as if it
+                        # were) until another grant names one.
+                        place.avoid, ctx.retries, ctx.replica = tried, ctx.retries + 1, ""
                         continue
                     except UpstreamTimeout:
                         slots.failed(replica, "timeout")

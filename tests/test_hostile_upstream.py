@@ -301,6 +301,7 @@ async def test_a_refused_request_keeps_its_deadline(
         assert (status, body["error"]["code"]) == (429, "queue_timeout")
         record = access(gw)[-1]
         assert record["retries"] == 1
+        assert record["replica"] is None  # served by none: no e2e sample, no tokens charged
         # 1 s from its arrival, not another 1 s from its refusal 0.8 s in.
         assert record["queue_wait_s"] < 0.6, record
         assert (await busy)[0] == 200
