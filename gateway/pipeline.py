@@ -36,7 +36,7 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.estimate import estimate_output
-from gateway.forward import CLIENT_CLOSED, forward
+from gateway.forward import CLIENT_CLOSED, check_forwardable, forward
 from gateway.health import HealthChecker
 from gateway.looplag import watch_lag
 from gateway.metrics import Metrics
@@ -379,6 +379,7 @@ class Gateway:
             if self.draining:
                 raise ShuttingDown("the gateway is shutting down", retry_after_s=1)
             authenticate(ctx, policy.tenants)  # before the body: strangers cost no read
+            check_forwardable(request.raw_headers)
             try:
                 raw = await request.read()
             except web.HTTPRequestEntityTooLarge:

@@ -299,6 +299,8 @@ async def test_a_non_utf8_header_is_refused_instead_of_going_upstream_empty(
     assert (status, body["error"]["code"]) == (400, "malformed_request")
     assert "X-Note" in body["error"]["message"]
     assert stub.stats.headers == []
+    record = orjson.loads(gw.access_log.getvalue().splitlines()[-1])  # accounted like any refusal
+    assert (record["status"], record["reason"]) == (400, "malformed_request")
     utf8 = post("/v1/chat/completions", "X-Note: café".encode())
     assert (await exchange(urlsplit(gw.url).port, utf8))[0] == 200
     assert stub.stats.headers[-1]["x-note"] == "café"

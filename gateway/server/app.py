@@ -21,7 +21,6 @@ from gateway.errors import (
     Unauthorized,
     error_body,
 )
-from gateway.forward import check_forwardable
 from gateway.pipeline import Gateway
 from gateway.policy.compile import Policy
 from gateway.policy.load import PolicyError
@@ -63,12 +62,10 @@ def _json(data: object, status: int = 200) -> web.Response:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    check_forwardable(request.raw_headers)
     return await request.app[GATEWAY].handle(request, "chat")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    check_forwardable(request.raw_headers)
     return await request.app[GATEWAY].handle(request, "completions")
 
 
