@@ -188,3 +188,19 @@ async def test_a_parts_template_is_counted_as_it_renders_the_parts(
     assert await counter.count_chat({"messages": messages}) == expected
     # Each image: the template's <start_of_image> is counted there; the rest of the expansion here.
     assert counter.image_cost == IMAGE_TOKENS - 1
+
+
+async def test_a_gemma_request_with_images_is_charged_its_render_plus_each_expansion(
+    stub, gateway_factory, gemma_dir, http
+) -> None:
+    gw = await gateway_factory(image_policy(gemma_dir, [stub.url], image_tokens=IMAGE_TOKENS))
+    status, _ = await post(http, gw, chat_body(3, max_tokens=5))
+    assert status == 200
+    reference = AutoTokenizer.from_pretrained(str(gemma_dir), local_files_only=True)
+    content = [{"type": "text", "text": "describe each image"}, *[{"type": "image"}] * 3]
+    rendered = reference.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
+    placeholders = len(reference(rendered, add_special_tokens=False)["input_ids"])
+    # vLLM's processor turns each <start_of_image> into the 260-token sequence.
+    assert last_log(gw)["input_tokens"] == placeholders + 3 * (IMAGE_TOKENS - 1)
