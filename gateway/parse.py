@@ -130,10 +130,10 @@ def _content_chars(content: Any, index: int) -> tuple[int, int]:
                 param=f"messages[{index}].content",
             )
         text = part.get("text")
-        if isinstance(text, str):
-            chars += len(text)
-        elif is_image(part):
+        if is_image(part):  # first: vLLM goes by the type, whatever else the part carries
             images += 1
+        elif isinstance(text, str):
+            chars += len(text)
     return chars, images
 
 

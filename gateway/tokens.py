@@ -234,7 +234,7 @@ class HFCounter:
             )
         except BadRequest:
             return False
-        return probe in rendered and "'type'" not in rendered
+        return probe in rendered and not any(q in rendered for q in ("'type'", '"type"'))
 
     def _image_placeholder(self) -> int:
         """Tokens the template writes for one image (Gemma 3's `<start_of_image>`: 1)."""

@@ -129,9 +129,10 @@ async def test_a_model_without_image_tokens_refuses_images(
     gw = await gateway_factory(basic_policy(tokenizer_dir, [stub.url]))
     status, answer = await post(http, gw, chat_body(1))
     assert (status, answer["error"]["code"]) == (400, "images_not_supported")
-    untyped = {"model": "tiny", "messages": [{"role": "user", "content": [{"image_url": "x"}]}]}
-    status, answer = await post(http, gw, untyped)  # vLLM takes a part without a type too
-    assert (status, answer["error"]["code"]) == (400, "images_not_supported")
+    for part in ({"image_url": "x"}, {**IMAGE, "text": "not text: vLLM goes by the type"}):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": [part]}]}
+        status, answer = await post(http, gw, body)  # vLLM takes a part without a type too
+        assert (status, answer["error"]["code"]) == (400, "images_not_supported")
     assert stub.stats.requests == 0
 
 
