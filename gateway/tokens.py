@@ -51,7 +51,7 @@ def is_image(part: dict[str, Any]) -> bool:
     kind = part.get("type")
     if kind is None:
         return any(key in part for key in _UNTYPED_IMAGE_KEYS)
-    return kind in IMAGE_PART_TYPES
+    return isinstance(kind, str) and kind in IMAGE_PART_TYPES  # a client's type may be any JSON
 
 
 def message_text(content: Any) -> str:
