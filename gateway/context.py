@@ -36,6 +36,7 @@ class Ctx:
     priority: int = 1  # the tier, or lower if `x-priority` asks
     sequences: int = 1  # completions generated: n x prompts
     max_output: int | None = None  # the client's max_tokens / max_completion_tokens
+    images: int = 0  # image parts in a chat's messages, counted by tokenize at the model's rate
     # tokenize
     input_tokens: int = 0
     longest_prompt: int = 0  # several prompts in one completions request are checked one by one
@@ -55,6 +56,7 @@ class Ctx:
     retries: int = 0  # attempts on other replicas after one refused the request
     first_token: float | None = None
     output_tokens: int | None = None
+    prompt_tokens: int | None = None  # the replica's own count, when its usage reports one
     chunks: int = 0
     ratelimit_headers: dict[str, str] = field(default_factory=dict)  # the tenant's windows
     # outcome

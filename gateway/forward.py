@@ -138,6 +138,8 @@ def _response_headers(upstream: Mapping[str, str], ctx: Ctx) -> CIMultiDict[str]
 def _read_usage(ctx: Ctx, usage: Any) -> None:
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
         ctx.output_tokens = usage["completion_tokens"]
+        if isinstance(usage.get("prompt_tokens"), int):
+            ctx.prompt_tokens = usage["prompt_tokens"]
 
 
 def _count(ctx: Ctx, events: bytes) -> None:

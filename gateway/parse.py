@@ -15,6 +15,7 @@ import orjson
 from gateway.context import Ctx
 from gateway.errors import BadRequest, UnsupportedMediaType
 from gateway.policy.schema import PRIORITIES, ServerSpec
+from gateway.tokens import is_image
 
 _PRIORITY_INDEX = {name: index for index, name in enumerate(PRIORITIES)}
 DEFAULT_PRIORITY = _PRIORITY_INDEX["standard"]
@@ -107,18 +108,21 @@ def _check_depth(raw: bytes, outside: bytes | None, limit: int) -> None:
         raise BadRequest(f"body is nested deeper than {limit} levels", code="json_too_deep")
 
 
-def _content_chars(content: Any, index: int) -> int:
-    """Characters of one message's content; its shape is checked on the way."""
+def _content_chars(content: Any, index: int) -> tuple[int, int]:
+    """Characters and image parts of one message's content; its shape is checked on the way.
+
+    Images are counted here, in the one walk over the parts, and charged at the model's
+    `image_tokens` by tokenize: their bytes (URLs, base64) are no prompt characters."""
     if content is None:
-        return 0
+        return 0, 0
     if isinstance(content, str):
-        return len(content)
+        return len(content), 0
     if not isinstance(content, list):
         raise BadRequest(
             f"messages[{index}].content must be a string or an array of parts",
             param=f"messages[{index}].content",
         )
-    chars = 0
+    chars = images = 0
     for part in content:
         if not isinstance(part, dict):
             raise BadRequest(
@@ -126,9 +130,11 @@ def _content_chars(content: Any, index: int) -> int:
                 param=f"messages[{index}].content",
             )
         text = part.get("text")
-        if isinstance(text, str):
+        if is_image(part):  # first: vLLM goes by the type, whatever else the part carries
+            images += 1
+        elif isinstance(text, str):
             chars += len(text)
-    return chars
+    return chars, images
 
 
 def _check_prompt_chars(chars: int, limits: ServerSpec, param: str) -> None:
@@ -140,7 +146,8 @@ def _check_prompt_chars(chars: int, limits: ServerSpec, param: str) -> None:
         )
 
 
-def _check_messages(messages: Any, limits: ServerSpec) -> None:
+def _check_messages(messages: Any, limits: ServerSpec) -> int:
+    """Check the messages' shape and size; return their image parts."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
     if len(messages) > limits.max_messages:
@@ -149,15 +156,18 @@ def _check_messages(messages: Any, limits: ServerSpec) -> None:
             param="messages",
             code="too_many_messages",
         )
-    chars = 0
+    chars = images = 0
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise BadRequest(
                 f"messages[{index}] must be an object with a string 'role'",
                 param=f"messages[{index}]",
             )
-        chars += _content_chars(message.get("content"), index)
+        content_chars, content_images = _content_chars(message.get("content"), index)
+        chars += content_chars
+        images += content_images
     _check_prompt_chars(chars, limits, "messages")
+    return images
 
 
 def _is_token(value: Any) -> bool:
@@ -210,7 +220,7 @@ def parse(ctx: Ctx, content_type: str, raw: bytes, limits: ServerSpec) -> None:
             f"'model' is over {MAX_MODEL_CHARS} characters", param="model", code="model_too_long"
         )
     if ctx.endpoint == "chat":
-        _check_messages(body.get("messages"), limits)
+        ctx.images = _check_messages(body.get("messages"), limits)
         _check_flags(body)
         prompts = 1
         max_output = _positive_int(body, "max_completion_tokens")

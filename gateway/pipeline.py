@@ -27,6 +27,7 @@ from gateway.admit import Place, PoolSlots
 from gateway.classify import classify
 from gateway.context import Ctx, Endpoint
 from gateway.errors import (
+    BadRequest,
     BodyTooLarge,
     ContextLengthExceeded,
     GatewayError,
@@ -55,23 +56,47 @@ PASSIVE_WATCH_S = 5.0  # with watching off, how often to look whether a reload t
 _BROKEN_STREAM = frozenset({"upstream_error", "upstream_timeout"})  # failed after the first byte
 
 
+def _check_images(ctx: Ctx) -> None:
+    assert ctx.model is not None
+    spec = ctx.model.spec
+    if spec.image_tokens is None:
+        raise BadRequest(
+            f"model {ctx.model.name!r} does not take images",
+            param="messages",
+            code="images_not_supported",
+        )
+    if ctx.images > spec.max_images:
+        raise BadRequest(
+            f"{ctx.images} images, over the {spec.max_images} limit of model {ctx.model.name!r}",
+            param="messages",
+            code="too_many_images",
+        )
+
+
 async def count_input(ctx: Ctx) -> None:
-    """Count the prompt; one that provably cannot fit any candidate pool's context is refused
-    before the tokenizer spends time on it."""
+    """Count the prompt, each image at the model's `image_tokens`; one that provably cannot fit
+    any candidate pool's context is refused before the tokenizer spends time on it."""
     assert ctx.model is not None
     counter = ctx.model.counter
     limit = max(c.pool.model.spec.max_model_len for c in ctx.candidates)
     refuse_at = limit - max(
         (ctx.max_output or 0) - 1, 0
     )  # the first count check_context_length refuses
+    images = 0
+    if ctx.images:
+        _check_images(ctx)
+        images = ctx.images * counter.image_cost
+        if images >= refuse_at:
+            raise _too_long(ctx, limit, images, "at least ")
     try:
         if ctx.endpoint == "chat":
-            ctx.input_tokens = ctx.longest_prompt = await counter.count_chat(ctx.body, refuse_at)
+            text = await counter.count_chat(ctx.body, refuse_at - images)
+            ctx.input_tokens = ctx.longest_prompt = images + text
         else:
             counts = await counter.count_prompts(ctx.body["prompt"], refuse_at)
             ctx.input_tokens, ctx.longest_prompt = sum(counts), max(counts)
     except TooManyTokens as exc:
-        raise _too_long(ctx, limit, exc.tokens, "at least ") from None
+        raise _too_long(ctx, limit, images + exc.tokens, "at least ") from None
 
 
 def _too_long(ctx: Ctx, limit: int, prompt: int, qualifier: str = "") -> ContextLengthExceeded:

@@ -4,10 +4,10 @@ At this point the input tokens are counted and the output estimated, so the requ
 `reserved_tokens` (input + expected output) is charged to the tenant's TPM window and 1 to its
 RPM window, all or nothing; a request that does not fit is refused with the `Retry-After` its
 window computes, before it takes a place in any queue. A request larger than a whole window is
-refused for good (`request_over_limit`) only on its own numbers; see `_charged`. When the response ends, however it ended,
-the token charge is corrected to what was really used: input + output tokens if a replica served
-it (output from the usage chunk, or the chunks counted when the stream broke or the client
-left), 0 if it never reached one. The request itself stays counted against RPM.
+refused for good (`request_over_limit`) only on its own numbers; see `_charged`. When the response
+ends, however it ended, the token charge is corrected to what was really used: input + output
+tokens if a replica served it (both from the usage chunk, or the chunks counted when the stream
+broke or the client left), 0 if it never reached one. The request itself stays counted against RPM.
 
 Every response for a limited tenant carries OpenAI's `x-ratelimit-{limit,remaining,reset}-
 {tokens,requests}` headers, as the window stood after the reservation (or the refusal).
@@ -174,8 +174,12 @@ class Quotas:
 
     def settle(self, ctx: Ctx, charge: Charge) -> None:
         """Correct the token charges to real usage. Call after `account`, which fills in output
-        tokens from the chunks counted when a stream broke; never raises, never awaits."""
-        actual = ctx.input_tokens + (ctx.output_tokens or 0) if ctx.replica else 0
+        tokens from the chunks counted when a stream broke; never raises, never awaits.
+
+        The replica's `prompt_tokens` wins over the gateway's count when it reports one: what
+        it really prefilled (images expanded by its processor, say) is what the tenant used."""
+        prompt = ctx.input_tokens if ctx.prompt_tokens is None else ctx.prompt_tokens
+        actual = prompt + (ctx.output_tokens or 0) if ctx.replica else 0
         for key, reserved in charge.tokens:
             task = asyncio.create_task(self.state.adjust(key, charge.id, reserved, actual))
             self._pending.add(task)

@@ -40,6 +40,20 @@ MAX_CACHED_TURNS = 64
 STANDARD_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
+# vLLM's image parts (entrypoints/chat_utils.py `MM_PARSER_MAP`): by type, or untyped with the key.
+IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image_pil", "image_embeds"})
+_UNTYPED_IMAGE_KEYS = ("image_url", "image_pil", "image_embeds")
+_IMAGE = {"type": "image"}  # what vLLM hands an "openai"-format template for each image
+
+
+def is_image(part: dict[str, Any]) -> bool:
+    """Whether a content part is an image vLLM will expand into the prompt."""
+    kind = part.get("type")
+    if kind is None:
+        return any(key in part for key in _UNTYPED_IMAGE_KEYS)
+    return isinstance(kind, str) and kind in IMAGE_PART_TYPES  # a client's type may be any JSON
+
+
 def message_text(content: Any) -> str:
     """The text of a message's content, joining text parts as vLLM does for string templates."""
     if content is None:
@@ -50,13 +64,32 @@ def message_text(content: Any) -> str:
     return "\n".join(str(p) for p in parts)
 
 
-def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as the chat template sees them: content flattened to a string."""
+def template_parts(content: list[Any]) -> list[dict[str, Any]]:
+    """A content array as vLLM hands it to an "openai"-format template: its text parts, and
+    `{"type": "image"}` for each image part; other parts are dropped."""
+    out: list[dict[str, Any]] = []
+    for part in content:
+        if not isinstance(part, dict):
+            continue
+        if part.get("type") == "text":
+            out.append({"type": "text", "text": str(part.get("text", ""))})
+        elif is_image(part):
+            out.append(_IMAGE)
+    return out
+
+
+def template_messages(
+    messages: Sequence[dict[str, Any]], parts: bool = False
+) -> list[dict[str, Any]]:
+    """Messages as the chat template sees them: content flattened to a string, or with `parts`
+    (a template that loops over content parts) content arrays kept as `template_parts`."""
     out = []
     for message in messages:
         content = message.get("content")
         if isinstance(content, str):
             out.append(message)
+        elif parts and isinstance(content, list):
+            out.append({**message, "content": template_parts(content)})
         else:
             out.append({**message, "content": message_text(content)})
     return out
@@ -97,7 +130,11 @@ class TokenCounter(Protocol):
 
     With `refuse_at`, a counter may raise `TooManyTokens` instead of counting a prompt it can prove
     has at least that many tokens (the whole chat, or the longest prompt of a completion).
+    `image_cost` is what each image adds to `count_chat`'s count; the caller adds it, from the
+    images parse counted.
     """
+
+    image_cost: int
 
     async def count_chat(self, body: dict[str, Any], refuse_at: int | None = None) -> int: ...
 
@@ -111,8 +148,9 @@ class EstimateCounter:
 
     PER_MESSAGE = 4  # role markers and separators a chat template adds around each message
 
-    def __init__(self, chars_per_token: float) -> None:
+    def __init__(self, chars_per_token: float, image_tokens: int | None = None) -> None:
         self.chars_per_token = chars_per_token
+        self.image_cost = image_tokens or 0  # the estimate writes no placeholder
 
     def _count(self, text: str) -> int:
         return math.ceil(len(text) / self.chars_per_token)
@@ -154,6 +192,7 @@ class HFCounter:
         cache_entries: int,
         large_executor: Executor | None = None,
         large_min_chars: int = 0,
+        image_tokens: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.memoized = memoized
@@ -169,6 +208,11 @@ class HFCounter:
         self._content_counts: OrderedDict[tuple[int, int], int] = OrderedDict()
         self._overheads: dict[tuple[Any, ...], int] = {}
         self._trims = self._template_trims()
+        self.parts = self._template_takes_parts()
+        # The placeholder an "openai"-format template writes per image is already in the count;
+        # a string-format template writes none (vLLM adds it, inside the image's cost).
+        placeholder = self._image_placeholder() if self.parts else 0
+        self.image_cost = max(0, (image_tokens or 0) - placeholder)
         self.floor = TokenFloor.of(backend)
 
     def _template_trims(self) -> bool:
@@ -179,6 +223,27 @@ class HFCounter:
         except BadRequest:
             return False
         return f"  {probe}" not in rendered and probe in rendered
+
+    def _template_takes_parts(self) -> bool:
+        """Whether the template loops over content parts (vLLM's "openai" content format, found
+        by its jinja AST; here by a render): a string-format one prints the list whole, or fails."""
+        probe = "gateway-probe"
+        try:
+            rendered = self._render(
+                [{"role": "user", "content": [{"type": "text", "text": probe}]}], {}
+            )
+        except BadRequest:
+            return False
+        return probe in rendered and not any(q in rendered for q in ("'type'", '"type"'))
+
+    def _image_placeholder(self) -> int:
+        """Tokens the template writes for one image (Gemma 3's `<start_of_image>`: 1)."""
+        try:
+            rendered = [self._render([{"role": "user", "content": c}], {}) for c in ([_IMAGE], [])]
+        except BadRequest:
+            return 0
+        with_image, without = self._lengths(rendered, False)
+        return max(0, with_image - without)
 
     def _lengths(self, texts: list[str], special: bool) -> list[int]:
         return [len(e.ids) for e in self._encode_batch(texts, add_special_tokens=special)]
@@ -208,8 +273,11 @@ class HFCounter:
             raise BadRequest(str(exc), param="messages") from None
 
     async def count_chat(self, body: dict[str, Any], refuse_at: int | None = None) -> int:
-        messages = template_messages(body["messages"])
-        plain = not body.get("tools") and not body.get("chat_template_kwargs")
+        """Content arrays for a parts template are rendered whole: `memoized` keys its cache on
+        string contents, so such a request is counted exactly."""
+        parts = self.parts and any(isinstance(m.get("content"), list) for m in body["messages"])
+        messages = template_messages(body["messages"], parts)
+        plain = not body.get("tools") and not body.get("chat_template_kwargs") and not parts
         overhead = self._template_overhead(messages, body) if self.memoized and plain else None
         if overhead is None:
             rendered = self._render(messages, body)

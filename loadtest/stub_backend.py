@@ -29,6 +29,9 @@ class StubConfig:
     status: int = 200  # anything else answers with a vLLM-shaped error
     served_models: tuple[str, ...] = ()  # empty: any model
     record: bool = True  # keep every body and header for tests; benchmarks turn it off
+    # usage.prompt_tokens to report. None reports none: the stub has no tokenizer, and the gateway
+    # settles a tenant's tokens on a replica's count, so a guess would skew every window.
+    prompt_tokens: int | None = None
 
 
 @dataclass
@@ -46,21 +49,14 @@ STATS = web.AppKey("stats", StubStats)
 CONFIG = web.AppKey("config", StubConfig)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def _usage(prompt_tokens: int | None, completion_tokens: int) -> dict[str, int]:
+    if prompt_tokens is None:
+        return {"completion_tokens": completion_tokens, "total_tokens": completion_tokens}
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
-
-
-def _prompt_tokens(body: dict[str, Any]) -> int:
-    """A rough count (4 characters a token): the stub has no tokenizer."""
-    if "messages" in body:
-        text = "".join(str(m.get("content") or "") for m in body["messages"])
-    else:
-        text = str(body.get("prompt", ""))
-    return max(1, len(text) // 4)
 
 
 def _chunk(kind: str, rid: str, model: str, index: int, token: str | None) -> dict[str, Any]:
@@ -109,7 +105,7 @@ async def _answer(request: web.Request, kind: str) -> web.StreamResponse:
     tokens = int(
         body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_OUTPUT_TOKENS
     )
-    prompt_tokens = _prompt_tokens(body)
+    prompt_tokens = config.prompt_tokens
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{stats.requests}"
     stats.running += 1
     stats.max_running = max(stats.max_running, stats.running)

@@ -84,7 +84,7 @@ def _counter(
     spec: ModelSpec, policy: PolicySpec, base: Path, threads: TokenizerThreads | None, load: bool
 ) -> Any:
     if spec.tokenizer == "estimate" or not load:
-        return EstimateCounter(spec.chars_per_token)
+        return EstimateCounter(spec.chars_per_token, spec.image_tokens)
     server = policy.server
     return HFCounter(
         load_tokenizer(
@@ -96,6 +96,7 @@ def _counter(
         cache_entries=server.token_cache_entries,
         large_executor=threads.large if threads is not None else None,
         large_min_chars=server.large_tokenize_chars,
+        image_tokens=spec.image_tokens,
     )
 
 

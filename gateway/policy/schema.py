@@ -54,6 +54,20 @@ class ModelSpec(Spec):
     default_output_tokens: PositiveInt = Field(
         512, description="Expected output when the request gives no bound and nothing is learned."
     )
+    image_tokens: PositiveInt | None = Field(
+        None,
+        description=(
+            "Tokens one image occupies in the prompt as the replica counts it, placeholder"
+            " included; unset: the model takes no images and a request with image parts gets"
+            " 400 `images_not_supported`. Gemma 3: 260, since its processor replaces each"
+            " `<start_of_image>` the chat template writes with `\\n\\n` + `<start_of_image>` +"
+            " 256 image tokens + `<end_of_image>` + `\\n\\n` (`\\n\\n` is one token), with"
+            " pan-and-scan off (vLLM's default)."
+        ),
+    )
+    max_images: PositiveInt = Field(
+        16, description="Image parts one request may carry; more: 400 `too_many_images`."
+    )
 
 
 class QueueSpec(Spec):
