@@ -24,6 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import _serve, basic_policy, eventually
 
+ChatHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
 MiB = 1024 * 1024
 
@@ -71,11 +73,13 @@ def settled(gw: Any) -> bool:
 
 
 @pytest.fixture
-async def replica_app() -> AsyncIterator[Callable[[web.Application], Awaitable[str]]]:
-    """Serve a test's own replica app on loopback; returns its URL."""
+async def replica_app() -> AsyncIterator[Callable[[ChatHandler], Awaitable[str]]]:
+    """Serve a test's own chat-completions handler as a replica on loopback; returns its URL."""
     runners: list[web.AppRunner] = []
 
-    async def start(app: web.Application) -> str:
+    async def start(handler: ChatHandler) -> str:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", handler)
         runner, url = await _serve(app)
         runners.append(runner)
         return url
@@ -83,6 +87,14 @@ async def replica_app() -> AsyncIterator[Callable[[web.Application], Awaitable[s
     yield start
     for runner in runners:
         await runner.cleanup()
+
+
+async def open_stream(request: web.Request) -> web.StreamResponse:
+    """Read the request and start an SSE answer, as a streaming replica does."""
+    await request.read()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    return resp
 
 
 def completion(usage: dict[str, int], **extra: Any) -> dict[str, Any]:
@@ -119,9 +131,7 @@ async def test_a_whole_answer_over_max_response_bytes_is_a_502_and_frees_the_slo
             ended.set()
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", huge)
-    policy = basic_policy(tokenizer_dir, [await replica_app(app)])
+    policy = basic_policy(tokenizer_dir, [await replica_app(huge)])
     policy["server"] = {"max_response_bytes": 2 * MiB}
     policy["pools"]["main"]["health"] = {"interval_s": 0, "consecutive_failures": 1}
     gw = await gateway_factory(policy)
@@ -157,9 +167,7 @@ async def test_a_large_whole_answer_is_relayed_and_its_usage_read_without_stalli
         await request.read()
         return web.Response(body=answer, content_type="application/json")
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", big)
-    gw = await gateway_factory(basic_policy(tokenizer_dir, [await replica_app(app)]))
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [await replica_app(big)]))
     worst = 0.0
     done = asyncio.Event()
 
@@ -190,18 +198,14 @@ async def test_a_stream_without_event_separators_is_relayed_in_bounded_memory(
     total = 48 * MiB
 
     async def endless(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
+        resp = await open_stream(request)
         written = 0
         while written < total:
             await resp.write(chunk)
             written += len(chunk)
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", endless)
-    gw = await gateway_factory(basic_policy(tokenizer_dir, [await replica_app(app)]))
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [await replica_app(endless)]))
     tracemalloc.start()
     try:
         received = 0
@@ -406,17 +410,13 @@ async def test_a_broken_stream_names_no_replica_to_the_client(
     replica_app, gateway_factory, tokenizer_dir, http
 ) -> None:
     async def breaks(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
+        resp = await open_stream(request)
         await resp.write(b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n')
         assert request.transport is not None
         request.transport.abort()  # mid-stream, no terminating chunk
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", breaks)
-    url = await replica_app(app)
+    url = await replica_app(breaks)
     gw = await gateway_factory(basic_policy(tokenizer_dir, [url]))
     async with http.post(f"{gw.url}/v1/chat/completions", json={**CHAT, "stream": True}) as r:
         text = (await r.read()).decode()
@@ -445,9 +445,7 @@ async def test_sse_comments_keep_a_stream_past_first_token_s(
     replica_app, gateway_factory, tokenizer_dir, http
 ) -> None:
     async def pings_then_tokens(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
+        resp = await open_stream(request)
         for _ in range(6):  # 1.2 s of pings: a long prefill behind a proxy that keeps it alive
             await resp.write(b": ping\n\n")
             await asyncio.sleep(0.2)
@@ -456,9 +454,7 @@ async def test_sse_comments_keep_a_stream_past_first_token_s(
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", pings_then_tokens)
-    policy = basic_policy(tokenizer_dir, [await replica_app(app)])
+    policy = basic_policy(tokenizer_dir, [await replica_app(pings_then_tokens)])
     policy["pools"]["main"]["timeouts"] = {"first_token_s": 0.5, "read_s": 5}
     gw = await gateway_factory(policy)
     async with http.post(f"{gw.url}/v1/chat/completions", json={**CHAT, "stream": True}) as r:
@@ -473,16 +469,12 @@ async def test_a_stream_of_nothing_but_comments_still_ends_at_total_s(
     replica_app, gateway_factory, tokenizer_dir, http
 ) -> None:
     async def pings(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
+        resp = await open_stream(request)
         while True:
             await resp.write(b": ping\n\n")
             await asyncio.sleep(0.1)
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", pings)
-    policy = basic_policy(tokenizer_dir, [await replica_app(app)])
+    policy = basic_policy(tokenizer_dir, [await replica_app(pings)])
     policy["pools"]["main"]["timeouts"] = {"first_token_s": 0.3, "total_s": 1.0}
     gw = await gateway_factory(policy)
     async with http.post(f"{gw.url}/v1/chat/completions", json={**CHAT, "stream": True}) as r:
