@@ -212,6 +212,7 @@ class Gateway:
         self._discovery: dict[str, asyncio.Task[None]] = {}
         self._sharers: dict[str, asyncio.Task[None]] = {}
         self._reload_lock = asyncio.Lock()
+        self._closing = False
         self._watcher: asyncio.Task[None] | None = None
         self._lag: asyncio.Task[None] | None = None
 
@@ -254,7 +255,10 @@ class Gateway:
         """Renew the pool's leases three times per lease life (at least every second, so
         saturation agrees across gateways): a gateway that dies stops, and its leases expire."""
         every_s = min(1.0, self.policy.spec.state.lease_ttl_s / 3)
-        while True:
+        # Not `while True`: a cancellation can be lost inside the Redis calls (seen in the test
+        # suite: the loop went on renewing after `close` cancelled it, and `close` waited on it
+        # for ever); the flag ends it within one period whatever the libraries did.
+        while not self._closing:
             await asyncio.sleep(every_s)
             try:
                 await slots.share()
@@ -313,6 +317,7 @@ class Gateway:
             return policy
 
     async def close(self) -> None:
+        self._closing = True
         tasks = [
             *self._checkers.values(),
             *self._discovery.values(),
