@@ -1,0 +1,24 @@
+"""What admission weighs of a request."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from gateway.context import Ctx
+
+
+class Claim(NamedTuple):
+    """What admission weighs of a request (a tuple: made for every request, it must be cheap)."""
+
+    tokens: int  # input + expected output, held against `max_inflight_tokens`
+    priority: int = 1  # index into PRIORITIES
+    workload: str = ""  # its class, for the slots `reserve` keeps
+    tenant: str = ""  # its fair-share flow within the tier ("" without tenants)
+    weight: float = 1.0
+
+    @classmethod
+    def of(cls, ctx: Ctx) -> Claim:
+        tenant = ctx.tenant
+        if tenant is None:
+            return cls(ctx.reserved_tokens, ctx.priority, ctx.workload)
+        return cls(ctx.reserved_tokens, ctx.priority, ctx.workload, tenant.name, tenant.spec.weight)

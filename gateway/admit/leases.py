@@ -1,0 +1,154 @@
+"""The pool's side of a shared `SlotLedger` (several gateways sharing the replicas through Redis).
+
+Every slot is also a lease there: taking one awaits the ledger, a release gives the lease back
+in the background, and `share` renews the leases held here and trades queue depths. When the
+ledger fails open the pool runs degraded: each replica's cap is this gateway's share of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from gateway.admit.claim import Claim
+from gateway.admit.replica import Grant, Replica
+from gateway.policy.schema import PRIORITIES
+from gateway.state.base import SlotClaim, SlotLedger
+
+# With a ledger, waiters look for a free slot this often (jittered). A release here does not
+# wake them: the gateway that frees a slot must not win it back every time, or a gateway that
+# held no slot when the overload began would wait while the others keep theirs. Polling at one
+# rate gives every gateway with waiters the same chance at each freed slot.
+POLL_S = 0.02
+
+Pick = Callable[[Sequence[Replica], Claim], Replica | None]
+
+
+class Leases:
+    """This gateway's leases in the ledger, and what it last learnt of the other gateways.
+
+    `freed` is called when a lease is back in the ledger (waiters here may take it at their
+    next poll); `degraded_changed` when the ledger stops or starts answering.
+    """
+
+    def __init__(
+        self,
+        pool: str,
+        ledger: SlotLedger,
+        freed: Callable[[], None],
+        degraded_changed: Callable[[], None],
+    ) -> None:
+        self.pool = pool
+        self.ledger = ledger
+        self._freed = freed
+        self._degraded_changed = degraded_changed
+        self.degraded = False  # the ledger fails open: each replica's cap is this gateway's share
+        self.others_by_tier = [0] * len(PRIORITIES)  # other gateways' waiters, as last shared
+        self.departed: list[Replica] = []  # left the pool with leases held: renewed till released
+        self._background: set[asyncio.Task[Any]] = set()
+
+    @property
+    def others_waiting(self) -> int:
+        return sum(self.others_by_tier)
+
+    def outranked(self, priority: int) -> bool:
+        """Another gateway has waiters of a higher tier (as last shared, while the ledger
+        answers): a slot freed in the ledger is theirs, so tiers hold across gateways too."""
+        return not self.degraded and any(self.others_by_tier[:priority])
+
+    async def take(
+        self,
+        pick: Pick,
+        ask: Callable[[Replica, Claim], SlotClaim],
+        claim: Claim,
+        replicas: Sequence[Replica],
+    ) -> Grant | None:
+        """Pick as alone, then ask the ledger; a replica it refuses (full across gateways) is
+        left alone for `POLL_S` and the next is tried. The local count is taken first, so
+        concurrent requests of this gateway never overbook while the ledger answers. `ask`
+        says what a lease on a replica is, as the pool's policy stands at that moment."""
+        ledger = self.ledger
+        while True:
+            replica = pick(replicas, claim)
+            if replica is None:
+                return None
+            replica.take(claim)
+            lease_id = ledger.lease_id()
+            asked = ask(replica, claim)
+            workload = asked.workload
+            try:
+                result = await ledger.lease(asked, lease_id)
+            except BaseException:  # failed closed, or cancelled: the lease may have been written
+                replica.untake(claim)
+                self._spawn(self._unlease(replica.key, workload, lease_id))
+                raise
+            self.set_degraded(result is None)
+            if result is None:  # failing open: counted here only, within this gateway's share
+                if replica.inflight > replica.cap:
+                    replica.untake(claim)
+                    self._spawn(self._unlease(replica.key, workload, lease_id))
+                    continue
+            else:
+                granted, replica.shared = result
+                if not granted:
+                    replica.untake(claim)
+                    replica.blocked_until = time.monotonic() + POLL_S
+                    continue
+            replica.lease_ids[lease_id] = workload  # renewed from now on, written back if lost
+            return Grant(replica, claim, lease_id)
+
+    def release(self, replica: Replica, lease: str) -> None:
+        workload = replica.lease_ids.pop(lease, "")
+        self._spawn(self._unlease(replica.key, workload, lease))
+
+    async def _unlease(self, key: str, workload: str, lease: str) -> None:
+        try:
+            await self.ledger.unlease(key, workload, lease)
+        finally:
+            self._freed()
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run a release in the background: it must finish even if the request's task is
+        cancelled, so it cannot be awaited in the request's `finally`."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def set_degraded(self, degraded: bool) -> None:
+        if degraded != self.degraded:
+            self.degraded = degraded
+            self._degraded_changed()
+
+    async def share(self, replicas: Sequence[Replica], waiting_by_tier: Sequence[int]) -> None:
+        """Renew this gateway's leases, learn each replica's leases across gateways, and trade
+        queue depths (`waiting_by_tier`, read once the renewals are done), so saturation (and
+        shedding) reads the same in every gateway."""
+        ledger = self.ledger
+        self.departed = [r for r in self.departed if r.lease_ids]
+        replicas = [*replicas, *self.departed]  # a replica that left still runs some
+        held = [[(workload, lease) for lease, workload in r.lease_ids.items()] for r in replicas]
+        totals = await asyncio.gather(
+            *(ledger.renew(r.key, leases) for r, leases in zip(replicas, held, strict=True))
+        )
+        for replica, leases, total in zip(replicas, held, totals, strict=True):
+            if total is not None:
+                replica.shared = total
+            # Released while the renewal was under way: its release may have reached Redis
+            # first and the renewal written it back.
+            for workload, lease in leases:
+                if lease not in replica.lease_ids:
+                    self._spawn(self._unlease(replica.key, workload, lease))
+        # As soon as the renewals say how the ledger is, not one round-trip later: the leases
+        # they wrote back already count against the shared caps.
+        self.set_degraded(not ledger.up)
+        mine = list(waiting_by_tier)
+        everyone = await ledger.share_waiting(self.pool, mine)
+        if everyone is not None:
+            self.others_by_tier = [max(0, e - m) for e, m in zip(everyone, mine, strict=True)]
+
+    async def drain(self) -> None:
+        """Let the releases under way reach the ledger."""
+        while self._background:  # a release may spawn another (a raced renewal's)
+            await asyncio.gather(*self._background, return_exceptions=True)

@@ -1,0 +1,107 @@
+"""One upstream replica: its caps, what this gateway runs on it, and its health."""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+from gateway.admit.claim import Claim
+
+
+class Replica:
+    """One upstream vLLM server, what this gateway has running on it, and its health."""
+
+    __slots__ = (
+        "blocked_until",
+        "by_class",
+        "cap",
+        "drift_strikes",
+        "ejected_until",
+        "ejections",
+        "failures",
+        "inflight",
+        "inflight_tokens",
+        "key",
+        "lease_ids",
+        "leases",
+        "max_concurrency",
+        "max_tokens",
+        "observed",
+        "reserve",
+        "shared",
+        "slow_since",
+        "tpot",
+        "url",
+    )
+
+    def __init__(self, url: str, max_concurrency: int, max_tokens: int | None) -> None:
+        self.url = url
+        self.key = url  # the ledger's name for it, `{pool|url}`, set by its pool
+        self.max_concurrency = max_concurrency
+        self.cap = max_concurrency  # in force: less while a failing ledger leaves a share
+        self.max_tokens = max_tokens
+        self.reserve: tuple[tuple[str, int], ...] = ()  # (class, slots kept for it)
+        self.inflight = 0
+        self.inflight_tokens = 0
+        self.by_class: dict[str, int] = {}  # in flight per class, against `reserve`
+        self.failures = 0  # consecutive failed requests or probes
+        self.ejections = 0  # times ejected so far: each ejection lasts longer
+        self.ejected_until: float | None = None  # None: in the pool
+        self.leases = 0  # slots handed out by `slot()` and not yet given back
+        self.lease_ids: dict[str, str] = {}  # the ledger's leases held here -> reserved class
+        self.shared: int | None = None  # leases on it across all gateways, as last seen
+        self.blocked_until = 0.0  # the ledger refused a lease: not asked again before this
+        self.observed: int | None = None  # the replica's own running + waiting, last scraped
+        self.drift_strikes = 0  # scrapes in a row that found this gateway's count too high
+        self.tpot: float | None = None  # moving average of its streams' time per output token
+        self.slow_since: float | None = None  # since when it decodes slower than its peers
+
+    @property
+    def up(self) -> bool:
+        return self.ejected_until is None
+
+    def fits(self, claim: Claim) -> bool:
+        if self.ejected_until is not None or self.inflight >= self.cap:
+            return False
+        if self.reserve:
+            kept = 0  # slots other classes have reserved and do not use
+            for workload, slots in self.reserve:
+                if workload != claim.workload:
+                    kept += max(0, slots - self.by_class.get(workload, 0))
+            if self.inflight + kept >= self.cap:
+                return False
+        if self.blocked_until and time.monotonic() < self.blocked_until:
+            return False
+        # A request larger than the token cap on its own still runs, alone, on an idle replica.
+        return (
+            self.max_tokens is None
+            or self.inflight == 0
+            or self.inflight_tokens + claim.tokens <= self.max_tokens
+        )
+
+    def take(self, claim: Claim) -> None:
+        """Count a slot handed out here (before the ledger answers, so nothing overbooks)."""
+        self.inflight += 1
+        self.leases += 1
+        self.inflight_tokens += claim.tokens
+        by_class = self.by_class
+        by_class[claim.workload] = by_class.get(claim.workload, 0) + 1
+
+    def untake(self, claim: Claim) -> None:
+        self.inflight -= 1
+        self.leases -= 1
+        self.inflight_tokens -= claim.tokens
+        by_class = self.by_class
+        left = by_class[claim.workload] - 1
+        if left:
+            by_class[claim.workload] = left
+        else:
+            del by_class[claim.workload]
+
+
+class Grant(NamedTuple):
+    """A slot held: on which replica, for what, and its lease in the ledger (None: no ledger)."""
+
+    replica: Replica
+    claim: Claim
+    lease: str | None = None

@@ -1,0 +1,425 @@
+"""A pool's slots: its replicas, the queue in front of them, and, with a ledger, their leases.
+
+A replica takes a request while it is under `max_concurrency` in-flight requests, leaves the
+slots `reserve` keeps for other classes, and, when set, stays under `max_inflight_tokens`. When no
+replica has room the request waits in its pool's bounded queue (`fairqueue.py`). A request whose
+predicted wait is confidently over `max_wait_s` is refused at once rather than left to time out.
+
+Release is synchronous and sits in the `finally` of `slot()`, so a disconnect, a time-out or a
+cancellation can never leak a slot. With a `SlotLedger` (`leases.py`) waiters are dispatched by
+one task per pool that looks for a free slot every `POLL_S`, as every other gateway's does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+from gateway.admit import ejection, leases
+from gateway.admit.claim import Claim
+from gateway.admit.drain import Demand, HoldTimes
+from gateway.admit.ejection import Ejector
+from gateway.admit.fairqueue import Place, Queue
+from gateway.admit.leases import Leases
+from gateway.admit.picker import Picker
+from gateway.admit.replica import Grant, Replica
+from gateway.context import Ctx
+from gateway.errors import GatewayError, NoReplica, QueueFull, QueueTimeout, QueueWaitTooLong, Shed
+from gateway.policy.schema import PRIORITIES, PoolSpec
+from gateway.state.base import SlotClaim, SlotLedger
+
+log = logging.getLogger("gateway.admit")  # one logger for the whole stage: operators grep it
+
+
+class PoolSlots:
+    """The replicas of one pool and the queue in front of them."""
+
+    def __init__(
+        self, name: str, spec: PoolSpec, picker: Picker, ledger: SlotLedger | None = None
+    ) -> None:
+        self.name = name
+        self.picker = picker
+        self.ledger = ledger
+        self.replicas = [
+            Replica(url, spec.max_concurrency, spec.max_inflight_tokens) for url in spec.replicas
+        ]
+        self.queue = Queue()
+        self.leases = (
+            None if ledger is None else Leases(name, ledger, self._dispatch, self._degraded_changed)
+        )
+        self.ejector = Ejector(name)
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._closed = False
+        self.retrying = 0  # retries in flight, against the retry budget
+        self.demand = Demand()
+        self.drift: Counter[tuple[str, str]] = Counter()  # (replica, kind) -> scrapes
+        self.sheds: Counter[str] = Counter()  # tier -> requests shed
+        self._apply(spec)
+
+    def _apply(self, spec: PoolSpec) -> None:
+        self.spec = spec
+        groups = {workload: i + 1 for i, workload in enumerate(spec.reserve)}
+        if groups != self.queue.groups:
+            self.queue.regroup(groups)
+        reserve = self._reservations = tuple(spec.reserve.items())
+        for replica in self.replicas:
+            replica.key = f"{{{self.name}|{replica.url}}}"
+            replica.max_concurrency = spec.max_concurrency
+            replica.cap = self._cap()
+            replica.max_tokens = spec.max_inflight_tokens
+            replica.reserve = reserve
+
+    def _cap(self) -> int:
+        cap = self.spec.max_concurrency
+        if self.degraded and self.ledger is not None:
+            return max(1, cap // self.ledger.gateways)
+        return cap
+
+    def update(self, spec: PoolSpec, picker: Picker) -> None:
+        """Take a reloaded pool spec. Replicas that stay keep their counts and health; new ones
+        join; those that left take no new request, and the requests they run release on them."""
+        known = {r.url: r for r in self.replicas}
+        self.replicas = [known.get(url) or Replica(url, 0, None) for url in spec.replicas]
+        if self.leases is not None:  # without a ledger no replica holds a lease
+            self.leases.departed += [
+                r for url, r in known.items() if url not in spec.replicas and r.lease_ids
+            ]
+        self.picker = picker
+        self._apply(spec)
+        self._dispatch()  # the caps may have grown
+
+    # --- what the pool reads as: metrics, shedding, the retry budget ----------------------
+
+    @property
+    def capacity(self) -> int:
+        """The caps of the replicas in the pool: an ejected one's slots leave with it."""
+        return sum(r.max_concurrency for r in self.replicas if r.up)
+
+    @property
+    def max_depth(self) -> int:
+        """The queue shrinks with the pool: waiting for replicas that are gone only adds latency."""
+        up = sum(r.up for r in self.replicas)
+        return math.ceil(self.spec.queue.max_depth * up / max(1, len(self.replicas)))
+
+    @property
+    def waiting(self) -> int:
+        return self.queue.waiting
+
+    @property
+    def waiting_by_tier(self) -> list[int]:
+        return self.queue.waiting_by_tier
+
+    @property
+    def waiting_by_group(self) -> list[int]:
+        return self.queue.waiting_by_group
+
+    @property
+    def holds(self) -> list[HoldTimes]:
+        return self.queue.holds
+
+    @property
+    def degraded(self) -> bool:
+        """The ledger fails open: each replica's cap is this gateway's share."""
+        return self.leases is not None and self.leases.degraded
+
+    @property
+    def others_waiting(self) -> int:
+        return 0 if self.leases is None else self.leases.others_waiting
+
+    @property
+    def ejections(self) -> Counter[tuple[str, str]]:
+        return self.ejector.ejections
+
+    @property
+    def inflight(self) -> int:
+        return sum(r.inflight for r in self.replicas)
+
+    @property
+    def saturation(self) -> float:
+        """(In flight + waiting) / capacity: 1.0 is every slot busy and nobody waiting. With a
+        ledger, every gateway's slots and waiters count."""
+        if self.ledger is None or self.degraded:  # against the caps in force here
+            busy, waiting = self.inflight, self.waiting
+            capacity = sum(r.cap for r in self.replicas if r.up)
+        else:
+            busy = sum(max(r.inflight, r.shared or 0) for r in self.replicas)
+            waiting = self.waiting + self.others_waiting
+            capacity = self.capacity
+        return (busy + waiting) / max(1, capacity)
+
+    def can_retry(self, avoid: frozenset[str]) -> bool:
+        """Within the retry budget, and a replica in service that `avoid` leaves, to wait for
+        (`Place`): busy or not, a slot frees on it sooner or later."""
+        retry = self.spec.retry
+        budget = max(retry.min_concurrent, retry.budget_percent / 100 * self.inflight)
+        if self.retrying >= budget:
+            return False
+        return any(r.up and r.url not in avoid for r in self.replicas)
+
+    # --- health (`ejection.py`) and the replicas' own figures ------------------------------
+
+    def succeeded(self, replica: Replica) -> None:
+        replica.failures = 0
+
+    def failed(self, replica: Replica, reason: str) -> None:
+        self.ejector.failed(self.replicas, replica, reason, self.spec.health)
+
+    def observe_tpot(self, replica: Replica, tpot_s: float) -> None:
+        ejection.observe_tpot(replica, tpot_s)
+
+    def check_speed(self) -> None:
+        self.ejector.check_speed(self.replicas, self.spec.health)
+
+    def readmit(self, replica: Replica) -> None:
+        if self.ejector.readmit(replica):
+            self._dispatch()
+
+    def due_for_probe(self, replica: Replica) -> bool:
+        return ejection.due_for_probe(replica)
+
+    def reconcile(self, replica: Replica, observed: int) -> None:
+        """Compare this gateway's count with the replica's own figures (`vllm:num_requests_*`).
+
+        More on the replica than here is normal when gateways share it: the picker weighs it.
+        More here than on the replica, twice in a row, is drift: counted, logged, and corrected
+        to the slots really held, so a lost release can never shrink a replica for good.
+        """
+        replica.observed = observed
+        if replica.inflight <= observed:
+            replica.drift_strikes = 0
+            return
+        replica.drift_strikes += 1
+        self.drift[(replica.url, "gateway_high")] += 1
+        if replica.drift_strikes >= 2 and replica.inflight > replica.leases:
+            log.warning("pool %s: replica %s: %d in flight here, %d there, %d held: corrected",
+                        self.name, replica.url, replica.inflight, observed, replica.leases)  # fmt: skip
+            replica.inflight = replica.leases
+            self._dispatch()
+
+    # --- the ledger (`leases.py`) ------------------------------------------------------------
+
+    def _degraded_changed(self) -> None:
+        for replica in self.replicas:
+            replica.cap = self._cap()
+        if self.degraded:
+            log.error("pool %s: the slot ledger is unreachable; each replica's cap here is %d",
+                      self.name, self._cap())  # fmt: skip
+        else:
+            log.warning("pool %s: the slot ledger is back; caps are shared again", self.name)
+            self._dispatch()
+
+    async def share(self) -> None:
+        """Renew this gateway's leases and trade queue depths with the others (`Leases.share`)."""
+        if self.leases is not None:
+            await self.leases.share(self.replicas, self.queue.waiting_by_tier)
+
+    async def close(self) -> None:
+        """Stop dispatching and let the releases under way reach the ledger."""
+        self._closed = True
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+        if self.leases is not None:
+            await self.leases.drain()
+
+    # --- taking and giving back slots ------------------------------------------------------
+
+    def _pick(self, replicas: Sequence[Replica], claim: Claim) -> Replica | None:
+        """The one place the policy's picker is asked: among `replicas`, those that fit."""
+        return self.picker.pick(replicas, claim)
+
+    async def _take_any(self, claim: Claim, replicas: Sequence[Replica]) -> Grant | None:
+        """A slot at once on one of `replicas`, or None."""
+        if self.leases is None:
+            replica = self._pick(replicas, claim)
+            if replica is None:
+                return None
+            replica.take(claim)
+            return Grant(replica, claim)
+        return await self.leases.take(self._pick, self._ask, claim, replicas)
+
+    def _ask(self, replica: Replica, claim: Claim) -> SlotClaim:
+        """The lease `claim` takes on `replica`: against its class's reservation, if it has one."""
+        workload = claim.workload if claim.workload in self.queue.groups else ""
+        return SlotClaim(replica.key, workload, self._reservations, replica.max_concurrency)
+
+    def release(self, grant: Grant) -> None:
+        grant.replica.untake(grant.claim)
+        if grant.lease is None or self.leases is None:
+            self._dispatch()
+            return
+        self.leases.release(grant.replica, grant.lease)
+
+    # --- dispatching, refusing, waiting ------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        if not self.waiting:  # the common case, on every release
+            return
+        if self.leases is None:
+            while True:
+                for head, replicas in self.queue.heads(self.replicas):
+                    replica = self._pick(replicas, head.claim)
+                    if replica is not None:  # the granted waiter leaves the heap at its top
+                        replica.take(head.claim)
+                        self.queue.grant(head, Grant(replica, head.claim))
+                        break
+                else:
+                    return  # strict order within a group: its head waits, nobody overtakes it
+        if not self._closed and (self._dispatcher is None or self._dispatcher.done()):
+            self._dispatcher = asyncio.get_running_loop().create_task(
+                self._dispatch_leased(self.leases), name=f"dispatch:{self.name}"
+            )
+
+    async def _dispatch_leased(self, shared: Leases) -> None:
+        while heads := self.queue.heads(self.replicas):
+            for head, replicas in heads:
+                if shared.outranked(head.priority):
+                    continue
+                try:
+                    grant = await shared.take(self._pick, self._ask, head.claim, replicas)
+                except Exception as exc:  # failed closed (or a bug): so does the head, alone
+                    if not isinstance(exc, GatewayError):
+                        log.exception("pool %s: dispatching a waiter failed", self.name)
+                    if not head.future.done():
+                        self.queue.leave(head)
+                        head.future.set_exception(exc)
+                    break
+                if grant is not None:
+                    if head.future.done():  # abandoned while its lease was asked for
+                        self.release(grant)
+                    else:
+                        self.queue.grant(head, grant)
+                    break
+            else:
+                await asyncio.sleep(leases.POLL_S * (0.5 + random.random()))
+
+    def _shed(self, priority: int) -> None:
+        tier = PRIORITIES[priority]
+        threshold = self.spec.shed.get(tier)  # type: ignore[call-overload]
+        if threshold is not None and (saturation := self.saturation) >= threshold:
+            self.sheds[tier] += 1
+            raise Shed(
+                f"pool {self.name} is saturated ({saturation:.2f} >= {threshold:g}):"
+                f" {tier} requests are shed first",
+                retry_after_s=self.spec.queue.retry_after_s,
+            )
+
+    def _fail_fast(self, claim: Claim, group: int) -> None:
+        """Refuse now a request that would confidently wait past `max_wait_s` (`Queue.over_wait`);
+        the point estimate of its wait is the Retry-After."""
+        max_wait = self.spec.queue.max_wait_s
+        over = self.queue.over_wait(claim, group, max_wait, lambda: self._draining(group))
+        if over is not None:
+            place, predicted = over
+            raise QueueWaitTooLong(
+                f"pool {self.name}: the predicted wait for a slot, {predicted:.0f}s"
+                f" ({place} in line at the measured drain rate), is over {max_wait:g}s",
+                retry_after_s=predicted,
+            )
+
+    def _draining(self, group: int) -> float:
+        """The slots that drain `group`'s queue: those its classes hold; with a ledger, every
+        gateway's, in this queue's share of all the waiters."""
+        slots: float = self.queue.in_use(group, self.replicas)
+        if self.leases is not None and not self.degraded and not self.queue.groups:
+            # Shared slots drain to every gateway's waiters: this queue gets its share of them.
+            busy = sum(max(r.inflight, r.shared or 0) for r in self.replicas)
+            here = self.waiting + 1
+            slots = busy * here / (here + self.others_waiting)
+        return max(1.0, slots)
+
+    async def acquire(self, claim: Claim, place: Place | None = None) -> Grant:
+        """A slot for `claim`: at once, after a wait in the queue, or a refusal. A request with
+        a `place` from an earlier attempt goes straight back to it (see `Place`)."""
+        if place is None:
+            place = Place()
+        if place.tag is None:
+            grant = await self._admit(claim, place)
+            if grant is not None:
+                return grant
+        return await self._wait(claim, place)
+
+    async def _admit(self, claim: Claim, place: Place) -> Grant | None:
+        """A first attempt: a slot at once, a refusal (raised), or None: it is to wait."""
+        if not self.replicas:
+            raise NoReplica(f"pool {self.name} has no replica", retry_after_s=5)
+        bounds = self.spec.queue
+        place.deadline = asyncio.get_running_loop().time() + bounds.max_wait_s
+        if self.spec.shed:
+            self._shed(claim.priority)
+        if self.queue.waiting_by_group[self.queue.group(claim.workload)] == 0 and (
+            self.leases is None or not self.leases.outranked(claim.priority)
+        ):  # else it queues behind them
+            grant = await self._take_any(claim, self.replicas)
+            if grant is not None:
+                self.queue.stand(claim, place)
+                return grant
+        if self.waiting >= self.max_depth:
+            raise QueueFull(
+                f"pool {self.name} is at capacity and its queue is full ({self.max_depth})",
+                retry_after_s=bounds.retry_after_s,
+            )
+        if bounds.fail_fast:
+            self._fail_fast(claim, self.queue.group(claim.workload))
+        return None
+
+    async def _wait(self, claim: Claim, place: Place) -> Grant:
+        group = self.queue.group(claim.workload)  # after the awaits: a reload may regroup
+        waiter = self.queue.enqueue(claim, group, place)
+        self._dispatch()  # a higher priority than the current head may fit at once
+        future = waiter.future
+        granted = False
+        try:
+            async with asyncio.timeout_at(place.deadline):
+                grant = await future
+            granted = True
+            return grant
+        except TimeoutError:
+            bounds = self.spec.queue
+            raise QueueTimeout(
+                f"pool {self.name} had no free slot within {bounds.max_wait_s:g}s",
+                retry_after_s=bounds.retry_after_s,
+            ) from None
+        finally:
+            if not future.done():
+                future.cancel()
+            if future.cancelled():
+                self.queue.leave(waiter)
+                self._dispatch()  # the waiter behind an abandoned head may fit
+            elif not granted and future.exception() is None:
+                # Granted in the same tick as the time-out or cancellation: hand it back.
+                self.release(future.result())
+
+    @asynccontextmanager
+    async def slot(self, ctx: Ctx, place: Place) -> AsyncIterator[Grant]:
+        """Hold a slot for `ctx`; `place` is its standing, new on its first attempt."""
+        claim = Claim.of(ctx)
+        self.demand.arrivals += place.tag is None
+        started = time.perf_counter()
+        grant: Grant | None = None
+        try:
+            grant = await self.acquire(claim, place)
+        except (QueueFull, QueueTimeout, QueueWaitTooLong, Shed):
+            self.demand.refused += 1
+            raise
+        finally:
+            # The wait for a slot: ~0 for a request served at once; none at all for one refused
+            # before it queued, which is no sample of how long the queue makes requests wait.
+            if grant is not None or place.queued:
+                waited = time.perf_counter() - started
+                ctx.queue_wait = (ctx.queue_wait or 0.0) + waited
+                self.demand.queued_s += waited
+        ctx.replica = grant.replica.url
+        held = time.perf_counter()
+        try:
+            yield grant
+        finally:
+            hold_s = time.perf_counter() - held
+            self.demand.busy_s += hold_s
+            self.queue.holds[self.queue.group(grant.claim.workload)].add(hold_s)
+            self.release(grant)
