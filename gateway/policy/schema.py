@@ -173,6 +173,61 @@ class DnsSpec(Spec):
         return servers
 
 
+class ScorerSpec(Spec):
+    """A scorer's weight and parameters: `prefix: 3`, or `prefix: {weight: 3, block_chars: 512}`."""
+
+    weight: PositiveFloat = 1.0
+    parameters: dict[str, Any] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return {"weight": value}
+        if isinstance(value, dict) and "parameters" not in value:
+            rest = {k: v for k, v in value.items() if k != "weight"}
+            return {"weight": value.get("weight", 1.0), "parameters": rest}
+        return value
+
+
+class PickSpec(Spec):
+    """How a pool chooses among replicas with room: weighted scorers (docs/architecture.md,
+    "Picking a replica"). Without `pick`, the policy's `plugins.picker` (least in flight)."""
+
+    scorers: dict[Literal["prefix", "session", "queue", "kv_cache", "lora"], ScorerSpec] = Field(
+        min_length=1,
+        description=(
+            "Scorer -> weight (or `{weight, ...parameters}`): `prefix` (prompt blocks this"
+            " gateway sent each replica), `session` (the replica a session last used), `queue`"
+            " (requests running and waiting there), `kv_cache` (free KV cache), `lora` (the"
+            " adapter loaded). Each rates the replicas 0..1; the highest weighted sum wins."
+        ),
+    )
+    max_load_spread: float = Field(
+        0.125,
+        gt=0,
+        le=1,
+        description=(
+            "Only replicas running at most this share of `max_concurrency` more requests than"
+            " the least loaded one are scored: affinity never piles load on one replica."
+        ),
+    )
+    metrics_interval_s: PositiveFloat = Field(
+        1.0,
+        description=(
+            "With `queue` or `kv_cache`: how often each replica's /metrics is read for them"
+            " (else `health.reconcile_interval_s`)."
+        ),
+    )
+
+    def weighted(self) -> dict[str, tuple[float, dict[str, Any]]]:
+        return {name: (s.weight, s.parameters) for name, s in self.scorers.items()}
+
+    @property
+    def reads_gauges(self) -> bool:
+        return "queue" in self.scorers or "kv_cache" in self.scorers
+
+
 class PoolSpec(Spec):
     model: str = Field(
         description="The model name the replicas serve; requests are rewritten to it."
@@ -182,6 +237,9 @@ class PoolSpec(Spec):
     max_concurrency: PositiveInt = Field(description="Per replica: requests in flight.")
     max_inflight_tokens: PositiveInt | None = Field(
         None, description="Per replica: input + expected output tokens of the requests in flight."
+    )
+    pick: PickSpec | None = Field(
+        None, description="Weighted replica scorers; unset: the policy's `plugins.picker`."
     )
     queue: QueueSpec = QueueSpec()
     timeouts: TimeoutSpec = TimeoutSpec()
