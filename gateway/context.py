@@ -36,6 +36,7 @@ class Ctx:
     priority: int = 1  # the tier, or lower if `x-priority` asks
     sequences: int = 1  # completions generated: n x prompts
     max_output: int | None = None  # the client's max_tokens / max_completion_tokens
+    adapter: str | None = None  # the LoRA adapter the request names, kept upstream
     images: int = 0  # image parts in a chat's messages, counted by tokenize at the model's rate
     # tokenize
     input_tokens: int = 0

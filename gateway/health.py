@@ -12,29 +12,63 @@ import logging
 import time
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.admit import PoolSlots, Replica
+from gateway.admit.replica import EngineGauges
 
 log = logging.getLogger("gateway.health")
 
 PASSIVE_TICK_S = 1.0  # the longest tick: the demand signal, and ejections that ran out
-VLLM_COUNTS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+MAX_METRICS_BYTES = 8 * 1024 * 1024  # a replica's /metrics beyond this is not read at all
 
 
-def vllm_requests(exposition: str, model: str) -> int | None:
-    """Running + waiting requests for `model` in a vLLM /metrics text; None if it has neither."""
-    total, found = 0.0, False
-    try:
-        for family in text_string_to_metric_families(exposition):
-            if family.name in VLLM_COUNTS:
-                for sample in family.samples:
-                    if sample.labels.get("model_name", model) == model:
-                        total += sample.value
-                        found = True
-    except ValueError:  # not a Prometheus exposition
+_FAMILIES = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens_total",
+)
+
+
+def read_engine(exposition: str, model: str) -> EngineGauges | None:
+    """The engine figures in a Prometheus text; None when it has neither request count.
+
+    A line scan rather than a full parse: vLLM's exposition is mostly histogram buckets this
+    does not need, and with scorers it is read every second from every replica."""
+    sums = dict.fromkeys(_FAMILIES, 0.0)
+    found: set[str] = set()
+    kv: float | None = None
+    ours = f'model_name="{model}"'
+    for line in exposition.splitlines():
+        if not line.startswith(_FAMILIES):
+            continue
+        name, brace, rest = line.partition("{")
+        if brace:
+            labels, _, rest = rest.partition("}")
+            if "model_name=" in labels and ours not in labels:
+                continue
+        else:
+            name, _, rest = line.partition(" ")
+        try:
+            value = float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue
+        name = name.strip()
+        if name not in sums:
+            continue  # a longer family name with one of ours as its prefix
+        found.add(name)
+        sums[name] += value
+        if name == "vllm:kv_cache_usage_perc":
+            kv = value if kv is None else max(kv, value)
+    if not found & {"vllm:num_requests_running", "vllm:num_requests_waiting"}:
         return None
-    return round(total) if found else None
+    return EngineGauges(
+        round(sums["vllm:num_requests_running"]),
+        round(sums["vllm:num_requests_waiting"]),
+        kv,
+        sums["vllm:prompt_tokens_total"] if "vllm:prompt_tokens_total" in found else None,
+        time.monotonic(),
+    )
 
 
 class HealthChecker:
@@ -47,12 +81,13 @@ class HealthChecker:
         last_probe = last_reconcile = time.monotonic()
         while True:
             health = self.slots.spec.health  # a reload may have changed it
-            periods = (health.interval_s, health.reconcile_interval_s)
+            periods = (health.interval_s, self._reconcile_interval())
             await asyncio.sleep(min([p for p in periods if p] + [PASSIVE_TICK_S]))
             self.slots.demand.tick(self.slots.spec.max_concurrency)
             self.slots.check_speed()
             now = time.monotonic()
-            if health.reconcile_interval_s and now - last_reconcile >= health.reconcile_interval_s:
+            reconcile_s = self._reconcile_interval()
+            if reconcile_s and now - last_reconcile >= reconcile_s:
                 last_reconcile = now
                 await asyncio.gather(*(self.reconcile(r) for r in self.slots.replicas if r.up))
             if not health.interval_s:  # passive only: the next request is the probe
@@ -63,19 +98,32 @@ class HealthChecker:
                 last_probe = now
                 await asyncio.gather(*(self.probe(r) for r in self.slots.replicas))
 
+    def _reconcile_interval(self) -> float:
+        """Scorers that read the replicas' gauges need them fresher than reconciling does."""
+        spec = self.slots.spec
+        interval = spec.health.reconcile_interval_s
+        if spec.pick is not None and spec.pick.reads_gauges:
+            return min(interval or spec.pick.metrics_interval_s, spec.pick.metrics_interval_s)
+        return interval
+
     async def reconcile(self, replica: Replica) -> None:
-        """Read the replica's own count of requests from its /metrics (vLLM's names)."""
+        """Read the replica's own figures from its /metrics (vLLM's names)."""
         try:
             async with (
                 asyncio.timeout(self.slots.spec.health.timeout_s),
                 self.session.get(replica.url + "/metrics") as resp,
             ):
-                text = await resp.text() if resp.status == 200 else ""
-        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError):
+                if resp.status != 200 or (resp.content_length or 0) > MAX_METRICS_BYTES:
+                    return
+                body = await resp.content.read(MAX_METRICS_BYTES + 1)
+        except (aiohttp.ClientError, TimeoutError, OSError):
             return  # health probes and requests judge reachability; this only counts
-        observed = await asyncio.to_thread(vllm_requests, text, self.slots.spec.model)
-        if observed is not None:
-            self.slots.reconcile(replica, observed)
+        if len(body) > MAX_METRICS_BYTES:
+            return
+        text = body.decode("utf-8", "replace")
+        gauges = await asyncio.to_thread(read_engine, text, self.slots.spec.model)
+        if gauges is not None:
+            self.slots.reconcile(replica, gauges)
 
     async def probe(self, replica: Replica) -> None:
         health = self.slots.spec.health

@@ -116,6 +116,26 @@ class _Gauges(Collector):
         for name, pool in self.source.slots.items():
             for tier, count in pool.sheds.items():
                 shed.add_metric([name, tier], count)
+        index = GaugeMetricFamily(
+            "llm_prefix_index_blocks",
+            "Prompt blocks the prefix scorer remembers sending to a replica (bounded per replica).",
+            labels=["pool", "replica"],
+        )
+        blocks = CounterMetricFamily(
+            "llm_prefix_blocks",
+            "Prompt blocks of the requests sent with a prefix scorer (`sent`), and those the"
+            " chosen replica had been sent before (`matched`): the gateway's estimate of the"
+            " prefix-cache hit rate.",
+            labels=["pool", "outcome"],
+        )
+        for name, pool in self.source.slots.items():
+            prefix = getattr(pool.picker, "prefix", None)
+            if prefix is None:
+                continue
+            for replica in pool.replicas:
+                index.add_metric([name, replica.url], prefix.index.size(replica.url))
+            blocks.add_metric([name, "sent"], prefix.blocks_sent)
+            blocks.add_metric([name, "matched"], prefix.blocks_matched)
         desired = GaugeMetricFamily(
             "llm_pool_desired_replicas",
             "Replicas the pool's demand needs at its per-replica cap (busy + waiting + refused"
@@ -132,8 +152,8 @@ class _Gauges(Collector):
             "llm_policy_reload_errors", "Policy reloads refused (the running policy stayed)."
         )
         errors.add_metric([], self.source.reload_errors)
-        return [requests, tokens, depth, leases, capacity, up, ejections, drift, observed, shed, desired,
-                info, errors]  # fmt: skip
+        return [requests, tokens, depth, leases, capacity, up, ejections, drift, observed, shed, index,
+                blocks, desired, info, errors]  # fmt: skip
 
 
 class Metrics:

@@ -167,12 +167,12 @@ class Runtime:
         for name, pool in policy.pools.items():
             kept = previous.slots.get(name) if previous is not None else None
             if kept is None:
-                slots[name] = PoolSlots(name, pool.spec, policy.picker, ledger)
+                slots[name] = PoolSlots(name, pool.spec, pool.picker, ledger)
             else:  # its replicas keep their counts: in-flight requests release where they took
                 spec = pool.spec
                 if spec.dns is not None:  # keep what DNS found until the next lookup
                     spec = spec.model_copy(update={"replicas": [r.url for r in kept.replicas]})
-                kept.update(spec, policy.picker)
+                kept.update(spec, pool.picker)
                 slots[name] = kept
         return cls(
             policy=policy,

@@ -24,7 +24,9 @@ def test_prompts_share_exactly_the_blocks_of_their_common_leading_chunks() -> No
     assert first[shared] != second[shared]
 
 
-def test_a_block_is_chained_from_its_parent_so_equal_chunks_after_different_prefixes_differ() -> None:
+def test_a_block_is_chained_from_its_parent_so_equal_chunks_after_different_prefixes_differ() -> (
+    None
+):
     chunk = "x" * 64
     a = chain(None, "A" * 64 + chunk, 64, 1024)
     b = chain(None, "B" * 64 + chunk, 64, 1024)

@@ -77,7 +77,7 @@ def test_check_reports_cross_references_and_plugins(tmp_path) -> None:
     assert f"{path}:20: routes.1.pool: unknown pool 'generate-27b'" in errors
     assert any(
         e.startswith(
-            f"{path}:22: plugins.picker: unknown picker type 'most-random'; known: least-inflight"
+            f"{path}:22: plugins.picker: unknown picker type 'most-random'; known: least-inflight, round-robin"
         )
         for e in errors
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from gateway.context import Ctx
+from gateway.pick.affinity import Affinity
 
 
 class Claim(NamedTuple):
@@ -15,10 +16,18 @@ class Claim(NamedTuple):
     workload: str = ""  # its class, for the slots `reserve` keeps
     tenant: str = ""  # its fair-share flow within the tier ("" without tenants)
     weight: float = 1.0
+    affinity: Affinity | None = None  # what the pool's scorers weigh; None: its picker needs none
 
     @classmethod
-    def of(cls, ctx: Ctx) -> Claim:
+    def of(cls, ctx: Ctx, affinity: Affinity | None = None) -> Claim:
         tenant = ctx.tenant
         if tenant is None:
-            return cls(ctx.reserved_tokens, ctx.priority, ctx.workload)
-        return cls(ctx.reserved_tokens, ctx.priority, ctx.workload, tenant.name, tenant.spec.weight)
+            return cls(ctx.reserved_tokens, ctx.priority, ctx.workload, affinity=affinity)
+        return cls(
+            ctx.reserved_tokens,
+            ctx.priority,
+            ctx.workload,
+            tenant.name,
+            tenant.spec.weight,
+            affinity,
+        )

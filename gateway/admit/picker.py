@@ -1,31 +1,57 @@
 """The `picker` extension point: which of a pool's replicas with room takes a request.
 
 The pool calls `picker.pick(replicas, claim)` in one place (`PoolSlots._pick`); a picker only
-orders replicas that fit, so the caps stay hard whatever it prefers.
+orders replicas that fit, so the caps stay hard whatever it prefers. A pool's `pick:` makes a
+weighted picker of its own (`gateway/pick/`); these are the policy-wide ones it replaces.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Protocol
 
 from gateway.admit.claim import Claim
 from gateway.admit.replica import Replica
+from gateway.context import Ctx
+from gateway.pick.affinity import Affinity
 from gateway.policy.plugins import register
 
 
 class Picker(Protocol):
-    """Chooses among replicas that have room; one instance per policy."""
+    """Chooses among replicas that have room."""
+
+    def affinity(self, ctx: Ctx) -> Affinity | None:
+        """What `pick` will weigh of the request, worked out once, before it queues."""
 
     def pick(self, replicas: Sequence[Replica], claim: Claim) -> Replica | None: ...
 
+    def granted(self, replica: Replica, claim: Claim) -> None:
+        """A slot on `replica` is held for `claim`: a picker that learns, learns here."""
 
-@register("picker", "least-inflight")
-class LeastInflightPicker:
-    """Fewest requests in flight, then fewest in-flight tokens, then list order."""
+    def forget(self, url: str) -> None:
+        """The replica left, or came back after an ejection: what was learned of it is void."""
+
+
+class StatelessPicker:
+    """A picker that weighs nothing of the request and learns nothing."""
 
     def __init__(self, params: object) -> None:
         pass
+
+    def affinity(self, ctx: Ctx) -> Affinity | None:
+        return None
+
+    def granted(self, replica: Replica, claim: Claim) -> None:
+        pass
+
+    def forget(self, url: str) -> None:
+        pass
+
+
+@register("picker", "least-inflight")
+class LeastInflightPicker(StatelessPicker):
+    """Fewest requests in flight, then fewest in-flight tokens, then list order."""
 
     def pick(self, replicas: Sequence[Replica], claim: Claim) -> Replica | None:
         best: Replica | None = None
@@ -33,9 +59,26 @@ class LeastInflightPicker:
         for replica in replicas:
             if not replica.fits(claim):
                 continue
-            # What the replica itself last reported counts too, and its leases across gateways.
-            load = max(replica.inflight, replica.observed or 0, replica.shared or 0)
-            key = (load, replica.inflight_tokens)
+            key = (replica.load, replica.inflight_tokens)
             if best is None or key < best_key:
                 best, best_key = replica, key
         return best
+
+
+@register("picker", "round-robin")
+class RoundRobinPicker(StatelessPicker):
+    """The next replica with room, in turn: a Kubernetes Service's best case, kept behind the
+    same caps and queue, for comparing pickers."""
+
+    def __init__(self, params: object) -> None:
+        self._turn = itertools.count()
+
+    def pick(self, replicas: Sequence[Replica], claim: Claim) -> Replica | None:
+        if not replicas:
+            return None
+        start = next(self._turn)
+        for i in range(len(replicas)):
+            replica = replicas[(start + i) % len(replicas)]
+            if replica.fits(claim):
+                return replica
+        return None

@@ -8,10 +8,21 @@ from typing import NamedTuple
 from gateway.admit.claim import Claim
 
 
+class EngineGauges(NamedTuple):
+    """What a replica's /metrics said of its engines (summed over data-parallel ones), and when."""
+
+    running: int
+    waiting: int
+    kv_usage: float | None  # 0..1: the fullest engine's `vllm:kv_cache_usage_perc`
+    prompt_tokens: float | None  # `vllm:prompt_tokens_total`: falls when the replica restarts
+    at: float  # time.monotonic() of the reading
+
+
 class Replica:
     """One upstream vLLM server, what this gateway has running on it, and its health."""
 
     __slots__ = (
+        "adapters",
         "blocked_until",
         "by_class",
         "cap",
@@ -19,6 +30,7 @@ class Replica:
         "ejected_until",
         "ejections",
         "failures",
+        "gauges",
         "inflight",
         "inflight_tokens",
         "key",
@@ -55,6 +67,14 @@ class Replica:
         self.drift_strikes = 0  # scrapes in a row that found this gateway's count too high
         self.tpot: float | None = None  # moving average of its streams' time per output token
         self.slow_since: float | None = None  # since when it decodes slower than its peers
+        self.gauges: EngineGauges | None = None  # its vLLM gauges, when a scorer reads them
+        self.adapters: frozenset[str] = frozenset()  # LoRA adapters loaded, as last listed
+
+    @property
+    def load(self) -> int:
+        """Requests on it: this gateway's, or what the replica itself last reported, or its
+        leases across gateways, whichever is most."""
+        return max(self.inflight, self.observed or 0, self.shared or 0)
 
     @property
     def up(self) -> bool:

@@ -28,7 +28,7 @@ from gateway.admit.ejection import Ejector
 from gateway.admit.fairqueue import Place, Queue
 from gateway.admit.leases import Leases
 from gateway.admit.picker import Picker
-from gateway.admit.replica import Grant, Replica
+from gateway.admit.replica import EngineGauges, Grant, Replica
 from gateway.context import Ctx
 from gateway.errors import GatewayError, NoReplica, QueueFull, QueueTimeout, QueueWaitTooLong, Shed
 from gateway.policy.schema import PRIORITIES, PoolSpec
@@ -86,6 +86,8 @@ class PoolSlots:
         join; those that left take no new request, and the requests they run release on them."""
         known = {r.url: r for r in self.replicas}
         self.replicas = [known.get(url) or Replica(url, 0, None) for url in spec.replicas]
+        for url in known.keys() - set(spec.replicas):
+            picker.forget(url)
         if self.leases is not None:  # without a ledger no replica holds a lease
             self.leases.departed += [
                 r for url, r in known.items() if url not in spec.replicas and r.lease_ids
@@ -178,19 +180,31 @@ class PoolSlots:
 
     def readmit(self, replica: Replica) -> None:
         if self.ejector.readmit(replica):
+            self.picker.forget(replica.url)  # it may have restarted while out: its cache is gone
             self._dispatch()
 
     def due_for_probe(self, replica: Replica) -> bool:
         return ejection.due_for_probe(replica)
 
-    def reconcile(self, replica: Replica, observed: int) -> None:
+    def reconcile(self, replica: Replica, gauges: EngineGauges) -> None:
         """Compare this gateway's count with the replica's own figures (`vllm:num_requests_*`).
 
         More on the replica than here is normal when gateways share it: the picker weighs it.
         More here than on the replica, twice in a row, is drift: counted, logged, and corrected
-        to the slots really held, so a lost release can never shrink a replica for good.
+        to the slots really held, so a lost release can never shrink a replica for good. A
+        counter that went down means the replica restarted: its prefix cache is empty.
         """
-        replica.observed = observed
+        before = replica.gauges
+        if (
+            before is not None
+            and before.prompt_tokens is not None
+            and gauges.prompt_tokens is not None
+            and gauges.prompt_tokens < before.prompt_tokens
+        ):
+            log.info("pool %s: replica %s restarted (its counters fell)", self.name, replica.url)
+            self.picker.forget(replica.url)
+        replica.gauges = gauges
+        observed = replica.observed = gauges.running + gauges.waiting
         if replica.inflight <= observed:
             replica.drift_strikes = 0
             return
@@ -398,7 +412,7 @@ class PoolSlots:
     @asynccontextmanager
     async def slot(self, ctx: Ctx, place: Place) -> AsyncIterator[Grant]:
         """Hold a slot for `ctx`; `place` is its standing, new on its first attempt."""
-        claim = Claim.of(ctx)
+        claim = Claim.of(ctx, self.picker.affinity(ctx))
         self.demand.arrivals += place.tag is None
         started = time.perf_counter()
         grant: Grant | None = None
@@ -415,6 +429,7 @@ class PoolSlots:
                 ctx.queue_wait = (ctx.queue_wait or 0.0) + waited
                 self.demand.queued_s += waited
         ctx.replica = grant.replica.url
+        self.picker.granted(grant.replica, grant.claim)
         held = time.perf_counter()
         try:
             yield grant

@@ -49,7 +49,9 @@ def prompt_text(body: dict[str, Any]) -> str | list[int] | None:
     return None
 
 
-def chain(seed: object, prompt: str | list[int], block_chars: int, max_blocks: int) -> tuple[int, ...]:
+def chain(
+    seed: object, prompt: str | list[int], block_chars: int, max_blocks: int
+) -> tuple[int, ...]:
     """Hashes of the prompt's full chunks, each chained from the one before (a last, partial
     chunk is not a block, as vLLM caches only full blocks). Token ids are chunked a quarter as
     long: about four characters make a token."""

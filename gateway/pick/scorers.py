@@ -21,7 +21,8 @@ from gateway.pick.prefix_index import PrefixIndex
 from gateway.policy.plugins import register
 
 if TYPE_CHECKING:
-    from gateway.admit import Claim, EngineGauges, Replica
+    from gateway.admit import Claim, Replica
+    from gateway.admit.replica import EngineGauges
     from gateway.context import Ctx
 
 
@@ -83,6 +84,8 @@ class PrefixScorer(Scorer):
         self.block_chars = params.block_chars
         self.max_blocks = params.max_blocks
         self.index = PrefixIndex(params.capacity_blocks)
+        self.blocks_sent = 0  # blocks of the requests granted, and of those, held where they went
+        self.blocks_matched = 0
 
     def blocks(self, ctx: Ctx) -> tuple[int, ...]:
         prompt = prompt_text(ctx.body)
@@ -101,7 +104,10 @@ class PrefixScorer(Scorer):
 
     def granted(self, replica: Replica, claim: Claim) -> None:
         if claim.affinity is not None and claim.affinity.blocks:
-            self.index.record(replica.url, claim.affinity.blocks)
+            blocks = claim.affinity.blocks
+            self.blocks_sent += len(blocks)
+            self.blocks_matched += self.index.matched(replica.url, blocks)
+            self.index.record(replica.url, blocks)
 
     def forget(self, url: str) -> None:
         self.index.forget(url)
@@ -204,7 +210,7 @@ class KvCacheScorer(_GaugeScorer):
         scores = []
         for r in replicas:
             gauges = r.gauges
-            if gauges is None:
+            if gauges is None or gauges.kv_usage is None:
                 scores.append(0.5)
                 continue
             fresh = self.freshness(gauges, now)

@@ -63,6 +63,10 @@ class WeightedPicker:
         )
         return balanced[best]
 
+    @property
+    def prefix(self) -> PrefixScorer | None:
+        return self._prefix
+
     def granted(self, replica: Replica, claim: Claim) -> None:
         for _, scorer in self.scorers:
             scorer.granted(replica, claim)

@@ -15,6 +15,7 @@ from typing import Any
 from gateway.admit import Picker  # importing a stage module registers its plug-ins
 from gateway.classify import Workload, compile_class
 from gateway.estimate import OutputEstimator
+from gateway.pick.weighted import WeightedPicker
 from gateway.policy.load import LoadedSpec, PolicyError, Problem, load_spec
 from gateway.policy.plugins import PluginError, create
 from gateway.policy.schema import ModelSpec, PolicySpec, PoolSpec
@@ -35,6 +36,7 @@ class Pool:
     name: str
     spec: PoolSpec
     model: Model
+    picker: Picker  # its own weighted picker with `pick:`, else the policy's
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +202,8 @@ def compile_policy(
             plugins[kind] = create(kind, plugin.type, plugin.parameters)
         except PluginError as exc:
             problems.append(Problem(("plugins", kind), str(exc)))
+    pickers, picker_problems = _pool_pickers(spec, previous)
+    problems += picker_problems
     executor = previous.executor if previous is not None else None
     if (
         executor is None
@@ -230,7 +234,7 @@ def compile_policy(
             executor.shutdown()
         raise loaded.error(problems)
     pools = {
-        name: Pool(name, pool_spec, models[pool_spec.model])
+        name: Pool(name, pool_spec, models[pool_spec.model], pickers.get(name, plugins["picker"]))
         for name, pool_spec in spec.pools.items()
     }
     return Policy(
@@ -247,6 +251,27 @@ def compile_policy(
         executor=executor,
         digest=loaded.digest,
     )
+
+
+def _pool_pickers(
+    spec: PolicySpec, previous: Policy | None
+) -> tuple[dict[str, Picker], list[Problem]]:
+    """A weighted picker per pool with `pick:`; a reloaded pool whose `pick` did not change
+    keeps its picker, and with it what its scorers learned (which replica holds which prefix)."""
+    pickers: dict[str, Picker] = {}
+    problems = []
+    for name, pool in spec.pools.items():
+        if pool.pick is None:
+            continue
+        kept = previous.pools.get(name) if previous is not None else None
+        if kept is not None and kept.spec.pick == pool.pick:
+            pickers[name] = kept.picker
+            continue
+        try:
+            pickers[name] = WeightedPicker(pool.pick)
+        except PluginError as exc:
+            problems.append(Problem(("pools", name, "pick", "scorers"), str(exc)))
+    return pickers, problems
 
 
 def load_policy(path: str | Path, *, load_tokenizers: bool = True) -> Policy:
