@@ -13,12 +13,16 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.admit import Claim, Replica
+from gateway.admit import Claim, PoolSlots, Replica
+from gateway.admit.picker import RoundRobinPicker
 from gateway.admit.replica import EngineGauges
 from gateway.pick.affinity import Affinity
 from gateway.pick.scorers import KvCacheScorer, QueueScorer
+from gateway.policy.compile import load_policy
+from gateway.policy.load import PolicyError
+from gateway.policy.schema import PoolSpec
 from loadtest.stub_backend import STATS, StubConfig, create_stub_app
-from tests.conftest import RunningGateway, Stub, _serve, basic_policy, eventually
+from tests.conftest import RunningGateway, Stub, _serve, basic_policy, eventually, write_policy
 
 RULE_SETS = {name: f"Rules of {name}: " + f"{name} forbids item {name}. " * 120 for name in "ABCD"}
 
@@ -220,3 +224,59 @@ def test_a_gauge_counts_less_as_it_ages_and_not_at_all_past_max_age() -> None:
     assert 0 < aged[1] - aged[0] < fresh_gap[1] - fresh_gap[0]
     assert queue.score(pair, claim, now=111.0) == [1.0, 1.0]  # stale: only in-flight counts
     assert kv.score(pair, claim, now=111.0) == [0.5, 0.5]
+
+
+async def test_a_reload_keeps_what_the_scorers_learned_and_a_replica_that_leaves_is_forgotten(
+    tokenizer_dir: Path,
+    tmp_path: Path,
+    stub_factory: Callable[..., Awaitable[Stub]],
+    gateway_factory: Callable[[dict[str, Any]], Awaitable[RunningGateway]],
+    http: aiohttp.ClientSession,
+) -> None:
+    stubs = [await stub_factory() for _ in range(2)]
+    policy = basic_policy(tokenizer_dir, [s.url for s in stubs], pick={"scorers": {"prefix": 1}})
+    gw = await gateway_factory(policy)
+    response = await http.post(f"{gw.url}/v1/chat/completions", json=classify(RULE_SETS["C"], "x"))
+    assert response.status == 200
+    picker = gw.gateway.slots["main"].picker
+    (sent,) = [s.url for s in stubs if s.stats.requests]
+    assert picker.prefix.index.size(sent) > 0
+
+    policy["pools"]["main"]["max_concurrency"] = 4  # `pick` unchanged: the same picker
+    write_policy(tmp_path, policy)
+    await gw.gateway.reload()
+    assert gw.gateway.slots["main"].picker is picker and picker.prefix.index.size(sent) > 0
+
+    policy["pools"]["main"]["replicas"] = [s.url for s in stubs if s.url != sent]
+    write_policy(tmp_path, policy)
+    await gw.gateway.reload()
+    assert picker.prefix.index.size(sent) == 0
+
+
+def test_a_policy_names_unknown_scorers_and_bad_parameters(tmp_path: Path) -> None:
+    policy = basic_policy("estimate", ["http://127.0.0.1:1"], pick={"scorers": {"prefixx": 1}})
+    with pytest.raises(PolicyError, match=r"pools\.main\.pick\.scorers\.prefixx"):
+        load_policy(write_policy(tmp_path, policy))
+    policy["pools"]["main"]["pick"] = {"scorers": {"prefix": {"weight": 2, "block_char": 64}}}
+    with pytest.raises(PolicyError, match=r"pools\.main\.pick\.scorers: prefix: block_char"):
+        load_policy(write_policy(tmp_path, policy))
+    policy["pools"]["main"]["pick"] = {"scorers": {"prefix": 2, "queue": {"max_age_s": 3}}}
+    picker = load_policy(write_policy(tmp_path, policy)).pools["main"].picker
+    assert [weight for weight, _ in picker.scorers] == [2.0, 1.0]
+
+
+async def test_round_robin_takes_turns_among_the_replicas_with_room() -> None:
+    slots = PoolSlots(
+        "p",
+        PoolSpec(model="m", replicas=["http://a", "http://b", "http://c"], max_concurrency=1),
+        RoundRobinPicker(None),
+    )
+    first = await slots.acquire(Claim(1))
+    second = await slots.acquire(Claim(1))
+    slots.release(first)
+    third = await slots.acquire(Claim(1))
+    assert [first.replica.url, second.replica.url, third.replica.url] == [
+        "http://a", "http://b", "http://c"
+    ]  # fmt: skip
+    fourth = await slots.acquire(Claim(1))  # a's turn again, and it is free
+    assert fourth.replica.url == "http://a"
