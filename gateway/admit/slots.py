@@ -28,6 +28,7 @@ from gateway.admit.ejection import Ejector
 from gateway.admit.fairqueue import Place, Queue
 from gateway.admit.leases import Leases
 from gateway.admit.picker import Picker
+from gateway.admit.reconcile import Reconciler
 from gateway.admit.replica import EngineGauges, Grant, Replica
 from gateway.context import Ctx
 from gateway.errors import GatewayError, NoReplica, QueueFull, QueueTimeout, QueueWaitTooLong, Shed
@@ -58,7 +59,7 @@ class PoolSlots:
         self._closed = False
         self.retrying = 0  # retries in flight, against the retry budget
         self.demand = Demand()
-        self.drift: Counter[tuple[str, str]] = Counter()  # (replica, kind) -> scrapes
+        self.reconciler = Reconciler(name)
         self.sheds: Counter[str] = Counter()  # tier -> requests shed
         self._apply(spec)
 
@@ -187,34 +188,16 @@ class PoolSlots:
         return ejection.due_for_probe(replica)
 
     def reconcile(self, replica: Replica, gauges: EngineGauges) -> None:
-        """Compare this gateway's count with the replica's own figures (`vllm:num_requests_*`).
-
-        More on the replica than here is normal when gateways share it: the picker weighs it.
-        More here than on the replica, twice in a row, is drift: counted, logged, and corrected
-        to the slots really held, so a lost release can never shrink a replica for good. A
-        counter that went down means the replica restarted: its prefix cache is empty.
-        """
-        before = replica.gauges
-        if (
-            before is not None
-            and before.prompt_tokens is not None
-            and gauges.prompt_tokens is not None
-            and gauges.prompt_tokens < before.prompt_tokens
-        ):
+        """The replica's own figures, read from its /metrics (`reconcile.py`)."""
+        if self.reconciler.restarted(replica, gauges):
             log.info("pool %s: replica %s restarted (its counters fell)", self.name, replica.url)
             self.picker.forget(replica.url)
-        replica.gauges = gauges
-        observed = replica.observed = gauges.running + gauges.waiting
-        if replica.inflight <= observed:
-            replica.drift_strikes = 0
-            return
-        replica.drift_strikes += 1
-        self.drift[(replica.url, "gateway_high")] += 1
-        if replica.drift_strikes >= 2 and replica.inflight > replica.leases:
-            log.warning("pool %s: replica %s: %d in flight here, %d there, %d held: corrected",
-                        self.name, replica.url, replica.inflight, observed, replica.leases)  # fmt: skip
-            replica.inflight = replica.leases
+        if self.reconciler.observe(replica, gauges):
             self._dispatch()
+
+    @property
+    def drift(self) -> Counter[tuple[str, str]]:
+        return self.reconciler.drift
 
     # --- the ledger (`leases.py`) ------------------------------------------------------------
 
