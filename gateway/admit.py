@@ -65,6 +65,7 @@ class Replica:
     """One upstream vLLM server, what this gateway has running on it, and its health."""
 
     __slots__ = (
+        "adapters",
         "blocked_until",
         "by_class",
         "cap",
@@ -108,6 +109,8 @@ class Replica:
         self.drift_strikes = 0  # scrapes in a row that found this gateway's count too high
         self.tpot: float | None = None  # moving average of its streams' time per output token
         self.slow_since: float | None = None  # since when it decodes slower than its peers
+        # LoRA adapters it serves, as last discovered (gateway/adapters.py); empty: unknown.
+        self.adapters: frozenset[str] = frozenset()
 
     @property
     def up(self) -> bool:

@@ -46,6 +46,7 @@ class Ctx:
     estimate_source: str = ""
     # classify / route
     candidates: tuple[Route, ...] = ()
+    adapter: str = ""  # the LoRA adapter asked for, kept upstream; "": the base model or an alias
     model: Model | None = None
     workload: str = ""
     route: Route | None = None
@@ -67,6 +68,11 @@ class Ctx:
     @property
     def served_model(self) -> str:
         return self.pool.spec.model if self.pool is not None else ""
+
+    @property
+    def upstream_model(self) -> str:
+        """The `model` the replica gets: an adapter keeps its name, an alias becomes the pool's."""
+        return self.adapter or self.served_model
 
     @property
     def reserved_tokens(self) -> int:
