@@ -67,7 +67,11 @@ class Adapters:
 
     def cards(self) -> list[tuple[str, str]]:
         """(adapter, base model) for `/v1/models`, each adapter once, the policy's first."""
-        return [(name, self.bases[min(pools)]) for name, pools in self._index.items()]
+        order = {pool: i for i, pool in enumerate(self.bases)}
+        return [
+            (name, self.bases[min(pools, key=order.__getitem__)])
+            for name, pools in self._index.items()
+        ]
 
     def carried(self, bases: Mapping[str, str]) -> dict[str, frozenset[str]]:
         """What was discovered, for a reloaded policy: pools that kept their base model."""
@@ -148,5 +152,8 @@ async def follow(
     while True:
         interval = slots.spec.health.reconcile_interval_s
         if interval:
-            await refresh(slots, session, catalog())
+            try:
+                await refresh(slots, session, catalog())
+            except Exception:  # never lose discovery to one bad answer
+                log.exception("pool %s: reading the replicas' adapters failed", slots.name)
         await asyncio.sleep(interval or PASSIVE_S)

@@ -249,8 +249,8 @@ def test_policy_refuses_adapters_that_are_not_names_of_their_own(
         load_policy(path, load_tokenizers=False)
 
 
-def test_policy_refuses_an_adapter_on_pools_with_other_tokenizers(tmp_path, tokenizer_dir) -> None:
+def test_policy_refuses_an_adapter_on_pools_of_other_models(tmp_path, tokenizer_dir) -> None:
     policy = two_pools(tokenizer_dir, "http://127.0.0.1:1", "http://127.0.0.1:2", adapters=["x"])
     policy["pools"]["other"]["adapters"] = ["x"]
-    with pytest.raises(PolicyError, match=r"pools.other.adapters.0: adapter 'x' is listed on"):
+    with pytest.raises(PolicyError, match=r"pools.other.adapters.0: adapter 'x' is listed on a"):
         load_policy(write_policy(tmp_path, policy), load_tokenizers=False)

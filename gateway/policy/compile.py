@@ -169,21 +169,23 @@ def _alias_tokenizers(spec: PolicySpec) -> list[Problem]:
 
 
 def _adapter_problems(spec: PolicySpec) -> list[Problem]:
-    """An adapter is a name of its own, counted by its base model's tokenizer wherever it goes."""
+    """An adapter is a name of its own, trained on one base model: the pools listing it serve
+    that model (so its tokenizer counts it wherever it goes)."""
     problems = []
     served = set(_served(spec))
-    tokenizer: dict[str, str] = {}
+    base: dict[str, str] = {}
     for name, pool in spec.pools.items():
-        model = spec.models.get(pool.model)
         for index, adapter in enumerate(pool.adapters):
             where = ("pools", name, "adapters", index)
             if adapter in served:
                 problems.append(Problem(where, f"{adapter!r} is a model or alias name already"))
-            elif model is not None and tokenizer.setdefault(adapter, model.tokenizer) != (
-                model.tokenizer
-            ):
+            elif base.setdefault(adapter, pool.model) != pool.model:
                 problems.append(
-                    Problem(where, f"adapter {adapter!r} is listed on pools with other tokenizers")
+                    Problem(
+                        where,
+                        f"adapter {adapter!r} is listed on a pool of {base[adapter]!r} already;"
+                        f" this pool serves {pool.model!r}",
+                    )
                 )
     return problems
 
