@@ -72,6 +72,9 @@ class Accountant:
                 *labels, str(ctx.status)
             )
         outcome.inc()
+        if ctx.adapter and ctx.pool is not None:  # set only for an adapter the catalog knows
+            adapter = self.metrics.adapter_label(ctx.adapter)
+            self.metrics.adapter_requests.labels(ctx.pool.name, adapter, str(ctx.status)).inc()
         if ctx.reason and ctx.status >= 400 and ctx.status != CLIENT_CLOSED:
             # A client that leaves was not refused: it is in `llm_requests_total{code="499"}`.
             self.metrics.rejections.labels(labels[1], ctx.reason).inc()
@@ -120,6 +123,7 @@ class Accountant:
             "endpoint": ctx.endpoint,
             "model": ctx.requested_model,
             "served_model": ctx.served_model or None,
+            "adapter": ctx.adapter or None,
             "pool": ctx.pool.name if ctx.pool else None,
             "replica": ctx.replica or None,
             "retries": ctx.retries,

@@ -112,6 +112,7 @@ async def _explain(policy_path: str, raw: bytes, endpoint: str | None) -> dict[s
     from multidict import CIMultiDict, CIMultiDictProxy
 
     from gateway.context import Ctx
+    from gateway.forward import upstream_priority
     from gateway.parse import parse
     from gateway.pipeline import decide
     from gateway.policy.compile import load_policy
@@ -142,7 +143,9 @@ async def _explain(policy_path: str, raw: bytes, endpoint: str | None) -> dict[s
         "class": ctx.workload,
         "route": ctx.route.label,
         "pool": ctx.pool.name,
-        "rewritten_model": ctx.served_model,
+        "adapter": ctx.adapter or None,
+        "rewritten_model": ctx.upstream_model,  # the `model` the replica gets
+        "upstream_priority": upstream_priority(ctx),
         "reserved_tokens": ctx.reserved_tokens,
     }
 

@@ -36,7 +36,6 @@ class Ctx:
     priority: int = 1  # the tier, or lower if `x-priority` asks
     sequences: int = 1  # completions generated: n x prompts
     max_output: int | None = None  # the client's max_tokens / max_completion_tokens
-    adapter: str | None = None  # the LoRA adapter the request names, kept upstream
     images: int = 0  # image parts in a chat's messages, counted by tokenize at the model's rate
     # tokenize
     input_tokens: int = 0
@@ -47,6 +46,7 @@ class Ctx:
     estimate_source: str = ""
     # classify / route
     candidates: tuple[Route, ...] = ()
+    adapter: str = ""  # the LoRA adapter asked for, kept upstream; "": the base model or an alias
     model: Model | None = None
     workload: str = ""
     route: Route | None = None
@@ -68,6 +68,11 @@ class Ctx:
     @property
     def served_model(self) -> str:
         return self.pool.spec.model if self.pool is not None else ""
+
+    @property
+    def upstream_model(self) -> str:
+        """The `model` the replica gets: an adapter keeps its name, an alias becomes the pool's."""
+        return self.adapter or self.served_model
 
     @property
     def reserved_tokens(self) -> int:

@@ -31,7 +31,7 @@ from gateway.errors import (
     UpstreamTimeout,
     error_body,
 )
-from gateway.policy.schema import TimeoutSpec
+from gateway.policy.schema import PRIORITIES, TimeoutSpec
 
 log = logging.getLogger("gateway.forward")
 
@@ -40,7 +40,10 @@ log = logging.getLogger("gateway.forward")
 _DROP_REQUEST = frozenset(
     {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
      "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "x-priority",
-     "expect"}  # the gateway has read the whole body already: a replica's 100 would be noise
+     "expect",  # the gateway has read the whole body already: a replica's 100 would be noise
+     # vLLM takes this header over the body's `priority` (`_get_priority` in
+     # vllm/entrypoints/generate/base/serving.py): a client could pick its place in the replica.
+     "x-vllm-priority"}
 )  # fmt: skip
 _DROP_RESPONSE = frozenset(
     {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -57,19 +60,39 @@ _DECODER = json.JSONDecoder()
 CLIENT_CLOSED = 499  # nginx's code for "the client went away"; bounded, so fine as a label
 
 
+def upstream_priority(ctx: Ctx) -> int | None:
+    """vLLM's `priority` for this request, when its pool sends one: the request's tier (0
+    critical, 1 standard, 2 sheddable) or the pool's number for it. vLLM runs the lowest first
+    (`Request.__lt__` in vllm/v1/request.py orders `PriorityRequestQueue`), as the tiers do."""
+    given = ctx.pool.spec.upstream_priority if ctx.pool is not None else False
+    if isinstance(given, dict):
+        return given[PRIORITIES[ctx.priority]]  # type: ignore[index]
+    return ctx.priority if given else None
+
+
 def upstream_body(ctx: Ctx) -> bytes:
-    """The client's bytes, re-encoded only when the model is rewritten or usage must be asked."""
+    """The client's bytes, re-encoded only when the model is rewritten, usage must be asked, or
+    `priority` is the gateway's to set.
+
+    The client's own `priority` never goes upstream: on replicas scheduling by priority it would
+    let a tenant jump the queue its tier puts it in. The pool's is sent instead, or none."""
     changes: dict[str, Any] = {}
-    if ctx.requested_model != ctx.served_model:
-        changes["model"] = ctx.served_model
+    if ctx.requested_model != ctx.upstream_model:
+        changes["model"] = ctx.upstream_model
     if ctx.stream and not ctx.client_wants_usage:
         changes["stream_options"] = {
             **(ctx.body.get("stream_options") or {}),
             "include_usage": True,
         }
-    if not changes:
+    priority = upstream_priority(ctx)
+    if priority is not None:
+        changes["priority"] = priority
+    body = ctx.body
+    if "priority" in body:
+        body = {k: v for k, v in body.items() if k != "priority"}
+    elif not changes:
         return ctx.raw
-    return orjson.dumps({**ctx.body, **changes})
+    return orjson.dumps({**body, **changes})
 
 
 def _hop_by_hop(headers: Mapping[str, str], always: frozenset[str]) -> frozenset[str]:

@@ -1,7 +1,8 @@
 """What `/metrics` exports, in base units, with bounded label values only.
 
 Latency histograms and token counters are labelled {model, pool, class} where `model` is the name
-the pool serves (never the client's free text). In-flight and queue gauges are read from the
+the pool serves (never the client's free text); requests for LoRA adapters are also counted by
+adapter, a name the adapter catalog knows. In-flight and queue gauges are read from the
 admission state at scrape time, so they can never drift from the truth.
 """
 
@@ -156,6 +157,10 @@ class _Gauges(Collector):
                 blocks, desired, info, errors]  # fmt: skip
 
 
+MAX_ADAPTER_LABELS = 512
+OTHER = "other"  # the adapter label past MAX_ADAPTER_LABELS distinct ones
+
+
 class Metrics:
     """One registry per gateway app, so tests and several apps in a process stay apart."""
 
@@ -181,6 +186,14 @@ class Metrics:
         self.requests = Counter(
             "llm_requests", "Requests by outcome.", (*WORKLOAD, "code"), registry=r
         )
+        # Labelled only with adapters the catalog knows (the policy's and at most
+        # adapters.MAX_PER_POOL discovered per pool): a client's unknown name is a 404 first.
+        # Replicas that load and unload adapters for ever still end at MAX_ADAPTER_LABELS.
+        self._adapter_labels: set[str] = set()
+        self.adapter_requests = Counter(
+            "llm_adapter_requests", "Requests for a LoRA adapter, by outcome.",
+            ("pool", "adapter", "code"), registry=r,
+        )  # fmt: skip
         self.rejections = Counter(
             "llm_rejections", "Requests refused by the gateway.", ("pool", "reason"), registry=r
         )
@@ -203,3 +216,11 @@ class Metrics:
             buckets=LAG_BUCKETS, registry=r,
         )  # fmt: skip
         r.register(_Gauges(source))
+
+    def adapter_label(self, adapter: str) -> str:
+        """`adapter` itself while fewer than MAX_ADAPTER_LABELS have been seen, else `other`."""
+        labels = self._adapter_labels
+        if adapter in labels or len(labels) < MAX_ADAPTER_LABELS:
+            labels.add(adapter)
+            return adapter
+        return OTHER

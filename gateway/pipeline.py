@@ -21,7 +21,7 @@ from typing import IO
 import aiohttp
 from aiohttp import web
 
-from gateway import discovery
+from gateway import adapters, discovery
 from gateway.account import Accountant
 from gateway.admit import Place, PoolSlots
 from gateway.classify import classify
@@ -120,7 +120,7 @@ def check_context_length(ctx: Ctx) -> None:
 
 async def decide(ctx: Ctx, policy: Policy) -> None:
     """Everything up to admission; also what `llm-gateway explain` runs."""
-    find_candidates(ctx, policy.routes)
+    find_candidates(ctx, policy.routes, policy.adapters)
     await count_input(ctx)
     assert ctx.model is not None
     estimate_output(ctx, policy.estimator, ctx.model.spec.default_output_tokens)
@@ -211,6 +211,7 @@ class Gateway:
         self._checkers: dict[str, asyncio.Task[None]] = {}
         self._discovery: dict[str, asyncio.Task[None]] = {}
         self._sharers: dict[str, asyncio.Task[None]] = {}
+        self._adapters: dict[str, asyncio.Task[None]] = {}
         self._reload_lock = asyncio.Lock()
         self._closing = False
         self._watcher: asyncio.Task[None] | None = None
@@ -242,6 +243,11 @@ class Gateway:
                 self._discovery[name] = asyncio.create_task(
                     discovery.follow(slots), name=f"dns:{name}"
                 )
+            if name not in self._adapters:
+                self._adapters[name] = asyncio.create_task(
+                    adapters.follow(slots, self.sessions[name], lambda: self.policy.adapters),
+                    name=f"adapters:{name}",
+                )
             if self.ledger is not None and name not in self._sharers:
                 self._sharers[name] = asyncio.create_task(self._share(slots), name=f"share:{name}")
         for name in [n for n in self._sharers if n not in self.runtime.slots]:
@@ -250,6 +256,8 @@ class Gateway:
             self._checkers.pop(name).cancel()
         for name in [n for n in self._discovery if n not in self.runtime.slots]:
             self._discovery.pop(name).cancel()
+        for name in [n for n in self._adapters if n not in self.runtime.slots]:
+            self._adapters.pop(name).cancel()
 
     async def _share(self, slots: PoolSlots) -> None:
         """Renew the pool's leases three times per lease life (at least every second, so
@@ -322,6 +330,7 @@ class Gateway:
             *self._checkers.values(),
             *self._discovery.values(),
             *self._sharers.values(),
+            *self._adapters.values(),
             *([self._watcher] if self._watcher else []),
             *([self._lag] if self._lag else []),
         ]

@@ -4,10 +4,15 @@ Routing runs in two steps because the tokenizer depends on the model a request g
 class depends on the token count: `candidates` keeps the routes whose model, endpoint and header
 conditions match (known from the request alone), which also names the tokenizer; `route` then picks
 the first candidate that accepts the request's class.
+
+A request naming a LoRA adapter is routed as one for its base model, among the pools serving the
+adapter only (a route naming the adapter itself matches too), so the base model's tokenizer
+counts it, and it keeps the adapter's name upstream (`Ctx.adapter`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,6 +22,7 @@ from gateway.match import Check, all_of, names, request_checks
 from gateway.policy.schema import RouteSpec
 
 if TYPE_CHECKING:
+    from gateway.adapters import Adapters
     from gateway.policy.compile import Pool
 
 
@@ -24,7 +30,8 @@ if TYPE_CHECKING:
 class Route:
     index: int
     pool: Pool
-    accepts_request: Check
+    accepts_model: Callable[[str], bool]
+    accepts_request: Check  # its endpoint and header conditions
     accepts_class: Check
 
     @property
@@ -34,18 +41,33 @@ class Route:
 
 def compile_route(index: int, spec: RouteSpec, pool: Pool) -> Route:
     match = spec.match
-    checks = request_checks(match.model, match.endpoint, match.header)
+    checks = request_checks(None, match.endpoint, match.header)
     class_ok = names(match.class_) if match.class_ is not None else None
     return Route(
         index=index,
         pool=pool,
+        accepts_model=names(match.model) if match.model is not None else lambda name: True,
         accepts_request=all_of(checks),
         accepts_class=(lambda ctx: class_ok(ctx.workload)) if class_ok else (lambda ctx: True),
     )
 
 
-def find_candidates(ctx: Ctx, routes: tuple[Route, ...]) -> None:
-    ctx.candidates = tuple(r for r in routes if r.accepts_request(ctx))
+def find_candidates(ctx: Ctx, routes: tuple[Route, ...], adapters: Adapters) -> None:
+    name = ctx.requested_model
+    pools = adapters.pools(name)
+    if pools:
+        ctx.adapter = name
+        ctx.candidates = tuple(
+            r
+            for r in routes
+            if r.pool.name in pools
+            and (r.accepts_model(r.pool.spec.model) or r.accepts_model(name))
+            and r.accepts_request(ctx)
+        )
+    else:
+        ctx.candidates = tuple(
+            r for r in routes if r.accepts_model(name) and r.accepts_request(ctx)
+        )
     if not ctx.candidates:
         raise ModelNotFound(f"The model `{ctx.requested_model}` does not exist.", param="model")
     ctx.model = ctx.candidates[0].pool.model

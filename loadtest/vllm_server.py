@@ -16,7 +16,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,9 +70,15 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 @contextmanager
 def serve_vllm(
-    python: str, model_dir: Path, log: Path, *, max_num_seqs: int = 16
+    python: str,
+    model_dir: Path,
+    log: Path,
+    *,
+    max_num_seqs: int = 16,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[VLLMServer]:
-    """Serve `model_dir` as `tiny` on 127.0.0.1; the `with` block gets it healthy, then it stops."""
+    """Serve `model_dir` as `tiny` on 127.0.0.1; the `with` block gets it healthy, then it stops.
+    `extra_args` are more of vLLM's flags (LoRA, scheduling policy)."""
     port = free_port()
     env = {
         **os.environ,
@@ -91,6 +97,7 @@ def serve_vllm(
         "--max-model-len", str(MAX_MODEL_LEN),
         "--max-num-seqs", str(max_num_seqs),
         "--dtype", "bfloat16",
+        *extra_args,
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     with log.open("wb") as out:

@@ -7,6 +7,7 @@ the end of the session, however it ends. The gateway fixtures are the normal sui
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterator
@@ -14,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from loadtest.vllm_server import MAX_MODEL_LEN, SERVED_NAME, VLLMServer, serve_vllm
 from tests.conftest import basic_policy, eventually, gateway_factory, http
@@ -29,6 +32,61 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
         pytest.fail("VLLM_PYTHON and VLLM_MODEL_DIR must be set: run `make test-vllm`")
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     with serve_vllm(python, Path(model_dir).resolve(), log) as server:
+        yield server
+
+
+LORA_NAME = "tiny-lora"
+LORA_RANK = 8
+
+
+def build_lora(directory: Path, model_dir: Path) -> Path:
+    """A PEFT-format LoRA for the tiny Llama, made here (no peft, no download): rank-8 deltas
+    on every layer's q_proj and v_proj, random with a fixed seed, so the adapter changes what
+    the model writes. The tensor names and config keys are the ones vLLM's loader reads
+    (vllm/lora/lora_model.py `from_local_checkpoint`, vllm/lora/utils.py
+    `parse_fine_tuned_lora_name`, vllm/lora/peft_helper.py `PEFTHelper`)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    outputs = {
+        "q_proj": config["num_attention_heads"] * config["head_dim"],
+        "v_proj": config["num_key_value_heads"] * config["head_dim"],
+    }
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for layer in range(layers):
+        for module, out in outputs.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = rng.normal(0, 0.5, (LORA_RANK, hidden))
+            tensors[f"{name}.lora_B.weight"] = rng.normal(0, 0.5, (out, LORA_RANK))
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.astype(np.float32) for k, v in tensors.items()},
+              str(directory / "adapter_model.safetensors"))  # fmt: skip
+    adapter_config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK, "lora_alpha": 16,
+        "target_modules": sorted(outputs), "bias": "none", "base_model_name_or_path": SERVED_NAME,
+    }  # fmt: skip
+    (directory / "adapter_config.json").write_text(json.dumps(adapter_config))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def vllm_lora(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """A second vLLM, for one module: the tiny model with a LoRA loaded at start, scheduling by
+    priority, one sequence at a time (so requests queue in vLLM, not in the gateway). Its own
+    server, so the session's keeps vLLM's defaults for every other test."""
+    python, model_dir = os.environ.get("VLLM_PYTHON"), os.environ.get("VLLM_MODEL_DIR")
+    if not python or not model_dir:
+        pytest.fail("VLLM_PYTHON and VLLM_MODEL_DIR must be set: run `make test-vllm`")
+    base = tmp_path_factory.mktemp("vllm-lora")
+    adapter = build_lora(base / LORA_NAME, Path(model_dir).resolve())
+    flags = [
+        "--enable-lora", "--max-lora-rank", str(LORA_RANK),
+        "--lora-modules", f"{LORA_NAME}={adapter}",
+        "--scheduling-policy", "priority",
+    ]  # fmt: skip
+    with serve_vllm(
+        python, Path(model_dir).resolve(), base / "vllm.log", max_num_seqs=1, extra_args=flags
+    ) as server:
         yield server
 
 

@@ -17,12 +17,19 @@ class Claim(NamedTuple):
     tenant: str = ""  # its fair-share flow within the tier ("" without tenants)
     weight: float = 1.0
     affinity: Affinity | None = None  # what the pool's scorers weigh; None: its picker needs none
+    adapter: str = ""  # the LoRA adapter asked for; "": the base model
 
     @classmethod
     def of(cls, ctx: Ctx, affinity: Affinity | None = None) -> Claim:
         tenant = ctx.tenant
         if tenant is None:
-            return cls(ctx.reserved_tokens, ctx.priority, ctx.workload, affinity=affinity)
+            return cls(
+                ctx.reserved_tokens,
+                ctx.priority,
+                ctx.workload,
+                affinity=affinity,
+                adapter=ctx.adapter,
+            )
         return cls(
             ctx.reserved_tokens,
             ctx.priority,
@@ -30,4 +37,5 @@ class Claim(NamedTuple):
             tenant.name,
             tenant.spec.weight,
             affinity,
+            ctx.adapter,
         )

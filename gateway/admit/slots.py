@@ -227,7 +227,13 @@ class PoolSlots:
     # --- taking and giving back slots ------------------------------------------------------
 
     def _pick(self, replicas: Sequence[Replica], claim: Claim) -> Replica | None:
-        """The one place the policy's picker is asked: among `replicas`, those that fit."""
+        """The one place the picker is asked. A LoRA request goes only to replicas that list its
+        adapter, if any does: vLLM answers 404 for an adapter it has not loaded (one with a
+        runtime resolver may load it, so a pool where no replica lists it still tries)."""
+        if claim.adapter:
+            having = [r for r in replicas if claim.adapter in r.adapters]
+            if having:
+                replicas = having
         return self.picker.pick(replicas, claim)
 
     async def _take_any(self, claim: Claim, replicas: Sequence[Replica]) -> Grant | None:

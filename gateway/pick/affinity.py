@@ -1,5 +1,5 @@
-"""What a request tells the picker about where it would run best: its prompt's leading blocks,
-its session, its LoRA adapter.
+"""What a request tells the picker about where it would run best: its prompt's leading blocks
+and its session.
 
 The blocks are chained hashes of fixed-size chunks of the prompt's characters (the messages in
 order, role included), so two prompts share their first k blocks exactly when their first k
@@ -26,7 +26,6 @@ MAX_SESSION_CHARS = 256  # a session id longer than this is cut: it only has to 
 class Affinity(NamedTuple):
     blocks: tuple[int, ...] = ()  # chained hashes of the prompt's full leading chunks
     session: str | None = None  # tenant + session id, from a header or the OpenAI `user` field
-    adapter: str | None = None  # the LoRA adapter the request names
 
 
 def prompt_text(body: dict[str, Any]) -> str | list[int] | None:

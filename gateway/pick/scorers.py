@@ -218,18 +218,6 @@ class KvCacheScorer(_GaugeScorer):
         return scores
 
 
-@register("scorer", "lora")
-class LoraScorer(Scorer):
-    """1 for replicas that have the request's adapter loaded (as their `/v1/models` last said):
-    elsewhere vLLM must load it first, or evict another to make room."""
-
-    def score(self, replicas: Sequence[Replica], claim: Claim, now: float) -> list[float]:
-        adapter = claim.affinity.adapter if claim.affinity is not None else None
-        if adapter is None:
-            return [1.0] * len(replicas)
-        return [1.0 if adapter in r.adapters else 0.0 for r in replicas]
-
-
 def spread_limit(share: float, max_concurrency: int) -> int:
     """The most requests a replica may run above the least loaded one and still be chosen."""
     return max(1, math.ceil(share * max_concurrency))

@@ -40,7 +40,6 @@ class WeightedPicker:
         return Affinity(
             self._prefix.blocks(ctx) if self._prefix is not None else (),
             self._session.session(ctx) if self._session is not None else None,
-            ctx.adapter,
         )
 
     def pick(self, replicas: Sequence[Replica], claim: Claim) -> Replica | None:

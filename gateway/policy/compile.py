@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway.adapters import Adapters
 from gateway.admit import Picker  # importing a stage module registers its plug-ins
 from gateway.classify import Workload, compile_class
 from gateway.estimate import OutputEstimator
@@ -51,6 +52,8 @@ class Policy:
     estimator: OutputEstimator
     served_models: tuple[str, ...]
     """Names `GET /v1/models` lists: each pool's model and each literal alias a route accepts."""
+    adapters: Adapters
+    """LoRA adapters and the pools serving them: the policy's lists, and what replicas report."""
     tenants: dict[bytes, Tenant]
     """SHA-256 digest of each API key -> its tenant; empty: the gateway is open."""
     executor: TokenizerThreads | None
@@ -167,6 +170,28 @@ def _alias_tokenizers(spec: PolicySpec) -> list[Problem]:
     return problems
 
 
+def _adapter_problems(spec: PolicySpec) -> list[Problem]:
+    """An adapter is a name of its own, trained on one base model: the pools listing it serve
+    that model (so its tokenizer counts it wherever it goes)."""
+    problems = []
+    served = set(_served(spec))
+    base: dict[str, str] = {}
+    for name, pool in spec.pools.items():
+        for index, adapter in enumerate(pool.adapters):
+            where = ("pools", name, "adapters", index)
+            if adapter in served:
+                problems.append(Problem(where, f"{adapter!r} is a model or alias name already"))
+            elif base.setdefault(adapter, pool.model) != pool.model:
+                problems.append(
+                    Problem(
+                        where,
+                        f"adapter {adapter!r} is listed on a pool of {base[adapter]!r} already;"
+                        f" this pool serves {pool.model!r}",
+                    )
+                )
+    return problems
+
+
 def _served(spec: PolicySpec) -> tuple[str, ...]:
     names: dict[str, None] = {pool.model: None for pool in spec.pools.values()}
     for route in spec.routes:
@@ -189,7 +214,7 @@ def compile_policy(
     what it learned.
     """
     spec = loaded.spec
-    problems = _cross_check(spec) + _alias_tokenizers(spec)
+    problems = _cross_check(spec) + _alias_tokenizers(spec) + _adapter_problems(spec)
     plugins: dict[str, Any] = {}
     for kind, plugin in (
         ("picker", spec.plugins.picker),
@@ -237,6 +262,8 @@ def compile_policy(
         name: Pool(name, pool_spec, models[pool_spec.model], pickers.get(name, plugins["picker"]))
         for name, pool_spec in spec.pools.items()
     }
+    bases = {name: pool.model for name, pool in spec.pools.items()}
+    served = _served(spec)
     return Policy(
         path=loaded.path,
         spec=spec,
@@ -246,7 +273,13 @@ def compile_policy(
         routes=tuple(compile_route(i, r, pools[r.pool]) for i, r in enumerate(spec.routes)),
         picker=plugins["picker"],
         estimator=plugins["output_estimator"],
-        served_models=_served(spec),
+        served_models=served,
+        adapters=Adapters(
+            bases,
+            {name: tuple(pool.adapters) for name, pool in spec.pools.items()},
+            frozenset(served),
+            previous.adapters.carried(bases) if previous is not None else None,
+        ),
         tenants=tenants,
         executor=executor,
         digest=loaded.digest,

@@ -21,6 +21,11 @@ class Spec(BaseModel):
 
 PositiveInt = Annotated[int, Field(ge=1)]
 PositiveFloat = Annotated[float, Field(gt=0)]
+# vLLM's request `priority` is an int64 (vllm/entrypoints/openai/chat_completion/protocol.py).
+VllmInt = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# A request's `model` is at most 256 characters (parse.MAX_MODEL_CHARS): a longer adapter name
+# could never be asked for.
+AdapterName = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class Range(Spec):
@@ -194,13 +199,13 @@ class PickSpec(Spec):
     """How a pool chooses among replicas with room: weighted scorers (docs/architecture.md,
     "Picking a replica"). Without `pick`, the policy's `plugins.picker` (least in flight)."""
 
-    scorers: dict[Literal["prefix", "session", "queue", "kv_cache", "lora"], ScorerSpec] = Field(
+    scorers: dict[Literal["prefix", "session", "queue", "kv_cache"], ScorerSpec] = Field(
         min_length=1,
         description=(
             "Scorer -> weight (or `{weight, ...parameters}`): `prefix` (prompt blocks this"
             " gateway sent each replica), `session` (the replica a session last used), `queue`"
-            " (requests running and waiting there), `kv_cache` (free KV cache), `lora` (the"
-            " adapter loaded). Each rates the replicas 0..1; the highest weighted sum wins."
+            " (requests running and waiting there), `kv_cache` (free KV cache). Each rates the"
+            " replicas 0..1; the highest weighted sum wins."
         ),
     )
     max_load_spread: float = Field(
@@ -230,7 +235,10 @@ class PickSpec(Spec):
 
 class PoolSpec(Spec):
     model: str = Field(
-        description="The model name the replicas serve; requests are rewritten to it."
+        description=(
+            "The model name the replicas serve; requests for an alias are rewritten to it (a"
+            " request for one of `adapters` keeps its name)."
+        )
     )
     replicas: list[str] = Field([], description="Static replica URLs; or give `dns`.")
     dns: DnsSpec | None = Field(None, description="Discover the replicas from DNS instead.")
@@ -273,11 +281,49 @@ class PoolSpec(Spec):
             " client's key is never forwarded, and `api_key_env` replaces it in any case."
         ),
     )
+    adapters: list[AdapterName] = Field(
+        [],
+        description=(
+            "LoRA adapters the replicas serve on top of `model` (vLLM's `--lora-modules`): a"
+            " request naming one goes to this pool and keeps the adapter's name upstream. More"
+            " are discovered from each replica's `/v1/models` (cards with a `parent`) every"
+            " `health.reconcile_interval_s`."
+        ),
+    )
+    upstream_priority: bool | dict[Literal["critical", "standard", "sheddable"], VllmInt] = Field(
+        False,
+        description=(
+            "Send the request's tier upstream in vLLM's `priority` field, for replicas started"
+            " with `--scheduling-policy priority` (lower runs first): `true` sends 0 for"
+            " critical, 1 standard, 2 sheddable; a mapping gives every tier its own integer."
+            " A client's own `priority` never reaches a replica either way."
+        ),
+    )
 
     @field_validator("dns", mode="before")
     @classmethod
     def _dns_shorthand(cls, value: Any) -> Any:
         return {"name": value} if isinstance(value, str) else value
+
+    @field_validator("adapters")
+    @classmethod
+    def _distinct_adapters(cls, adapters: list[str]) -> list[str]:
+        if len(set(adapters)) != len(adapters):
+            raise ValueError("adapters must be distinct")
+        return adapters
+
+    @field_validator("upstream_priority")
+    @classmethod
+    def _tiers_in_order(cls, given: bool | dict[str, int]) -> bool | dict[str, int]:
+        if isinstance(given, dict):
+            if set(given) != set(PRIORITIES):
+                raise ValueError(f"give an integer for each tier: {', '.join(PRIORITIES)}")
+            values = [given[t] for t in PRIORITIES]
+            if values != sorted(values):  # vLLM runs the lowest first
+                raise ValueError(
+                    "a higher tier needs a lower or equal number (vLLM runs lower first)"
+                )
+        return given
 
     @field_validator("shed")
     @classmethod

@@ -72,10 +72,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def list_models(request: web.Request) -> web.Response:
     policy = request.app[GATEWAY].policy
     identify(request.headers, policy.tenants)  # with tenants, strangers learn nothing here either
-    data = [
+    data: list[dict[str, object]] = [
         {"id": name, "object": "model", "created": 0, "owned_by": "llm-admission-gateway"}
         for name in policy.served_models
     ]
+    # LoRA adapters as vLLM lists them: a card whose `parent` is the base model.
+    data += [
+        {"id": name, "object": "model", "created": 0, "owned_by": "llm-admission-gateway",
+         "parent": base}
+        for name, base in policy.adapters.cards()
+    ]  # fmt: skip
     return _json({"object": "list", "data": data})
 
 

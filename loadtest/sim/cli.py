@@ -54,6 +54,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="HF tokenizer directory (default: 4 characters a token)")
     p.add_argument("--faults", help="JSON fault set, a JSON list (one per replica), or @file")
     p.add_argument("--served-model-name", nargs="+", help="names to serve (default: profile's)")
+    p.add_argument(
+        "--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+        help="LoRA adapters to list and accept as models, as vLLM's flag",
+    )  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, help="override the profile's serving flag")
     p.add_argument("--max-num-batched-tokens", type=int, help="override the profile's flag")
     p.add_argument("--max-model-len", type=int, help="override the profile's flag")
@@ -117,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--faults: {exc}", file=sys.stderr)
         return 2
     names = tuple(args.served_model_name or ())
+    if any("=" not in module for module in args.lora_modules):
+        print("--lora-modules takes NAME=PATH", file=sys.stderr)
+        return 2
+    loras = tuple((m.partition("=")[0], m.partition("=")[2]) for m in args.lora_modules)
     options = [
         ReplicaOptions(
             time_scale=args.time_scale,
@@ -124,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             faults=faults[i],
             seed=args.seed + i,
             served_model_names=names,
+            lora_modules=loras,
             stream_interval_ms=args.stream_interval_ms,
         )
         for i in range(args.replicas)

@@ -58,6 +58,9 @@ class ReplicaOptions:
     faults: Faults = field(default_factory=Faults)
     seed: int = 0
     served_model_names: tuple[str, ...] = ()  # empty: the profile's served_model_name
+    # LoRA adapters (name, path) as vLLM's `--lora-modules name=path`: listed in /v1/models with
+    # the first served name as `parent`, and accepted as `model`. The engine runs them as the base.
+    lora_modules: tuple[tuple[str, str], ...] = ()
     stream_interval_ms: float | None = None  # None: 0 at time scale 1, else the default above
     fast_forward: bool = True  # decode spans; False steps one by one (tests compare the two)
 
@@ -74,6 +77,7 @@ class ReplicaState:
         self.profile = profile
         self.options = options
         self.model_names = options.served_model_names or (profile.served_model_name,)
+        self.adapters = dict(options.lora_modules)
         self.stream_interval_s = options.interval_s()
         self.engine = Engine(
             profile,
@@ -292,7 +296,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if not isinstance(body, dict):
         return bad_request("the body must be a JSON object")
     model = body.get("model")
-    if model not in state.model_names:
+    if model not in state.model_names and model not in state.adapters:
         return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
     try:
         counter = state.counter
@@ -347,6 +351,12 @@ async def models(request: web.Request) -> web.Response:
         }
         for name in state.model_names
     ]
+    # vLLM's adapter card (vllm/entrypoints/openai/models/serving.py, show_available_models).
+    data += [
+        {"id": name, "object": "model", "created": 0, "owned_by": "vllm", "root": path,
+         "parent": state.model_names[0], "max_model_len": None}
+        for name, path in state.adapters.items()
+    ]  # fmt: skip
     return web.Response(
         body=orjson.dumps({"object": "list", "data": data}), content_type="application/json"
     )
