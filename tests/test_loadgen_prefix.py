@@ -24,9 +24,10 @@ from loadtest.loadgen.runner import RequestRecord
 from loadtest.loadgen.sweep import SweepConfig, Target, run_sweep
 from loadtest.loadgen.workloads import Workload, load_workload, plan
 from loadtest.sim import ReplicaOptions, load_profile, start_replica
-from tests.conftest import Stub
+from tests.conftest import RunningGateway, Stub, basic_policy
 
 StubFactory = Callable[..., Awaitable[Stub]]
+GatewayFactory = Callable[[dict[str, Any]], Awaitable[RunningGateway]]
 QUIET = Progress(live=False)
 ROOT = Path(__file__).resolve().parent.parent
 HEAD = "<bos><start_of_turn>user\n"  # the tiny tokenizer's chat template before the content
@@ -287,3 +288,32 @@ async def test_compare_sends_every_variant_the_same_sessions_and_rule_picks(
     assert pattern[0] == pattern[1] and set(rules[0]).isdisjoint(rules[1])
     sessions = [{b["user"] for b in s.stats.bodies if "user" in b} for s in stubs]
     assert sessions[0].isdisjoint(sessions[1])
+
+
+async def test_the_compare_command_runs_sessions_through_the_gateway_and_reports_turns(
+    stub_factory: StubFactory,
+    gateway_factory: GatewayFactory,
+    tokenizer_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    stubs = [await stub_factory(), await stub_factory()]
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [s.url for s in stubs]))
+    out = tmp_path / "compare"
+    argv = ["compare", "--replicas", ",".join(s.url for s in stubs), "--gateway", gw.url,
+            "--model", "tiny", "--tokenizer", str(tokenizer_dir), "--workload", "sessions-3x40",
+            "--rate", "20", "--duration", "0.2", "--requests", "3", "--out", str(out)]  # fmt: skip
+    assert await asyncio.to_thread(cli.main, argv) == 0
+
+    result = orjson.loads((out / "compare.json").read_bytes())
+    for rows in result["requests"].values():
+        assert sorted(r["turn"] for r in rows) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+        by_turn = defaultdict(list)
+        for r in rows:
+            by_turn[r["turn"]].append(r["isl"])
+        assert min(by_turn[1]) > max(by_turn[0]) and min(by_turn[2]) > max(by_turn[1])
+    printed = capsys.readouterr().out
+    assert "Session turns" in printed and "| gateway | 2 | 3 | 3 |" in printed
+    # The gateway forwards the session's header and body field to the replica as received.
+    seen = [h for s in stubs for h in s.stats.headers if "x-request-id" in h]
+    assert len(seen) == 9 and all(h["x-session-id"].startswith("session-") for h in seen)
