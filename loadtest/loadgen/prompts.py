@@ -304,13 +304,12 @@ class PromptBuilder:
 def _keeps(prefix: RuleText, rendered: str, encoding: Any) -> bool:
     """Whether the rule set's own tokens are the prompt's, from a boundary to a boundary."""
     start = rendered.find(prefix.text)
-    offsets, ids, r = encoding.offsets, encoding.ids, len(prefix.ids)
-    first = next((i for i, (_, end) in enumerate(offsets) if end > start), None)
+    end = start + len(prefix.text)
+    offsets, r = encoding.offsets, len(prefix.ids)
+    first = next((i for i, (_, stop) in enumerate(offsets) if stop > start), None)
     if start < 0 or first is None or offsets[first][0] != start:
-        return False
-    return tuple(ids[first : first + r]) == prefix.ids and offsets[first + r - 1][1] == start + len(
-        prefix.text
-    )
+        return False  # a token straddles the rule set's start
+    return tuple(encoding.ids[first : first + r]) == prefix.ids and offsets[first + r - 1][1] == end
 
 
 def body(model: str, planned: Planned, prompt: str | list[Message], stream: bool) -> dict[str, Any]:
