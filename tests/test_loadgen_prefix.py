@@ -22,7 +22,7 @@ from loadtest.loadgen.progress import Progress
 from loadtest.loadgen.prompts import Body, PromptBuilder
 from loadtest.loadgen.runner import RequestRecord
 from loadtest.loadgen.sweep import SweepConfig, Target, run_sweep
-from loadtest.loadgen.workloads import Workload, load_workload, plan
+from loadtest.loadgen.workloads import Workload, dump_workload, load_workload, plan
 from loadtest.sim import ReplicaOptions, load_profile, start_replica
 from tests.conftest import RunningGateway, Stub, basic_policy
 
@@ -317,3 +317,22 @@ async def test_the_compare_command_runs_sessions_through_the_gateway_and_reports
     # The gateway forwards the session's header and body field to the replica as received.
     seen = [h for s in stubs for h in s.stats.headers if "x-request-id" in h]
     assert len(seen) == 9 and all(h["x-session-id"].startswith("session-") for h in seen)
+
+
+def test_a_shared_prefix_workload_file_round_trips(tmp_path: Path) -> None:
+    text = """
+classes:
+  - {name: rules, isl: {type: normal, mean: 4000, std: 200, min: 3500}, osl: 10,
+     rules: {sets: 64, tokens: 3000, pick: zipf, zipf_s: 1.1}}
+  - {name: chat, isl: 200, osl: 150, session: {turns: {type: empirical, values: [2, 5, 9]},
+     think_s: 1.5}}
+"""
+    path = tmp_path / "prefixes.yaml"
+    path.write_text(text)
+    workload = load_workload(path)
+    assert load_workload(dump_workload(workload, tmp_path / "again.yaml")) == workload
+    planned = plan(workload, 50, random.Random(0))
+    assert {p.cls for p in planned if p.session is not None} == {"chat"}
+    assert all(
+        p.rule_set is not None and p.rule_tokens == 3000 for p in planned if p.cls == "rules"
+    )

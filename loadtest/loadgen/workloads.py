@@ -205,8 +205,8 @@ BUILTIN: dict[str, Workload] = {
 
 # Shared-prefix workloads named on the command line: K rule sets x R tokens (classification's
 # 4,000 in / 10 out), or sessions of N turns x M-token messages (150 out per turn).
-RULES_NAME = re.compile(r"rules-(\d+)x(\d+)(?:-zipf([\d.]+))?")
-SESSIONS_NAME = re.compile(r"sessions-(\d+)x(\d+)(?:-think([\d.]+))?")
+RULES_NAME = re.compile(r"rules-(\d+)x(\d+)(?:-zipf(\d+(?:\.\d+)?))?")
+SESSIONS_NAME = re.compile(r"sessions-(\d+)x(\d+)(?:-think(\d+(?:\.\d+)?))?")
 NAMED = "rules-KxR[-zipfS], sessions-NxM[-thinkS]"
 
 
