@@ -235,20 +235,20 @@ async def run_level(
     async def one(i: int) -> bool:
         p, body = planned[i], bodies[i]
         rec = RequestRecord(i, p.cls, p.endpoint, p.isl, p.osl, 0.0)
-        headers, reply = JSON, list[str]() if isinstance(body, Turn) else None
+        reply: list[str] | None = None  # kept only for a session's history
         if isinstance(body, Turn):
+            reply = []
             # Affinity may key on either: the OpenAI `user` field (in the body) or this header.
             headers = {**JSON, SESSION_HEADER: body.conversation.id}
             rec.session, rec.turn = body.conversation.id, p.turn
             data, rec.isl = await body.render()
         else:
-            data = body
+            headers, data = JSON, body
         rec.start_s = time.perf_counter() - started
         run.records.append(rec)
         await send(session, url, data, p, rec, stream, headers, reply)
         if isinstance(body, Turn) and rec.ok:
-            assert reply is not None
-            body.answered("".join(reply))
+            body.answered("".join(reply or ()))
         progress.tick(rec.ok)
         return rec.ok
 
