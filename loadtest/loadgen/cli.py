@@ -3,6 +3,8 @@
     llm-loadtest sweep --target http://127.0.0.1:8000 --model gemma-3-27b-it \
         --tokenizer /models/gemma-3 --workload generation --users 16,32,64,128 --out report/
     llm-loadtest sweep --target URL --model NAME --workload mixed --rate 20 --duration 60
+    llm-loadtest sweep --target URL --model NAME --tokenizer DIR --workload rules-8x3000 --users 16
+    llm-loadtest compare ... --workload sessions-5x200-think2 --rate 4 --duration 60
     llm-loadtest profile access.jsonl --out workload.yaml
     llm-loadtest compare --replicas http://127.0.0.1:8001,http://127.0.0.1:8002 \
         --gateway http://127.0.0.1:8080 --model gemma-3-27b-it --rate 12 --duration 60
@@ -34,7 +36,8 @@ from loadtest.loadgen.report import summary_text, write_report
 from loadtest.loadgen.roundrobin import __doc__ as roundrobin_doc
 from loadtest.loadgen.roundrobin import roundrobin_process, serve
 from loadtest.loadgen.sweep import SweepConfig, Target, run_sweep
-from loadtest.loadgen.workloads import BUILTIN, dump_workload, load_workload
+from loadtest.loadgen.turns import turn_table
+from loadtest.loadgen.workloads import BUILTIN, NAMED, dump_workload, load_workload
 
 T = TypeVar("T")
 
@@ -103,7 +106,7 @@ def _sweep_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workload",
         action="append",
-        help=f"{', '.join(BUILTIN)} or a workload YAML (repeatable;"
+        help=f"{', '.join(BUILTIN)}, shared prefixes {NAMED}, or a workload YAML (repeatable;"
         " default: classification and generation, separately)",
     )
     p.add_argument(
@@ -193,6 +196,12 @@ def sweep(argv: Sequence[str]) -> int:
     result = _run(run_sweep(config))
     paths = write_report(result, args.out)
     print(summary_text(result))
+    runs = {
+        f"{s.target.model} {s.workload.name} {config.kind}={load:g}": run.records
+        for s in result.series
+        for load, run in s.levels
+    }
+    _print_turns(runs, args.time_scale)
     print(f"\nWrote {', '.join(str(p) for p in paths)}")
     return 0
 
@@ -238,7 +247,11 @@ def _compare_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model name sent to the round-robin target")
     p.add_argument("--gateway-model", help="model name sent to the gateway (default: --model)")
     p.add_argument("--tokenizer", help="local HF tokenizer dir for exact prompt lengths")
-    p.add_argument("--workload", default="mixed")
+    p.add_argument(
+        "--workload",
+        default="mixed",
+        help=f"{', '.join(BUILTIN)}, shared prefixes {NAMED}, or a workload YAML",
+    )
     p.add_argument(
         "--rate",
         type=float,
@@ -303,8 +316,14 @@ def compare(argv: Sequence[str]) -> int:
     result = _run(go())
     paths = write_compare_report(result, args.out)
     print(table(result))
+    _print_turns({name: run.records for name, run in result.runs.items()}, args.time_scale)
     print(f"\nWrote {', '.join(str(p) for p in paths)}")
     return 0
+
+
+def _print_turns(runs: dict[str, Any], time_scale: float) -> None:
+    if turns := turn_table(runs, time_scale):
+        print(f"\nSession turns (ISL: the whole prompt, history included):\n{turns}")
 
 
 def roundrobin(argv: Sequence[str]) -> int:

@@ -14,25 +14,47 @@ at the cut), the filler starts one token later and the search goes on. The guess
 ISL) is remembered, so after the first request of a shape one batched encode verifies each prompt.
 All of it runs before a level's clock starts, in `tokenizers`' batch encoder (which releases the
 GIL), so the generator is never the bottleneck of the measurement.
+
+Shared prefixes. A rule set is fitted the same way to exactly R tokens on its own (a `Rules N:`
+tag and filler, no template), once per `bodies` call, so that every compare target and sweep
+level gets fresh sets of the same shape and never finds an earlier one's blocks cached on shared
+replicas. A request of that set is the rule set, a separator, its unique tag and filler; the
+fit checks, on the encoding's offsets, that the rule set's R tokens appear unchanged at a token
+boundary of the whole prompt (a merge across the join would change the shared tokens), and if
+not tries the next separator. A session turn is a `Turn`: its new message is fitted to its
+planned tokens on its own, and its body is built when it is sent, from the history then known
+(the user messages and the replies actually received), its whole prompt counted then.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
 from gateway.tokens import load_tokenizer
-from loadtest.loadgen.workloads import Endpoint, Planned
+from loadtest.loadgen.workloads import Planned
 from loadtest.tiny_tokenizer import WORDS
 
 CHARS_PER_TOKEN = 4.0
 MAX_ROUNDS = 24
+SESSION_HEADER = "x-session-id"
+
+# How a fitted text is counted: a chat prompt through the template, a completions prompt with
+# special tokens, a rule set or a session's message on its own (no template, no special tokens).
+Kind = Literal["chat", "completions", "text"]
+Message = dict[str, str]
+PLAIN = ("{n}.",)
+RULES = ("Rules {n}:",)
+# What follows a rule set: a separator and the request's tag, the next tried when the tokenizer
+# merges one across the join.
+AFTER_RULES = ("\n{n}.", "\n\nProduct {n}:", "\n#{n}", " | {n}.")
 
 
 def filler(words: int, seed: int = 11) -> str:
@@ -41,16 +63,75 @@ def filler(words: int, seed: int = 11) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
+@dataclass(frozen=True, slots=True)
+class RuleText:
+    """A rule set as sent: its text and its token ids (exactly the planned R)."""
+
+    text: str
+    ids: tuple[int, ...]
+
+
 @dataclass(slots=True)
 class _Search:
-    """One prompt being fitted: the filler span [start, start + k) tokens after the tag."""
+    """One text being fitted: `prefix`, a tag, then the filler span [start, start + k) tokens."""
 
-    endpoint: Endpoint
+    kind: Kind
     target: int
-    tag: str
+    serial: int
+    styles: tuple[str, ...]
     start: int
     k: int
     tried: set[int]
+    prefix: RuleText | None = None
+    style: int = 0
+
+    @property
+    def tag(self) -> str:
+        return self.styles[self.style].format(n=self.serial)
+
+    @property
+    def shape(self) -> tuple[Kind, int, int]:
+        return self.kind, self.target, len(self.prefix.ids) if self.prefix else 0
+
+
+@dataclass(slots=True)
+class Conversation:
+    """One session's history: the user messages sent and the replies received, in order."""
+
+    id: str
+    history: list[Message] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Turn:
+    """A session turn's body, which exists only once the previous answer has arrived."""
+
+    conversation: Conversation
+    message: str
+    planned: Planned
+    model: str
+    stream: bool
+    builder: PromptBuilder
+
+    def messages(self) -> list[Message]:
+        return [*self.conversation.history, {"role": "user", "content": self.message}]
+
+    async def render(self) -> tuple[bytes, int]:
+        """The body to send now and its input tokens, counted off the loop."""
+        messages = self.messages()
+        isl = await asyncio.to_thread(self.builder.conversation_tokens, messages)
+        out = body(self.model, self.planned, messages, self.stream)
+        out["user"] = self.conversation.id  # the OpenAI field a gateway may key affinity on
+        return orjson.dumps(out), isl
+
+    def answered(self, reply: str) -> None:
+        self.conversation.history += [
+            {"role": "user", "content": self.message},
+            {"role": "assistant", "content": reply},
+        ]
+
+
+Body = bytes | Turn
 
 
 class PromptBuilder:
@@ -61,63 +142,97 @@ class PromptBuilder:
         self._serial = itertools.count()
         self._text = ""
         self._ends: list[int] = []  # character offset where each filler token ends
-        # Tokens besides the filler (template, tag) that made an exact prompt last time.
-        self._by_shape: dict[tuple[Endpoint, int], int] = {}
-        self._by_endpoint: dict[Endpoint, int] = {}
+        # Tokens besides the filler (template, tag, rule set) that made an exact prompt last time.
+        self._by_shape: dict[tuple[Kind, int, int], int] = {}
+        self._by_kind: dict[tuple[Kind, int], int] = {}
 
-    def count(self, endpoint: Endpoint, texts: Sequence[str]) -> list[int]:
+    def count(self, endpoint: Kind, texts: Sequence[str]) -> list[int]:
         """Input tokens the server will count for each prompt text."""
-        assert self.tokenizer is not None
-        if endpoint == "chat":
-            rendered = [
-                self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
-                )
-                for t in texts
-            ]
-            return self._lengths(rendered, special=False)
-        return self._lengths(list(texts), special=True)
+        return [len(e.ids) for e in self._encode(endpoint, self._render(endpoint, texts))]
 
-    def _lengths(self, texts: list[str], special: bool) -> list[int]:
+    def conversation_tokens(self, messages: list[Message]) -> int:
+        """Input tokens of a chat prompt of several messages (4 characters a token without a
+        tokenizer, as everywhere here)."""
+        if self.tokenizer is None:
+            return round(sum(len(m["content"]) for m in messages) / CHARS_PER_TOKEN)
+        rendered = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return len(self._encode("chat", [rendered])[0].ids)
+
+    def _render(self, kind: Kind, texts: Sequence[str]) -> list[str]:
+        assert self.tokenizer is not None
+        if kind != "chat":
+            return list(texts)
+        return [
+            self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+            )
+            for t in texts
+        ]
+
+    def _encode(self, kind: Kind, rendered: list[str]) -> list[Any]:
         assert self.tokenizer is not None
         backend = self.tokenizer.backend_tokenizer
-        encoded = backend.encode_batch(texts, add_special_tokens=special)
-        return [len(e.ids) for e in encoded]
+        return list(backend.encode_batch(rendered, add_special_tokens=kind == "completions"))
 
-    def texts(self, shapes: Sequence[tuple[Endpoint, int]]) -> list[str]:
-        """A unique prompt text of exactly `isl` tokens for each (endpoint, isl)."""
-        tags = [f"{next(self._serial)}." for _ in shapes]  # short: a few tokens in any vocabulary
+    def texts(
+        self,
+        shapes: Sequence[tuple[Kind, int]],
+        prefixes: Sequence[RuleText | None] | None = None,
+    ) -> list[str]:
+        """A unique text of exactly `isl` tokens for each (kind, isl), after its prefix if any."""
+        prefixes = prefixes or [None] * len(shapes)
+        searches = [
+            _Search(kind, isl, next(self._serial), AFTER_RULES if pre else PLAIN, 0, 0, set(), pre)
+            for (kind, isl), pre in zip(shapes, prefixes, strict=True)
+        ]
+        return self._fit(searches)
+
+    def rule_sets(self, lengths: Sequence[int]) -> list[RuleText]:
+        """Distinct rule sets, each exactly its length in tokens on its own."""
+        searches = [_Search("text", n, next(self._serial), RULES, 0, 0, set()) for n in lengths]
+        texts = self._fit(searches)
         if self.tokenizer is None:
-            return [self._by_chars(tag, isl) for tag, (_, isl) in zip(tags, shapes, strict=True)]
-        searches = {
-            i: _Search(endpoint, isl, tag, 0, max(0, isl - self._guess(endpoint, isl)), set())
-            for i, (tag, (endpoint, isl)) in enumerate(zip(tags, shapes, strict=True))
-        }
+            return [RuleText(t, ()) for t in texts]
+        encoded = self._encode("text", texts)
+        return [RuleText(t, tuple(e.ids)) for t, e in zip(texts, encoded, strict=True)]
+
+    def _fit(self, searches: list[_Search]) -> list[str]:
+        if self.tokenizer is None:
+            return [self._by_chars(s) for s in searches]
+        for s in searches:
+            s.k = max(0, s.target - self._guess(s))
+        pending = dict(enumerate(searches))
         done: dict[int, str] = {}
         for _ in range(MAX_ROUNDS):
-            for endpoint in ("chat", "completions"):
-                batch = [(i, s) for i, s in searches.items() if s.endpoint == endpoint]
+            for kind in ("chat", "completions", "text"):
+                batch = [(i, s) for i, s in pending.items() if s.kind == kind]
                 if not batch:
                     continue
                 candidates = [self._candidate(s) for _, s in batch]
-                counts = self.count(endpoint, candidates)
-                for (i, s), text, got in zip(batch, candidates, counts, strict=True):
-                    if got == s.target:
-                        done[i] = text
-                        self._by_shape[(endpoint, s.target)] = self._by_endpoint[endpoint] = (
-                            s.target - s.k
-                        )
-                        del searches[i]
-                    else:
+                rendered = self._render(kind, candidates)
+                encoded = self._encode(kind, rendered)
+                for (i, s), text, shown, enc in zip(
+                    batch, candidates, rendered, encoded, strict=True
+                ):
+                    got = len(enc.ids)
+                    if got != s.target:
                         self._step(s, s.target - got)
-            if not searches:
-                return [done[i] for i in range(len(shapes))]
-        s = next(iter(searches.values()))
-        raise RuntimeError(f"could not build a {s.endpoint} prompt of exactly {s.target} tokens")
+                    elif s.prefix and not _keeps(s.prefix, shown, enc):
+                        self._next_style(s)
+                    else:
+                        done[i] = text
+                        self._by_shape[s.shape] = self._by_kind[s.shape[::2]] = s.target - s.k
+                        del pending[i]
+            if not pending:
+                return [done[i] for i in range(len(searches))]
+        s = next(iter(pending.values()))
+        raise RuntimeError(f"could not build a {s.kind} prompt of exactly {s.target} tokens")
 
-    def _guess(self, endpoint: Endpoint, isl: int) -> int:
-        """This shape's last overhead, else the endpoint's last, else none (the first prompt)."""
-        return self._by_shape.get((endpoint, isl), self._by_endpoint.get(endpoint, 0))
+    def _guess(self, s: _Search) -> int:
+        """This shape's last overhead, else the kind's last, else none (the first prompt)."""
+        return self._by_shape.get(s.shape, self._by_kind.get(s.shape[::2], 0))
 
     def _step(self, s: _Search, diff: int) -> None:
         s.tried.add(s.k)
@@ -125,18 +240,27 @@ class PromptBuilder:
         if s.k in s.tried:
             if s.k == 0 and diff < 0:
                 raise ValueError(
-                    f"{s.target} input tokens is less than the {s.endpoint} prompt's own overhead"
-                    " (template and request tag)"
+                    f"{s.target} input tokens is less than the {s.kind} prompt's own overhead"
+                    " (template, request tag and rule set)"
                 )
             s.start += 1  # the two cuts around the target straddle a merge: shift the filler
             s.tried.clear()
+
+    def _next_style(self, s: _Search) -> None:
+        s.style += 1
+        if s.style == len(s.styles):
+            raise RuntimeError(
+                "this tokenizer merges every separator tried into the rule set's last or the"
+                f" template's first token: {s.styles}"
+            )
+        s.tried.clear()
 
     def _candidate(self, s: _Search) -> str:
         while len(self._ends) < s.start + s.k:
             self._grow()
         begin = self._ends[s.start - 1] if s.start else 0
         end = self._ends[s.start + s.k - 1] if s.k else begin
-        return f"{s.tag} {self._text[begin:end].lstrip()}"
+        return f"{s.prefix.text if s.prefix else ''}{s.tag} {self._text[begin:end].lstrip()}"
 
     def _grow(self) -> None:
         """Double the filler; with a tokenizer, encode it once to learn its token ends."""
@@ -145,26 +269,58 @@ class PromptBuilder:
             encoded = self.tokenizer.backend_tokenizer.encode(self._text, add_special_tokens=False)
             self._ends = [end for _, end in encoded.offsets]
 
-    def _by_chars(self, tag: str, isl: int) -> str:
-        chars = round(isl * CHARS_PER_TOKEN)
+    def _by_chars(self, s: _Search) -> str:
+        prefix = s.prefix.text if s.prefix else ""
+        chars = round((s.target - s.shape[2]) * CHARS_PER_TOKEN)
         while len(self._text) < chars:
             self._grow()
-        return f"{tag} {self._text}"[:chars]
+        return prefix + f"{s.tag} {self._text}"[:chars]
 
-    def bodies(self, model: str, planned: Sequence[Planned], stream: bool) -> list[bytes]:
-        """Serialised request bodies, output fixed by `max_tokens` + `ignore_eos`."""
-        texts = self.texts([(p.endpoint, p.isl) for p in planned])
-        return [
-            orjson.dumps(body(model, p, t, stream)) for p, t in zip(planned, texts, strict=True)
+    def bodies(self, model: str, planned: Sequence[Planned], stream: bool) -> list[Body]:
+        """Request bodies, output fixed by `max_tokens` + `ignore_eos`: serialised, or a `Turn`
+        for a session's request. Rule sets and sessions are this call's own."""
+        keys = list(dict.fromkeys((p.cls, p.rule_set) for p in planned if p.rule_set is not None))
+        lengths = {(p.cls, p.rule_set): p.rule_tokens for p in planned}
+        rules: dict[tuple[str, int | None], RuleText] = dict(
+            zip(keys, self.rule_sets([lengths[k] for k in keys]), strict=True)
+        )
+        shapes: list[tuple[Kind, int]] = [
+            ("text" if p.session is not None else p.endpoint, p.isl) for p in planned
         ]
+        prefixes = [rules.get((p.cls, p.rule_set)) for p in planned]
+        texts = self.texts(shapes, prefixes)
+        conversations: dict[int, Conversation] = {}
+        out: list[Body] = []
+        for p, text in zip(planned, texts, strict=True):
+            if p.session is None:
+                out.append(orjson.dumps(body(model, p, text, stream)))
+                continue
+            if p.session not in conversations:
+                conversations[p.session] = Conversation(f"session-{next(self._serial)}")
+            out.append(Turn(conversations[p.session], text, p, model, stream, self))
+        return out
 
 
-def body(model: str, planned: Planned, text: str, stream: bool) -> dict[str, Any]:
+def _keeps(prefix: RuleText, rendered: str, encoding: Any) -> bool:
+    """Whether the rule set's own tokens are the prompt's, from a boundary to a boundary."""
+    start = rendered.find(prefix.text)
+    end = start + len(prefix.text)
+    offsets, r = encoding.offsets, len(prefix.ids)
+    first = next((i for i, (_, stop) in enumerate(offsets) if stop > start), None)
+    if start < 0 or first is None or offsets[first][0] != start:
+        return False  # a token straddles the rule set's start
+    return tuple(encoding.ids[first : first + r]) == prefix.ids and offsets[first + r - 1][1] == end
+
+
+def body(model: str, planned: Planned, prompt: str | list[Message], stream: bool) -> dict[str, Any]:
+    """A chat body carries the prompt as its one user message, or a session's messages."""
     out: dict[str, Any] = {"model": model}
-    if planned.endpoint == "chat":
-        out["messages"] = [{"role": "user", "content": text}]
+    if isinstance(prompt, list):
+        out["messages"] = prompt
+    elif planned.endpoint == "chat":
+        out["messages"] = [{"role": "user", "content": prompt}]
     else:
-        out["prompt"] = text
+        out["prompt"] = prompt
     # ignore_eos makes the output exactly max_tokens long: the shape is the load test's, not the model's.
     out |= {"max_tokens": planned.osl, "ignore_eos": True, "stream": stream}
     if stream:

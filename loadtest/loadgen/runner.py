@@ -4,6 +4,11 @@ A level is bounded twice: by its planned requests and by `max_seconds`. At the d
 request still in flight is cancelled (which closes its connection, so a vLLM server stops
 generating it) and kept as `unfinished`: it was neither completed nor failed by the server, and
 the statistics count it apart (see stats.py).
+
+A session's turns run one after the other, each once the previous answer is in (and the
+session's think time has passed), while sessions interleave as users or arrivals allow: a user
+runs one session to its end, an arrival starts one. A turn is recorded with its whole prompt's
+input tokens as its ISL. A failed turn ends its session: its history has no answer to go on.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import aiohttp
 import orjson
 
 from loadtest.loadgen.progress import Progress
+from loadtest.loadgen.prompts import SESSION_HEADER, Body, Turn
 from loadtest.loadgen.workloads import Endpoint, Planned
 
 PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -54,6 +60,8 @@ class RequestRecord:
     e2e_s: float | None = None
     input_tokens: int | None = None
     output_tokens: int | None = None
+    session: str | None = None  # a session's id, as sent in `user` and x-session-id
+    turn: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -93,6 +101,8 @@ class RequestRecord:
             "e2e_s": _round(self.e2e_s),
             "input_tokens": self.input_tokens,
             "output_tokens": self.output_tokens,
+            "session": self.session,
+            "turn": self.turn,
         }
 
 
@@ -119,13 +129,24 @@ def _text_in(chunk: dict[str, Any]) -> bool:
     return False
 
 
+def _content(chunk: dict[str, Any]) -> str:
+    """The answer's text in a chunk or a whole response: what a session's history keeps."""
+    pieces = []
+    for choice in chunk.get("choices") or ():
+        message = choice.get("delta") or choice.get("message") or {}
+        pieces.append(message.get("content") or "")
+    return "".join(pieces)
+
+
 def _usage(rec: RequestRecord, usage: dict[str, Any] | None) -> None:
     if usage:
         rec.input_tokens = usage.get("prompt_tokens")
         rec.output_tokens = usage.get("completion_tokens")
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord, started: float) -> None:
+async def _read_stream(
+    resp: aiohttp.ClientResponse, rec: RequestRecord, started: float, reply: list[str] | None
+) -> None:
     done = False
     async for line in resp.content:
         if not line.startswith(b"data:"):
@@ -140,6 +161,8 @@ async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord, started
             return
         if rec.ttft_s is None and _text_in(chunk):
             rec.ttft_s = time.perf_counter() - started
+        if reply is not None:
+            reply.append(_content(chunk))
         _usage(rec, chunk.get("usage"))
     if not done:
         rec.error = "incomplete"
@@ -152,18 +175,24 @@ async def send(
     planned: Planned,
     rec: RequestRecord,
     stream: bool,
+    headers: dict[str, str] = JSON,
+    reply: list[str] | None = None,
 ) -> None:
-    """Send one request and fill `rec` in place, so a cancelled request is still on record."""
+    """Send one request and fill `rec` in place, so a cancelled request is still on record;
+    `reply`, if given, collects the answer's text."""
     started = time.perf_counter()
     try:
-        async with session.post(url + PATHS[planned.endpoint], data=body, headers=JSON) as resp:
+        async with session.post(url + PATHS[planned.endpoint], data=body, headers=headers) as resp:
             rec.status = resp.status
             if resp.status != 200:
                 await resp.read()
             elif stream:
-                await _read_stream(resp, rec, started)
+                await _read_stream(resp, rec, started, reply)
             else:
-                _usage(rec, orjson.loads(await resp.read()).get("usage"))
+                answer = orjson.loads(await resp.read())
+                _usage(rec, answer.get("usage"))
+                if reply is not None:
+                    reply.append(_content(answer))
     except asyncio.CancelledError:
         rec.error = UNFINISHED
         raise
@@ -175,11 +204,25 @@ async def send(
         rec.e2e_s = time.perf_counter() - started
 
 
+def units(planned: Sequence[Planned]) -> list[list[int]]:
+    """What a user or an arrival takes: a request on its own, or a session's turns in order."""
+    out: list[list[int]] = []
+    sessions: dict[int, list[int]] = {}
+    for i, p in enumerate(planned):
+        if p.session is None:
+            out.append([i])
+        elif p.session in sessions:
+            sessions[p.session].append(i)
+        else:
+            out.append(sessions.setdefault(p.session, [i]))
+    return out
+
+
 async def run_level(
     session: aiohttp.ClientSession,
     url: str,
     planned: Sequence[Planned],
-    bodies: Sequence[bytes],
+    bodies: Sequence[Body],
     users: int | None,
     max_seconds: float,
     stream: bool,
@@ -189,29 +232,51 @@ async def run_level(
     run = LevelRun()
     started = time.perf_counter()
 
-    async def one(i: int) -> None:
-        p = planned[i]
-        rec = RequestRecord(i, p.cls, p.endpoint, p.isl, p.osl, time.perf_counter() - started)
+    async def one(i: int) -> bool:
+        p, body = planned[i], bodies[i]
+        rec = RequestRecord(i, p.cls, p.endpoint, p.isl, p.osl, 0.0)
+        reply: list[str] | None = None  # kept only for a session's history
+        if isinstance(body, Turn):
+            reply = []
+            # Affinity may key on either: the OpenAI `user` field (in the body) or this header.
+            headers = {**JSON, SESSION_HEADER: body.conversation.id}
+            rec.session, rec.turn = body.conversation.id, p.turn
+            data, rec.isl = await body.render()
+        else:
+            headers, data = JSON, body
+        rec.start_s = time.perf_counter() - started
         run.records.append(rec)
-        await send(session, url, bodies[i], p, rec, stream)
+        await send(session, url, data, p, rec, stream, headers, reply)
+        if isinstance(body, Turn) and rec.ok:
+            body.answered("".join(reply or ()))
         progress.tick(rec.ok)
+        return rec.ok
 
-    work = iter(range(len(planned)))
+    async def unit(indices: list[int]) -> None:
+        for i in indices:
+            if planned[i].turn and planned[i].think_s:
+                await asyncio.sleep(planned[i].think_s)
+            if not await one(i):
+                return  # a failed turn ends its session
+
+    todo = units(planned)
+    work = iter(todo)
 
     async def user() -> None:
-        for i in work:  # one shared iterator: each planned request is taken by one user
-            await one(i)
+        for indices in work:  # one shared iterator: each request or session is taken by one user
+            await unit(indices)
 
     try:
         async with asyncio.timeout(max_seconds), asyncio.TaskGroup() as tasks:
             if users is not None:
-                for _ in range(min(users, len(planned))):
+                for _ in range(min(users, len(todo))):
                     tasks.create_task(user())
             else:
-                for i, p in enumerate(planned):
-                    assert p.at is not None
-                    await asyncio.sleep(max(0.0, started + p.at - time.perf_counter()))
-                    tasks.create_task(one(i))
+                for indices in todo:
+                    at = planned[indices[0]].at
+                    assert at is not None
+                    await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
+                    tasks.create_task(unit(indices))
     except TimeoutError:
         run.duration_s = max_seconds
     else:

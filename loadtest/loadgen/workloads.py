@@ -17,13 +17,28 @@ gateway's access log:
       - name: generation
         isl: {type: lognormal, median: 500, sigma: 0.4, max: 8000}
         osl: {type: empirical, values: [200, 800, 1000, 1000, 1500]}
+
+Two class options make requests share prefixes, as production traffic does (docs/loadgen.md):
+
+      - name: classification       # one of K rule sets of R tokens first, then unique product text
+        isl: 4000
+        osl: 10
+        rules: {sets: 8, tokens: 3000, pick: zipf, zipf_s: 1.1}
+      - name: chat                 # each arrival starts a session; each turn resends the history
+        isl: 200                   # the new user message, tokens
+        osl: 150
+        session: {turns: 5, think_s: 1.0}
+
+Without either option no two requests share a prefix: the existing workloads are the "no shared
+prefix" case.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -97,12 +112,63 @@ Distribution = Annotated[
 ]
 
 
+def lowest(dist: Fixed | Normal | LogNormal | Empirical) -> int:
+    """The smallest token count a distribution can draw."""
+    if isinstance(dist, Fixed):
+        return dist.value
+    if isinstance(dist, Empirical):
+        return min(dist.values)
+    return dist.min
+
+
+class RuleSets(Spec):
+    """K rule sets of exactly R tokens: every request starts with one, verbatim, as the seed
+    article's classification prompt starts with the product rules; the product text follows."""
+
+    sets: int = Field(ge=1, description="K: how many distinct rule sets.")
+    tokens: int = Field(ge=1, description="R: each rule set's exact length in tokens.")
+    pick: Literal["uniform", "zipf"] = "uniform"
+    zipf_s: float = Field(
+        1.0, gt=0, description="zipf: set k (from 0) is picked with weight 1 / (k + 1)^s."
+    )
+
+    def weights(self) -> list[float]:
+        if self.pick == "uniform":
+            return [1.0] * self.sets
+        return [1.0 / (k + 1) ** self.zipf_s for k in range(self.sets)]
+
+
+class Session(Spec):
+    """A multi-turn conversation: each turn sends the whole history plus a new user message
+    (the class's `isl` tokens) and waits for its answer (`osl` tokens) before the next."""
+
+    turns: Distribution = Field(description="Turns per session.")
+    think_s: float = Field(
+        0.0, ge=0, description="Wall-clock pause between an answer and the next turn."
+    )
+
+
 class WorkloadClass(Spec):
     name: str = Field(min_length=1)
     weight: float = Field(1.0, gt=0, description="Share of requests, relative to the others.")
     endpoint: Endpoint = "chat"
-    isl: Distribution
+    isl: Distribution = Field(description="Input tokens; in a session, the new message's.")
     osl: Distribution
+    rules: RuleSets | None = None
+    session: Session | None = None
+
+    @model_validator(mode="after")
+    def _prefix_fits(self) -> WorkloadClass:
+        if self.rules and self.session:
+            raise ValueError("a class has rules or a session, not both")
+        if self.rules and lowest(self.isl) <= self.rules.tokens:
+            raise ValueError(
+                f"isl can draw {lowest(self.isl)}, not more than the rule set's"
+                f" {self.rules.tokens} tokens: the product text needs room"
+            )
+        if self.session and self.endpoint != "chat":
+            raise ValueError("a session is a chat conversation: endpoint must be chat")
+        return self
 
 
 class Workload(Spec):
@@ -123,8 +189,9 @@ class Workload(Spec):
         return self
 
     def with_endpoint(self, endpoint: Endpoint) -> Workload:
-        classes = [c.model_copy(update={"endpoint": endpoint}) for c in self.classes]
-        return self.model_copy(update={"classes": classes})
+        """Every class on `endpoint`, validated: a session cannot move to completions."""
+        classes = [c.model_dump() | {"endpoint": endpoint} for c in self.classes]
+        return Workload.model_validate(self.model_dump() | {"classes": classes})
 
 
 CLASSIFICATION = WorkloadClass(name="classification", isl=Fixed(value=4000), osl=Fixed(value=10))
@@ -136,14 +203,41 @@ BUILTIN: dict[str, Workload] = {
 }
 
 
+# Shared-prefix workloads named on the command line: K rule sets x R tokens (classification's
+# 4,000 in / 10 out), or sessions of N turns x M-token messages (150 out per turn).
+RULES_NAME = re.compile(r"rules-(\d+)x(\d+)(?:-zipf(\d+(?:\.\d+)?))?")
+SESSIONS_NAME = re.compile(r"sessions-(\d+)x(\d+)(?:-think(\d+(?:\.\d+)?))?")
+NAMED = "rules-KxR[-zipfS], sessions-NxM[-thinkS]"
+
+
+def named_workload(name: str) -> Workload | None:
+    """`rules-8x3000`, `rules-64x3000-zipf1.1`, `sessions-5x200`, `sessions-5x200-think2`."""
+    if m := RULES_NAME.fullmatch(name):
+        tokens, zipf = int(m[2]), m[3]
+        pick = {"pick": "zipf", "zipf_s": float(zipf)} if zipf else {}
+        rules = RuleSets.model_validate({"sets": int(m[1]), "tokens": tokens, **pick})
+        isl = Fixed(value=max(lowest(CLASSIFICATION.isl), tokens + 1000))
+        cls = WorkloadClass(name="classification", isl=isl, osl=CLASSIFICATION.osl, rules=rules)
+        return Workload(name=name, classes=[cls])
+    if m := SESSIONS_NAME.fullmatch(name):
+        session = Session(turns=Fixed(value=int(m[1])), think_s=float(m[3] or 0))
+        cls = WorkloadClass(
+            name="chat", isl=Fixed(value=int(m[2])), osl=Fixed(value=150), session=session
+        )
+        return Workload(name=name, classes=[cls])
+    return None
+
+
 def load_workload(spec: str | Path) -> Workload:
-    """A built-in workload by name, or a workload YAML file."""
+    """A built-in workload by name (or a shared-prefix one, see `named_workload`), or a YAML file."""
     if str(spec) in BUILTIN:
         return BUILTIN[str(spec)]
+    if named := named_workload(str(spec)):
+        return named
     path = Path(spec)
     if not path.is_file():
         raise FileNotFoundError(
-            f"workload {str(spec)!r} is neither a file nor one of {', '.join(BUILTIN)}"
+            f"workload {str(spec)!r} is neither a file nor one of {', '.join(BUILTIN)}, {NAMED}"
         )
     raw = yaml.safe_load(path.read_text())
     if isinstance(raw, dict):
@@ -181,26 +275,60 @@ def dump_workload(workload: Workload, path: str | Path) -> Path:
 
 @dataclass(frozen=True, slots=True)
 class Planned:
-    """One request of a plan: its class, shape, and (open loop) arrival offset in seconds."""
+    """One request of a plan: its class, shape, and (open loop) arrival offset in seconds.
+
+    With rules, `rule_set` is the index of the class's rule set it starts with (`rule_tokens`
+    long). In a session, `session` numbers the plan's sessions and `turn` the request's place in
+    it; only turn 0 has an arrival, the next turn follows its answer after `think_s`, and `isl`
+    is the new message's length (the whole prompt's is known only once the history is)."""
 
     cls: str
     endpoint: Endpoint
     isl: int
     osl: int
     at: float | None = None
+    rule_set: int | None = None
+    rule_tokens: int = 0
+    session: int | None = None
+    turn: int = 0
+    think_s: float = 0.0
 
 
 def plan(
     workload: Workload, count: int, rng: random.Random, arrivals: list[float] | None = None
 ) -> list[Planned]:
-    """`count` requests drawn from the workload's mix; `arrivals`, if given, sets their times."""
+    """`count` arrivals drawn from the workload's mix; `arrivals`, if given, sets their times.
+
+    An arrival of a session class is a whole session, expanded here into its turns. Draws for
+    rules and sessions happen only for such classes, so other workloads plan as they always did."""
     weights = [c.weight for c in workload.classes]
     picks = rng.choices(workload.classes, weights=weights, k=count)
     times: list[float | None] = list(arrivals) if arrivals is not None else [None] * count
-    return [
-        Planned(c.name, c.endpoint, c.isl.sample(rng), c.osl.sample(rng), at)
-        for c, at in zip(picks, times, strict=True)
-    ]
+    out: list[Planned] = []
+    for number, (c, at) in enumerate(zip(picks, times, strict=True)):
+        if c.session is not None:
+            turns = c.session.turns.sample(rng)
+            for turn in range(turns):
+                isl, osl = c.isl.sample(rng), c.osl.sample(rng)
+                out.append(
+                    Planned(
+                        c.name,
+                        c.endpoint,
+                        isl,
+                        osl,
+                        at if turn == 0 else None,
+                        session=number,
+                        turn=turn,
+                        think_s=c.session.think_s,
+                    )
+                )
+            continue
+        planned = Planned(c.name, c.endpoint, c.isl.sample(rng), c.osl.sample(rng), at)
+        if c.rules is not None:
+            (index,) = rng.choices(range(c.rules.sets), weights=c.rules.weights())
+            planned = replace(planned, rule_set=index, rule_tokens=c.rules.tokens)
+        out.append(planned)
+    return out
 
 
 def poisson_arrivals(
