@@ -267,6 +267,7 @@ def build_load(
         idx = [i for i, m in enumerate(modes) if (m != "plain") == streamed]
         made = builder.bodies(MODEL_ALIAS, [planned[i] for i in idx], streamed)
         for i, b in zip(idx, made, strict=True):
+            assert isinstance(b, bytes), "the soak's workloads have no sessions"
             bodies[i] = b
     return Load(planned, bodies, modes, cuts)
 
