@@ -1,0 +1,257 @@
+"""Pickers side by side: the same open-loop workload, the same seed and arrivals, sent through
+the gateway to a fresh fleet of simulated replicas once per picker.
+
+    python -m loadtest.bench_pickers --workload rules-256x3000 --rate 60 --duration 60 \
+        [--pickers least-inflight,round-robin,scorers] [--replicas 4] [--time-scale 1] \
+        [--profile gemma-3-12b-tpu-v6e-2x2] [--max-concurrency 32] [--out DIR]
+
+Each picker gets its own simulator process (4 replicas on loopback, prefix caching on, caches
+cold) and its own gateway process, so nothing one run cached helps the next. Before and after
+each run the replicas' /metrics are read: prefix-cache queries and hits (vLLM's
+`vllm:prefix_cache_queries` / `_hits`), prompt tokens computed, requests finished per replica;
+while it runs `vllm:num_requests_running` is sampled every 0.5 s for the load spread (the most
+and least loaded replica at each sample). Prints a Markdown table (docs/capacity.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import re
+import socket
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from loadtest.loadgen.compare import CompareConfig, run_compare
+from loadtest.loadgen.sweep import Target
+from loadtest.loadgen.workloads import load_workload
+
+HOST = "127.0.0.1"
+SCORERS = {"scorers": {"prefix": 3, "queue": 1, "kv_cache": 1}}
+PICKERS: dict[str, dict[str, Any]] = {
+    "least-inflight": {},
+    "round-robin": {"plugins": {"picker": {"type": "round-robin"}}},
+    "scorers": {"pick": SCORERS},
+}
+COUNTERS = (
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:prompt_tokens_total",
+    "sim_prefill_tokens_computed_total",
+    "vllm:request_success_total",
+)
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` consecutive free loopback ports (the simulator serves replicas on P..P+N-1)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((HOST, 0))
+            base = int(s.getsockname()[1])
+        ports = list(range(base, base + count))
+        try:
+            for port in ports[1:]:
+                with socket.socket() as s:
+                    s.bind((HOST, port))
+        except OSError:
+            continue
+        return ports
+    raise RuntimeError("no block of free ports")
+
+
+def policy(model: str, urls: list[str], picker: dict[str, Any], cap: int) -> dict[str, Any]:
+    pool: dict[str, Any] = {
+        "model": model,
+        "replicas": urls,
+        "max_concurrency": cap,
+        "queue": {"max_depth": 100_000, "max_wait_s": 3600, "fail_fast": False},
+        "timeouts": {"total_s": 3600},
+        **({"pick": picker["pick"]} if "pick" in picker else {}),
+    }
+    return {
+        "models": {model: {"tokenizer": "estimate", "chars_per_token": 4, "max_model_len": 128000}},
+        "pools": {"fleet": pool},
+        "classes": [{"name": "any", "when": {}}],
+        "routes": [{"match": {"model": model}, "pool": "fleet"}],
+        "server": {"access_log": False},
+        **({"plugins": picker["plugins"]} if "plugins" in picker else {}),
+    }
+
+
+async def line_matching(stream: asyncio.StreamReader, pattern: str, within_s: float) -> str:
+    async with asyncio.timeout(within_s):
+        while True:
+            line = (await stream.readline()).decode()
+            if not line:
+                raise RuntimeError(f"process exited before printing {pattern!r}")
+            if re.search(pattern, line):
+                return line
+
+
+@contextlib.asynccontextmanager
+async def process(*argv: str) -> AsyncIterator[asyncio.subprocess.Process]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )  # the simulator's stderr is left in the pipe: it logs little, and only at start
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(10):
+                    await proc.wait()
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+
+async def scrape(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in COUNTERS or name == "vllm:num_requests_running":
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+@dataclass
+class Spread:
+    samples: int = 0
+    max_gap: float = 0.0
+    gap_sum: float = 0.0
+
+    def add(self, running: list[float]) -> None:
+        if max(running) == 0:
+            return
+        gap = max(running) - min(running)
+        self.samples += 1
+        self.gap_sum += gap
+        self.max_gap = max(self.max_gap, gap)
+
+
+async def sample_spread(http: aiohttp.ClientSession, urls: list[str], spread: Spread) -> None:
+    while True:
+        readings = await asyncio.gather(*(scrape(http, u) for u in urls))
+        spread.add([r.get("vllm:num_requests_running", 0.0) for r in readings])
+        await asyncio.sleep(0.5)
+
+
+async def run_one(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    ports = free_ports(args.replicas)
+    urls = [f"http://{HOST}:{p}" for p in ports]
+    sim = ("-m", "loadtest.cli", "simulate", "--profile", args.profile,
+           "--replicas", str(args.replicas), "--base-port", str(ports[0]), "--host", HOST,
+           "--time-scale", str(args.time_scale), "--stream-interval-ms", "200")  # fmt: skip
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(policy(args.model, urls, PICKERS[name], args.max_concurrency)))
+    async with process(*sim) as sim_proc:
+        assert sim_proc.stdout is not None
+        await line_matching(sim_proc.stdout, re.escape(urls[-1]), 60)
+        async with process("-m", "gateway", "serve", "--policy", str(path), "--host", HOST,
+                           "--port", "0") as gw_proc:  # fmt: skip
+            assert gw_proc.stderr is not None
+            found = await line_matching(gw_proc.stderr, r"listening on http://", 60)
+            gateway = re.search(r"(http://\S+)", found).group(1)  # type: ignore[union-attr]
+            drain = asyncio.create_task(gw_proc.stderr.read())
+            async with aiohttp.ClientSession() as http:
+                before = await asyncio.gather(*(scrape(http, u) for u in urls))
+                spread = Spread()
+                sampler = asyncio.create_task(sample_spread(http, urls, spread))
+                config = CompareConfig(
+                    targets=((name, Target(gateway, args.model)),),
+                    rate=args.rate,
+                    duration_s=args.duration,
+                    workload=load_workload(args.workload),
+                    max_seconds=args.max_seconds,
+                    time_scale=args.time_scale,
+                    seed=args.seed,
+                )
+                try:
+                    result = await run_compare(config)
+                finally:
+                    sampler.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await sampler
+                after = await asyncio.gather(*(scrape(http, u) for u in urls))
+            gw_proc.terminate()
+            await drain
+    delta = [
+        {k: a.get(k, 0.0) - b.get(k, 0.0) for k in COUNTERS}
+        for a, b in zip(after, before, strict=True)
+    ]
+    total = {k: sum(d[k] for d in delta) for k in COUNTERS}
+    outcome = result.outcomes()[name][0]
+    return {
+        "picker": name,
+        "stats": outcome.stats,
+        "hit_rate": total["vllm:prefix_cache_hits_total"]
+        / max(1.0, total["vllm:prefix_cache_queries_total"]),
+        "prefill": total["sim_prefill_tokens_computed_total"],
+        "prompt": total["vllm:prompt_tokens_total"],
+        "per_replica": [d["vllm:request_success_total"] for d in delta],
+        "spread": spread,
+    }
+
+
+def table(rows: Sequence[dict[str, Any]], time_scale: float) -> str:
+    out = [
+        "| picker | sent | completed | req/s | prefix hit rate | prefill tokens computed |"
+        " P95 TTFT s | P95 E2E s | requests per replica | running spread mean / max |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for r in rows:
+        s = r["stats"]
+        spread = r["spread"]
+        mean_gap = spread.gap_sum / spread.samples if spread.samples else 0.0
+        ttft = s.ttft.p95 * time_scale if s.ttft.p95 is not None else float("nan")
+        e2e = s.e2e.p95 * time_scale if s.e2e.p95 is not None else float("nan")
+        out.append(
+            f"| {r['picker']} | {s.sent} | {s.completed} | {s.rps / time_scale:.2f} |"
+            f" {r['hit_rate']:.1%} | {r['prefill']:,.0f} | {ttft:.2f} | {e2e:.2f} |"
+            f" {' / '.join(f'{n:.0f}' for n in r['per_replica'])} | {mean_gap:.1f} / {spread.max_gap:.0f} |"
+        )
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", required=True, help="a workload name or YAML file (loadgen.md)")
+    p.add_argument("--rate", type=float, required=True, help="arrivals per wall second")
+    p.add_argument("--duration", type=float, required=True, help="wall seconds of arrivals")
+    p.add_argument("--pickers", default=",".join(PICKERS))
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--profile", default="gemma-3-12b-tpu-v6e-2x2")
+    p.add_argument("--model", default="gemma-3-12b-it")
+    p.add_argument("--max-concurrency", type=int, default=32, help="per replica, every picker")
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--max-seconds", type=float, default=600.0, help="per run, wall")
+    p.add_argument("--seed", type=int, default=1)
+    args = p.parse_args(argv)
+
+    async def go() -> list[dict[str, Any]]:
+        with tempfile.TemporaryDirectory() as tmp:
+            return [await run_one(n, args, Path(tmp)) for n in args.pickers.split(",")]
+
+    os.environ.setdefault("PYTHONPATH", str(Path(__file__).resolve().parent.parent))
+    rows = asyncio.run(go())
+    print(
+        f"\n{args.workload}, {args.rate:g} arrivals/s for {args.duration:g} s (time scale {args.time_scale:g}), seed {args.seed}\n"
+    )
+    print(table(rows, args.time_scale))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
