@@ -75,3 +75,7 @@ def test_a_replica_that_leaves_or_restarts_is_forgotten() -> None:
     index.forget("http://a")
     assert index.matched("http://a", [1, 2]) == 0
     assert index.size("http://a") == 0
+
+
+def test_a_huge_prompt_hashes_only_its_first_max_blocks() -> None:
+    assert len(chain(None, "z" * 1_000_000, 256, 1024)) == 1024  # bounded work and memory
