@@ -172,6 +172,28 @@ async def test_the_sweep_command_sends_rule_sets_to_a_replica(
     assert len({m[0]["content"].split("\n")[0] for m in messages}) <= 4
 
 
+async def test_without_a_tokenizer_a_rule_set_prompt_is_its_isl_at_four_characters_a_token() -> (
+    None
+):
+    """The fidelity runs' mode: no tokenizer on either side; the simulator counts 4 characters a
+    token, and the rule set is part of the ISL, not on top of it."""
+    profile = load_profile(ROOT / "loadtest/profiles/gemma-3-12b-tpu-v6e-2x2.yaml")
+    replica = await start_replica(profile, ReplicaOptions(time_scale=1000))
+    try:
+        config = SweepConfig(
+            targets=(Target(replica.url, "gemma-3-12b-it"),),
+            workloads=(rules_workload(sets=2, tokens=300, isl=500),),
+            users=(2,),
+            requests_per_level=6,
+        )
+        result = await run_sweep(config, QUIET)
+    finally:
+        await replica.close()
+    records = result.series[0].levels[0][1].records
+    # The simulator's estimate adds 4 tokens per chat message, for unique prompts as well.
+    assert {r.input_tokens for r in records} == {500 + 4}
+
+
 # --- sessions ---------------------------------------------------------------------------------
 
 

@@ -271,7 +271,7 @@ class PromptBuilder:
 
     def _by_chars(self, s: _Search) -> str:
         prefix = s.prefix.text if s.prefix else ""
-        chars = round((s.target - s.shape[2]) * CHARS_PER_TOKEN)
+        chars = round(s.target * CHARS_PER_TOKEN) - len(prefix)  # the rule set is in the target
         while len(self._text) < chars:
             self._grow()
         return prefix + f"{s.tag} {self._text}"[:chars]
