@@ -48,6 +48,7 @@ COUNTERS = (
     "vllm:prompt_tokens_total",
     "sim_prefill_tokens_computed_total",
     "vllm:request_success_total",
+    "sim_clock_slip_seconds_total",
 )
 
 
@@ -202,14 +203,15 @@ async def run_one(name: str, args: argparse.Namespace, workdir: Path) -> dict[st
         "prompt": total["vllm:prompt_tokens_total"],
         "per_replica": [d["vllm:request_success_total"] for d in delta],
         "spread": spread,
+        "slip": total["sim_clock_slip_seconds_total"],
     }
 
 
 def table(rows: Sequence[dict[str, Any]], time_scale: float) -> str:
     out = [
         "| picker | sent | completed | req/s | prefix hit rate | prefill tokens computed |"
-        " P95 TTFT s | P95 E2E s | requests per replica | running spread mean / max |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        " P95 TTFT s | P95 E2E s | requests per replica | running spread mean / max | clock slip s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         s = r["stats"]
@@ -221,6 +223,7 @@ def table(rows: Sequence[dict[str, Any]], time_scale: float) -> str:
             f"| {r['picker']} | {s.sent} | {s.completed} | {s.rps / time_scale:.2f} |"
             f" {r['hit_rate']:.1%} | {r['prefill']:,.0f} | {ttft:.2f} | {e2e:.2f} |"
             f" {' / '.join(f'{n:.0f}' for n in r['per_replica'])} | {mean_gap:.1f} / {spread.max_gap:.0f} |"
+            f" {r['slip']:.1f} |"
         )
     return "\n".join(out)
 
