@@ -434,6 +434,11 @@ class Scheduler:
         batch = len(running)
         if not batch or batch > self.max_batched:
             return None
+        if self.waiting and self.kv.longest_hit(self.waiting[0]):
+            # The head's need depends on which of its cached blocks the span's growth evicts,
+            # block by block: only the step loop gets that exactly (a preempted sequence
+            # re-hitting its own blocks is the common case). Steps one by one until it is in.
+            return None
         geo, kv = self.geometry, self.kv
         bs = geo.block_size
         per_new_block = geo.global_layers + geo.local_layers
