@@ -52,7 +52,9 @@ def test_27b_generation_runs_every_user_at_64_without_queueing_or_preemption() -
     at64 = sweep("27b", GENERATION)[64]
     assert at64.running_mean > 63.5 and at64.running_max == 64
     assert at64.waiting_max == 0 and at64.preemptions == 0
-    assert at64.kv_usage_max < 0.6
+    # Under 0.6 with 16-token blocks; tpu-inference's 512-token pages here (simulator.md) pad
+    # each sequence up to 511 tokens and hold three pages of every sliding-window layer.
+    assert at64.kv_usage_max < 0.75
 
 
 def test_27b_generation_at_128_stops_below_128_running_and_queues_and_preempts() -> None:
@@ -68,12 +70,10 @@ def test_27b_generation_p95_e2e_rises_faster_than_its_throughput_from_64_to_128(
     assert levels[128].ttft_p95 > 10 * levels[64].ttft_p95  # the queue in front of the wall
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not reproduced: at 128 users 27B still runs ~110 sequences (1.7x of 64), and a "
-    "memory-bound decode step grows slower than its batch, so its steady-state gain (~1.47x) "
-    "matches 12B's; the wall shows in latency, not throughput (docs/capacity.md)",
-)
+# Reproduced since the TPU profiles use tpu-inference's 512-token pages (it was an expected
+# failure with 16-token blocks: 27B then still ran ~110 sequences at 128 users and gained
+# ~1.47x, as 12B does). Padding and the sliding-window layers' three pages per sequence leave
+# room for ~86 sequences: 1.14x against 12B's 1.45x (docs/capacity.md).
 def test_27b_generation_gains_clearly_less_than_12b_from_64_to_128() -> None:
     assert gain(sweep("27b", GENERATION), 64, 128) < 0.9 * gain(sweep("12b", GENERATION), 64, 128)
 
@@ -85,7 +85,7 @@ def test_12b_generation_has_no_kv_wall_up_to_128_users() -> None:
     at128 = sweep("12b", GENERATION)[128]
     assert at128.running_mean > 127.5
     assert at128.waiting_max <= 1 and at128.preemptions == 0  # an arrival waits one step at most
-    assert at128.kv_usage_max < 0.7
+    assert at128.kv_usage_max < 0.8  # 0.7 with 16-token blocks: see the 27B test above
 
 
 def test_12b_generation_gains_throughput_faster_than_p95_latency_at_every_step() -> None:

@@ -390,8 +390,11 @@ def test_step_time_grows_with_batch_and_context() -> None:
 
 
 def test_kv_geometry_of_the_bundled_models() -> None:
-    g27 = cache_geometry(load_profile("gemma-3-27b-tpu-v6e-2x2"))
-    g12 = cache_geometry(load_profile("gemma-3-12b-tpu-v6e-2x2"))
+    # tpu-inference's page size for 128,000 tokens: 512 with 512 sequences, 64 with 64.
+    assert cache_geometry(load_profile("gemma-3-27b-tpu-v6e-2x2")).block_size == 512
+    assert cache_geometry(load_profile("gemma-3-27b-tpu-v6e-2x2-seqs64")).block_size == 64
+    g27 = cache_geometry(load_profile("gemma-3-27b-tpu-v6e-2x2").with_serving(block_size=16))
+    g12 = cache_geometry(load_profile("gemma-3-12b-tpu-v6e-2x2").with_serving(block_size=16))
     assert g27.block_bytes == 16 * 2 * 16 * 128 * 2  # 16 tokens x K,V x 16 heads x 128 x bf16
     assert g12.block_bytes == 16 * 2 * 8 * 256 * 2
     # vLLM pads 27B's 52 local layers to 6 groups of 10; 12B's 40 are 5 groups of 8.

@@ -1,7 +1,8 @@
 """`llm-loadtest simulate`: N simulated vLLM replicas on consecutive ports, in one process.
 
     llm-loadtest simulate --profile gemma-3-27b-tpu-v6e-2x2 --replicas 2 --base-port 18101 \\
-        [--host 127.0.0.1] [--time-scale 50] [--tokenizer DIR] [--faults JSON|@FILE]
+        [--host 127.0.0.1] [--time-scale 50] [--tokenizer DIR] [--faults JSON|@FILE] \\
+        [--no-enable-prefix-caching] [--block-size N]
 
 Each replica is an independent engine with its own KV cache and metrics on port base+i. One
 process (uvloop) serves them all: the engines are cheap, and a 2-core machine also has to run
@@ -61,6 +62,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, help="override the profile's serving flag")
     p.add_argument("--max-num-batched-tokens", type=int, help="override the profile's flag")
     p.add_argument("--max-model-len", type=int, help="override the profile's flag")
+    p.add_argument("--block-size", type=int, help="override the profile's KV-cache block size")
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="vLLM V1's automatic prefix caching (default: on, as in vLLM)",
+    )
     p.add_argument(
         "--stream-interval-ms",
         type=float,
@@ -76,6 +84,7 @@ async def serve(replicas: int, options: list[ReplicaOptions], args: argparse.Nam
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
+        "block_size": args.block_size,
     }
     overrides = {k: v for k, v in flags.items() if v is not None}
     if overrides:
@@ -96,7 +105,8 @@ async def serve(replicas: int, options: list[ReplicaOptions], args: argparse.Nam
             f"{profile.name}: {replicas} replica(s) of {profile.served_model_name}, time scale"
             f" {args.time_scale:g}, KV cache {geometry.kv_budget_bytes / 1e9:.1f} GB,"
             f" max_num_seqs {serving.max_num_seqs}, max_num_batched_tokens"
-            f" {serving.max_num_batched_tokens}",
+            f" {serving.max_num_batched_tokens}, block size {geometry.block_size}, prefix"
+            f" caching {'on' if args.enable_prefix_caching else 'off'}",
             flush=True,
         )
         for replica in started:
@@ -134,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             served_model_names=names,
             lora_modules=loras,
             stream_interval_ms=args.stream_interval_ms,
+            enable_prefix_caching=args.enable_prefix_caching,
         )
         for i in range(args.replicas)
     ]

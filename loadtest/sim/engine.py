@@ -9,7 +9,9 @@
    blocks freed, itself put back at the head of the waiting queue, its tokens recomputed
    later), until it fits or the sequence preempted itself;
 2. only if nothing was preempted, waiting sequences are admitted in order while the budget,
-   `max_num_seqs` and the free blocks allow, each with a (chunked) prefill.
+   `max_num_seqs` and the free blocks allow, each with a (chunked) prefill of the tokens its
+   prefix-cache hit (looked up at each admission, a re-admission after preemption included)
+   does not cover; the KV cache and its prefix cache are `kv_cache.KVCache`.
 
 The step's duration comes from `Roofline`. When every running sequence is decoding and no
 waiting one could be admitted, steps are all alike; the scheduler then computes many of them
@@ -37,9 +39,11 @@ from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass
 
+from loadtest.sim.kv_cache import Block, KVCache
 from loadtest.sim.metrics import EngineStats
 from loadtest.sim.profiles import CacheGeometry, OutputLengths, Profile, cache_geometry
 from loadtest.sim.roofline import BatchShape, Roofline
+from loadtest.sim.tokens import PromptIds
 
 log = logging.getLogger("loadtest.sim")
 
@@ -67,31 +71,51 @@ class Sequence:
         "_waiter",
         "_wake_on_token",
         "arrival",
+        "blocks_global",
+        "blocks_local",
+        "cached_tokens",
         "computed",
         "finish_reason",
         "finished_at",
         "first_token_at",
         "generated",
+        "hashes",
         "id",
         "last_token_at",
+        "local_start",
         "max_tokens",
         "preemptions",
+        "prompt_ids",
         "prompt_tokens",
+        "registered",
         "scheduled_at",
         "status",
         "target",
-        "units",
     )
 
-    def __init__(self, seq_id: int, prompt_tokens: int, max_tokens: int, target: int) -> None:
+    def __init__(
+        self,
+        seq_id: int,
+        prompt_tokens: int,
+        max_tokens: int,
+        target: int,
+        prompt_ids: PromptIds | None = None,
+    ) -> None:
         self.id = seq_id
         self.prompt_tokens = prompt_tokens
+        # What the prefix cache hashes; None: a prompt no other request shares.
+        self.prompt_ids = prompt_ids
         self.max_tokens = max_tokens
         self.target = target  # output tokens it will produce: max_tokens, or its drawn EOS
         self.arrival = 0.0
         self.computed = 0  # tokens whose KV is in the cache (vLLM's num_computed_tokens)
         self.generated = 0
-        self.units = 0  # KV layer-blocks held
+        self.hashes: list[int] = []  # of its full blocks, computed as needed
+        self.blocks_global: list[Block] = []  # one per token block
+        self.blocks_local: list[Block | None] = []  # None: left the window, freed
+        self.local_start = 0  # blocks_local[:local_start] are all None
+        self.registered = 0  # blocks below this one are cached
+        self.cached_tokens = 0  # its first admission's prefix-cache hit
         self.status = Status.WAITING
         self.scheduled_at: float | None = None
         self.first_token_at: float | None = None
@@ -106,6 +130,16 @@ class Sequence:
     def total(self) -> int:
         """Tokens the model has seen or produced: a recompute must prefill all of them."""
         return self.prompt_tokens + self.generated
+
+    @property
+    def units(self) -> int:
+        """KV layer-blocks it references (shared blocks count for each sharer)."""
+        if not self.blocks_global:
+            return 0
+        local = len(self.blocks_local) - self.local_start
+        return len(self.blocks_global) * self.blocks_global[0].weight + local * (
+            self.blocks_local[-1].weight if local else 0  # type: ignore[union-attr]
+        )
 
     @property
     def done(self) -> bool:
@@ -177,8 +211,11 @@ class DecodeSpan:
 class Scheduler:
     """vLLM V1's scheduling and KV-cache accounting over simulated time (see module doc)."""
 
-    def __init__(self, profile: Profile, *, fast_forward: bool = True) -> None:
+    def __init__(
+        self, profile: Profile, *, fast_forward: bool = True, enable_prefix_caching: bool = True
+    ) -> None:
         self.geometry: CacheGeometry = cache_geometry(profile)
+        self.kv = KVCache(self.geometry, enable_prefix_caching=enable_prefix_caching)
         self.roofline = Roofline(profile)
         self.max_batched = profile.serving.max_num_batched_tokens
         self.max_seqs = profile.serving.max_num_seqs
@@ -186,12 +223,16 @@ class Scheduler:
         self.fast_forward = fast_forward
         self.running: list[Sequence] = []
         self.waiting: deque[Sequence] = deque()
-        self.free_units = self.geometry.capacity_units
         self.stats = EngineStats()
 
     @property
+    def free_units(self) -> int:
+        """Free layer-blocks, cached ones included (they are reused on demand)."""
+        return self.kv.free_units
+
+    @property
     def kv_cache_usage(self) -> float:
-        return 1.0 - self.free_units / self.geometry.capacity_units
+        return 1.0 - self.kv.free_units / self.geometry.capacity_units
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -226,16 +267,29 @@ class Scheduler:
     # -- one step, as V1 does it ------------------------------------------------------------
 
     def _allocate(self, seq: Sequence, new: int) -> bool:
-        need = self.geometry.units(seq.computed, seq.computed + new) - seq.units
-        if need > self.free_units:
-            return False
-        self.free_units -= need
-        seq.units += need
-        return True
+        return self.kv.allocate(seq, seq.computed + new)
 
     def _free(self, seq: Sequence) -> None:
-        self.free_units += seq.units
-        seq.units = 0
+        self.kv.free(seq)
+
+    def _hit(self, seq: Sequence, budget: int) -> tuple[int, int, int]:
+        """A waiting sequence's prefix-cache hit (blocks), chunk and the units admitting it takes."""
+        hit = self.kv.longest_hit(seq)
+        start = hit * self.geometry.block_size
+        new = min(seq.total - start, budget)
+        return hit, new, self.kv.admission_cost(seq, hit, start + new)
+
+    def _admit(self, seq: Sequence, hit: int, new: int) -> None:
+        """Take `hit` cached blocks and slots for `new` tokens; counted as vLLM counts them."""
+        kv, stats = self.kv, self.stats
+        kv.admit(seq, hit)
+        allocated = kv.allocate(seq, seq.computed + new)
+        assert allocated, "admission_cost said it fits"
+        if not seq.preemptions:  # PrefixCacheStats.record keeps preempted requests apart
+            seq.cached_tokens = seq.computed
+            if kv.caching:
+                stats.prefix_cache_queries += seq.total
+                stats.prefix_cache_hits += seq.computed
 
     def _allocate_or_preempt(self, seq: Sequence, new: int) -> tuple[bool, int]:
         """While `seq`'s blocks do not fit, preempt the newest running sequence.
@@ -275,9 +329,10 @@ class Scheduler:
         # V1 admits nobody in a step that had to preempt: the cache is already over-committed.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
-            new = min(seq.total - seq.computed, budget)
-            if not self._allocate(seq, new):
+            hit, new, cost = self._hit(seq, budget)
+            if cost > self.kv.free_units:
                 break
+            self._admit(seq, hit, new)
             self.waiting.popleft()
             self.running.append(seq)
             seq.status = Status.RUNNING
@@ -294,6 +349,8 @@ class Scheduler:
         self.stats.steps += 1
         self.stats.preemptions += step.preempted
         for seq, new in step.scheduled:
+            if seq.first_token_at is None or seq.total - seq.computed > 1:
+                self.stats.prefill_tokens_computed += new  # a prefill or recompute chunk
             seq.computed += new
             if seq.computed == seq.total:  # the chunk reached the end: a token is sampled
                 self._emit(seq, end)
@@ -306,6 +363,7 @@ class Scheduler:
             seq.first_token_at = at
             stats.ttft.observe(at - seq.arrival)
             stats.prompt_tokens += seq.prompt_tokens  # once, however often it is recomputed
+            stats.prompt_tokens_cached += seq.cached_tokens
         else:
             stats.itl.observe(at - seq.last_token_at)
         seq.last_token_at = at
@@ -330,13 +388,37 @@ class Scheduler:
     # -- many identical decode steps at once ------------------------------------------------
 
     def _admission_need(self, batch: int) -> int | None:
-        """Blocks the waiting head needs to be admitted beside `batch` decodes; None: it can't."""
+        """Units the waiting head needs to be admitted beside `batch` decodes; None: it can't.
+
+        During a span the head's need can only grow (running sequences may evict blocks it
+        would hit), so a span that stops where this need fits stops early, never late.
+        """
         room = self.max_batched - batch
         if not self.waiting or batch >= self.max_seqs or room <= 0:
             return None
-        head = self.waiting[0]
-        new = min(head.total - head.computed, room)
-        return self.geometry.units(head.computed, head.computed + new) - head.units
+        return self._hit(self.waiting[0], room)[2]
+
+    def _shared_local_frees(self, running: list[Sequence]) -> dict[int, int]:
+        """Per span step, the units of freed local blocks another holder still references.
+
+        The residue counts below return a block to the pool for each holder that frees it;
+        a block that several sequences share returns only with its last holder.
+        """
+        kv = self.kv
+        bs, window = kv.block_size, kv.window
+        frees: dict[int, list[int]] = {}
+        for seq in running:
+            c, blocks = seq.computed, seq.blocks_local
+            for j in range(seq.local_start, len(blocks)):
+                block = blocks[j]
+                if block is not None and block.ref > 1:
+                    frees.setdefault(id(block), []).append(max(1, (j + 1) * bs + window - c))
+        kept: dict[int, int] = {}
+        for steps in frees.values():
+            steps.sort()
+            for k in steps[:-1]:
+                kept[k] = kept.get(k, 0) + kv.local_weight
+        return kept
 
     def _plan_decode_span(self, cap_s: float) -> DecodeSpan | None:
         """Steps in which every running sequence decodes one token and nothing else changes.
@@ -352,8 +434,14 @@ class Scheduler:
         batch = len(running)
         if not batch or batch > self.max_batched:
             return None
-        geo = self.geometry
-        units, bs = geo.units, geo.block_size
+        if self.waiting and self.kv.longest_hit(self.waiting[0]):
+            # The head's need depends on which of its cached blocks the span's growth evicts,
+            # block by block: only the step loop gets that exactly (a preempted sequence
+            # re-hitting its own blocks is the common case). Steps one by one until it is in.
+            return None
+        geo, kv = self.geometry, self.kv
+        bs = geo.block_size
+        per_new_block = geo.global_layers + geo.local_layers
         by_residue = [0] * bs
         delta = grow = context = 0
         remaining = math.inf
@@ -361,18 +449,20 @@ class Scheduler:
             c = seq.computed
             if seq.total - c != 1 or not seq.generated:
                 return None
-            change = units(c, c + 1) - seq.units
-            delta += change
-            if change > 0:
-                grow += change
+            new_blocks = c // bs + 1 - len(seq.blocks_global)
+            if new_blocks > 0:
+                grow += per_new_block * new_blocks
+            skipped = kv.first_needed(c) - seq.local_start
+            delta -= geo.local_layers * max(0, skipped)
             left = seq.target - seq.generated
             if left < remaining:
                 remaining = left
             context += c
             by_residue[c % bs] += 1
+        delta += grow
         need = self._admission_need(batch)
         window = self.window
-        per_new_block = geo.global_layers + geo.local_layers
+        kept = self._shared_local_frees(running) if kv.shared_local else {}
         # Longest contexts first: they reach the window (and start freeing blocks) first.
         order = sorted((seq.computed for seq in running), reverse=True)
         capped = capped_ptr = freeing_ptr = 0
@@ -390,6 +480,8 @@ class Scheduler:
                         freeing_by_residue[order[freeing_ptr] % bs] += 1
                         freeing_ptr += 1
                     delta -= geo.local_layers * freeing_by_residue[(window - k) % bs]
+            if kept:
+                delta += kept.get(k, 0)
             # vLLM allocates sequence by sequence: a later one's freed blocks cannot save an
             # earlier one, so only a step whose growth alone fits is sure to need no preemption.
             if grow > free or (need is not None and free - delta >= need):
@@ -408,8 +500,37 @@ class Scheduler:
                 break
         return DecodeSpan(list(running), ends) if ends else None
 
+    def _span_blocks(self, seqs: list[Sequence], steps: int) -> None:
+        """The block changes of `steps` decode steps, in the order step-by-step makes them.
+
+        Only the steps at which a sequence starts a block or its window leaves one change
+        anything, so the work is O(blocks changed); the order (step, then sequence) is the
+        step loop's, so the same cached blocks are evicted and freed as there.
+        """
+        kv = self.kv
+        bs, window = kv.block_size, kv.window
+        events: list[tuple[int, int]] = []
+        for index, seq in enumerate(seqs):
+            c = seq.computed
+            at = {b * bs - c + 1 for b in range(len(seq.blocks_global), (c + steps - 1) // bs + 1)}
+            if window:
+                last = kv.first_needed(c + steps - 1)
+                at.update(max(1, (j + 1) * bs + window - c) for j in range(seq.local_start, last))
+            events.extend((k, index) for k in at)
+        events.sort()
+        origin = [seq.computed for seq in seqs]
+        for k, index in events:
+            seq = seqs[index]
+            seq.computed = origin[index] + k - 1
+            kv.register(seq, seq.computed // bs)
+            allocated = kv.allocate(seq, seq.computed + 1)
+            assert allocated, "the span's growth fits by construction"
+        for seq, c in zip(seqs, origin, strict=True):
+            seq.computed = c + steps
+            kv.register(seq, seq.computed // bs)
+
     def _commit_decode(self, span: DecodeSpan, steps: int, start: float) -> None:
-        stats, geo = self.stats, self.geometry
+        stats = self.stats
         batch = len(span.seqs)
         end = start + span.ends[steps - 1]
         first = start + span.ends[0]
@@ -417,16 +538,12 @@ class Scheduler:
         stats.generation_tokens += batch * steps
         for k in range(1, steps):
             stats.itl.observe(span.ends[k] - span.ends[k - 1], batch)
-        units, observe, freed = geo.units, stats.itl.observe, 0
+        self._span_blocks(span.seqs, steps)
+        observe = stats.itl.observe
         for seq in span.seqs:
             observe(first - seq.last_token_at)
-            c = seq.computed = seq.computed + steps
             seq.generated += steps
-            held = units(c - 1, c)
-            freed += seq.units - held
-            seq.units = held
             seq.last_token_at = end
-        self.free_units += freed
         for seq in span.seqs:
             if seq.generated >= seq.target:
                 self._finish(seq, end)
@@ -458,12 +575,15 @@ class Engine:
         time_scale: float = 1.0,
         stream_interval_s: float = 0.0,
         fast_forward: bool = True,
+        enable_prefix_caching: bool = True,
         seed: int = 0,
     ) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be positive")
         self.profile = profile
-        self.scheduler = Scheduler(profile, fast_forward=fast_forward)
+        self.scheduler = Scheduler(
+            profile, fast_forward=fast_forward, enable_prefix_caching=enable_prefix_caching
+        )
         self.time_scale = time_scale
         self.stream_interval_s = stream_interval_s
         # A span never outlasts one stream interval: that is the granularity clients see anyway.
@@ -510,12 +630,23 @@ class Engine:
 
     # -- what handlers do -------------------------------------------------------------------
 
-    def submit(self, prompt_tokens: int, max_tokens: int, *, ignore_eos: bool) -> Sequence:
-        """Queue a request; without `ignore_eos` its length is drawn from the profile."""
+    def submit(
+        self,
+        prompt: int | PromptIds,
+        max_tokens: int,
+        *,
+        ignore_eos: bool,
+    ) -> Sequence:
+        """Queue a request: its token ids, or only their count (a prompt nothing shares).
+
+        Without `ignore_eos` its output length is drawn from the profile.
+        """
         target = max_tokens
         if not ignore_eos:
             target = min(max_tokens, draw_output_length(self.profile.output_lengths, self._rng))
-        seq = Sequence(next(self._ids), prompt_tokens, max_tokens, target)
+        ids = None if isinstance(prompt, int) else prompt
+        count = prompt if isinstance(prompt, int) else len(prompt)
+        seq = Sequence(next(self._ids), count, max_tokens, target, ids)
         seq.arrival = self.now()
         self.scheduler.waiting.append(seq)
         if self.num_running < self.scheduler.max_seqs:  # else it cannot join before a finish

@@ -75,7 +75,11 @@ class EngineStats:
         "itl",
         "packed_chunks",
         "preemptions",
+        "prefill_tokens_computed",
+        "prefix_cache_hits",
+        "prefix_cache_queries",
         "prompt_tokens",
+        "prompt_tokens_cached",
         "queue",
         "steps",
         "stream_chunks",
@@ -85,7 +89,12 @@ class EngineStats:
 
     def __init__(self) -> None:
         self.prompt_tokens = 0
+        self.prompt_tokens_cached = 0  # of those, found in the prefix cache at first admission
         self.generation_tokens = 0
+        # vLLM's PrefixCacheStats, recorded at each first admission: tokens looked up, found.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.prefill_tokens_computed = 0  # every prefill chunk's tokens, recomputes included
         self.preemptions = 0
         self.steps = 0
         self.success = dict.fromkeys(FINISH_REASONS, 0)
@@ -163,6 +172,34 @@ class VllmCollector(Collector):
             "vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens
         )
         yield self._counter(
+            "vllm:prompt_tokens_cached",
+            "Number of cached prompt tokens (local + external).",
+            stats.prompt_tokens_cached,
+        )
+        by_source = CounterMetricFamily(
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            labels=["model_name", "engine", "source"],
+        )
+        cached = stats.prompt_tokens_cached
+        for source, n in (
+            ("local_compute", stats.prompt_tokens - cached),
+            ("local_cache_hit", cached),
+            ("external_kv_transfer", 0),
+        ):
+            by_source.add_metric([*self.labels, source], n)
+        yield by_source
+        yield self._counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            stats.prefix_cache_queries,
+        )
+        yield self._counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            stats.prefix_cache_hits,
+        )
+        yield self._counter(
             "vllm:generation_tokens",
             "Number of generation tokens processed.",
             stats.generation_tokens,
@@ -207,6 +244,11 @@ class VllmCollector(Collector):
             engine.slip_s,
         )
         yield self._counter("sim_engine_steps", "Engine steps simulated.", stats.steps)
+        yield self._counter(
+            "sim_prefill_tokens_computed",
+            "Prompt tokens prefilled (not found in the prefix cache), recomputes included.",
+            stats.prefill_tokens_computed,
+        )
         yield self._counter("sim_stream_chunks", "SSE token chunks written.", stats.stream_chunks)
         yield self._counter(
             "sim_stream_packed_chunks",

@@ -121,11 +121,37 @@ class Serving(Spec):
     max_model_len: PositiveInt
     max_num_batched_tokens: PositiveInt
     max_num_seqs: PositiveInt
-    block_size: PositiveInt = 16
+    block_size: PositiveInt | Literal["tpu"] = Field(
+        16, description="KV-cache block size in tokens; 'tpu': what tpu-inference picks."
+    )
     gpu_memory_utilization: Fraction = 0.9
     activation_reserve_bytes: float = Field(
         ge=0, description="Non-KV, non-weight memory vLLM's profiling run would reserve."
     )
+
+    @property
+    def kv_block_size(self) -> int:
+        """The block size vLLM would run with.
+
+        16 is vLLM's default. On TPU, tpu-inference overrides an unset `--block-size`
+        (`tpu_inference/platforms/tpu_platform.py`, `check_and_update_config`) with
+        `PallasAttentionBackend.get_page_size`, 16 when `max_model_len` > 8192, raised to
+        `get_min_page_size` (`tpu_inference/layers/vllm/backends/flash_attn.py`) so that the
+        block tables, `max_num_seqs` x pages per request x 4 bytes, fit in half of the 1 MiB
+        SMEM: the next power of two of max_model_len / (2**19 // max_num_seqs // 4).
+        """
+        if self.block_size != "tpu":
+            return self.block_size
+        page = (
+            16 if self.max_model_len > 8192 else min(256, max(16, _pow2(self.max_model_len) // 16))
+        )
+        pages_per_request = 1024 * 1024 // 2 // self.max_num_seqs // 4
+        return max(page, _pow2(-(-self.max_model_len // pages_per_request)))
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two not below `n` (vLLM's next_power_of_2)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
 class OutputLengths(Spec):
@@ -245,7 +271,8 @@ def cache_geometry(profile: Profile) -> CacheGeometry:
     hbm = hw.chips * hw.hbm_bytes_per_chip
     weights = model.total_params * model.dtype_bytes
     budget = hbm * serving.gpu_memory_utilization - weights - serving.activation_reserve_bytes
-    block_bytes = serving.block_size * model.kv_bytes_per_layer_token
+    block_size = serving.kv_block_size
+    block_bytes = block_size * model.kv_bytes_per_layer_token
     units = math.floor(budget / block_bytes) if budget > 0 else 0
     global_slots, local_slots = model.global_layers, model.local_layers
     if global_slots and local_slots:
@@ -253,7 +280,7 @@ def cache_geometry(profile: Profile) -> CacheGeometry:
         global_slots = -(-global_slots // group) * group
         local_slots = -(-local_slots // group) * group
     geometry = CacheGeometry(
-        block_size=serving.block_size,
+        block_size=block_size,
         global_layers=global_slots,
         local_layers=local_slots,
         window=model.sliding_window or 0,

@@ -38,7 +38,7 @@ from loadtest.sim.engine import Engine, Sequence, Status
 from loadtest.sim.faults import FaultDice, Faults
 from loadtest.sim.metrics import VllmCollector
 from loadtest.sim.profiles import Profile
-from loadtest.sim.tokens import PromptCounter, PromptError, prompt_counter
+from loadtest.sim.tokens import PromptEncoder, PromptError, prompt_encoder
 
 log = logging.getLogger("loadtest.sim")
 
@@ -63,6 +63,7 @@ class ReplicaOptions:
     lora_modules: tuple[tuple[str, str], ...] = ()
     stream_interval_ms: float | None = None  # None: 0 at time scale 1, else the default above
     fast_forward: bool = True  # decode spans; False steps one by one (tests compare the two)
+    enable_prefix_caching: bool = True  # vLLM V1's default (--no-enable-prefix-caching: off)
 
     def interval_s(self) -> float:
         if self.stream_interval_ms is not None:
@@ -84,9 +85,10 @@ class ReplicaState:
             time_scale=options.time_scale,
             stream_interval_s=self.stream_interval_s,
             fast_forward=options.fast_forward,
+            enable_prefix_caching=options.enable_prefix_caching,
             seed=options.seed,
         )
-        self.counter: PromptCounter = prompt_counter(options.tokenizer)
+        self.encoder: PromptEncoder = prompt_encoder(options.tokenizer)
         self.dice = FaultDice(options.seed + 1)
         self.faults = Faults()
         self.refuser: Callable[[float], None] | None = None  # set by start_replica
@@ -299,11 +301,11 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if model not in state.model_names and model not in state.adapters:
         return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
     try:
-        counter = state.counter
-        prompt = await (counter.count_chat(body) if chat else counter.count_completion(body))
+        encoder = state.encoder
+        ids = await (encoder.encode_chat(body) if chat else encoder.encode_completion(body))
     except PromptError as exc:
         return bad_request(str(exc), "messages" if chat else "prompt")
-    max_tokens = _max_tokens(body, chat, prompt, state.profile.serving.max_model_len)
+    max_tokens = _max_tokens(body, chat, len(ids), state.profile.serving.max_model_len)
     if isinstance(max_tokens, web.Response):
         return max_tokens
     # vLLM stamps arrival once the prompt is tokenized; an injected delay counts against it.
@@ -311,7 +313,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if state.faults.first_token_delay_s:
         state.fired("first_token_delay")
         await asyncio.sleep(state.faults.first_token_delay_s / engine.time_scale)
-    seq = engine.submit(prompt, max_tokens, ignore_eos=bool(body.get("ignore_eos")))
+    seq = engine.submit(ids, max_tokens, ignore_eos=bool(body.get("ignore_eos")))
     seq.arrival = received
     chunks = _Chunks(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model)
     try:

@@ -1,22 +1,25 @@
-"""Prompt token counts, as vLLM's OpenAI server would compute them.
+"""Prompt token ids, as vLLM's OpenAI server would compute them.
 
+The engine needs the ids, not only their count: its prefix cache hashes them block by block.
 With a tokenizer directory, chat requests are rendered with the tokenizer's chat template
 (`add_generation_prompt` defaults to true, as in vLLM) and encoded without adding special
 tokens; completion prompts are encoded with them (vLLM's `add_special_tokens` defaults: false
-for chat, true for completions); token-id prompts count as their length. Without one, four
+for chat, true for completions); token-id prompts are taken as given. Without one, four
 characters make a token (plus four per chat message for the template's markers, the same rule
-as the gateway's `estimate` counter, so both sides agree).
+as the gateway's `estimate` counter, so both sides agree), and each pseudo-token stands for
+its four characters, so identical text prefixes give identical ids and identical block hashes.
 
-Counting must not stall the event loop that paces the engine: results are cached by content
+Encoding must not stall the event loop that paces the engine: results are cached by content
 (load generators reuse prompts), and long texts are rendered and encoded on a worker thread
-through the batch entry point, which releases the GIL.
+through the batch entry point, which releases the GIL. Ids are kept as 8-byte arrays, and the
+cache is bounded in tokens as well as in entries, because load generators send long prompts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import os
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +38,10 @@ CHARS_PER_TOKEN = 4
 PER_MESSAGE = 4
 INLINE_MAX_CHARS = 2000  # shorter texts are cheaper to count than to hand to a thread
 CACHE_ENTRIES = 8192
+CACHE_TOKENS = 8_000_000  # 64 MB of ids: a few thousand long prompts
+
+PromptIds = array
+"""A prompt's token ids (typecode "q"); its length is the prompt's token count."""
 
 
 class PromptError(ValueError):
@@ -80,22 +87,45 @@ def single_prompt(body: dict[str, Any]) -> str | list[int]:
     )
 
 
-class PromptCounter(Protocol):
-    async def count_chat(self, body: dict[str, Any]) -> int: ...
-    async def count_completion(self, body: dict[str, Any]) -> int: ...
+def token_ids(ids: list[int]) -> PromptIds:
+    """A token-id prompt as given; ids that do not fit 64 bits are no token ids."""
+    try:
+        return array("q", ids)
+    except OverflowError:
+        raise PromptError("token ids must be 64-bit integers") from None
 
 
-class CharCounter:
-    """Four characters a token: for runs without a tokenizer directory."""
+class PromptEncoder(Protocol):
+    async def encode_chat(self, body: dict[str, Any]) -> PromptIds: ...
+    async def encode_completion(self, body: dict[str, Any]) -> PromptIds: ...
 
-    async def count_chat(self, body: dict[str, Any]) -> int:
-        messages = _messages(body)
-        text = sum(math.ceil(len(m["content"]) / CHARS_PER_TOKEN) for m in messages)
-        return text + PER_MESSAGE * len(messages)
 
-    async def count_completion(self, body: dict[str, Any]) -> int:
+def _pseudo_tokens(text: str, out: PromptIds) -> None:
+    """One pseudo-token per four characters (the last may be shorter): the chunk's hash."""
+    out.extend(hash(text[i : i + CHARS_PER_TOKEN]) for i in range(0, len(text), CHARS_PER_TOKEN))
+
+
+class CharEncoder:
+    """Four characters a token: for runs without a tokenizer directory.
+
+    A chat message is its role's four marker pseudo-tokens, then its text's: the count is the
+    gateway's `estimate` rule, and a shared leading run of messages gives shared ids.
+    """
+
+    async def encode_chat(self, body: dict[str, Any]) -> PromptIds:
+        ids = array("q")
+        for message in _messages(body):
+            ids.extend(hash((message["role"], marker)) for marker in range(PER_MESSAGE))
+            _pseudo_tokens(message["content"], ids)
+        return ids
+
+    async def encode_completion(self, body: dict[str, Any]) -> PromptIds:
         prompt = single_prompt(body)
-        return len(prompt) if isinstance(prompt, list) else math.ceil(len(prompt) / CHARS_PER_TOKEN)
+        if isinstance(prompt, list):
+            return token_ids(prompt)
+        ids = array("q")
+        _pseudo_tokens(prompt, ids)
+        return ids
 
 
 @lru_cache(maxsize=8)
@@ -112,8 +142,8 @@ _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sim-tokenize")
 """One thread: the batch encoder is itself parallel, and the engine loop needs the other core."""
 
 
-class TokenizerCounter:
-    """Exact counts with a Hugging Face tokenizer from a local directory."""
+class TokenizerEncoder:
+    """Exact ids with a Hugging Face tokenizer from a local directory."""
 
     def __init__(self, directory: str | Path) -> None:
         self.tokenizer = _load(str(directory))
@@ -121,34 +151,38 @@ class TokenizerCounter:
         self._encode_batch: Callable[..., Any] = getattr(
             backend, "encode_batch_fast", backend.encode_batch
         )
-        self._cache: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._cache: OrderedDict[tuple[int, int], PromptIds] = OrderedDict()
+        self._cached_tokens = 0
 
-    def _length(self, text: str, special: bool) -> int:
-        return len(self._encode_batch([text], add_special_tokens=special)[0].ids)
+    def _encode(self, text: str, special: bool) -> PromptIds:
+        return array("q", self._encode_batch([text], add_special_tokens=special)[0].ids)
 
-    def _chat_length(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> int:
+    def _encode_chat(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> PromptIds:
         try:  # the same rendering as the gateway's: both follow vLLM's chat request handling
             rendered = render_chat(self.tokenizer, messages, body)
         except TemplateError as exc:  # vLLM answers 400 too
             raise PromptError(str(exc)) from None
-        return self._length(rendered, body.get("add_special_tokens", False))
+        return self._encode(rendered, body.get("add_special_tokens", False))
 
-    async def _cached(self, key_bytes: bytes, size: int, compute: Callable[[], int]) -> int:
+    async def _cached(
+        self, key_bytes: bytes, size: int, compute: Callable[[], PromptIds]
+    ) -> PromptIds:
         key = (hash(key_bytes), len(key_bytes))
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)
             return cached
         if size > INLINE_MAX_CHARS:
-            count = await asyncio.get_running_loop().run_in_executor(_EXECUTOR, compute)
+            ids = await asyncio.get_running_loop().run_in_executor(_EXECUTOR, compute)
         else:
-            count = compute()
-        self._cache[key] = count
-        if len(self._cache) > CACHE_ENTRIES:
-            self._cache.popitem(last=False)
-        return count
+            ids = compute()
+        self._cache[key] = ids
+        self._cached_tokens += len(ids)
+        while len(self._cache) > CACHE_ENTRIES or self._cached_tokens > CACHE_TOKENS:
+            self._cached_tokens -= len(self._cache.popitem(last=False)[1])
+        return ids
 
-    async def count_chat(self, body: dict[str, Any]) -> int:
+    async def encode_chat(self, body: dict[str, Any]) -> PromptIds:
         messages = _messages(body)
         flags = (
             body.get("add_generation_prompt", True),
@@ -158,16 +192,16 @@ class TokenizerCounter:
             body.get("chat_template_kwargs"),
         )
         key = orjson.dumps([messages, flags])
-        return await self._cached(b"c" + key, len(key), lambda: self._chat_length(messages, body))
+        return await self._cached(b"c" + key, len(key), lambda: self._encode_chat(messages, body))
 
-    async def count_completion(self, body: dict[str, Any]) -> int:
+    async def encode_completion(self, body: dict[str, Any]) -> PromptIds:
         prompt = single_prompt(body)
         if isinstance(prompt, list):
-            return len(prompt)
+            return token_ids(prompt)
         special = bool(body.get("add_special_tokens", True))
         key = (b"p1" if special else b"p0") + prompt.encode()
-        return await self._cached(key, len(prompt), lambda: self._length(prompt, special))
+        return await self._cached(key, len(prompt), lambda: self._encode(prompt, special))
 
 
-def prompt_counter(tokenizer: str | Path | None) -> PromptCounter:
-    return CharCounter() if tokenizer is None else TokenizerCounter(tokenizer)
+def prompt_encoder(tokenizer: str | Path | None) -> PromptEncoder:
+    return CharEncoder() if tokenizer is None else TokenizerEncoder(tokenizer)
