@@ -9,8 +9,9 @@ Each picker gets its own simulator process (4 replicas on loopback, prefix cachi
 cold) and its own gateway process, so nothing one run cached helps the next. Before and after
 each run the replicas' /metrics are read: prefix-cache queries and hits (vLLM's
 `vllm:prefix_cache_queries` / `_hits`), prompt tokens computed, requests finished per replica;
-while it runs `vllm:num_requests_running` is sampled every 0.5 s for the load spread (the most
-and least loaded replica at each sample). Prints a Markdown table (docs/capacity.md).
+while it runs, every 0.5 s, each replica's `vllm:num_requests_running` and the gateway's
+`llm_inflight_requests` per replica are sampled for the load spread (most minus least loaded
+replica: mean / max over the samples). Prints a Markdown table (docs/capacity.md).
 """
 
 from __future__ import annotations
@@ -141,11 +142,31 @@ class Spread:
         self.gap_sum += gap
         self.max_gap = max(self.max_gap, gap)
 
+    def describe(self) -> str:
+        """Mean / max of (most - least loaded replica) over the samples with any load."""
+        mean = self.gap_sum / self.samples if self.samples else 0.0
+        return f"{mean:.1f} / {self.max_gap:.0f}"
 
-async def sample_spread(http: aiohttp.ClientSession, urls: list[str], spread: Spread) -> None:
+
+async def gateway_inflight(http: aiohttp.ClientSession, gateway: str) -> list[float]:
+    """`llm_inflight_requests` per replica, as the gateway counts them."""
+    async with http.get(f"{gateway}/metrics") as resp:
+        text = await resp.text()
+    return [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("llm_inflight_requests{")
+    ]
+
+
+async def sample_spread(
+    http: aiohttp.ClientSession, urls: list[str], gateway: str, spreads: tuple[Spread, Spread]
+) -> None:
+    """Every 0.5 s: the replicas' own running counts, and the gateway's in flight."""
     while True:
         readings = await asyncio.gather(*(scrape(http, u) for u in urls))
-        spread.add([r.get("vllm:num_requests_running", 0.0) for r in readings])
+        spreads[0].add([r.get("vllm:num_requests_running", 0.0) for r in readings])
+        spreads[1].add(await gateway_inflight(http, gateway))
         await asyncio.sleep(0.5)
 
 
@@ -168,8 +189,8 @@ async def run_one(name: str, args: argparse.Namespace, workdir: Path) -> dict[st
             drain = asyncio.create_task(gw_proc.stderr.read())
             async with aiohttp.ClientSession() as http:
                 before = await asyncio.gather(*(scrape(http, u) for u in urls))
-                spread = Spread()
-                sampler = asyncio.create_task(sample_spread(http, urls, spread))
+                spreads = (Spread(), Spread())
+                sampler = asyncio.create_task(sample_spread(http, urls, gateway, spreads))
                 config = CompareConfig(
                     targets=((name, Target(gateway, args.model)),),
                     rate=args.rate,
@@ -202,7 +223,7 @@ async def run_one(name: str, args: argparse.Namespace, workdir: Path) -> dict[st
         "prefill": total["sim_prefill_tokens_computed_total"],
         "prompt": total["vllm:prompt_tokens_total"],
         "per_replica": [d["vllm:request_success_total"] for d in delta],
-        "spread": spread,
+        "spreads": spreads,
         "slip": total["sim_clock_slip_seconds_total"],
     }
 
@@ -210,19 +231,19 @@ async def run_one(name: str, args: argparse.Namespace, workdir: Path) -> dict[st
 def table(rows: Sequence[dict[str, Any]], time_scale: float) -> str:
     out = [
         "| picker | sent | completed | req/s | prefix hit rate | prefill tokens computed |"
-        " P95 TTFT s | P95 E2E s | requests per replica | running spread mean / max | clock slip s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        " P95 TTFT s | P95 E2E s | requests per replica | spread: running | spread: in flight |"
+        " clock slip s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in rows:
         s = r["stats"]
-        spread = r["spread"]
-        mean_gap = spread.gap_sum / spread.samples if spread.samples else 0.0
+        running, inflight = (sp.describe() for sp in r["spreads"])
         ttft = s.ttft.p95 * time_scale if s.ttft.p95 is not None else float("nan")
         e2e = s.e2e.p95 * time_scale if s.e2e.p95 is not None else float("nan")
         out.append(
             f"| {r['picker']} | {s.sent} | {s.completed} | {s.rps / time_scale:.2f} |"
             f" {r['hit_rate']:.1%} | {r['prefill']:,.0f} | {ttft:.2f} | {e2e:.2f} |"
-            f" {' / '.join(f'{n:.0f}' for n in r['per_replica'])} | {mean_gap:.1f} / {spread.max_gap:.0f} |"
+            f" {' / '.join(f'{n:.0f}' for n in r['per_replica'])} | {running} | {inflight} |"
             f" {r['slip']:.1f} |"
         )
     return "\n".join(out)

@@ -36,6 +36,7 @@ class Reconciler:
         """Take the replica's reading; True if its count here was corrected (slots freed)."""
         replica.gauges = gauges
         observed = replica.observed = gauges.running + gauges.waiting
+        replica.others = max(0, observed - replica.inflight)
         if replica.inflight <= observed:
             replica.drift_strikes = 0
             return False

@@ -39,6 +39,7 @@ class Replica:
         "max_concurrency",
         "max_tokens",
         "observed",
+        "others",
         "reserve",
         "shared",
         "slow_since",
@@ -64,6 +65,7 @@ class Replica:
         self.shared: int | None = None  # leases on it across all gateways, as last seen
         self.blocked_until = 0.0  # the ledger refused a lease: not asked again before this
         self.observed: int | None = None  # the replica's own running + waiting, last scraped
+        self.others = 0  # of those, not this gateway's (other gateways', or clients' direct)
         self.drift_strikes = 0  # scrapes in a row that found this gateway's count too high
         self.tpot: float | None = None  # moving average of its streams' time per output token
         self.slow_since: float | None = None  # since when it decodes slower than its peers
@@ -72,9 +74,10 @@ class Replica:
 
     @property
     def load(self) -> int:
-        """Requests on it: this gateway's, or what the replica itself last reported, or its
-        leases across gateways, whichever is most."""
-        return max(self.inflight, self.observed or 0, self.shared or 0)
+        """Requests on it: this gateway's now plus the others' the replica last reported, or
+        its leases across gateways, whichever is more. Not the last report itself: it is a
+        second or more old, and requests here have finished and started since."""
+        return max(self.inflight + self.others, self.shared or 0)
 
     @property
     def up(self) -> bool:
