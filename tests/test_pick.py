@@ -21,8 +21,10 @@ from gateway.pick.scorers import KvCacheScorer, QueueScorer
 from gateway.policy.compile import load_policy
 from gateway.policy.load import PolicyError
 from gateway.policy.schema import PoolSpec
+from loadtest.sim.server import ReplicaOptions, start_replica
 from loadtest.stub_backend import STATS, StubConfig, create_stub_app
 from tests.conftest import RunningGateway, Stub, _serve, basic_policy, eventually, write_policy
+from tests.test_simulator import write_profile
 
 RULE_SETS = {name: f"Rules of {name}: " + f"{name} forbids item {name}. " * 120 for name in "ABCD"}
 
@@ -45,17 +47,21 @@ def replicas_that_served(stubs: list[Stub], marker: str) -> set[int]:
 
 
 async def rounds_of_rule_sets(
-    http: aiohttp.ClientSession, gateway: RunningGateway, rounds: int
+    http: aiohttp.ClientSession,
+    gateway: RunningGateway,
+    rounds: int,
+    sets: str = "ABCD",
+    max_tokens: int = 4,
 ) -> None:
     """Each round, one request per rule set at once, in a different order each round."""
-    order = list(RULE_SETS)
+    order = list(sets)
     shuffle = random.Random(4)
     for n in range(rounds):
         shuffle.shuffle(order)
         posts = []
         for name in order:
-            posts.append(http.post(f"{gateway.url}/v1/chat/completions",
-                                   json=classify(RULE_SETS[name], f"lamp {n}")))  # fmt: skip
+            body = {**classify(RULE_SETS[name], f"lamp {n}"), "max_tokens": max_tokens}
+            posts.append(http.post(f"{gateway.url}/v1/chat/completions", json=body))
             await asyncio.sleep(0.01)  # arrivals in this order
         for response in await asyncio.gather(*posts):
             assert response.status == 200, await response.text()
@@ -280,3 +286,47 @@ async def test_round_robin_takes_turns_among_the_replicas_with_room() -> None:
     ]  # fmt: skip
     fourth = await slots.acquire(Claim(1))  # a's turn again, and it is free
     assert fourth.replica.url == "http://a"
+
+
+async def prefix_hits_through(
+    tmp_path: Path,
+    tokenizer_dir: Path,
+    gateway_factory: Callable[[dict[str, Any]], Awaitable[RunningGateway]],
+    http: aiohttp.ClientSession,
+    **pool: Any,
+) -> float:
+    """Prefix-cache hits (vLLM's counter) on two simulated replicas after six rounds of the
+    four rule sets through a gateway with `pool`'s settings."""
+    tmp_path.mkdir()
+    profile = write_profile(tmp_path, serving={"block_size": 16, "max_model_len": 2048})
+    replicas = [await start_replica(profile, ReplicaOptions(time_scale=1)) for _ in range(2)]
+    try:
+        policy = basic_policy(tokenizer_dir, [r.url for r in replicas], **pool)
+        policy["models"]["tiny"]["tokenizer"] = "estimate"  # the simulator's count, 4 a token
+        gateway = await gateway_factory(policy)
+        await rounds_of_rule_sets(http, gateway, rounds=6, sets="AB", max_tokens=40)
+        return sum(r.engine.stats.prefix_cache_hits for r in replicas)
+    finally:
+        for r in replicas:
+            await r.close()
+
+
+async def test_the_prefix_scorer_makes_the_replicas_prefix_caches_hit(
+    tmp_path: Path,
+    tokenizer_dir: Path,
+    gateway_factory: Callable[[dict[str, Any]], Awaitable[RunningGateway]],
+    http: aiohttp.ClientSession,
+) -> None:
+    """Two rule sets, each round both at once in a new order: least in flight sends each set to
+    whichever replica is free first, so the sets trade replicas and miss; with the prefix
+    scorer each set stays where its blocks are, and every request after the first hits. (With
+    caches this large least in flight soon has both sets everywhere: docs/capacity.md measures
+    a working set larger than one replica's cache.)"""
+    args = (tokenizer_dir, gateway_factory, http)
+    scattered = await prefix_hits_through(tmp_path / "least", *args)
+    kept = await prefix_hits_through(tmp_path / "prefix", *args, pick={"scorers": {"prefix": 1}})
+    # What two requests of a set share: 4 marker tokens, then the rules and "\nProduct: lamp "
+    # at 4 characters a token, in whole 16-token blocks.
+    shared = (4 + (len(RULE_SETS["A"]) + len("\nProduct: lamp ")) // 4) // 16 * 16
+    assert kept == (12 - 2) * shared  # every request but each set's first hit all of it
+    assert scattered < kept
