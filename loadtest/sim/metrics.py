@@ -168,14 +168,19 @@ class VllmCollector(Collector):
             "Cumulative number of preemption from the engine.",
             stats.preemptions,
         )
-        yield self._counter(
-            "vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens
-        )
-        yield self._counter(
-            "vllm:prompt_tokens_cached",
-            "Number of cached prompt tokens (local + external).",
-            stats.prompt_tokens_cached,
-        )
+        for name, help_text, value in (
+            ("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens),
+            ("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
+             stats.prompt_tokens_cached),
+            ("vllm:prefix_cache_queries",
+             "Prefix cache queries, in terms of number of queried tokens.",
+             stats.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+             stats.prefix_cache_hits),
+            ("vllm:generation_tokens", "Number of generation tokens processed.",
+             stats.generation_tokens),
+        ):  # fmt: skip
+            yield self._counter(name, help_text, value)
         by_source = CounterMetricFamily(
             "vllm:prompt_tokens_by_source",
             "Number of prompt tokens by source.",
@@ -189,21 +194,6 @@ class VllmCollector(Collector):
         ):
             by_source.add_metric([*self.labels, source], n)
         yield by_source
-        yield self._counter(
-            "vllm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.",
-            stats.prefix_cache_queries,
-        )
-        yield self._counter(
-            "vllm:prefix_cache_hits",
-            "Prefix cache hits, in terms of number of cached tokens.",
-            stats.prefix_cache_hits,
-        )
-        yield self._counter(
-            "vllm:generation_tokens",
-            "Number of generation tokens processed.",
-            stats.generation_tokens,
-        )
         success = CounterMetricFamily(
             "vllm:request_success",
             "Count of successfully processed requests.",
