@@ -151,3 +151,15 @@ async def test_a_replica_exports_vllms_prefix_cache_counters(tmp_path: Path) -> 
     hit = found["vllm:prefix_cache_hits_total"]
     assert hit == (prompt - 1) // BLOCK * BLOCK  # the second request's full blocks
     assert found["vllm:prompt_tokens_cached_total"] == hit
+
+
+async def test_without_a_tokenizer_texts_that_differ_anywhere_get_different_ids() -> None:
+    """Pseudo-tokens are four characters each, every character counted: two product tags that
+    differ in one digit never share a block (a lossy id once made them hit each other)."""
+    from loadtest.sim.tokens import prompt_encoder
+
+    encoder = prompt_encoder(None)
+    texts = ["Product 12: lamp", "Product 13: lamp", "Product 1😀: lamp", "x"]
+    ids = [await encoder.encode_completion({"prompt": t}) for t in texts]
+    assert [len(i) for i in ids] == [4, 4, 4, 1]  # 4 characters a token, the last may be short
+    assert len({i.tobytes() for i in ids}) == 4
