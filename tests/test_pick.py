@@ -21,6 +21,7 @@ from gateway.pick.scorers import KvCacheScorer, QueueScorer
 from gateway.policy.compile import load_policy
 from gateway.policy.load import PolicyError
 from gateway.policy.schema import PoolSpec
+from loadtest.sim.profiles import Profile
 from loadtest.sim.server import ReplicaOptions, start_replica
 from loadtest.stub_backend import STATS, StubConfig, create_stub_app
 from tests.conftest import RunningGateway, Stub, _serve, basic_policy, eventually, write_policy
@@ -288,8 +289,13 @@ async def test_round_robin_takes_turns_among_the_replicas_with_room() -> None:
     assert fourth.replica.url == "http://a"
 
 
+@pytest.fixture
+def sim_profile(tmp_path: Path) -> Profile:
+    return write_profile(tmp_path, serving={"block_size": 16, "max_model_len": 2048})
+
+
 async def prefix_hits_through(
-    tmp_path: Path,
+    profile: Profile,
     tokenizer_dir: Path,
     gateway_factory: Callable[[dict[str, Any]], Awaitable[RunningGateway]],
     http: aiohttp.ClientSession,
@@ -297,8 +303,6 @@ async def prefix_hits_through(
 ) -> float:
     """Prefix-cache hits (vLLM's counter) on two simulated replicas after six rounds of the
     four rule sets through a gateway with `pool`'s settings."""
-    tmp_path.mkdir()
-    profile = write_profile(tmp_path, serving={"block_size": 16, "max_model_len": 2048})
     replicas = [await start_replica(profile, ReplicaOptions(time_scale=1)) for _ in range(2)]
     try:
         policy = basic_policy(tokenizer_dir, [r.url for r in replicas], **pool)
@@ -312,7 +316,7 @@ async def prefix_hits_through(
 
 
 async def test_the_prefix_scorer_makes_the_replicas_prefix_caches_hit(
-    tmp_path: Path,
+    sim_profile: Profile,
     tokenizer_dir: Path,
     gateway_factory: Callable[[dict[str, Any]], Awaitable[RunningGateway]],
     http: aiohttp.ClientSession,
@@ -323,8 +327,8 @@ async def test_the_prefix_scorer_makes_the_replicas_prefix_caches_hit(
     caches this large least in flight soon has both sets everywhere: docs/capacity.md measures
     a working set larger than one replica's cache.)"""
     args = (tokenizer_dir, gateway_factory, http)
-    scattered = await prefix_hits_through(tmp_path / "least", *args)
-    kept = await prefix_hits_through(tmp_path / "prefix", *args, pick={"scorers": {"prefix": 1}})
+    scattered = await prefix_hits_through(sim_profile, *args)
+    kept = await prefix_hits_through(sim_profile, *args, pick={"scorers": {"prefix": 1}})
     # What two requests of a set share: 4 marker tokens, then the rules and "\nProduct: lamp "
     # at 4 characters a token, in whole 16-token blocks.
     shared = (4 + (len(RULE_SETS["A"]) + len("\nProduct: lamp ")) // 4) // 16 * 16
