@@ -321,6 +321,9 @@ class Gateway:
             if policy.digest != current.digest:
                 self.runtime = Runtime.build(policy, self.runtime, self.ledger)
                 self._serve_pools()
+                kept = {id(pool.picker) for pool in policy.pools.values()}
+                retired = {id(p.picker): p.picker for p in current.pools.values()}
+                await asyncio.gather(*(p.close() for key, p in retired.items() if key not in kept))
                 log.info("policy %s reloaded: %s -> %s", policy.path, current.digest, policy.digest)
             return policy
 

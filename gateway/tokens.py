@@ -24,7 +24,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from gateway.errors import BadRequest
 from gateway.tokenfloor import TokenFloor
@@ -33,6 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 _EMPTY = ""
+T = TypeVar("T")
 # Role sequences whose template overhead is kept. Roles are client text (vLLM accepts custom ones),
 # so only short sequences of the standard roles are cached: the cache stays small whatever is sent.
 MAX_CACHED_SHAPES = 4096
@@ -142,6 +143,10 @@ class TokenCounter(Protocol):
         """Tokens of each prompt of a completions request."""
         ...
 
+    async def prompt_ids(self, body: dict[str, Any], endpoint: str) -> list[int] | None:
+        """The token ids vLLM will see for the request's (first) prompt; None without a tokenizer."""
+        ...
+
 
 class EstimateCounter:
     """`tokenizer: estimate`: characters / `chars_per_token`, for models without a local tokenizer."""
@@ -168,6 +173,9 @@ class EstimateCounter:
         if isinstance(prompt[0], int):
             return [len(prompt)]
         return [len(p) if isinstance(p, list) else self._count(p) for p in prompt]
+
+    async def prompt_ids(self, body: dict[str, Any], endpoint: str) -> list[int] | None:
+        return None
 
 
 def load_tokenizer(directory: str) -> Any:
@@ -248,6 +256,9 @@ class HFCounter:
     def _lengths(self, texts: list[str], special: bool) -> list[int]:
         return [len(e.ids) for e in self._encode_batch(texts, add_special_tokens=special)]
 
+    def _ids(self, text: str, special: bool) -> list[int]:
+        return list(self._encode_batch([text], add_special_tokens=special)[0].ids)
+
     async def _count_texts(
         self, texts: list[str], special: bool, refuse_at: int | None = None, summed: bool = True
     ) -> list[int]:
@@ -258,13 +269,18 @@ class HFCounter:
             floor = sum(floors) if summed else max(floors, default=0)
             if floor >= refuse_at:
                 raise TooManyTokens(floor)
-        chars = sum(map(len, texts))
+        return await self._encode(sum(map(len, texts)), self._lengths, texts, special)
+
+    async def _encode(
+        self, chars: int, encode: Callable[[Any, bool], T], text: Any, special: bool
+    ) -> T:
+        """`encode(text, special)`, on the tokenizer's threads when `chars` is long."""
         if self.executor is not None and chars > self.inline_max_chars:
             large = self.large_min_chars and chars >= self.large_min_chars
             executor = self.large_executor if large else self.executor
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(executor, self._lengths, texts, special)
-        return self._lengths(texts, special)
+            return await loop.run_in_executor(executor, encode, text, special)
+        return encode(text, special)
 
     def _render(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> str:
         try:
@@ -352,3 +368,21 @@ class HFCounter:
         if isinstance(prompt[0], list):
             return [len(p) for p in prompt]
         return await self._count_texts(list(prompt), True, refuse_at, summed=False)
+
+    async def prompt_ids(self, body: dict[str, Any], endpoint: str) -> list[int] | None:
+        """Encoded whole, as vLLM encodes it: a chat rendered by the template, without special
+        tokens; a completion's first prompt with them (or its own ids). On the tokenizer's
+        threads when long, as counting is."""
+        if endpoint == "chat":
+            parts = self.parts and any(isinstance(m.get("content"), list) for m in body["messages"])
+            text, special = self._render(template_messages(body["messages"], parts), body), False
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+                prompt = prompt[0]
+            if isinstance(prompt, list):
+                return prompt if all(type(t) is int for t in prompt) else None
+            if not isinstance(prompt, str):
+                return None
+            text, special = prompt, True
+        return await self._encode(len(text), self._ids, text, special)

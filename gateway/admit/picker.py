@@ -21,7 +21,7 @@ from gateway.policy.plugins import register
 class Picker(Protocol):
     """Chooses among replicas that have room."""
 
-    def affinity(self, ctx: Ctx) -> Affinity | None:
+    async def affinity(self, ctx: Ctx) -> Affinity | None:
         """What `pick` will weigh of the request, worked out once, before it queues."""
 
     def pick(self, replicas: Sequence[Replica], claim: Claim) -> Replica | None: ...
@@ -32,6 +32,9 @@ class Picker(Protocol):
     def forget(self, url: str) -> None:
         """The replica left, or came back after an ejection: what was learned of it is void."""
 
+    async def close(self) -> None:
+        """The pool stopped using it: what it runs in the background stops."""
+
 
 class StatelessPicker:
     """A picker that weighs nothing of the request and learns nothing."""
@@ -39,13 +42,16 @@ class StatelessPicker:
     def __init__(self, params: object) -> None:
         pass
 
-    def affinity(self, ctx: Ctx) -> Affinity | None:
+    async def affinity(self, ctx: Ctx) -> Affinity | None:
         return None
 
     def granted(self, replica: Replica, claim: Claim) -> None:
         pass
 
     def forget(self, url: str) -> None:
+        pass
+
+    async def close(self) -> None:
         pass
 
 

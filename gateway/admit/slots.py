@@ -221,6 +221,7 @@ class PoolSlots:
         self._closed = True
         if self._dispatcher is not None:
             self._dispatcher.cancel()
+        await self.picker.close()
         if self.leases is not None:
             await self.leases.drain()
 
@@ -401,7 +402,7 @@ class PoolSlots:
     @asynccontextmanager
     async def slot(self, ctx: Ctx, place: Place) -> AsyncIterator[Grant]:
         """Hold a slot for `ctx`; `place` is its standing, new on its first attempt."""
-        claim = Claim.of(ctx, self.picker.affinity(ctx))
+        claim = Claim.of(ctx, await self.picker.affinity(ctx))
         self.demand.arrivals += place.tag is None
         started = time.perf_counter()
         grant: Grant | None = None

@@ -26,6 +26,7 @@ MAX_SESSION_CHARS = 256  # a session id longer than this is cut: it only has to 
 class Affinity(NamedTuple):
     blocks: tuple[int, ...] = ()  # chained hashes of the prompt's full leading chunks
     session: str | None = None  # tenant + session id, from a header or the OpenAI `user` field
+    tokens: tuple[int, ...] = ()  # keys of its full leading token blocks (`kv_events.py`)
 
 
 def prompt_text(body: dict[str, Any]) -> str | list[int] | None:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gateway.pick.affinity import Affinity
+from gateway.pick.precise import PrecisePrefixScorer
 from gateway.pick.scorers import PrefixScorer, Scorer, SessionScorer, spread_limit
 from gateway.policy.plugins import create
 from gateway.policy.schema import PickSpec
@@ -34,12 +35,16 @@ class WeightedPicker:
         ]
         self._prefix = next((s for _, s in self.scorers if isinstance(s, PrefixScorer)), None)
         self._session = next((s for _, s in self.scorers if isinstance(s, SessionScorer)), None)
+        self._precise = next(
+            (s for _, s in self.scorers if isinstance(s, PrecisePrefixScorer)), None
+        )
         self._spread = spec.max_load_spread
 
-    def affinity(self, ctx: Ctx) -> Affinity | None:
+    async def affinity(self, ctx: Ctx) -> Affinity | None:
         return Affinity(
             self._prefix.blocks(ctx) if self._prefix is not None else (),
             self._session.session(ctx) if self._session is not None else None,
+            await self._precise.token_blocks(ctx) if self._precise is not None else (),
         )
 
     def pick(self, replicas: Sequence[Replica], claim: Claim) -> Replica | None:
@@ -66,6 +71,10 @@ class WeightedPicker:
     def prefix(self) -> PrefixScorer | None:
         return self._prefix
 
+    @property
+    def precise(self) -> PrecisePrefixScorer | None:
+        return self._precise
+
     def granted(self, replica: Replica, claim: Claim) -> None:
         for _, scorer in self.scorers:
             scorer.granted(replica, claim)
@@ -73,3 +82,7 @@ class WeightedPicker:
     def forget(self, url: str) -> None:
         for _, scorer in self.scorers:
             scorer.forget(url)
+
+    async def close(self) -> None:
+        if self._precise is not None:
+            await self._precise.close()

@@ -300,6 +300,18 @@ def _pool_pickers(
         if kept is not None and kept.spec.pick == pool.pick:
             pickers[name] = kept.picker
             continue
+        if (
+            "precise_prefix" in pool.pick.scorers
+            and spec.models[pool.model].tokenizer == "estimate"
+        ):
+            problems.append(
+                Problem(
+                    ("pools", name, "pick", "scorers", "precise_prefix"),
+                    f"needs model {pool.model!r}'s own tokenizer (not `estimate`): it looks up"
+                    " the prompt's token ids",
+                )
+            )
+            continue
         try:
             pickers[name] = WeightedPicker(pool.pick)
         except PluginError as exc:

@@ -199,13 +199,16 @@ class PickSpec(Spec):
     """How a pool chooses among replicas with room: weighted scorers (docs/architecture.md,
     "Picking a replica"). Without `pick`, the policy's `plugins.picker` (least in flight)."""
 
-    scorers: dict[Literal["prefix", "session", "queue", "kv_cache"], ScorerSpec] = Field(
+    scorers: dict[
+        Literal["prefix", "precise_prefix", "session", "queue", "kv_cache"], ScorerSpec
+    ] = Field(
         min_length=1,
         description=(
             "Scorer -> weight (or `{weight, ...parameters}`): `prefix` (prompt blocks this"
-            " gateway sent each replica), `session` (the replica a session last used), `queue`"
-            " (requests running and waiting there), `kv_cache` (free KV cache). Each rates the"
-            " replicas 0..1; the highest weighted sum wins."
+            " gateway sent each replica), `precise_prefix` (token blocks each replica's vLLM"
+            " says it holds, from its KV-cache events), `session` (the replica a session last"
+            " used), `queue` (requests running and waiting there), `kv_cache` (free KV cache)."
+            " Each rates the replicas 0..1; the highest weighted sum wins."
         ),
     )
     max_load_spread: float = Field(

@@ -1,0 +1,141 @@
+"""What a replica's engine says its prefix cache holds, from vLLM's own KV-cache events.
+
+vLLM started with `--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+"endpoint": "tcp://*:5557"}'` publishes, on a ZMQ PUB socket, one multipart message per engine
+step that changed its cache: the topic, an 8-byte big-endian sequence number, and a msgpack
+`KVEventBatch` — `[ts, events, data_parallel_rank]`, each event a map tagged by `type`:
+`BlockStored` (`block_hashes`, `parent_block_hash`, `token_ids`, `block_size`, `lora_name`,
+`extra_keys`, `medium`, `group_idx`), `BlockRemoved` (`block_hashes`, `medium`, `group_idx`) or
+`AllBlocksCleared` (vllm/distributed/kv_events.py, emitted by vllm/v1/core/block_pool.py).
+
+The engine's block hashes depend on its hash algorithm and seed, which the gateway does not
+share. So a block is keyed here by what it holds instead: the hash of its parent's key, its
+token ids and its extra keys (the adapter's name on every block, the cache salt on the first,
+as vllm/v1/core/kv_cache_utils.py `generate_block_hash_extra_keys` adds them), and the engine's
+hash only maps to that key, for removals and for the next block's parent. A request's blocks,
+made the same way from its own token ids (`token_blocks`), are then found exactly when the
+replica holds them. Blocks of another medium (an offload tier), another KV-cache group, or a
+block size other than the replica's are not indexed: no request is chunked that way.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+ROOT = hash(("kv-events-root",))
+PRIMARY_MEDIUM = "GPU"  # vLLM's name for the engine's own KV cache, whatever the device
+
+
+def _frozen(value: Any) -> Any:
+    """msgpack arrays decode as lists; a key must be hashable."""
+    if isinstance(value, list):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+def block_extra(lora: str | None, salt: str | None, first: bool) -> tuple[Any, ...] | None:
+    """A block's extra keys as the events publish them: the adapter's name, then (first block
+    only) the cache salt; None when there are none."""
+    keys = ((lora,) if lora else ()) + ((salt,) if first and salt else ())
+    return keys or None
+
+
+def token_blocks(
+    ids: Sequence[int], block_size: int, lora: str | None, salt: str | None, max_blocks: int
+) -> tuple[int, ...]:
+    """The keys of a prompt's full blocks of `block_size` tokens, each chained from the one
+    before, as `EngineBlocks` keys what a replica stored."""
+    count = min(len(ids) // block_size, max_blocks)
+    keys = []
+    parent = ROOT
+    for i in range(count):
+        chunk = tuple(ids[i * block_size : (i + 1) * block_size])
+        parent = hash((parent, chunk, block_extra(lora, salt, i == 0)))
+        keys.append(parent)
+    return tuple(keys)
+
+
+class EngineBlocks:
+    """The blocks one replica's engine holds, by content key; bounded, the oldest dropped."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.block_size: int | None = None  # the engine's, from its first full-block event
+        self.seq: int | None = None  # the last batch's sequence number
+        self._keys: OrderedDict[Any, int] = OrderedDict()  # engine hash -> content key
+        self._held: dict[int, Any] = {}  # content key -> engine hash
+        self.skipped = 0  # stored blocks not indexed: other medium, group or size, or no parent
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def matched(self, keys: Sequence[int]) -> int:
+        """How many of `keys`, from the first, the engine holds."""
+        held = self._held
+        n = 0
+        for key in keys:
+            if key not in held:
+                break
+            n += 1
+        return n
+
+    def clear(self) -> None:
+        self._keys.clear()
+        self._held.clear()
+
+    def apply(self, event: dict[str, Any]) -> str:
+        """One event; returns its kind, or "unknown"."""
+        kind = event.get("type")
+        if kind == "BlockStored":
+            self._stored(event)
+        elif kind == "BlockRemoved":
+            self._removed(event)
+        elif kind == "AllBlocksCleared":
+            self.clear()
+        else:
+            return "unknown"
+        return str(kind)
+
+    def _primary(self, event: dict[str, Any]) -> bool:
+        return event.get("medium") in (None, PRIMARY_MEDIUM) and event.get("group_idx") in (None, 0)
+
+    def _stored(self, event: dict[str, Any]) -> None:
+        hashes: list[Any] = event.get("block_hashes") or []
+        tokens: list[int] = event.get("token_ids") or []
+        size = event.get("block_size")
+        if not hashes or not isinstance(size, int) or size <= 0 or not self._primary(event):
+            self.skipped += len(hashes)
+            return
+        if self.block_size is None:
+            self.block_size = size
+        parent_hash = event.get("parent_block_hash")
+        parent = ROOT if parent_hash is None else self._keys.get(parent_hash)
+        if size != self.block_size or len(tokens) != size * len(hashes) or parent is None:
+            self.skipped += len(hashes)
+            return
+        extras = event.get("extra_keys") or [None] * len(hashes)
+        for i, engine_hash in enumerate(hashes):
+            chunk = tuple(tokens[i * size : (i + 1) * size])
+            extra = _frozen(extras[i]) if i < len(extras) else None
+            parent = hash((parent, chunk, extra))
+            self._put(engine_hash, parent)
+
+    def _put(self, engine_hash: Any, key: int) -> None:
+        old = self._keys.pop(engine_hash, None)
+        if old is not None:
+            self._held.pop(old, None)
+        self._keys[engine_hash] = key
+        self._held[key] = engine_hash
+        while len(self._keys) > self.capacity:
+            _, dropped = self._keys.popitem(last=False)
+            self._held.pop(dropped, None)
+
+    def _removed(self, event: dict[str, Any]) -> None:
+        if not self._primary(event):
+            return
+        for engine_hash in event.get("block_hashes") or []:
+            key = self._keys.pop(engine_hash, None)
+            if key is not None:
+                self._held.pop(key, None)

@@ -1,0 +1,262 @@
+"""The `precise_prefix` scorer: the share of a request's leading token blocks each replica's
+engine says it holds, from vLLM's KV-cache events (llm-d's "precise" mode).
+
+Where `prefix` estimates a replica's cache from what this gateway sent it, this one is told:
+every replica publishes what it stores and evicts (`kv_events.py`), so blocks that other
+gateways sent, blocks evicted under memory pressure and a replica's restart all show. The price
+is the prompt's token ids: the request's prompt is encoded whole (on the tokenizer's threads when
+long), where counting alone is memoized per message (docs/benchmarks.md, "Prefix hashing").
+
+Each replica is asked where it publishes (`GET /kv_event_sources`, vLLM's own endpoint: a `*`
+host there is the replica's host), or the policy names the endpoint; one SUB socket per
+replica follows it until the replica leaves, restarts or is ejected, when what it said is
+forgotten. A gap in a publisher's sequence numbers (events dropped, or a restart) drops the
+replica's blocks too: missed removals would otherwise leave blocks it no longer holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from pydantic import Field, PositiveFloat, PositiveInt
+
+from gateway.pick.kv_events import EngineBlocks, token_blocks
+from gateway.pick.scorers import Scorer, _Params
+from gateway.policy.plugins import PluginError, register
+
+if TYPE_CHECKING:
+    from gateway.admit import Claim, Replica
+    from gateway.context import Ctx
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 << 20  # one engine step's events; a bigger message is dropped by ZMQ
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]", "::")
+
+
+class PreciseParams(_Params):
+    endpoint: str | None = Field(
+        None,
+        description=(
+            "Each replica's event endpoint, `{host}` (and `{port}`, its HTTP port) taken from"
+            " its URL, e.g. `tcp://{host}:5557`; unset: asked of each replica at"
+            " `/kv_event_sources`."
+        ),
+    )
+    max_blocks: PositiveInt = Field(
+        1024, description="Token blocks looked up per request, from the prompt's first."
+    )
+    capacity_blocks: PositiveInt = Field(
+        1 << 20,
+        description=(
+            "Blocks remembered per replica (about 200 bytes each), the oldest dropped first;"
+            " at least what one replica's KV cache holds (`num_gpu_blocks`)."
+        ),
+    )
+    retry_s: PositiveFloat = Field(
+        5.0, description="Wait before asking a replica again where it publishes."
+    )
+
+
+def endpoints_of(url: str, sources: Any) -> list[tuple[str, bytes]]:
+    """The (endpoint, topic) of each engine a `/kv_event_sources` answer lists that a subscriber
+    can connect to: a bound ZMQ publisher; a wildcard host becomes the replica's."""
+    host = urlsplit(url).hostname or "127.0.0.1"
+    found = []
+    for config in sources.values() if isinstance(sources, dict) else ():
+        if not isinstance(config, dict) or not config.get("enable_kv_cache_events"):
+            continue
+        endpoint = config.get("endpoint")
+        if config.get("publisher") != "zmq" or not isinstance(endpoint, str):
+            continue
+        if endpoint.startswith("tcp://"):
+            address, _, port = endpoint[len("tcp://") :].rpartition(":")
+            if address not in _WILDCARD_HOSTS:
+                continue  # it connects out, to a collector: nothing to subscribe to here
+            endpoint = f"tcp://{host}:{port}"
+        elif not endpoint.startswith("ipc://"):
+            continue
+        found.append((endpoint, str(config.get("topic") or "").encode()))
+    return found
+
+
+class ReplicaFeed:
+    """Follows one replica's events into its `EngineBlocks`, until cancelled."""
+
+    def __init__(
+        self, url: str, blocks: EngineBlocks, scorer: PrecisePrefixScorer, retry_s: float
+    ) -> None:
+        self.url = url
+        self.blocks = blocks
+        self.scorer = scorer
+        self.retry_s = retry_s
+        self.task: asyncio.Task[None] | None = None
+
+    async def run(self) -> None:
+        while True:
+            try:
+                endpoints = await self.scorer.endpoints(self.url)
+                if endpoints:
+                    await self._follow(endpoints)
+                else:
+                    self.scorer.count(self.url, "unavailable")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the replica is down, or answers nonsense: try later
+                self.scorer.count(self.url, "unavailable")
+                log.info("kv events of %s: %s", self.url, type(exc).__name__)
+            await asyncio.sleep(self.retry_s)
+
+    async def _follow(self, endpoints: list[tuple[str, bytes]]) -> None:
+        import msgspec
+        import zmq
+
+        socket = self.scorer.zmq_context().socket(zmq.SUB)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        decode = msgspec.msgpack.Decoder().decode
+        seqs: dict[int, int] = {}
+        try:
+            for endpoint, topic in endpoints:
+                socket.setsockopt(zmq.SUBSCRIBE, topic)
+                socket.connect(endpoint)
+            while True:
+                frames = await socket.recv_multipart()
+                try:
+                    seq = int.from_bytes(frames[1], "big")
+                    _ts, events, *rest = decode(frames[2])
+                    rank = rest[0] if rest and isinstance(rest[0], int) else 0
+                except (IndexError, TypeError, ValueError, msgspec.DecodeError):
+                    self.scorer.count(self.url, "undecodable")
+                    continue
+                last = seqs.get(rank)
+                if last is not None and seq != last + 1:
+                    self.blocks.clear()  # dropped events, or a restart: what is left may be wrong
+                    self.scorer.count(self.url, "gap")
+                seqs[rank] = seq
+                self._apply(events)
+                await asyncio.sleep(0)  # a burst of batches yields between them
+        finally:
+            socket.close()
+
+    def _apply(self, events: Any) -> None:
+        if not isinstance(events, list):
+            self.scorer.count(self.url, "undecodable")
+            return
+        kinds: Counter[str] = Counter()
+        for event in events:
+            kinds[self.blocks.apply(event) if isinstance(event, dict) else "unknown"] += 1
+        for kind, n in kinds.items():
+            self.scorer.count(self.url, kind, n)
+
+
+@register("scorer", "precise_prefix")
+class PrecisePrefixScorer(Scorer):
+    """The share of the request's leading token blocks each replica's engine holds."""
+
+    Params = PreciseParams
+    wants_token_ids = True
+
+    def __init__(self, params: PreciseParams) -> None:
+        try:
+            import msgspec  # noqa: F401
+            import zmq  # noqa: F401
+        except ImportError:
+            raise PluginError(
+                "precise_prefix needs pyzmq and msgspec:"
+                " pip install 'llm-admission-gateway[kv-events]'"
+            ) from None
+        self.params = params
+        self.blocks: dict[str, EngineBlocks] = {}
+        self.feeds: dict[str, ReplicaFeed] = {}
+        self.events: Counter[tuple[str, str]] = Counter()  # (replica, kind) -> events
+        self.blocks_sent = 0
+        self.blocks_matched = 0
+        self._zmq: Any = None
+        self._http: aiohttp.ClientSession | None = None
+
+    @property
+    def block_size(self) -> int | None:
+        return next((b.block_size for b in self.blocks.values() if b.block_size), None)
+
+    async def token_blocks(self, ctx: Ctx) -> tuple[int, ...]:
+        size = self.block_size
+        if size is None or ctx.model is None:
+            return ()  # no replica has told its block size yet: nothing could match
+        ids = await ctx.model.counter.prompt_ids(ctx.body, ctx.endpoint)
+        if not ids:
+            return ()
+        salt = ctx.body.get("cache_salt")
+        salt = salt if isinstance(salt, str) else None
+        return token_blocks(ids, size, ctx.adapter or None, salt, self.params.max_blocks)
+
+    def score(self, replicas: Sequence[Replica], claim: Claim, now: float) -> list[float]:
+        for replica in replicas:
+            if replica.url not in self.feeds:
+                self._follow(replica.url)
+        keys = claim.affinity.tokens if claim.affinity is not None else ()
+        if not keys:
+            return [0.0] * len(replicas)
+        return [self._matched(r.url, keys) / len(keys) for r in replicas]
+
+    def _matched(self, url: str, keys: Sequence[int]) -> int:
+        blocks = self.blocks.get(url)
+        return blocks.matched(keys) if blocks is not None else 0
+
+    def granted(self, replica: Replica, claim: Claim) -> None:
+        if claim.affinity is not None and claim.affinity.tokens:
+            self.blocks_sent += len(claim.affinity.tokens)
+            self.blocks_matched += self._matched(replica.url, claim.affinity.tokens)
+
+    def forget(self, url: str) -> None:
+        feed = self.feeds.pop(url, None)
+        if feed is not None and feed.task is not None:
+            feed.task.cancel()
+        self.blocks.pop(url, None)
+
+    async def close(self) -> None:
+        tasks = [f.task for f in self.feeds.values() if f.task is not None]
+        for url in list(self.feeds):
+            self.forget(url)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._http is not None:
+            await self._http.close()
+        if self._zmq is not None:
+            self._zmq.term()
+
+    def count(self, url: str, kind: str, n: int = 1) -> None:
+        self.events[(url, kind)] += n
+
+    def _follow(self, url: str) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # picked outside a running gateway (a unit of the picker): nothing to follow
+        blocks = self.blocks[url] = EngineBlocks(self.params.capacity_blocks)
+        feed = self.feeds[url] = ReplicaFeed(url, blocks, self, self.params.retry_s)
+        feed.task = loop.create_task(feed.run(), name=f"kv-events {url}")
+
+    def zmq_context(self) -> Any:
+        if self._zmq is None:
+            import zmq.asyncio
+
+            self._zmq = zmq.asyncio.Context()
+        return self._zmq
+
+    async def endpoints(self, url: str) -> list[tuple[str, bytes]]:
+        template = self.params.endpoint
+        if template is not None:
+            parts = urlsplit(url)
+            return [(template.format(host=parts.hostname, port=parts.port), b"")]
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        async with self._http.get(f"{url}/kv_event_sources") as resp:
+            resp.raise_for_status()
+            sources = await resp.json(content_type=None)
+        return endpoints_of(url, sources)
