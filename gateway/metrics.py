@@ -137,6 +137,34 @@ class _Gauges(Collector):
                 index.add_metric([name, replica.url], prefix.index.size(replica.url))
             blocks.add_metric([name, "sent"], prefix.blocks_sent)
             blocks.add_metric([name, "matched"], prefix.blocks_matched)
+        held = GaugeMetricFamily(
+            "llm_kv_event_blocks",
+            "Token blocks a replica's vLLM says its prefix cache holds, from its KV-cache events.",
+            labels=["pool", "replica"],
+        )
+        events = CounterMetricFamily(
+            "llm_kv_events",
+            "KV-cache events read per replica by kind (BlockStored, BlockRemoved,"
+            " AllBlocksCleared; `gap`: sequence numbers skipped, the replica's blocks dropped;"
+            " `unavailable`: no endpoint to follow yet; `undecodable`, `unknown`).",
+            labels=["pool", "replica", "kind"],
+        )
+        precise_blocks = CounterMetricFamily(
+            "llm_precise_prefix_blocks",
+            "Token blocks of the requests sent with a `precise_prefix` scorer (`sent`), and those"
+            " the chosen replica's engine held when it was picked (`matched`).",
+            labels=["pool", "outcome"],
+        )
+        for name, pool in self.source.slots.items():
+            precise = getattr(pool.picker, "precise", None)
+            if precise is None:
+                continue
+            for url, engine in list(precise.blocks.items()):
+                held.add_metric([name, url], len(engine))
+            for (url, kind), count in list(precise.events.items()):
+                events.add_metric([name, url, kind], count)
+            precise_blocks.add_metric([name, "sent"], precise.blocks_sent)
+            precise_blocks.add_metric([name, "matched"], precise.blocks_matched)
         desired = GaugeMetricFamily(
             "llm_pool_desired_replicas",
             "Replicas the pool's demand needs at its per-replica cap (busy + waiting + refused"
@@ -154,7 +182,7 @@ class _Gauges(Collector):
         )
         errors.add_metric([], self.source.reload_errors)
         return [requests, tokens, depth, leases, capacity, up, ejections, drift, observed, shed, index,
-                blocks, desired, info, errors]  # fmt: skip
+                blocks, held, events, precise_blocks, desired, info, errors]  # fmt: skip
 
 
 MAX_ADAPTER_LABELS = 512

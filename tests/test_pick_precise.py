@@ -1,0 +1,255 @@
+"""The `precise_prefix` scorer: replicas' own KV-cache events, as vLLM publishes them on ZMQ,
+steer requests to the replica whose engine holds their prompt's blocks.
+
+The publishers here are real ZMQ PUB sockets sending what vLLM 0.32 sends (one msgpack
+`[ts, events, rank]` per engine step, numbered); tests_vllm/test_kv_events.py follows real vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+from transformers import AutoTokenizer
+
+from gateway.admit import Claim, Replica
+from gateway.pick.affinity import Affinity
+from gateway.pick.kv_events import EngineBlocks, token_blocks
+from gateway.pick.precise import PreciseParams, PrecisePrefixScorer, endpoints_of
+from gateway.policy.compile import load_policy
+from gateway.policy.load import PolicyError
+from tests.conftest import RunningGateway, Stub, basic_policy, eventually, write_policy
+from tests.test_pick import RULE_SETS, classify
+
+BLOCK = 16
+
+
+def stored(
+    hashes: list[int], tokens: list[int], parent: int | None = None, **extra: Any
+) -> dict[str, Any]:
+    """A BlockStored event as vLLM's msgspec encoder writes it."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BLOCK,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": [None] * len(hashes),
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+        **extra,
+    }
+
+
+def removed(hashes: list[int]) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "group_idx": 0}
+
+
+def test_blocks_are_known_by_content_chained_from_their_parent() -> None:
+    ids = list(range(1000, 1000 + 4 * BLOCK))
+    engine = EngineBlocks(capacity=100)
+    engine.apply(stored([11, 12], ids[: 2 * BLOCK]))  # one step stores two blocks
+    engine.apply(stored([13], ids[2 * BLOCK : 3 * BLOCK], parent=12))  # the next, a child
+    keys = token_blocks(ids, BLOCK, None, None, 1024)
+    assert len(keys) == 4 and engine.matched(keys) == 3
+    # The same tokens after another first block are other blocks: chained, as vLLM hashes them.
+    other = token_blocks([7] * BLOCK + ids[BLOCK:], BLOCK, None, None, 1024)
+    assert engine.matched(other) == 0
+    engine.apply(removed([12]))  # evicted: the chain breaks there
+    assert engine.matched(keys) == 1
+    engine.apply({"type": "AllBlocksCleared"})
+    assert engine.matched(keys) == 0 and len(engine) == 0
+
+
+def test_adapters_and_cache_salts_key_blocks_apart_as_vllms_extra_keys_do() -> None:
+    ids = list(range(2 * BLOCK))
+    engine = EngineBlocks(capacity=100)
+    engine.apply(
+        stored([1, 2], ids, lora_name="sql-lora", extra_keys=[["sql-lora", "s1"], ["sql-lora"]])
+    )
+    assert engine.matched(token_blocks(ids, BLOCK, "sql-lora", "s1", 9)) == 2
+    assert engine.matched(token_blocks(ids, BLOCK, "sql-lora", None, 9)) == 0
+    assert engine.matched(token_blocks(ids, BLOCK, None, None, 9)) == 0
+
+
+def test_what_cannot_be_chained_or_is_not_the_engines_own_cache_is_not_indexed() -> None:
+    ids = list(range(BLOCK))
+    engine = EngineBlocks(capacity=100)
+    engine.apply(stored([5], ids, parent=999))  # a parent never seen: events were missed
+    engine.apply(stored([6], ids, medium="CPU"))  # an offload tier
+    engine.apply(stored([7], ids, group_idx=1))  # another KV-cache group (sliding window)
+    engine.apply(stored([8], ids[:8], block_size=8))  # not the engine's block size... yet
+    assert len(engine) == 0 and engine.skipped == 4
+    assert engine.block_size is None or engine.block_size == BLOCK
+
+
+def test_the_index_is_bounded_the_oldest_blocks_dropped() -> None:
+    engine = EngineBlocks(capacity=3)
+    for n in range(5):
+        engine.apply(stored([n], [n] * BLOCK))
+    assert len(engine) == 3
+    assert engine.matched(token_blocks([4] * BLOCK, BLOCK, None, None, 9)) == 1
+    assert engine.matched(token_blocks([0] * BLOCK, BLOCK, None, None, 9)) == 0
+
+
+def test_endpoints_are_vllms_bound_publishers_with_the_replicas_host() -> None:
+    sources = {
+        "0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"},
+        "1": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "ipc:///run/kv1"},
+        "2": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://collector:5557"},
+        "3": {"enable_kv_cache_events": False, "publisher": "null", "endpoint": "tcp://*:5558"},
+    }  # fmt: skip
+    assert endpoints_of("http://10.0.0.7:8000", sources) == [
+        ("tcp://10.0.0.7:5557", b"kv"),
+        ("ipc:///run/kv1", b""),
+    ]
+    assert endpoints_of("http://10.0.0.7:8000", {}) == []
+    assert endpoints_of("http://10.0.0.7:8000", ["not", "a", "map"]) == []
+
+
+class Publisher:
+    """One replica's vLLM event publisher: a bound PUB socket, batches numbered from 0."""
+
+    def __init__(self, context: zmq.asyncio.Context, endpoint: str) -> None:
+        self.socket = context.socket(zmq.PUB)
+        self.socket.bind(endpoint)
+        self.seq = 0
+
+    async def publish(self, *events: dict[str, Any], skip: int = 0) -> None:
+        self.seq += skip
+        payload = msgspec.msgpack.encode([time.time(), list(events), 0])
+        await self.socket.send_multipart([b"", self.seq.to_bytes(8, "big"), payload])
+        self.seq += 1
+
+
+@pytest.fixture
+async def zmq_context() -> AsyncIterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def prompt_ids(tokenizer_dir: Path, body: dict[str, Any]) -> list[int]:
+    """What vLLM encodes for a chat: the template rendered, then encoded without special tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    text = tokenizer.apply_chat_template(
+        body["messages"], tokenize=False, add_generation_prompt=True
+    )
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def blocks_of(ids: list[int], first_hash: int) -> dict[str, Any]:
+    """The BlockStored a replica publishes after prefilling `ids` (its full blocks)."""
+    full = len(ids) // BLOCK
+    return stored(list(range(first_hash, first_hash + full)), ids[: full * BLOCK])
+
+
+def precise_scorer(gateway: RunningGateway) -> PrecisePrefixScorer:
+    scorer = gateway.gateway.slots["main"].picker.precise  # type: ignore[attr-defined]
+    assert isinstance(scorer, PrecisePrefixScorer)
+    return scorer
+
+
+async def served_by(
+    http: aiohttp.ClientSession, gateway: RunningGateway, stubs: list[Stub], body: dict[str, Any]
+) -> int:
+    async with http.post(f"{gateway.url}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+    content = body["messages"][0]["content"]
+    return next(
+        i
+        for i, s in enumerate(stubs)
+        if any(b["messages"][0]["content"] == content for b in s.stats.bodies)
+    )
+
+
+async def test_requests_go_where_the_engine_says_their_prefix_is_and_leave_when_it_is_evicted(
+    tmp_path: Path,
+    tokenizer_dir: Path,
+    zmq_context: zmq.asyncio.Context,
+    stub_factory: Callable[..., Awaitable[Stub]],
+    gateway_factory: Callable[[dict[str, Any]], Awaitable[RunningGateway]],
+    http: aiohttp.ClientSession,
+) -> None:
+    stubs = [await stub_factory() for _ in range(2)]
+    endpoint = f"ipc://{tmp_path}/kv-{{port}}.ipc"
+    publishers = [
+        Publisher(zmq_context, endpoint.format(port=s.url.rsplit(":", 1)[1])) for s in stubs
+    ]
+    pick = {"scorers": {"precise_prefix": {"weight": 1, "endpoint": endpoint, "retry_s": 0.1}}}
+    gateway = await gateway_factory(basic_policy(tokenizer_dir, [s.url for s in stubs], pick=pick))
+    scorer = precise_scorer(gateway)
+    await served_by(http, gateway, stubs, classify("warm-up", "nothing"))  # the feeds start
+    # The second replica's engine prefilled rule set B (as if another gateway had sent it).
+    b_ids = prompt_ids(tokenizer_dir, classify(RULE_SETS["B"], "lamp 0"))
+    b_blocks = blocks_of(b_ids, 100)
+    url_b = stubs[1].url
+
+    async def announced() -> bool:
+        await publishers[1].publish(b_blocks)  # a subscriber joins late: say it until heard
+        await asyncio.sleep(0.05)
+        return len(scorer.blocks.get(url_b) or ()) > 0
+
+    for _ in range(100):
+        if await announced():
+            break
+    else:
+        raise AssertionError("the gateway never read the replica's events")
+    for n in range(1, 4):
+        assert await served_by(http, gateway, stubs, classify(RULE_SETS["B"], f"lamp {n}")) == 1
+    assert await served_by(http, gateway, stubs, classify(RULE_SETS["C"], "lamp 1")) == 0  # a tie
+    metrics = await (await http.get(f"{gateway.url}/metrics")).text()
+    assert (
+        f'llm_kv_event_blocks{{pool="main",replica="{url_b}"}} {len(b_ids) // BLOCK}.0' in metrics
+    )
+    assert 'llm_precise_prefix_blocks_total{outcome="matched",pool="main"}' in metrics
+    # Evicted there: nothing holds it, and the tie goes to the first replica again.
+    await publishers[1].publish(removed(b_blocks["block_hashes"][:1]))
+    await eventually(lambda: len(scorer.blocks[url_b]) == len(b_blocks["block_hashes"]) - 1)
+    assert await served_by(http, gateway, stubs, classify(RULE_SETS["B"], "lamp 9")) == 0
+
+
+async def test_a_gap_in_the_sequence_drops_what_the_replica_said(
+    tmp_path: Path, zmq_context: zmq.asyncio.Context
+) -> None:
+    endpoint = f"ipc://{tmp_path}/kv.ipc"
+    publisher = Publisher(zmq_context, endpoint)
+    scorer = PrecisePrefixScorer(PreciseParams(endpoint=endpoint, retry_s=0.1))
+    replica = Replica("http://127.0.0.1:9", 4, None)
+    claim = Claim(10, affinity=Affinity(tokens=token_blocks([1] * BLOCK, BLOCK, None, None, 9)))
+    scorer.score([replica], claim, 0.0)  # follows the replica from here on
+    try:
+        for _ in range(100):
+            await publisher.publish(stored([1], [1] * BLOCK))
+            await asyncio.sleep(0.05)
+            if scorer.score([replica], claim, 0.0) == [1.0]:
+                break
+        else:
+            raise AssertionError("the scorer never read the events")
+        await publisher.publish(stored([2], [2] * BLOCK), skip=5)  # five batches lost
+        await eventually(lambda: scorer.events[(replica.url, "gap")] == 1)
+        assert scorer.score([replica], claim, 0.0) == [0.0]  # block 1 may be gone: not trusted
+        assert len(scorer.blocks[replica.url]) == 1  # what came after the gap is kept
+    finally:
+        feeds = [f.task for f in scorer.feeds.values()]
+        await scorer.close()
+    assert all(task is not None and task.done() for task in feeds)
+
+
+def test_a_policy_refuses_precise_prefix_without_the_models_tokenizer(tmp_path: Path) -> None:
+    policy = basic_policy(
+        "estimate", ["http://127.0.0.1:9"], pick={"scorers": {"precise_prefix": 1}}
+    )
+    with pytest.raises(PolicyError, match=r"precise_prefix.*own tokenizer"):
+        load_policy(write_policy(tmp_path, policy))
