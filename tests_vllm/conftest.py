@@ -20,9 +20,9 @@ import pytest
 from safetensors.numpy import save_file
 
 from loadtest.vllm_server import MAX_MODEL_LEN, SERVED_NAME, VLLMServer, serve_vllm
-from tests.conftest import basic_policy, eventually, gateway_factory, http
+from tests.conftest import basic_policy, eventually, gateway_factory, http, stub, stub_factory
 
-__all__ = ["basic_policy", "eventually", "gateway_factory", "http"]
+__all__ = ["basic_policy", "eventually", "gateway_factory", "http", "stub", "stub_factory"]
 
 
 @pytest.fixture(scope="session")
