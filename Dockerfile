@@ -1,7 +1,8 @@
 # The gateway's image: slim, non-root, nothing to write but /tmp (the Deployment mounts the root
 # filesystem read-only). Tokenizers are mounted at run time (deploy/: a read-only volume at
 # /models/gemma-3-tokenizer), never baked in: the image stays model-agnostic and small, and a new
-# tokenizer is a volume change, not a rebuild. The policy comes from a ConfigMap mount.
+# tokenizer is a volume change, not a rebuild. The policy comes from a ConfigMap mount. The
+# `kv-events` extra (pyzmq, msgspec: a few MB) is in, so a policy can turn `precise_prefix` on.
 #
 #   docker build -t llm-admission-gateway:0.1.0 .
 #   docker run -p 8080:8080 -v $PWD/policies:/etc/llm-gateway:ro \
@@ -14,7 +15,7 @@ COPY gateway gateway
 COPY loadtest loadtest
 RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip install --no-cache-dir --upgrade pip \
- && /opt/venv/bin/pip install --no-cache-dir .
+ && /opt/venv/bin/pip install --no-cache-dir '.[kv-events]'
 
 FROM python:3.11-slim
 COPY --from=build /opt/venv /opt/venv

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from multidict import CIMultiDictProxy
 
 if TYPE_CHECKING:
+    from gateway.pick.affinity import Affinity
     from gateway.policy.compile import Model, Pool
     from gateway.route import Route
     from gateway.tenants import Tenant
@@ -52,6 +53,9 @@ class Ctx:
     route: Route | None = None
     pool: Pool | None = None
     # admit / forward
+    affinity: Affinity | None = (
+        None  # what the pool's scorers weigh, worked out on its first attempt
+    )
     replica: str = ""
     queue_wait: float | None = None  # seconds waiting for a slot; None: refused before queueing
     retries: int = 0  # attempts on other replicas after one refused the request

@@ -402,7 +402,9 @@ class PoolSlots:
     @asynccontextmanager
     async def slot(self, ctx: Ctx, place: Place) -> AsyncIterator[Grant]:
         """Hold a slot for `ctx`; `place` is its standing, new on its first attempt."""
-        claim = Claim.of(ctx, await self.picker.affinity(ctx))
+        if ctx.affinity is None:  # a retry weighs what the first attempt worked out
+            ctx.affinity = await self.picker.affinity(ctx)
+        claim = Claim.of(ctx, ctx.affinity)
         self.demand.arrivals += place.tag is None
         started = time.perf_counter()
         grant: Grant | None = None
