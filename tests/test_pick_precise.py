@@ -66,7 +66,9 @@ def test_blocks_are_known_by_content_chained_from_their_parent() -> None:
     # The same tokens after another first block are other blocks: chained, as vLLM hashes them.
     other = token_blocks([7] * BLOCK + ids[BLOCK:], BLOCK, None, None, 1024)
     assert engine.matched(other) == 0
-    engine.apply(removed([12]))  # evicted: the chain breaks there
+    engine.apply(removed([13]))  # evicted, tail first as vLLM evicts: the chain shortens
+    assert engine.matched(keys) == 2
+    engine.apply(removed([12]))
     assert engine.matched(keys) == 1
     engine.apply({"type": "AllBlocksCleared"})
     assert engine.matched(keys) == 0 and len(engine) == 0
