@@ -173,12 +173,14 @@ async def test_redis_down_and_failing_closed_answers_503_at_once_then_recovers(
 async def test_gateways_agree_on_saturation_so_an_idle_one_sheds_too(
     fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http
 ) -> None:
-    replica = await stub_factory(delay_s=0.5)
+    # 2 run and 4 wait: saturation 3 for the first 1.5 s, 2 for the next (a window wide enough
+    # for a loaded machine; with 2 waiting and 0.5 s requests the window was 0.5 s, and missed).
+    replica = await stub_factory(delay_s=1.5)
     policy = shared_policy(tokenizer_dir, replica.url, fresh_redis, cap=2, lease_ttl_s=0.6)
     policy["pools"]["main"]["shed"] = {"sheddable": 2.0}
     busy, idle = await gateway_factory(policy), await gateway_factory(policy)
-    load = [asyncio.create_task(post(http, busy.url)) for _ in range(4)]  # 2 run, 2 wait
-    await eventually(lambda: busy.inflight() == 2 and busy.waiting() == 2)
+    load = [asyncio.create_task(post(http, busy.url)) for _ in range(6)]
+    await eventually(lambda: busy.inflight() == 2 and busy.waiting() == 4)
     # Within a renewal period the idle gateway has heard of the other's leases and waiters.
     pool = idle.gateway.slots["main"]
     await eventually(lambda: pool.saturation >= 2.0, within_s=2)
@@ -187,7 +189,7 @@ async def test_gateways_agree_on_saturation_so_an_idle_one_sheds_too(
     async with http.post(f"{idle.url}/v1/chat/completions", json=CHAT, headers=headers) as resp:
         body = await resp.json()
         assert (resp.status, body["error"]["code"]) == (429, "shed")
-    assert await asyncio.gather(*load) == [200] * 4
+    assert await asyncio.gather(*load) == [200] * 6
 
 
 async def test_clients_that_give_up_while_queued_or_served_leave_no_lease_behind(
