@@ -24,6 +24,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from gateway.pick.prefix_index import longest_prefix
+
 ROOT = hash(("kv-events-root",))
 PRIMARY_MEDIUM = "GPU"  # vLLM's name for the engine's own KV cache, whatever the device
 
@@ -87,17 +89,7 @@ class EngineBlocks:
         evicted after it, and a hit is a run from the first block, so a child is never touched
         without its parent; this index drops its oldest first and stores an event's blocks
         leaf first for the same reason."""
-        held = self._held
-        if not keys or keys[0] not in held:
-            return 0
-        low, high = 1, len(keys)  # keys[:low] held; find the largest such low
-        while low < high:
-            mid = (low + high + 1) // 2
-            if keys[mid - 1] in held:
-                low = mid
-            else:
-                high = mid - 1
-        return low
+        return longest_prefix(keys, self._held)
 
     def clear(self) -> None:
         self._keys.clear()

@@ -11,7 +11,22 @@ pool, restarts or is ejected is forgotten: its cache is gone, or will be.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
+
+
+def longest_prefix(blocks: Sequence[int], held: Container[int]) -> int:
+    """The largest k with `blocks[:k]` all in `held`, by binary search: `held` must be closed
+    under prefixes (a block held only if its parent is)."""
+    if not blocks or blocks[0] not in held:
+        return 0
+    low, high = 1, len(blocks)  # blocks[:low] held; find the largest such low
+    while low < high:
+        mid = (low + high + 1) // 2
+        if blocks[mid - 1] in held:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 class PrefixIndex:
@@ -22,16 +37,7 @@ class PrefixIndex:
     def matched(self, url: str, blocks: Sequence[int]) -> int:
         """How many of `blocks`, from the first, the replica was last sent (and still holds)."""
         held = self._held.get(url)
-        if not held or not blocks or blocks[0] not in held:
-            return 0
-        low, high = 1, len(blocks)  # blocks[:low] held; find the largest such low
-        while low < high:
-            mid = (low + high + 1) // 2
-            if blocks[mid - 1] in held:
-                low = mid
-            else:
-                high = mid - 1
-        return low
+        return longest_prefix(blocks, held) if held else 0
 
     def record(self, url: str, blocks: Sequence[int]) -> None:
         held = self._held.get(url)
