@@ -56,14 +56,15 @@ async def subscriber(endpoint: str, *, connected: bool = True) -> AsyncIterator[
         context.term()
 
 
-async def received(sub: zmq.asyncio.Socket) -> list[Message]:
-    """Every message until the publisher has been quiet for `QUIET_S`."""
+async def received(sub: zmq.asyncio.Socket, quiet_s: float = QUIET_S) -> list[Message]:
+    """Every message until the publisher has been quiet for `quiet_s`."""
     out = []
     while True:
         try:
-            topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), QUIET_S)
+            topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), quiet_s)
         except TimeoutError:
             return out
+        assert len(seq) == 8, "vLLM's sequence number: 8 bytes, big-endian"
         out.append((topic, int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)))
 
 
