@@ -221,3 +221,16 @@ async def test_with_events_off_nothing_is_published(
                 assert await resp.json() == {}
             assert await received(sub) == []
     assert not path.exists(), "nothing bound the endpoint"
+
+
+def test_replicas_of_one_process_get_their_own_endpoints() -> None:
+    """As vLLM offsets a port per data-parallel rank; port 0 is the OS's pick for each."""
+    from loadtest.sim.cli import replica_kv_events
+
+    def endpoints(endpoint: str) -> list[str]:
+        config = KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint)
+        return [replica_kv_events(config, i).endpoint for i in range(3)]
+
+    assert endpoints("tcp://*:5557") == ["tcp://*:5557", "tcp://*:5558", "tcp://*:5559"]
+    assert endpoints("tcp://*:0") == ["tcp://*:0"] * 3
+    assert endpoints("ipc:///run/kv") == ["ipc:///run/kv", "ipc:///run/kv_1", "ipc:///run/kv_2"]
