@@ -2,12 +2,14 @@
 
     llm-loadtest simulate --profile gemma-3-27b-tpu-v6e-2x2 --replicas 2 --base-port 18101 \\
         [--host 127.0.0.1] [--time-scale 50] [--tokenizer DIR] [--faults JSON|@FILE] \\
-        [--no-enable-prefix-caching] [--block-size N]
+        [--no-enable-prefix-caching] [--block-size N] [--kv-events-config JSON]
 
 Each replica is an independent engine with its own KV cache and metrics on port base+i. One
 process (uvloop) serves them all: the engines are cheap, and a 2-core machine also has to run
 the load generator. `--faults` takes one fault set for every replica or a list with one per
 replica (see loadtest/sim/faults.py); POST /admin/faults changes them at run time.
+`--kv-events-config` is vLLM's (loadtest/sim/kv_events.py); replica i publishes on the
+endpoint's port + i (an ipc path gets `_i`), as vLLM offsets one per data-parallel rank.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import orjson
 from pydantic import TypeAdapter, ValidationError
 
 from loadtest.sim.faults import Faults
+from loadtest.sim.kv_events import KVEventsConfig
 from loadtest.sim.profiles import bundled_profiles, cache_geometry, load_profile
 from loadtest.sim.server import Replica, ReplicaOptions, start_replica
 
@@ -37,6 +40,27 @@ def parse_faults(text: str | None, replicas: int) -> list[Faults]:
             raise ValueError(f"--faults lists {len(value)} fault sets for {replicas} replicas")
         return TypeAdapter(list[Faults]).validate_python(value)
     return [Faults.model_validate(value)] * replicas
+
+
+def kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.model_validate_json(text)
+    except ValidationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def replica_kv_events(config: KVEventsConfig | None, i: int) -> KVEventsConfig | None:
+    """Replica `i`'s own endpoint: replicas of one process cannot bind the same one."""
+    if config is None or not i:
+        return config
+    endpoint = config.endpoint
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.rpartition(":")
+        if int(port):  # port 0 is the OS's pick for each
+            endpoint = f"{host}:{int(port) + i}"
+    else:
+        endpoint = f"{endpoint}_{i}"
+    return config.model_copy(update={"endpoint": endpoint})
 
 
 def parser() -> argparse.ArgumentParser:
@@ -68,6 +92,12 @@ def parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="vLLM V1's automatic prefix caching (default: on, as in vLLM)",
+    )
+    p.add_argument(
+        "--kv-events-config",
+        type=kv_events_config,
+        help="""vLLM's KV-cache events, e.g. '{"enable_kv_cache_events": true, "publisher":"""
+        """ "zmq", "endpoint": "tcp://*:5557"}' (default: off)""",
     )
     p.add_argument(
         "--stream-interval-ms",
@@ -145,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             lora_modules=loras,
             stream_interval_ms=args.stream_interval_ms,
             enable_prefix_caching=args.enable_prefix_caching,
+            kv_events_config=replica_kv_events(args.kv_events_config, i),
         )
         for i in range(args.replicas)
     ]

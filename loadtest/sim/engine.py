@@ -24,7 +24,9 @@ arrival joins at the next step boundary exactly as in the step-by-step loop.
 `Engine` runs the scheduler against the wall clock: simulated time advances `time_scale`
 times faster than wall time, and the engine sleeps until each step's (or span's) end. If the
 process cannot keep up, the simulated clock slips (counted in `slip_s`) rather than reporting
-steps faster than they could have been served.
+steps faster than they could have been served. With a `KVEventPublisher`, the KV-cache events
+of each committed step (or span: one batch for all its steps) are published after it, as vLLM
+publishes a step's after its model output.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from loadtest.sim.kv_cache import Block, KVCache
+from loadtest.sim.kv_events import KVEventPublisher
 from loadtest.sim.metrics import EngineStats
 from loadtest.sim.profiles import CacheGeometry, OutputLengths, Profile, cache_geometry
 from loadtest.sim.roofline import BatchShape, Roofline
@@ -599,6 +602,12 @@ class Engine:
         self._aborts: list[Sequence] = []
         self._stalled_until = 0.0
         self.slip_s = 0.0
+        self._publisher: KVEventPublisher | None = None
+
+    def publish_kv_events(self, publisher: KVEventPublisher) -> None:
+        """Record the cache's events from now on, and publish them after each step."""
+        self._publisher = publisher
+        self.scheduler.kv.events = []
 
     # -- what the server and the metrics read -----------------------------------------------
 
@@ -744,3 +753,7 @@ class Engine:
             steps = plan.steps if woken is None else plan.steps_through(woken - start)
             self._clock = start + plan.end(steps)
             scheduler.commit(plan, steps, start)
+            kv = scheduler.kv
+            if kv.events and self._publisher is not None:
+                self._publisher.publish(kv.events)
+                kv.events = []

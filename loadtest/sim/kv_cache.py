@@ -26,13 +26,21 @@ Mirrors, for the simulator's two kinds of layers (global and sliding-window), wh
 
 Units are layer-blocks, as in `CacheGeometry`; `free_units` counts cached free blocks as free,
 as vLLM's `kv_cache_usage_perc` does.
+
+With `events` a list, the cache records vLLM's KV-cache events (`kv_events.py`) as
+`BlockPool.cache_full_blocks` and `_maybe_evict_cached_block` make them, for global blocks
+whose content is known (the prompt's full blocks): a `BlockStored` for each run of such blocks
+whose hash was not cached yet, and a `BlockRemoved` when a published hash leaves the cache. A
+block cached again while its twin is (vLLM publishes each copy) is not published: consumers
+key blocks by content, and the hash stays cached until the last copy goes.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from loadtest.sim.kv_events import block_removed, block_stored
 from loadtest.sim.profiles import CacheGeometry
 
 if TYPE_CHECKING:
@@ -71,6 +79,9 @@ class KVCache:
         self.shared_local = 0
         # Blocks a sliding-window hit needs before its end (vLLM's contiguous-run rule).
         self.local_run = -(-(self.window - 1) // self.block_size) if self.window else 0
+        # KV-cache events since the engine last published them; None: not recorded at all.
+        self.events: list[dict[str, Any]] | None = None
+        self._published: set[int] = set()  # cached global hashes a BlockStored announced
 
     @property
     def free_units(self) -> int:
@@ -186,13 +197,35 @@ class KVCache:
             seq.registered = max(seq.registered, full)
             return
         cached_global, cached_local = self._cached
+        # Blocks below `known` hold prompt ids, the only content that can be published; 0
+        # when events are off, so the loop pays one comparison per block for them.
+        ids = seq.prompt_ids
+        known = len(ids) // self.block_size if self.events is not None and ids is not None else 0
+        run = -1  # the first block of the run of newly cached known blocks, or -1
         for i in range(seq.registered, full):
             key = self.block_hash(seq, i)
-            self._index(cached_global, seq.blocks_global[i], key, 0)
+            new = self._index(cached_global, seq.blocks_global[i], key, 0)
+            if i < known:
+                if new and run < 0:
+                    run = i
+                elif not new and run >= 0:
+                    self._stored(seq, run, i)
+                    run = -1
             block = seq.blocks_local[i] if self.local_weight else None
-            if block is not None:
+            if block is not None:  # sliding-window blocks are never published (kv_events.py)
                 self._index(cached_local, block, key, 1)
+        if run >= 0:
+            self._stored(seq, run, min(full, known))
         seq.registered = max(seq.registered, full)
+
+    def _stored(self, seq: Sequence, first: int, end: int) -> None:
+        """Record one `BlockStored` for `seq`'s blocks `first` to `end`, just cached."""
+        assert self.events is not None and seq.prompt_ids is not None
+        bs, hashes = self.block_size, seq.hashes[first:end]
+        self._published.update(hashes)
+        parent = seq.hashes[first - 1] if first else None
+        ids = seq.prompt_ids[first * bs : end * bs].tolist()
+        self.events.append(block_stored(hashes, parent, ids, bs))
 
     def skip(self, seq: Sequence, first_needed: int) -> None:
         """Free `seq`'s local blocks before `first_needed`, newest first."""
@@ -246,12 +279,15 @@ class KVCache:
             self._lru[block] = None
             self._lru_units += block.weight
 
-    def _index(self, cached: dict[int, Block], block: Block, key: int, kind: int) -> None:
+    def _index(self, cached: dict[int, Block], block: Block, key: int, kind: int) -> bool:
+        """Cache `block` under `key`; whether the hash is new to the cache."""
         block.key = key
         if key not in cached:
             cached[key] = block
-        else:  # the same content computed twice: vLLM keeps both, the first one is found
-            self._twins.setdefault((kind, key), []).append(block)
+            return True
+        # The same content computed twice: vLLM keeps both, the first one is found.
+        self._twins.setdefault((kind, key), []).append(block)
+        return False
 
     def _forget(self, block: Block) -> None:
         """Evict a cached block's hash; a twin with the same content takes its place."""
@@ -265,6 +301,10 @@ class KVCache:
                         del self._twins[(kind, key)]
                 else:
                     del cached[key]
+                    if not kind and key in self._published:
+                        self._published.remove(key)
+                        assert self.events is not None
+                        self.events.append(block_removed(key))
                 return
         for kind in (0, 1):
             twins = self._twins.get((kind, key))  # type: ignore[arg-type]

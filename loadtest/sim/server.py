@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions, /v1/completions   streaming (SSE) or not, vLLM's wire format
     GET  /v1/models, /health, /metrics            as vLLM serves them
+    GET  /kv_event_sources                        where KV-cache events are published (kv_events.py)
     GET  /admin/faults, POST /admin/faults        read or replace the fault set (faults.py)
 
 `create_replica_app(profile, options)` builds the aiohttp app for one replica; run it with
@@ -36,6 +37,7 @@ from pydantic import ValidationError
 
 from loadtest.sim.engine import Engine, Sequence, Status
 from loadtest.sim.faults import FaultDice, Faults
+from loadtest.sim.kv_events import KVEventPublisher, KVEventsConfig
 from loadtest.sim.metrics import VllmCollector
 from loadtest.sim.profiles import Profile
 from loadtest.sim.tokens import PromptEncoder, PromptError, prompt_encoder
@@ -64,6 +66,7 @@ class ReplicaOptions:
     stream_interval_ms: float | None = None  # None: 0 at time scale 1, else the default above
     fast_forward: bool = True  # decode spans; False steps one by one (tests compare the two)
     enable_prefix_caching: bool = True  # vLLM V1's default (--no-enable-prefix-caching: off)
+    kv_events_config: KVEventsConfig | None = None  # vLLM's --kv-events-config; None: off
 
     def interval_s(self) -> float:
         if self.stream_interval_ms is not None:
@@ -93,6 +96,7 @@ class ReplicaState:
         self.faults = Faults()
         self.refuser: Callable[[float], None] | None = None  # set by start_replica
         self.engine_task: asyncio.Task[None] | None = None
+        self.publisher: KVEventPublisher | None = None  # bound while the app runs
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(VllmCollector(self.engine, self.model_names[0]))
         self.headers = {
@@ -375,6 +379,13 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+async def kv_event_sources(request: web.Request) -> web.Response:
+    """vLLM's publisher config per data-parallel rank; `{}` when it publishes nothing."""
+    publisher = request.app[REPLICA].publisher
+    sources = {} if publisher is None else {"0": publisher.source()}
+    return web.Response(body=orjson.dumps(sources), content_type="application/json")
+
+
 def _fault_report(state: ReplicaState) -> web.Response:
     report = {"faults": state.faults.model_dump(), "now_s": state.engine.now()}
     return web.Response(body=orjson.dumps(report), content_type="application/json")
@@ -399,11 +410,17 @@ async def post_faults(request: web.Request) -> web.Response:
 
 async def _run_engine(app: web.Application) -> AsyncIterator[None]:
     state = app[REPLICA]
+    config = state.options.kv_events_config
+    if config is not None and config.publishing:
+        state.publisher = KVEventPublisher(config)
+        state.engine.publish_kv_events(state.publisher)
     state.engine_task = asyncio.create_task(state.engine.run(), name="sim-engine")
     state.set_faults(state.options.faults)
     yield
     state.engine_task.cancel()
     await asyncio.gather(state.engine_task, return_exceptions=True)  # a crash was logged
+    if state.publisher is not None:
+        state.publisher.close()
 
 
 def create_replica_app(profile: Profile, options: ReplicaOptions | None = None) -> web.Application:
@@ -416,6 +433,7 @@ def create_replica_app(profile: Profile, options: ReplicaOptions | None = None) 
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/kv_event_sources", kv_event_sources)
     app.router.add_get("/admin/faults", get_faults)
     app.router.add_post("/admin/faults", post_faults)
     app.cleanup_ctx.append(_run_engine)
