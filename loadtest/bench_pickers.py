@@ -2,8 +2,8 @@
 the gateway to a fresh fleet of simulated replicas once per picker.
 
     python -m loadtest.bench_pickers --workload rules-256x3000 --rate 60 --duration 60 \
-        [--pickers least-inflight,round-robin,scorers] [--replicas 4] [--time-scale 1] \
-        [--profile gemma-3-12b-tpu-v6e-2x2] [--max-concurrency 32] [--out DIR]
+        [--pickers least-inflight,round-robin,scorers,precise] [--replicas 4] [--time-scale 1] \
+        [--profile gemma-3-12b-tpu-v6e-2x2] [--max-concurrency 32] [--tokenizer DIR|tiny]
 
 Each picker gets its own simulator process (4 replicas on loopback, prefix caching on, caches
 cold) and its own gateway process, so nothing one run cached helps the next. Before and after
@@ -12,6 +12,12 @@ each run the replicas' /metrics are read: prefix-cache queries and hits (vLLM's
 while it runs, every 0.5 s, each replica's `vllm:num_requests_running` and the gateway's
 `llm_inflight_requests` per replica are sampled for the load spread (most minus least loaded
 replica: mean / max over the samples). Prints a Markdown table (docs/capacity.md).
+
+`precise` (the `precise_prefix` scorer) follows the replicas' KV-cache events, which the
+simulator publishes with `--kv-events-config` on ipc endpoints in a temporary directory, and
+needs token ids on every side: `--tokenizer` (a tokenizer directory, or `tiny` for the tests'
+byte-level BPE, built on the spot) is then given to the load generator, the simulator and the
+gateway alike, for every picker of the run, so they stay comparable.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import re
 import socket
@@ -35,13 +42,16 @@ import yaml
 from loadtest.loadgen.compare import CompareConfig, run_compare
 from loadtest.loadgen.sweep import Target
 from loadtest.loadgen.workloads import load_workload
+from loadtest.tiny_tokenizer import build as build_tokenizer
 
 HOST = "127.0.0.1"
 SCORERS = {"scorers": {"prefix": 3, "queue": 1, "kv_cache": 1}}
+PRECISE = {"scorers": {"precise_prefix": 3, "queue": 1, "kv_cache": 1}}
 PICKERS: dict[str, dict[str, Any]] = {
     "least-inflight": {},
     "round-robin": {"plugins": {"picker": {"type": "round-robin"}}},
     "scorers": {"pick": SCORERS},
+    "precise": {"pick": PRECISE},
 }
 COUNTERS = (
     "vllm:prefix_cache_queries_total",
@@ -70,7 +80,9 @@ def free_ports(count: int) -> list[int]:
     raise RuntimeError("no block of free ports")
 
 
-def policy(model: str, urls: list[str], picker: dict[str, Any], cap: int) -> dict[str, Any]:
+def policy(
+    model: str, urls: list[str], picker: dict[str, Any], cap: int, tokenizer: str | None
+) -> dict[str, Any]:
     pool: dict[str, Any] = {
         "model": model,
         "replicas": urls,
@@ -80,7 +92,13 @@ def policy(model: str, urls: list[str], picker: dict[str, Any], cap: int) -> dic
         **({"pick": picker["pick"]} if "pick" in picker else {}),
     }
     return {
-        "models": {model: {"tokenizer": "estimate", "chars_per_token": 4, "max_model_len": 128000}},
+        "models": {
+            model: {
+                "tokenizer": tokenizer or "estimate",
+                "chars_per_token": 4,
+                "max_model_len": 128000,
+            }
+        },
         "pools": {"fleet": pool},
         "classes": [{"name": "any", "when": {}}],
         "routes": [{"match": {"model": model}, "pool": "fleet"}],
@@ -176,8 +194,12 @@ async def run_one(name: str, args: argparse.Namespace, workdir: Path) -> dict[st
     sim = ("-m", "loadtest.cli", "simulate", "--profile", args.profile,
            "--replicas", str(args.replicas), "--base-port", str(ports[0]), "--host", HOST,
            "--time-scale", str(args.time_scale), "--stream-interval-ms", "200")  # fmt: skip
+    if args.tokenizer:
+        events = {"enable_kv_cache_events": True, "endpoint": f"ipc://{workdir}/kv-{name}"}
+        sim += ("--tokenizer", args.tokenizer, "--kv-events-config", json.dumps(events))
     path = workdir / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(policy(args.model, urls, PICKERS[name], args.max_concurrency)))
+    picker = policy(args.model, urls, PICKERS[name], args.max_concurrency, args.tokenizer)
+    path.write_text(yaml.safe_dump(picker))
     async with process(*sim) as sim_proc:
         assert sim_proc.stdout is not None
         await line_matching(sim_proc.stdout, re.escape(urls[-1]), 60)
@@ -192,7 +214,7 @@ async def run_one(name: str, args: argparse.Namespace, workdir: Path) -> dict[st
                 spreads = (Spread(), Spread())
                 sampler = asyncio.create_task(sample_spread(http, urls, gateway, spreads))
                 config = CompareConfig(
-                    targets=((name, Target(gateway, args.model)),),
+                    targets=((name, Target(gateway, args.model, args.tokenizer)),),
                     rate=args.rate,
                     duration_s=args.duration,
                     workload=load_workload(args.workload),
@@ -262,10 +284,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--max-seconds", type=float, default=600.0, help="per run, wall")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--tokenizer",
+        help="a tokenizer directory, or `tiny`, for every side (needed by `precise`);"
+        " default: 4 characters a token",
+    )
     args = p.parse_args(argv)
+    if "precise" in args.pickers.split(",") and not args.tokenizer:
+        p.error("the precise picker needs token ids: give --tokenizer (a directory, or tiny)")
 
     async def go() -> list[dict[str, Any]]:
         with tempfile.TemporaryDirectory() as tmp:
+            if args.tokenizer == "tiny":
+                args.tokenizer = str(build_tokenizer(Path(tmp) / "tiny-tokenizer"))
             return [await run_one(n, args, Path(tmp)) for n in args.pickers.split(",")]
 
     os.environ.setdefault("PYTHONPATH", str(Path(__file__).resolve().parent.parent))
