@@ -230,7 +230,7 @@ async def test_a_gap_in_the_sequence_drops_what_the_replica_said(
     scorer = PrecisePrefixScorer(PreciseParams(endpoint=endpoint, retry_s=0.1))
     replica = Replica("http://127.0.0.1:9", 4, None)
     claim = Claim(10, affinity=Affinity(tokens=token_blocks([1] * BLOCK, BLOCK, None, None, 9)))
-    scorer.score([replica], claim, 0.0)  # follows the replica from here on
+    scorer.follow([replica])
     try:
         for _ in range(100):
             await publisher.publish(stored([1], [1] * BLOCK))

@@ -36,7 +36,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 << 20  # one engine step's events; a bigger message is dropped by ZMQ
+# One engine step's events: a 128k-token prefill in 16-token blocks is about 1 MB of msgpack.
+# ZMQ drops a bigger message before it is read, so no batch holds the event loop for long.
+MAX_MESSAGE_BYTES = 16 << 20
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]", "::")
 
 
@@ -196,10 +198,14 @@ class PrecisePrefixScorer(Scorer):
         salt = salt if isinstance(salt, str) else None
         return token_blocks(ids, size, ctx.adapter or None, salt, self.params.max_blocks)
 
-    def score(self, replicas: Sequence[Replica], claim: Claim, now: float) -> list[float]:
+    def follow(self, replicas: Sequence[Replica]) -> None:
+        """Follow every replica of the pool, busy ones too: what a replica stores while it is
+        too loaded to be picked still counts once it is not."""
         for replica in replicas:
             if replica.url not in self.feeds:
                 self._follow(replica.url)
+
+    def score(self, replicas: Sequence[Replica], claim: Claim, now: float) -> list[float]:
         keys = claim.affinity.tokens if claim.affinity is not None else ()
         if not keys:
             return [0.0] * len(replicas)
@@ -219,6 +225,8 @@ class PrecisePrefixScorer(Scorer):
         if feed is not None and feed.task is not None:
             feed.task.cancel()
         self.blocks.pop(url, None)
+        for key in [k for k in self.events if k[0] == url]:  # replicas come and go (DNS)
+            del self.events[key]
 
     async def close(self) -> None:
         tasks = [f.task for f in self.feeds.values() if f.task is not None]

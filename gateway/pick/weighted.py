@@ -48,6 +48,8 @@ class WeightedPicker:
         )
 
     def pick(self, replicas: Sequence[Replica], claim: Claim) -> Replica | None:
+        if self._precise is not None:
+            self._precise.follow(replicas)
         fitting = [r for r in replicas if r.fits(claim)]
         if len(fitting) <= 1:
             return fitting[0] if fitting else None
