@@ -255,3 +255,27 @@ def test_a_policy_refuses_precise_prefix_without_the_models_tokenizer(tmp_path: 
     )
     with pytest.raises(PolicyError, match=r"precise_prefix.*own tokenizer"):
         load_policy(write_policy(tmp_path, policy))
+
+
+async def test_a_reload_that_changes_pick_stops_the_old_scorers_feeds(
+    tmp_path: Path,
+    tokenizer_dir: Path,
+    stub_factory: Callable[..., Awaitable[Stub]],
+    gateway_factory: Callable[[dict[str, Any]], Awaitable[RunningGateway]],
+    http: aiohttp.ClientSession,
+) -> None:
+    stubs = [await stub_factory() for _ in range(2)]
+    pick = {
+        "scorers": {"precise_prefix": {"weight": 1, "endpoint": f"ipc://{tmp_path}/kv-{{port}}"}}
+    }
+    policy = basic_policy(tokenizer_dir, [s.url for s in stubs], pick=pick)
+    gateway = await gateway_factory(policy)
+    await served_by(http, gateway, stubs, classify("warm-up", "nothing"))
+    old = precise_scorer(gateway)
+    feeds = [f.task for f in old.feeds.values()]
+    assert len(feeds) == 2 and not any(t is None or t.done() for t in feeds)
+    policy["pools"]["main"]["pick"] = {"scorers": {"precise_prefix": 2, "queue": 1}}
+    write_policy(tmp_path, policy)
+    await gateway.gateway.reload()
+    assert precise_scorer(gateway) is not old
+    assert all(t is not None and t.done() for t in feeds) and not old.feeds
