@@ -277,7 +277,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workload", required=True, help="a workload name or YAML file (loadgen.md)")
     p.add_argument("--rate", type=float, required=True, help="arrivals per wall second")
     p.add_argument("--duration", type=float, required=True, help="wall seconds of arrivals")
-    p.add_argument("--pickers", default=",".join(PICKERS))
+    p.add_argument(
+        "--pickers",
+        help=f"of {', '.join(PICKERS)}; default: all, but precise only with --tokenizer",
+    )
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--profile", default="gemma-3-12b-tpu-v6e-2x2")
     p.add_argument("--model", default="gemma-3-12b-it")
@@ -297,6 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         " default: 4 characters a token",
     )
     args = p.parse_args(argv)
+    if args.pickers is None:
+        args.pickers = ",".join(n for n in PICKERS if args.tokenizer or n != "precise")
     if "precise" in args.pickers.split(",") and not args.tokenizer:
         p.error("the precise picker needs token ids: give --tokenizer (a directory, or tiny)")
 
