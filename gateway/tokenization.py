@@ -29,10 +29,11 @@ from gateway.tokens import HFCounter
 MAX_TOKEN_ID = 2**63 - 1  # vLLM's bound on a `tokens` entry, before the vocabulary's
 
 
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    """A boolean field; `null` is its default, as pydantic's `bool | None` fields take it."""
-    value = body.get(name)
-    if value is None:
+def _flag(body: dict[str, Any], name: str, default: bool, nullable: bool = False) -> bool:
+    """A boolean field, missing: `default`; `null` is the default only where vLLM's field is
+    `bool | None` (`return_token_strs`), a 400 elsewhere, as pydantic answers."""
+    value = body.get(name, default)
+    if value is None and nullable:
         return default
     if not isinstance(value, bool):
         raise BadRequest(f"'{name}' must be a boolean", param=name, code="invalid_type")
@@ -123,7 +124,7 @@ async def tokenize(
             raise BadRequest("'prompt' (a string) or 'messages' is required", param="prompt")
         check_prompt_chars(len(prompt), limits, "prompt")
     special = _flag(body, "add_special_tokens", not chat)
-    strs = _flag(body, "return_token_strs", False)
+    strs = _flag(body, "return_token_strs", False, nullable=True)
     model = resolve(policy, body, headers, ("chat",) if chat else ("completions",))
     counter = _counter(model)
     ids = await counter.prompt_ids(body, "chat" if chat else "completions", special)

@@ -50,6 +50,8 @@ async def test_tokenize_options_special_tokens_and_token_strings(
     gw = await gateway_factory(basic_policy(tokenizer_dir, [stub.url]))
     request = {"prompt": "hello there", "add_special_tokens": False, "return_token_strs": True}
     status, body = await call(http, gw.url, "/tokenize", request)  # one model: `model` optional
+    plain = {"prompt": "hello there", "return_token_strs": None}  # null: vLLM's default, false
+    assert (await call(http, gw.url, "/tokenize", plain))[1]["token_strs"] is None
     ids = hf("hello there", add_special_tokens=False)["input_ids"]
     assert status == 200
     assert body["tokens"] == ids
@@ -98,6 +100,7 @@ async def test_detokenize_gives_back_the_text(gateway_factory, stub, tokenizer_d
         ("/tokenize", {"model": "tiny", "prompt": 7}, 400, "invalid_request"),
         ("/tokenize", {"model": 7, "prompt": "x"}, 400, "invalid_request"),
         ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, 400, "invalid_type"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": None}, 400, "invalid_type"),
         ("/tokenize", {"messages": []}, 400, "invalid_request"),
         (
             "/tokenize",

@@ -46,6 +46,7 @@ REFUSED = [  # (path, body): vLLM's status, and its error's fields, are the gate
     ("/tokenize", {"model": "no-such-model", "prompt": "x"}),
     ("/detokenize", {"model": "no-such-model", "tokens": [5]}),
     ("/tokenize", {"model": SERVED_NAME, "prompt": 7}),
+    ("/tokenize", {"model": SERVED_NAME, "prompt": "x", "add_special_tokens": None}),
     ("/tokenize", {"model": SERVED_NAME, "messages": "hello"}),
     (
         "/tokenize",
