@@ -137,7 +137,7 @@ def _content_chars(content: Any, index: int) -> tuple[int, int]:
     return chars, images
 
 
-def _check_prompt_chars(chars: int, limits: ServerSpec, param: str) -> None:
+def check_prompt_chars(chars: int, limits: ServerSpec, param: str) -> None:
     if chars > limits.max_prompt_chars:
         raise BadRequest(
             f"the prompt has {chars} characters, over the {limits.max_prompt_chars} limit",
@@ -146,7 +146,7 @@ def _check_prompt_chars(chars: int, limits: ServerSpec, param: str) -> None:
         )
 
 
-def _check_messages(messages: Any, limits: ServerSpec) -> int:
+def check_messages(messages: Any, limits: ServerSpec) -> int:
     """Check the messages' shape and size; return their image parts."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
@@ -166,7 +166,7 @@ def _check_messages(messages: Any, limits: ServerSpec) -> int:
         content_chars, content_images = _content_chars(message.get("content"), index)
         chars += content_chars
         images += content_images
-    _check_prompt_chars(chars, limits, "messages")
+    check_prompt_chars(chars, limits, "messages")
     return images
 
 
@@ -191,15 +191,15 @@ def _prompt_shape(prompt: Any) -> tuple[int, int]:
     raise BadRequest("'prompt' must be a string, an array of strings, or token ids", param="prompt")
 
 
-def _check_flags(body: dict[str, Any]) -> None:
+def check_flags(body: dict[str, Any]) -> None:
     """The chat template options the token counter keys its caches on must be booleans."""
     for name in ("add_generation_prompt", "continue_final_message"):
         if not isinstance(body.get(name, False), bool):
             raise BadRequest(f"'{name}' must be a boolean", param=name, code="invalid_type")
 
 
-def parse(ctx: Ctx, content_type: str, raw: bytes, limits: ServerSpec) -> None:
-    """Fill `ctx` from the request body, or raise a 4xx `GatewayError`."""
+def decode_body(content_type: str, raw: bytes, limits: ServerSpec) -> dict[str, Any]:
+    """The body as a JSON object, within the policy's node and depth limits, or raise a 4xx."""
     if content_type != "application/json":
         raise UnsupportedMediaType(
             f"Content-Type must be application/json, got {content_type or 'none'!r}"
@@ -212,16 +212,27 @@ def parse(ctx: Ctx, content_type: str, raw: bytes, limits: ServerSpec) -> None:
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object", code="invalid_json")
     _check_depth(raw, outside, limits.max_json_depth)
-    model = body.get("model")
+    return body
+
+
+def check_model(model: Any) -> str:
+    """The request's `model`, a non-empty string short enough to echo, or raise 400."""
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a string", param="model")
     if len(model) > MAX_MODEL_CHARS:  # else a 7 MB name is echoed in the 404 and the access log
         raise BadRequest(
             f"'model' is over {MAX_MODEL_CHARS} characters", param="model", code="model_too_long"
         )
+    return model
+
+
+def parse(ctx: Ctx, content_type: str, raw: bytes, limits: ServerSpec) -> None:
+    """Fill `ctx` from the request body, or raise a 4xx `GatewayError`."""
+    body = decode_body(content_type, raw, limits)
+    model = check_model(body.get("model"))
     if ctx.endpoint == "chat":
-        ctx.images = _check_messages(body.get("messages"), limits)
-        _check_flags(body)
+        ctx.images = check_messages(body.get("messages"), limits)
+        check_flags(body)
         prompts = 1
         max_output = _positive_int(body, "max_completion_tokens")
         if max_output is None:
@@ -230,7 +241,7 @@ def parse(ctx: Ctx, content_type: str, raw: bytes, limits: ServerSpec) -> None:
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", param="prompt")
         prompts, chars = _prompt_shape(body["prompt"])
-        _check_prompt_chars(chars, limits, "prompt")
+        check_prompt_chars(chars, limits, "prompt")
         max_output = _positive_int(body, "max_tokens")
     n = _positive_int(body, "n") or 1
     stream = body.get("stream")

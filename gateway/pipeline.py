@@ -21,14 +21,13 @@ from typing import IO
 import aiohttp
 from aiohttp import web
 
-from gateway import adapters, discovery
+from gateway import adapters, body, discovery
 from gateway.account import Accountant
 from gateway.admit import Place, PoolSlots
 from gateway.classify import classify
 from gateway.context import Ctx, Endpoint
 from gateway.errors import (
     BadRequest,
-    BodyTooLarge,
     ContextLengthExceeded,
     GatewayError,
     ReplicaRefused,
@@ -138,15 +137,6 @@ def _request_id(request: web.Request) -> str:
     if given and len(given) <= 128 and given.isascii() and given.isprintable():
         return given
     return f"{_ID_PREFIX}{next(_ID_SEQ):016x}"
-
-
-def _media_type(request: web.Request) -> str:
-    """The body's declared media type. aiohttp's `content_type` runs the stdlib e-mail parser,
-    which raises IndexError on some malformed values (`;0*`): such a body is simply not JSON."""
-    try:
-        return request.content_type
-    except (IndexError, ValueError):
-        return request.headers.get("Content-Type", "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -422,12 +412,8 @@ class Gateway:
                 raise ShuttingDown("the gateway is shutting down", retry_after_s=1)
             authenticate(ctx, policy.tenants)  # before the body: strangers cost no read
             check_forwardable(request.raw_headers)
-            try:
-                raw = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                limit = policy.spec.server.max_body_bytes
-                raise BodyTooLarge(f"request body is over the {limit}-byte limit") from None
-            parse(ctx, _media_type(request), raw, policy.spec.server)
+            raw = await body.read(request, policy.spec.server.max_body_bytes)
+            parse(ctx, body.media_type(request), raw, policy.spec.server)
             await decide(ctx, policy)
             charge = await self.quotas.reserve(ctx)
             return await self._admit_and_forward(ctx, request, runtime)

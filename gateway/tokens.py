@@ -143,8 +143,11 @@ class TokenCounter(Protocol):
         """Tokens of each prompt of a completions request."""
         ...
 
-    async def prompt_ids(self, body: dict[str, Any], endpoint: str) -> list[int] | None:
-        """The token ids vLLM will see for the request's (first) prompt; None without a tokenizer."""
+    async def prompt_ids(
+        self, body: dict[str, Any], endpoint: str, special: bool | None = None
+    ) -> list[int] | None:
+        """The token ids vLLM will see for the request's (first) prompt; None without a tokenizer.
+        `special` (add special tokens) overrides the endpoint's default."""
         ...
 
 
@@ -174,7 +177,9 @@ class EstimateCounter:
             return [len(prompt)]
         return [len(p) if isinstance(p, list) else self._count(p) for p in prompt]
 
-    async def prompt_ids(self, body: dict[str, Any], endpoint: str) -> list[int] | None:
+    async def prompt_ids(
+        self, body: dict[str, Any], endpoint: str, special: bool | None = None
+    ) -> list[int] | None:
         return None
 
 
@@ -269,18 +274,17 @@ class HFCounter:
             floor = sum(floors) if summed else max(floors, default=0)
             if floor >= refuse_at:
                 raise TooManyTokens(floor)
-        return await self._encode(sum(map(len, texts)), self._lengths, texts, special)
+        return await self._run(sum(map(len, texts)), self._lengths, texts, special)
 
-    async def _encode(
-        self, chars: int, encode: Callable[[Any, bool], T], text: Any, special: bool
-    ) -> T:
-        """`encode(text, special)`, on the tokenizer's threads when `chars` is long."""
-        if self.executor is not None and chars > self.inline_max_chars:
-            large = self.large_min_chars and chars >= self.large_min_chars
+    async def _run(self, size: int, work: Callable[..., T], *args: Any) -> T:
+        """`work(*args)`, on the tokenizer's threads when `size` (characters, or token ids) is
+        long."""
+        if self.executor is not None and size > self.inline_max_chars:
+            large = self.large_min_chars and size >= self.large_min_chars
             executor = self.large_executor if large else self.executor
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(executor, encode, text, special)
-        return encode(text, special)
+            return await loop.run_in_executor(executor, work, *args)
+        return work(*args)
 
     def _render(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> str:
         try:
@@ -369,13 +373,17 @@ class HFCounter:
             return [len(p) for p in prompt]
         return await self._count_texts(list(prompt), True, refuse_at, summed=False)
 
-    async def prompt_ids(self, body: dict[str, Any], endpoint: str) -> list[int] | None:
+    async def prompt_ids(
+        self, body: dict[str, Any], endpoint: str, special: bool | None = None
+    ) -> list[int] | None:
         """Encoded whole, as vLLM encodes it: a chat rendered by the template, without special
-        tokens; a completion's first prompt with them (or its own ids). On the tokenizer's
-        threads when long, as counting is."""
+        tokens; a completion's first prompt with them (or its own ids). `special` overrides
+        that, as `/tokenize`'s `add_special_tokens` does. On the tokenizer's threads when long,
+        as counting is."""
         if endpoint == "chat":
             parts = self.parts and any(isinstance(m.get("content"), list) for m in body["messages"])
-            text, special = self._render(template_messages(body["messages"], parts), body), False
+            text = self._render(template_messages(body["messages"], parts), body)
+            special = bool(special)
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -384,5 +392,18 @@ class HFCounter:
                 return prompt if all(type(t) is int for t in prompt) else None
             if not isinstance(prompt, str):
                 return None
-            text, special = prompt, True
-        return await self._encode(len(text), self._ids, text, special)
+            text, special = prompt, special is not False
+        return await self._run(len(text), self._ids, text, special)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer knows, added tokens included: 0 to `vocab_size - 1`."""
+        return len(self.tokenizer)
+
+    async def decode(self, ids: list[int]) -> str:
+        """The text of `ids`, special tokens kept, as vLLM's `/detokenize` decodes them."""
+        return str(await self._run(len(ids), self.tokenizer.decode, ids))
+
+    async def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's token string (`convert_ids_to_tokens`), for `return_token_strs`."""
+        return list(await self._run(len(ids), self.tokenizer.convert_ids_to_tokens, ids))

@@ -6,12 +6,15 @@ import hmac
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import IO
+from importlib.metadata import version as package_version
+from typing import IO, Any
 
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway import body, tokenization
+from gateway.cards import model_cards
 from gateway.errors import (
     AdminDisabled,
     GatewayError,
@@ -21,6 +24,7 @@ from gateway.errors import (
     Unauthorized,
     error_body,
 )
+from gateway.parse import decode_body
 from gateway.pipeline import Gateway
 from gateway.policy.compile import Policy
 from gateway.policy.load import PolicyError
@@ -31,6 +35,7 @@ from gateway.tenants import identify
 log = logging.getLogger("gateway.server")
 
 GATEWAY = web.AppKey("gateway", Gateway)
+VERSION = package_version("llm-admission-gateway")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -72,17 +77,34 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def list_models(request: web.Request) -> web.Response:
     policy = request.app[GATEWAY].policy
     identify(request.headers, policy.tenants)  # with tenants, strangers learn nothing here either
-    data: list[dict[str, object]] = [
-        {"id": name, "object": "model", "created": 0, "owned_by": "llm-admission-gateway"}
-        for name in policy.served_models
-    ]
-    # LoRA adapters as vLLM lists them: a card whose `parent` is the base model.
-    data += [
-        {"id": name, "object": "model", "created": 0, "owned_by": "llm-admission-gateway",
-         "parent": base}
-        for name, base in policy.adapters.cards()
-    ]  # fmt: skip
-    return _json({"object": "list", "data": data})
+    return _json({"object": "list", "data": model_cards(policy)})
+
+
+async def _tokenizer_body(request: web.Request) -> tuple[Policy, dict[str, Any]]:
+    """The policy and the decoded body of a `/tokenize` or `/detokenize` call: the key checked
+    before the body is read, the body within the limits every request has."""
+    policy = request.app[GATEWAY].policy
+    identify(request.headers, policy.tenants)
+    raw = await body.read(request, policy.spec.server.max_body_bytes)
+    return policy, decode_body(body.media_type(request), raw, policy.spec.server)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    policy, decoded = await _tokenizer_body(request)
+    return _json(await tokenization.tokenize(policy, decoded, request.headers))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    policy, decoded = await _tokenizer_body(request)
+    return _json(await tokenization.detokenize(policy, decoded, request.headers))
+
+
+async def version(request: web.Request) -> web.Response:
+    """vLLM's `{"version": ...}`, with the gateway's own version: it is the gateway answering,
+    and a replica's vLLM version would be one of several during a rolling upgrade. With tenants
+    it takes a key, as every endpoint but the probes does."""
+    identify(request.headers, request.app[GATEWAY].policy.tenants)
+    return _json({"version": VERSION})
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -151,6 +173,9 @@ def create_app(policy: Policy, *, access_log: IO[bytes] | None = None) -> web.Ap
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/health", health)
     app.router.add_get("/readyz", readyz)

@@ -1,0 +1,156 @@
+"""`POST /tokenize` and `POST /detokenize` as vLLM serves them, answered by the gateway itself.
+
+The request and response fields, their defaults and their refusals are vLLM's
+(vllm/entrypoints/serve/tokenize/protocol.py and serving.py): a body with `messages` is the chat
+form (rendered by the model's chat template, `add_special_tokens` false by default), one with
+`prompt` the completion form (`add_special_tokens` true). The ids come from the tokenizer that
+counts the model's requests, so a client that tokenizes here sees the count admission uses,
+without a replica's time. A name resolves as a request's would (models, aliases, adapters, by the
+routes for that form), and the body passes the same limits as a chat or completions request.
+
+Models counted by `tokenizer: estimate` have no token ids: asking for them is a 400 that says so.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from multidict import CIMultiDictProxy
+
+from gateway.context import Ctx
+from gateway.errors import BadRequest, ModelNotFound
+from gateway.parse import check_flags, check_messages, check_model, check_prompt_chars
+from gateway.policy.compile import Model, Policy
+from gateway.policy.schema import ServerSpec
+from gateway.route import find_candidates
+from gateway.tokens import HFCounter
+
+MAX_TOKEN_ID = 2**63 - 1  # vLLM's bound on a `tokens` entry, before the vocabulary's
+
+
+def _flag(body: dict[str, Any], name: str, default: bool, nullable: bool = False) -> bool:
+    """A boolean field, missing: `default`; `null` is the default only where vLLM's field is
+    `bool | None` (`return_token_strs`), a 400 elsewhere, as pydantic answers."""
+    value = body.get(name, default)
+    if value is None and nullable:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be a boolean", param=name, code="invalid_type")
+    return value
+
+
+def _default_model(policy: Policy) -> str:
+    """vLLM takes a missing `model` as its one model; the gateway does while it serves one."""
+    served = {pool.spec.model for pool in policy.pools.values()}
+    if len(served) != 1:
+        raise BadRequest("'model' is required: this gateway serves several models", param="model")
+    return served.pop()
+
+
+def resolve(
+    policy: Policy,
+    body: dict[str, Any],
+    headers: CIMultiDictProxy[str],
+    endpoints: tuple[str, ...],
+) -> Model:
+    """The model whose tokenizer counts a request for `body`'s `model` on any of `endpoints`
+    (tried in order), or raise `ModelNotFound` (404) as the pipeline would."""
+    name = body.get("model")
+    name = _default_model(policy) if name is None else check_model(name)
+    ctx = Ctx("", endpoints[0], "", headers, time.perf_counter(), requested_model=name)
+    for endpoint in endpoints:
+        ctx.endpoint = endpoint
+        try:
+            find_candidates(ctx, policy.routes, policy.adapters)
+        except ModelNotFound:
+            if endpoint == endpoints[-1]:
+                raise
+            continue
+        break
+    assert ctx.model is not None
+    return ctx.model
+
+
+def _counter(model: Model) -> HFCounter:
+    counter = model.counter
+    if not isinstance(counter, HFCounter):
+        raise BadRequest(
+            f"model {model.name!r} is counted by estimate (`tokenizer: estimate`): the gateway"
+            " has no token ids for it",
+            param="model",
+            code="no_tokenizer",
+        )
+    return counter
+
+
+def _check_chat(body: dict[str, Any], limits: ServerSpec) -> None:
+    """The chat form's fields, as vLLM's `TokenizeChatRequest` checks them, and the limits."""
+    if check_messages(body.get("messages"), limits):
+        raise BadRequest(
+            "images are not tokenized by the gateway: their tokens are the replica's",
+            param="messages",
+            code="images_not_supported",
+        )
+    check_flags(body)
+    if body.get("add_generation_prompt") and body.get("continue_final_message"):
+        raise BadRequest(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+    if body.get("chat_template") is not None:  # vLLM too, without --trust-request-chat-template
+        raise BadRequest("a request's own `chat_template` is not accepted", param="chat_template")
+    if not isinstance(body.get("tools") or [], list):
+        raise BadRequest("'tools' must be an array", param="tools", code="invalid_type")
+    if not isinstance(body.get("chat_template_kwargs") or {}, dict):
+        raise BadRequest(
+            "'chat_template_kwargs' must be an object",
+            param="chat_template_kwargs",
+            code="invalid_type",
+        )
+
+
+async def tokenize(
+    policy: Policy, body: dict[str, Any], headers: CIMultiDictProxy[str]
+) -> dict[str, Any]:
+    """vLLM's `TokenizeResponse` for a decoded body: `count`, `max_model_len`, `tokens`,
+    `token_strs` (null unless `return_token_strs`)."""
+    limits = policy.spec.server
+    chat = "messages" in body
+    if chat:
+        _check_chat(body, limits)
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise BadRequest("'prompt' (a string) or 'messages' is required", param="prompt")
+        check_prompt_chars(len(prompt), limits, "prompt")
+    special = _flag(body, "add_special_tokens", not chat)
+    strs = _flag(body, "return_token_strs", False, nullable=True)
+    model = resolve(policy, body, headers, ("chat",) if chat else ("completions",))
+    counter = _counter(model)
+    ids = await counter.prompt_ids(body, "chat" if chat else "completions", special)
+    assert ids is not None  # a text, or a chat: always encoded
+    return {
+        "count": len(ids),
+        "max_model_len": model.spec.max_model_len,
+        "tokens": ids,
+        "token_strs": await counter.token_strs(ids) if strs else None,
+    }
+
+
+async def detokenize(
+    policy: Policy, body: dict[str, Any], headers: CIMultiDictProxy[str]
+) -> dict[str, str]:
+    """vLLM's `DetokenizeResponse`, `{"prompt": text}`; an id outside the vocabulary is a 400
+    (vLLM's decode skips or fails on it)."""
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(
+        type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens
+    ):
+        raise BadRequest(
+            "'tokens' must be an array of non-negative integer token ids", param="tokens"
+        )
+    counter = _counter(resolve(policy, body, headers, ("completions", "chat")))
+    unknown = next((t for t in tokens if t >= counter.vocab_size), None)
+    if unknown is not None:
+        raise BadRequest(f"Token id {unknown} is out of vocabulary", param="tokens")
+    return {"prompt": await counter.decode(tokens)}
