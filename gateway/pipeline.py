@@ -432,7 +432,7 @@ class Gateway:
             charge = await self.quotas.reserve(ctx)
             return await self._admit_and_forward(ctx, request, runtime)
         except GatewayError as exc:
-            ctx.status, ctx.reason = exc.status, exc.reason
+            ctx.status, ctx.reason, ctx.code = exc.status, exc.reason, exc.code
             await self.quotas.describe(ctx)
             return exc.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
         except (asyncio.CancelledError, ConnectionResetError):
@@ -441,7 +441,7 @@ class Gateway:
         except Exception:
             log.exception("request %s failed", ctx.request_id)
             error = GatewayError("internal gateway error; see the gateway log")
-            ctx.status, ctx.reason = error.status, error.reason
+            ctx.status, ctx.reason, ctx.code = error.status, error.reason, error.code
             await self.quotas.describe(ctx)
             return error.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
         finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.conftest import basic_policy
@@ -110,6 +112,8 @@ async def test_bad_request_is_refused_cleanly(
     assert error["message"] and error["type"]
     assert stub.stats.requests == 0
     assert gw.inflight() == 0 and gw.inflight_tokens() == 0 and gw.waiting() == 0
+    logged = json.loads(gw.access_log.getvalue().splitlines()[-1])
+    assert logged["reason"] == code  # what the client was told, so the two can be matched
 
 
 async def test_body_over_the_limit_is_413(gw, stub, http) -> None:
