@@ -33,7 +33,7 @@ QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
 
 # Every counter and histogram would also export a `_created` series (its creation time): a
 # series per label set that no rule or dashboard reads. Process-wide, and before any is made.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus-client ships it untyped
 
 NONE = "none"  # label value for requests refused before a pool was chosen
 WORKLOAD = ("model", "pool", "class")
