@@ -42,7 +42,7 @@ from gateway.health import HealthChecker
 from gateway.looplag import watch_lag
 from gateway.metrics import Metrics
 from gateway.parse import parse
-from gateway.policy.compile import Policy, compile_policy
+from gateway.policy.compile import Policy, compile_policy, reference_problems
 from gateway.policy.load import PolicyError, load_spec
 from gateway.quota import Charge, Quotas
 from gateway.route import find_candidates, route
@@ -312,7 +312,9 @@ class Gateway:
             current = self.runtime.policy
             try:
                 policy = await asyncio.to_thread(
-                    lambda: compile_policy(load_spec(current.path), previous=current)
+                    lambda: compile_policy(
+                        load_spec(current.path, reference_problems), previous=current
+                    )
                 )
             except PolicyError as exc:
                 self.reload_errors += 1
