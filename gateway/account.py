@@ -137,7 +137,9 @@ class Accountant:
             "ttft_s": seconds(ctx.first_token),
             "e2e_s": seconds(ctx.ended),
             "status": ctx.status,
-            "reason": ctx.reason or None,
+            # The code the client saw, so a log line matches its error body; a client that left
+            # got none, and is logged `client_disconnect`.
+            "reason": ctx.code or ctx.reason or None,
         }
 
 

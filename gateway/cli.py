@@ -1,4 +1,4 @@
-"""`llm-gateway serve | check | explain`."""
+"""`llm-gateway serve | check | explain | schema`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from gateway import __version__
 from gateway.policy.load import PolicyError
 
 log = logging.getLogger("gateway")
@@ -188,11 +189,16 @@ def schema(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llm-gateway", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("serve", help="run the gateway")
-    p.add_argument("--policy", required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--policy", required=True, help="the policy file (YAML); SIGHUP reloads it")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on, the metrics port's too (default: %(default)s; 0.0.0.0: all)",
+    )
+    p.add_argument("--port", type=int, default=8080, help="port for the API (default: %(default)s)")
     p.set_defaults(func=serve)
     p = sub.add_parser("check", help="validate a policy file")
     p.add_argument("file")

@@ -66,7 +66,8 @@ class Ctx:
     ratelimit_headers: dict[str, str] = field(default_factory=dict)  # the tenant's windows
     # outcome
     status: int = 0
-    reason: str = ""
+    reason: str = ""  # `llm_rejections_total`'s bounded label; internal names some alerts match
+    code: str = ""  # the `error.code` the client got: what the access log reports, to match
     ended: float = 0.0
 
     @property

@@ -2,7 +2,8 @@
 
 A stage raises a `GatewayError`; the pipeline turns it into `{"error": {"message", "type", "param",
 "code"}}` with the right status (and `Retry-After` for retryable refusals). `reason` is the bounded
-label value used by `llm_rejections_total` and the access log.
+label value of `llm_rejections_total` (alerts match it); the access log reports `code`, what the
+client was told.
 """
 
 from __future__ import annotations

@@ -334,7 +334,7 @@ async def forward(
             return resp
         except (TimeoutError, aiohttp.ClientError) as exc:
             up.close()
-            ctx.reason = (
+            ctx.reason = ctx.code = (
                 "upstream_timeout" if isinstance(exc, asyncio.TimeoutError) else "upstream_error"
             )
             with contextlib.suppress(ConnectionResetError):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -30,6 +30,10 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.
                 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5)  # fmt: skip
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60,
                  120, 300)  # fmt: skip
+
+# Every counter and histogram would also export a `_created` series (its creation time): a
+# series per label set that no rule or dashboard reads. Process-wide, and before any is made.
+disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus-client ships it untyped
 
 NONE = "none"  # label value for requests refused before a pool was chosen
 WORKLOAD = ("model", "pool", "class")

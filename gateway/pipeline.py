@@ -41,7 +41,7 @@ from gateway.health import HealthChecker
 from gateway.looplag import watch_lag
 from gateway.metrics import Metrics
 from gateway.parse import parse
-from gateway.policy.compile import Policy, compile_policy
+from gateway.policy.compile import Policy, compile_policy, reference_problems
 from gateway.policy.load import PolicyError, load_spec
 from gateway.quota import Charge, Quotas
 from gateway.route import find_candidates, route
@@ -302,7 +302,9 @@ class Gateway:
             current = self.runtime.policy
             try:
                 policy = await asyncio.to_thread(
-                    lambda: compile_policy(load_spec(current.path), previous=current)
+                    lambda: compile_policy(
+                        load_spec(current.path, reference_problems), previous=current
+                    )
                 )
             except PolicyError as exc:
                 self.reload_errors += 1
@@ -418,7 +420,7 @@ class Gateway:
             charge = await self.quotas.reserve(ctx)
             return await self._admit_and_forward(ctx, request, runtime)
         except GatewayError as exc:
-            ctx.status, ctx.reason = exc.status, exc.reason
+            ctx.status, ctx.reason, ctx.code = exc.status, exc.reason, exc.code
             await self.quotas.describe(ctx)
             return exc.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
         except (asyncio.CancelledError, ConnectionResetError):
@@ -427,7 +429,7 @@ class Gateway:
         except Exception:
             log.exception("request %s failed", ctx.request_id)
             error = GatewayError("internal gateway error; see the gateway log")
-            ctx.status, ctx.reason = error.status, error.reason
+            ctx.status, ctx.reason, ctx.code = error.status, error.reason, error.code
             await self.quotas.describe(ctx)
             return error.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
         finally:

@@ -21,9 +21,14 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if not args or args[0] not in COMMANDS:
+    if args[:1] in (["-h"], ["--help"]):
         print(__doc__)
-        return 0 if args[:1] in (["-h"], ["--help"]) else 2
+        return 0
+    if not args or args[0] not in COMMANDS:
+        # A typo must not look like help that was asked for: say so, on stderr, and fail.
+        problem = f"unknown command {args[0]!r}" if args else "a command is required"
+        print(f"llm-loadtest: {problem}\n{__doc__}", file=sys.stderr)
+        return 2
     module = importlib.import_module(COMMANDS[args[0]])
     result: int = module.main(args)
     return result

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
+import gateway.state.redis_state  # noqa: F401  (defines `state_unavailable`)
+from gateway.errors import GatewayError
 from tests.conftest import basic_policy
 
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -110,6 +116,8 @@ async def test_bad_request_is_refused_cleanly(
     assert error["message"] and error["type"]
     assert stub.stats.requests == 0
     assert gw.inflight() == 0 and gw.inflight_tokens() == 0 and gw.waiting() == 0
+    logged = json.loads(gw.access_log.getvalue().splitlines()[-1])
+    assert logged["reason"] == code  # what the client was told, so the two can be matched
 
 
 async def test_body_over_the_limit_is_413(gw, stub, http) -> None:
@@ -163,3 +171,19 @@ async def test_request_id_is_kept_or_made(gw, stub, http) -> None:
     assert stub.stats.headers[-1]["x-request-id"] == "abc-123"
     async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
         assert len(resp.headers["x-request-id"]) == 32
+
+
+def _refusals(cls: type[GatewayError]) -> Iterator[type[GatewayError]]:
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _refusals(sub)
+
+
+def test_every_error_code_is_in_the_readme_table() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = [
+        line for line in readme.splitlines() if line.startswith("| 4") or line.startswith("| 5")
+    ]
+    codes = {GatewayError.code} | {cls.code for cls in _refusals(GatewayError)}
+    missing = sorted(c for c in codes if not any(f"`{c}`" in row for row in table))
+    assert not missing, f"README.md's error table lacks {missing}"

@@ -180,7 +180,7 @@ async def test_body_never_finished_is_408_and_closed(gw, stub) -> None:
     assert status == 408 and error["code"] == "request_timeout"
     assert stub.stats.requests == 0
     assert gw.inflight() == 0 and gw.inflight_tokens() == 0 and gw.waiting() == 0
-    assert b'"reason":"body_timeout"' in gw.access_log.getvalue()
+    assert b'"reason":"request_timeout"' in gw.access_log.getvalue()
 
 
 @pytest.mark.parametrize(

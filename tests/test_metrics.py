@@ -87,3 +87,32 @@ async def test_health_and_readiness(stub, gateway_factory, tokenizer_dir, http) 
     body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
     async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
         assert resp.status == 503 and (await resp.json())["error"]["code"] == "shutting_down"
+
+
+async def scrape(http, gw) -> str:
+    async with http.get(f"{gw.url}/metrics") as resp:
+        return await resp.text()
+
+
+async def test_counters_and_histograms_export_no_created_series(
+    stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [stub.url]))
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with http.post(f"{gw.url}/v1/chat/completions", json=chat) as resp:
+        assert resp.status == 200
+    found = samples(await scrape(http, gw))
+    assert "llm_requests_total" in found and "llm_request_e2e_seconds_count" in found
+    assert [name for name in found if name.endswith("_created")] == []
+
+
+async def test_state_backend_up_reads_1_in_memory_mode_and_says_so(
+    stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [stub.url]))
+    text = await scrape(http, gw)
+    assert "llm_state_backend_up 1.0" in text.splitlines()
+    help_line = next(
+        line for line in text.splitlines() if line.startswith("# HELP llm_state_backend_up")
+    )
+    assert "memory" in help_line  # 1 in memory mode is not a claim that Redis is in use

@@ -83,11 +83,37 @@ def test_check_reports_cross_references_and_plugins(tmp_path) -> None:
     )
 
 
+def test_check_reports_field_errors_and_cross_references_in_one_pass(tmp_path) -> None:
+    path = tmp_path / "x.yaml"
+    path.write_text(BROKEN)
+    errors = check(path).stderr.splitlines()
+    assert f"{path}:9: pools.generate-12b.max_concurrency: must be >= 1" in errors
+    # pools.classify's replicas are wrong, but its model parsed: the reference is checked too.
+    assert f"{path}:12: pools.classify.model: model 'gemma-3-27b-it' is not under models" in errors
+    assert f"{path}:19: routes.0.match.class: unknown class 'prefil_heavy'" in errors
+    assert f"{path}:20: routes.1.pool: unknown pool 'generate-27b'" in errors
+    assert any(e.startswith(f"{path}:22: plugins.picker: unknown picker type") for e in errors)
+    # generate-12b is broken, not missing: the route to it is no problem of its own.
+    assert not any("unknown pool 'generate-12b'" in e for e in errors)
+    assert len(errors) == 7, errors
+
+
+def test_a_broken_field_is_reported_once(tmp_path) -> None:
+    path = tmp_path / "x.yaml"
+    path.write_text(BROKEN.replace("pool: generate-27b", "pool: [generate-12b]"))
+    errors = check(path).stderr.splitlines()
+    assert [e for e in errors if "routes.1.pool" in e] == [
+        f"{path}:20: routes.1.pool: Input should be a valid string"
+    ]
+
+
 def test_yaml_syntax_error_has_a_line(tmp_path) -> None:
     path = tmp_path / "x.yaml"
     path.write_text("models:\n  a: [unclosed\n")
     result = check(path)
     assert result.returncode == 1 and result.stderr.startswith(f"{path}:")
+    assert f'in "{path}", line 2, column 6' in result.stderr
+    assert "<unicode string>" not in result.stderr
 
 
 def test_alias_over_different_tokenizers_is_refused(tmp_path) -> None:

@@ -147,6 +147,10 @@ def _cross_check(spec: PolicySpec) -> list[Problem]:
     return problems
 
 
+def _references(spec: PolicySpec) -> list[Problem]:
+    return _cross_check(spec) + _alias_tokenizers(spec) + _adapter_problems(spec)
+
+
 def _alias_tokenizers(spec: PolicySpec) -> list[Problem]:
     """An alias is counted with the tokenizer of its first route, so all its pools must share it."""
     problems = []
@@ -214,19 +218,9 @@ def compile_policy(
     what it learned.
     """
     spec = loaded.spec
-    problems = _cross_check(spec) + _alias_tokenizers(spec) + _adapter_problems(spec)
-    plugins: dict[str, Any] = {}
-    for kind, plugin in (
-        ("picker", spec.plugins.picker),
-        ("output_estimator", spec.plugins.output_estimator),
-    ):
-        if previous is not None and getattr(previous.spec.plugins, kind) == plugin:
-            plugins[kind] = getattr(previous, "estimator" if kind == "output_estimator" else kind)
-            continue
-        try:
-            plugins[kind] = create(kind, plugin.type, plugin.parameters)
-        except PluginError as exc:
-            problems.append(Problem(("plugins", kind), str(exc)))
+    problems = _references(spec)
+    plugins, plugin_problems = _plugins(spec, previous)
+    problems += plugin_problems
     pickers, picker_problems = _pool_pickers(spec, previous)
     problems += picker_problems
     executor = previous.executor if previous is not None else None
@@ -286,6 +280,31 @@ def compile_policy(
     )
 
 
+def _plugins(spec: PolicySpec, previous: Policy | None) -> tuple[dict[str, Any], list[Problem]]:
+    """The picker and output estimator by kind; a reload keeps those whose spec did not change
+    (the estimator with what it learned)."""
+    plugins: dict[str, Any] = {}
+    problems = []
+    for kind, plugin in (
+        ("picker", spec.plugins.picker),
+        ("output_estimator", spec.plugins.output_estimator),
+    ):
+        if previous is not None and getattr(previous.spec.plugins, kind) == plugin:
+            plugins[kind] = getattr(previous, "estimator" if kind == "output_estimator" else kind)
+            continue
+        try:
+            plugins[kind] = create(kind, plugin.type, plugin.parameters)
+        except PluginError as exc:
+            problems.append(Problem(("plugins", kind), str(exc)))
+    return plugins, problems
+
+
+def reference_problems(spec: PolicySpec) -> list[Problem]:
+    """The checks between sections (unknown pools, models, classes; plug-in types) that need no
+    file: `load_spec` runs them over what parsed of an invalid policy, so `check` shows all."""
+    return _references(spec) + _plugins(spec, None)[1]
+
+
 def _pool_pickers(
     spec: PolicySpec, previous: Policy | None
 ) -> tuple[dict[str, Picker], list[Problem]]:
@@ -320,7 +339,15 @@ def _pool_pickers(
 
 
 def load_policy(path: str | Path, *, load_tokenizers: bool = True) -> Policy:
-    return compile_policy(load_spec(path), load_tokenizers=load_tokenizers)
+    return compile_policy(load_spec(path, reference_problems), load_tokenizers=load_tokenizers)
 
 
-__all__ = ["Model", "Policy", "PolicyError", "Pool", "compile_policy", "load_policy"]
+__all__ = [
+    "Model",
+    "Policy",
+    "PolicyError",
+    "Pool",
+    "compile_policy",
+    "load_policy",
+    "reference_problems",
+]

@@ -7,18 +7,20 @@ locations (`pools.generate-12b.max_concurrency`) can be pointed at a line of the
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
 from gateway.policy.schema import PolicySpec
 
 Loc = tuple[str | int, ...]
+Checks = Callable[[PolicySpec], list["Problem"]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,16 +107,94 @@ class LoadedSpec:
         return PolicyError(format_problems(self.path, problems, self.lines))
 
 
-def load_spec(path: str | Path) -> LoadedSpec:
-    """Parse and validate a policy file; raise `PolicyError` listing every problem."""
+def _parse(text: str, name: str) -> tuple[yaml.Node | None, Any]:
+    """The node tree (for lines) and the data from one parse, PyYAML's marks naming the file
+    rather than `<unicode string>`."""
+    loader = yaml.SafeLoader(text)
+    loader.name = name
+    try:
+        node = loader.get_single_node()
+        return node, None if node is None else loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _valid(info: FieldInfo, value: Any) -> Any:
+    """`value` as the field's type alone: its model's own validators do not run."""
+    assert info.annotation is not None  # pydantic resolves every field's annotation
+    return TypeAdapter(info.annotation).validate_python(value)
+
+
+def _partial(model: type[BaseModel], raw: Any, bad: set[str | int]) -> BaseModel:
+    """A broken entry made of the fields that validate on their own; the others are left at
+    their defaults or None, so the names it defines still count for references to it."""
+    given = raw if isinstance(raw, dict) else {}
+    fields: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        key = info.alias or name
+        if key in given and key not in bad:
+            try:
+                fields[name] = _valid(info, given[key])
+                continue
+            except ValidationError:  # valid only through the model's own validators
+                pass
+        if info.is_required():
+            fields[name] = None
+    return model.model_construct(**fields)
+
+
+_COLLECTIONS = ("models", "pools", "classes", "routes", "tenants")
+
+
+def _salvage(data: dict[str, Any], errors: Sequence[Loc]) -> PolicySpec | None:
+    """What of an invalid policy parsed: every section and entry that validated, broken entries
+    as `_partial`s; None when a whole section the references need did not."""
+    sections: dict[str, Any] = {}
+    for name, info in PolicySpec.model_fields.items():
+        where = [loc[1:] for loc in errors if loc[0] == name]
+        if name not in data:
+            if info.is_required():
+                return None
+            continue
+        if not where:
+            sections[name] = _valid(info, data[name])
+            continue
+        if name not in _COLLECTIONS or any(not loc for loc in where):
+            if info.is_required():
+                return None
+            continue  # its defaults stand in; its own errors say what is wrong
+        entry = get_args(info.annotation)[-1]
+        raw = data[name]
+        keys = raw.keys() if isinstance(raw, dict) else range(len(raw))
+        broken = {loc[0] for loc in where}
+        parsed = {
+            key: _partial(entry, raw[key], {loc[1] for loc in where if loc[0] == key and loc[1:]})
+            if key in broken
+            else entry.model_validate(raw[key])
+            for key in keys
+        }
+        sections[name] = parsed if isinstance(raw, dict) else list(parsed.values())
+    return PolicySpec.model_construct(**sections)
+
+
+def _dependent(problem: Problem, errors: Sequence[Loc]) -> bool:
+    """Whether a problem lies in a field (or entry) that failed: its own error says it, once."""
+    return any(problem.loc[: len(loc)] == loc for loc in errors)
+
+
+def load_spec(path: str | Path, checks: Checks | None = None) -> LoadedSpec:
+    """Parse and validate a policy file; raise `PolicyError` listing every problem.
+
+    When fields are invalid, `checks` (the cross-references between sections) run as well over
+    what did parse, so that one `check` reports everything rather than one layer at a time.
+    """
     name = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise PolicyError([f"{name}:0: (file): {exc.strerror or exc}"]) from None
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data: Any = yaml.safe_load(text)
+        node, data = _parse(text, name)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark is not None else 0
@@ -128,5 +208,9 @@ def load_spec(path: str | Path) -> LoadedSpec:
         spec = PolicySpec.model_validate(data)
     except ValidationError as exc:
         problems = [Problem(tuple(err["loc"]), _message(err)) for err in exc.errors()]
+        # An entry's fields are its first three steps: deeper ones name a field's own parts.
+        failed = [_clean(p.loc, lines)[:3] for p in problems]
+        if checks is not None and (partial := _salvage(data, failed)) is not None:
+            problems += [p for p in checks(partial) if not _dependent(p, failed)]
         raise PolicyError(format_problems(name, problems, lines)) from None
     return LoadedSpec(name, spec, lines, hashlib.sha256(text.encode()).hexdigest()[:12])

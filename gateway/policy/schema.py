@@ -82,7 +82,7 @@ class QueueSpec(Spec):
     fail_fast: bool = Field(
         True,
         description=(
-            "Refuse at once (429 `queue_wait`, the predicted wait as Retry-After) a request whose"
+            "Refuse at once (429 `queue_wait_too_long`, the predicted wait as Retry-After) a request whose"
             " predicted wait, its place in the queue over the measured drain rate, is confidently"
             " above `max_wait_s`; nothing is refused early without enough drain history."
         ),

@@ -602,7 +602,9 @@ class BackendUp(Collector):
     def collect(self) -> Iterable[Metric]:
         state = self.state()
         up = GaugeMetricFamily(
-            "llm_state_backend_up", "1: the shared state (Redis) is in use; 0: failing over."
+            "llm_state_backend_up",
+            "1: the policy's state backend serves (always with `backend: memory`); 0: Redis"
+            " failed and limits are local or refused (llm_state_mode says which).",
         )
         up.add_metric([], 1 if getattr(state, "up", True) else 0)
         mode = GaugeMetricFamily(
