@@ -44,6 +44,7 @@ from loadtest.sim.metrics import (
     REQUEST_LATENCY_BUCKETS,
     TIME_TO_FIRST_TOKEN_BUCKETS,
 )
+from loadtest.sim.tokens import DEFAULT_TOKEN_TEXT, TokenizerEncoder, output_token_text
 from tests.conftest import eventually
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,7 +164,7 @@ async def test_chat_stream_has_role_tokens_finish_usage_and_done(
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
-    assert text.count(" tok") == 8
+    assert text == DEFAULT_TOKEN_TEXT * 8
     assert usage["choices"] == []
     assert usage["usage"]["completion_tokens"] == 8
     assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 8
@@ -181,7 +182,7 @@ async def test_completions_stream_without_include_usage_has_no_usage_chunk(
     chunks = events[:-1]
     assert len(chunks) == 5  # time scale 1: one token per chunk, no packing
     assert all(c["object"] == "text_completion" and c["choices"] for c in chunks)
-    assert [c["choices"][0]["text"] for c in chunks] == [" tok"] * 5
+    assert [c["choices"][0]["text"] for c in chunks] == [DEFAULT_TOKEN_TEXT] * 5
     assert "usage" not in chunks[-1]
 
 
@@ -207,7 +208,9 @@ async def test_non_streaming_usage_is_the_tokenizers_count(
         "completion_tokens": 3,
         "total_tokens": expected_chat + 3,
     }
-    assert answer["choices"][0]["message"]["content"] == " tok" * 3
+    assert (
+        answer["choices"][0]["message"]["content"] == TokenizerEncoder(tokenizer_dir).token_text * 3
+    )
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2}
     async with http.post(f"{replica.url}/v1/completions", json=body) as resp:
         answer = await resp.json()
@@ -216,6 +219,59 @@ async def test_non_streaming_usage_is_the_tokenizers_count(
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
     async with http.post(f"{replica.url}/v1/completions", json=body) as resp:
         assert (await resp.json())["usage"]["prompt_tokens"] == 3
+
+
+async def _generated_texts(http: aiohttp.ClientSession, url: str, n: int) -> list[str]:
+    """The text of n generated tokens from chat and completions, streamed and not."""
+    texts = []
+    for path, body in (
+        ("chat/completions", chat(max_tokens=n)),
+        ("completions", {"model": "tiny", "prompt": "review", "max_tokens": n, "ignore_eos": True}),
+    ):
+        async with http.post(f"{url}/v1/{path}", json=body) as resp:
+            choice = (await resp.json())["choices"][0]
+        texts.append(choice["message"]["content"] if "message" in choice else choice["text"])
+        async with http.post(f"{url}/v1/{path}", json={**body, "stream": True}) as resp:
+            events = sse_events(await resp.read())[:-1]
+        parts = [c["choices"][0].get("delta", c["choices"][0]) for c in events]
+        texts.append("".join(p.get("content", p.get("text", "")) for p in parts))
+    return texts
+
+
+@pytest.mark.parametrize("tokenizer", [True, False], ids=["tokenizer", "default"])
+async def test_generated_text_re_tokenizes_to_one_token_per_generated_token(
+    tiny: Profile,
+    replicas: ReplicaFactory,
+    http: aiohttp.ClientSession,
+    tokenizer_dir: Path,
+    tokenizer: bool,
+) -> None:
+    """Clients that re-count the text (aiperf, genai-perf) must count what `usage` says."""
+    options = ReplicaOptions(time_scale=1000, tokenizer=tokenizer_dir if tokenizer else None)
+    replica = await replicas(tiny, options)
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    for n in (1, 2, 7, 40):
+        for text in await _generated_texts(http, replica.url, n):
+            assert len(tok.encode(text, add_special_tokens=False)) == n, (n, text[:40])
+
+
+def test_output_token_text_falls_back_to_the_vocabulary(tokenizer_dir: Path) -> None:
+    """Without a common word in the vocabulary, some other entry that re-encodes to one token."""
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+    class NoCommonWords:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(tok, name)
+
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            ids = tok.encode(text, add_special_tokens=add_special_tokens)
+            return ids + ids if set(text.split()) & {"the", "and", "of", "to", "in"} else ids
+
+    text = output_token_text(NoCommonWords())
+    assert text[0] == " " and text[1:].isalpha()
+    assert text.strip() not in ("the", "and", "of", "to", "in")
+    for n in (1, 2, 3, 10):
+        assert len(tok.encode(text * n, add_special_tokens=False)) == n
 
 
 async def test_output_length_is_drawn_without_ignore_eos_and_bounded_by_max_tokens(

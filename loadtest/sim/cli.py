@@ -76,7 +76,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--base-port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--time-scale", type=float, default=1.0, help="simulated s per wall s")
-    p.add_argument("--tokenizer", help="HF tokenizer directory (default: 4 characters a token)")
+    p.add_argument(
+        "--tokenizer",
+        help="HF tokenizer directory: prompt counts, and generated text that re-encodes to one"
+        " token per token (default: 4 characters a token, ' the' per generated token)",
+    )
     p.add_argument("--faults", help="JSON fault set, a JSON list (one per replica), or @file")
     p.add_argument("--served-model-name", nargs="+", help="names to serve (default: profile's)")
     p.add_argument(

@@ -48,8 +48,6 @@ DEFAULT_PACKED_INTERVAL_MS = 50.0
 """Stream interval under time scaling: at most 20 chunks/s per stream keeps 128 streams cheap
 (an SSE write costs ~20 us here, and the load generator pays as much again to read it)."""
 
-TOKEN_TEXT = " tok"  # one simulated token; usage counts tokens, never this text
-
 
 @dataclass(frozen=True)
 class ReplicaOptions:
@@ -172,8 +170,10 @@ def _usage(seq: Sequence) -> dict[str, int]:
 class _Chunks:
     """Pre-encoded SSE chunks for one stream: only the text and the finish reason vary."""
 
-    def __init__(self, chat: bool, rid: str, model: str) -> None:
+    def __init__(self, chat: bool, rid: str, model: str, token_text: str) -> None:
         self.chat = chat
+        self.token_text = token_text  # one generated token's text (tokens.output_token_text)
+        self.token_json = orjson.dumps(token_text)[1:-1]  # as it goes inside a JSON string
         self.object = "chat.completion.chunk" if chat else "text_completion"
         self.rid, self.model, self.created = rid, model, int(time.time())
         self.head = (
@@ -189,7 +189,7 @@ class _Chunks:
         )
 
     def tokens(self, count: int, finish_reason: str | None) -> bytes:
-        text = (TOKEN_TEXT * count).encode()
+        text = self.token_json * count
         end = (
             b'"finish_reason":null}]}\n\n'
             if finish_reason is None
@@ -260,7 +260,7 @@ async def _stream(
 
 
 def _answer(chunks: _Chunks, seq: Sequence) -> dict[str, Any]:
-    text = TOKEN_TEXT * seq.generated
+    text = chunks.token_text * seq.generated
     if chunks.chat:
         choice: dict[str, Any] = {
             "index": 0,
@@ -319,7 +319,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         await asyncio.sleep(state.faults.first_token_delay_s / engine.time_scale)
     seq = engine.submit(ids, max_tokens, ignore_eos=bool(body.get("ignore_eos")))
     seq.arrival = received
-    chunks = _Chunks(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    chunks = _Chunks(chat, rid, model, state.encoder.token_text)
     try:
         if body.get("stream"):
             return await _stream(request, state, seq, chunks, body)

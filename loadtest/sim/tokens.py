@@ -9,6 +9,10 @@ characters make a token (plus four per chat message for the template's markers, 
 as the gateway's `estimate` counter, so both sides agree), and each pseudo-token stands for
 its four characters, so identical text prefixes give identical ids and identical block hashes.
 
+Generated text: each simulated output token is one fixed string that re-encodes to exactly one
+token, also repeated (see `output_token_text`), so clients that re-count the text (aiperf,
+inference-perf, genai-perf) count as many output tokens as `usage` says.
+
 Encoding must not stall the event loop that paces the engine: results are cached by content
 (load generators reuse prompts), and long texts are rendered and encoded on a worker thread
 through the batch entry point, which releases the GIL. Ids are kept as 8-byte arrays, and the
@@ -18,6 +22,7 @@ cache is bounded in tokens as well as in entries, because load generators send l
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from array import array
 from collections import OrderedDict
@@ -31,6 +36,8 @@ import orjson
 
 from gateway.tokens import TemplateError, render_chat
 
+log = logging.getLogger("loadtest.sim")
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
@@ -39,6 +46,14 @@ PER_MESSAGE = 4
 INLINE_MAX_CHARS = 2000  # shorter texts are cheaper to count than to hand to a thread
 CACHE_ENTRIES = 8192
 CACHE_TOKENS = 8_000_000  # 64 MB of ids: a few thousand long prompts
+
+DEFAULT_TOKEN_TEXT = " the"
+"""One generated token's text without a tokenizer. A space then a very common word is one
+token in byte-level BPE vocabularies (GPT-2 style, Llama 3, Gemma, Qwen), and the space starts
+a new pre-token, so N copies re-encode to N tokens. (" tok" was split in two by them.)"""
+
+CANDIDATE_WORDS = ("the", "and", "of", "to", "in", "is", "for", "that", "on", "with", "it", "a")
+VOCAB_SCAN = 5000  # vocabulary entries tried when no common word qualifies
 
 PromptIds = array
 """A prompt's token ids (typecode "q"); its length is the prompt's token count."""
@@ -96,6 +111,8 @@ def token_ids(ids: list[int]) -> PromptIds:
 
 
 class PromptEncoder(Protocol):
+    token_text: str  # one generated token's text, re-encoding to one token
+
     async def encode_chat(self, body: dict[str, Any]) -> PromptIds: ...
     async def encode_completion(self, body: dict[str, Any]) -> PromptIds: ...
 
@@ -115,12 +132,44 @@ def _pseudo_tokens(text: str, out: PromptIds) -> None:
         )
 
 
+def _one_token_each(tokenizer: Any, text: str) -> bool:
+    """`text` encodes to one token, and two and three copies of it to two and three."""
+    for n in (1, 2, 3):
+        ids = tokenizer.encode(text * n, add_special_tokens=False)
+        if len(ids) != n or tokenizer.decode(ids) != text * n:
+            return False
+    return True
+
+
+def output_token_text(tokenizer: Any) -> str:
+    """The text of one generated token for this tokenizer: a common word with a leading space
+    (the space or word-boundary marker makes the pre-tokenizer split copies apart, so BPE merges
+    cannot join them), else the first such entry of its vocabulary, else the default. Only ASCII
+    letters after the space, so the text needs no JSON escaping."""
+    words = [" " + word for word in CANDIDATE_WORDS]
+    vocab = sorted(tokenizer.get_vocab().values())[:VOCAB_SCAN]
+    decoded = (tokenizer.decode([i]) for i in vocab)
+    for text in [*words, *decoded]:
+        tail = text[1:]
+        if (
+            text[:1] == " "
+            and tail.isascii()
+            and tail.isalpha()
+            and _one_token_each(tokenizer, text)
+        ):
+            return text
+    log.warning("no vocabulary entry re-encodes to one token; generated text may re-count")
+    return DEFAULT_TOKEN_TEXT
+
+
 class CharEncoder:
     """Four characters a token: for runs without a tokenizer directory.
 
     A chat message is its role's four marker pseudo-tokens, then its text's: the count is the
     gateway's `estimate` rule, and a shared leading run of messages gives shared ids.
     """
+
+    token_text = DEFAULT_TOKEN_TEXT
 
     async def encode_chat(self, body: dict[str, Any]) -> PromptIds:
         ids = array("q")
@@ -148,6 +197,12 @@ def _load(directory: str) -> Any:
     return AutoTokenizer.from_pretrained(directory, local_files_only=True)
 
 
+@lru_cache(maxsize=8)
+def _token_text(directory: str) -> str:
+    """Chosen once per directory per process, like the tokenizer itself."""
+    return output_token_text(_load(directory))
+
+
 _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sim-tokenize")
 """One thread: the batch encoder is itself parallel, and the engine loop needs the other core."""
 
@@ -163,6 +218,7 @@ class TokenizerEncoder:
         )
         self._cache: OrderedDict[tuple[int, int], PromptIds] = OrderedDict()
         self._cached_tokens = 0
+        self.token_text = _token_text(str(directory))
 
     def _encode(self, text: str, special: bool) -> PromptIds:
         return array("q", self._encode_batch([text], add_special_tokens=special)[0].ids)
