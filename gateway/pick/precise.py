@@ -101,18 +101,25 @@ class ReplicaFeed:
         self.task: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
+        """Ask where the replica publishes and follow it; asked again every `retry_s` while it
+        publishes nothing. Logged once, not at every retry: a replica started without the flag
+        would otherwise log every few seconds for as long as it runs."""
+        logged = False
         while True:
+            problem = "publishes no KV-cache events"
             try:
                 endpoints = await self.scorer.endpoints(self.url)
                 if endpoints:
                     await self._follow(endpoints)
-                else:
-                    self.scorer.count(self.url, "unavailable")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the replica is down, or answers nonsense: try later
-                self.scorer.count(self.url, "unavailable")
-                log.info("kv events of %s: %s", self.url, type(exc).__name__)
+                problem = f"cannot be asked where it publishes ({type(exc).__name__})"
+            self.scorer.count(self.url, "unavailable")
+            if not logged:
+                log.info("kv events: replica %s %s; asking again every %gs",
+                         self.url, problem, self.retry_s)  # fmt: skip
+                logged = True
             await asyncio.sleep(self.retry_s)
 
     async def _follow(self, endpoints: list[tuple[str, bytes]]) -> None:
