@@ -125,6 +125,7 @@ class Accountant:
             "served_model": ctx.served_model or None,
             "adapter": ctx.adapter or None,
             "pool": ctx.pool.name if ctx.pool else None,
+            "spilled_from": ctx.spilled_from or None,
             "replica": ctx.replica or None,
             "retries": ctx.retries,
             "class": ctx.workload or None,

@@ -52,6 +52,7 @@ class Ctx:
     workload: str = ""
     route: Route | None = None
     pool: Pool | None = None
+    spilled_from: str = ""  # the route's own pool, when the request spilled to a fallback
     # admit / forward
     affinity: Affinity | None = (
         None  # what the pool's scorers weigh, worked out on its first attempt

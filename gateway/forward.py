@@ -154,6 +154,10 @@ def _response_headers(upstream: Mapping[str, str], ctx: Ctx) -> CIMultiDict[str]
         (k, v) for k, v in upstream.items() if k.lower() not in drop
     )
     out["x-request-id"] = ctx.request_id
+    # Which pool and model answered: a spilled request (`spill.py`) may be served by another.
+    if ctx.pool is not None:
+        out["x-gateway-pool"] = ctx.pool.name
+        out["x-gateway-model"] = ctx.upstream_model
     out.update(ctx.ratelimit_headers)
     return out
 

@@ -243,6 +243,10 @@ class Metrics:
             "llm_quota_rejections", "Requests refused by a tenant's TPM or RPM window.",
             ("tenant", "kind"), registry=r,
         )  # fmt: skip
+        self.spillover = Counter(
+            "llm_spillover", "Requests moved from their route's full pool to a fallback.",
+            ("route", "from_pool", "to_pool", "tier"), registry=r,
+        )  # fmt: skip
         self.loop_lag = Histogram(
             "llm_event_loop_lag_seconds", "How late a periodic timer woke: the loop was held.",
             buckets=LAG_BUCKETS, registry=r,

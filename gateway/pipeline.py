@@ -1,5 +1,5 @@
 """The request pipeline: authenticate -> parse -> tokenize -> estimate -> classify -> route ->
-quota -> admit -> forward -> account.
+spill -> quota -> admit -> forward -> account.
 
 Each stage is a small function in its own module that fills in its part of the `Ctx` or raises a
 `GatewayError`; this module only calls them in order and owns the `finally` that accounts for
@@ -45,6 +45,7 @@ from gateway.policy.compile import Policy, compile_policy, reference_problems
 from gateway.policy.load import PolicyError, load_spec
 from gateway.quota import Charge, Quotas
 from gateway.route import find_candidates, route
+from gateway.spill import spill
 from gateway.state import SlotLedger, State
 from gateway.state.redis_state import BackendUp, build_state
 from gateway.tenants import authenticate
@@ -417,6 +418,7 @@ class Gateway:
             raw = await body.read(request, policy.spec.server.max_body_bytes)
             parse(ctx, body.media_type(request), raw, policy.spec.server)
             await decide(ctx, policy)
+            spill(ctx, runtime.slots, policy.adapters, self.accountant.metrics.spillover)
             charge = await self.quotas.reserve(ctx)
             return await self._admit_and_forward(ctx, request, runtime)
         except GatewayError as exc:

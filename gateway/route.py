@@ -12,18 +12,29 @@ counts it, and it keeps the adapter's name upstream (`Ctx.adapter`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gateway.context import Ctx
 from gateway.errors import ModelNotFound, NoRoute
 from gateway.match import Check, all_of, names, request_checks
-from gateway.policy.schema import RouteSpec
+from gateway.policy.schema import PRIORITIES, RouteSpec
 
 if TYPE_CHECKING:
     from gateway.adapters import Adapters
     from gateway.policy.compile import Pool
+
+
+@dataclass(frozen=True, slots=True)
+class Fallback:
+    """A pool the route spills to (`gateway/spill.py`), with its conditions compiled."""
+
+    pool: Pool
+    saturation_gte: float | None
+    predicted_wait_gte_s: float | None
+    below_saturation: float
+    tiers: frozenset[int]  # priority indexes that may spill
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,22 +44,33 @@ class Route:
     accepts_model: Callable[[str], bool]
     accepts_request: Check  # its endpoint and header conditions
     accepts_class: Check
+    fallbacks: tuple[Fallback, ...] = ()
 
     @property
     def label(self) -> str:
         return f"routes[{self.index}]"
 
 
-def compile_route(index: int, spec: RouteSpec, pool: Pool) -> Route:
+def compile_route(index: int, spec: RouteSpec, pools: Mapping[str, Pool]) -> Route:
     match = spec.match
     checks = request_checks(None, match.endpoint, match.header)
     class_ok = names(match.class_) if match.class_ is not None else None
     return Route(
         index=index,
-        pool=pool,
+        pool=pools[spec.pool],
         accepts_model=names(match.model) if match.model is not None else lambda name: True,
         accepts_request=all_of(checks),
         accepts_class=(lambda ctx: class_ok(ctx.workload)) if class_ok else (lambda ctx: True),
+        fallbacks=tuple(
+            Fallback(
+                pool=pools[f.pool],
+                saturation_gte=f.when.saturation_gte,
+                predicted_wait_gte_s=f.when.predicted_wait_gte_s,
+                below_saturation=f.below_saturation,
+                tiers=frozenset(PRIORITIES.index(t) for t in f.tiers),
+            )
+            for f in spec.fallback
+        ),
     )
 
 

@@ -326,6 +326,19 @@ class PoolSlots:
                 retry_after_s=predicted,
             )
 
+    def predicted_wait(self, workload: str) -> float | None:
+        """The wait a new request of class `workload` would have for a slot here: 0 with a slot
+        free and nobody of its group waiting, else its place at the back of the line over the
+        measured drain rate (fail-fast's point estimate); None before enough hold times."""
+        group = self.queue.group(workload)
+        waiting = self.queue.waiting_by_group[group]
+        if waiting == 0 and self.saturation < 1.0:
+            return 0.0
+        measured = self.queue.holds[group].mean()
+        if measured is None:
+            return None
+        return (waiting + 1) * measured[0] / self._draining(group)
+
     def _draining(self, group: int) -> float:
         """The slots that drain `group`'s queue: those its classes hold; with a ledger, every
         gateway's, in this queue's share of all the waiters."""

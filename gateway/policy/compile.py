@@ -148,7 +148,56 @@ def _cross_check(spec: PolicySpec) -> list[Problem]:
 
 
 def _references(spec: PolicySpec) -> list[Problem]:
-    return _cross_check(spec) + _alias_tokenizers(spec) + _adapter_problems(spec)
+    return (
+        _cross_check(spec)
+        + _alias_tokenizers(spec)
+        + _adapter_problems(spec)
+        + _fallback_problems(spec)
+    )
+
+
+def _fallback_problems(spec: PolicySpec) -> list[Problem]:
+    """A fallback is another known pool, of the route's model unless the route allows another,
+    counted by the same tokenizer: the request's count is not redone when it spills."""
+    problems = []
+    for index, route in enumerate(spec.routes):
+        primary = spec.pools.get(route.pool)
+        seen = {route.pool}
+        for i, fallback in enumerate(route.fallback):
+            where = ("routes", index, "fallback", i, "pool")
+            pool = spec.pools.get(fallback.pool)
+            if pool is None:
+                problems.append(Problem(where, f"unknown pool {fallback.pool!r}"))
+                continue
+            if fallback.pool in seen:
+                problems.append(Problem(where, f"pool {fallback.pool!r} is in the chain already"))
+            seen.add(fallback.pool)
+            if primary is None or primary.model == pool.model:
+                continue
+            if not route.allow_model_substitution:
+                problems.append(
+                    Problem(
+                        where,
+                        f"pool {fallback.pool!r} serves {pool.model!r}, not {primary.model!r}:"
+                        " set `allow_model_substitution: true` on the route to allow it",
+                    )
+                )
+            models = spec.models
+            if (
+                pool.model in models
+                and primary.model in models
+                and models[pool.model].tokenizer != models[primary.model].tokenizer
+            ):
+                problems.append(
+                    Problem(
+                        where,
+                        f"pool {fallback.pool!r} counts with tokenizer"
+                        f" {models[pool.model].tokenizer!r}, the route's pool with"
+                        f" {models[primary.model].tokenizer!r}: a spilled request keeps its"
+                        " count, so both need one tokenizer",
+                    )
+                )
+    return problems
 
 
 def _alias_tokenizers(spec: PolicySpec) -> list[Problem]:
@@ -264,7 +313,7 @@ def compile_policy(
         models=models,
         pools=pools,
         workloads=tuple(compile_class(c) for c in spec.classes),
-        routes=tuple(compile_route(i, r, pools[r.pool]) for i, r in enumerate(spec.routes)),
+        routes=tuple(compile_route(i, r, pools) for i, r in enumerate(spec.routes)),
         picker=plugins["picker"],
         estimator=plugins["output_estimator"],
         served_models=served,

@@ -390,9 +390,71 @@ class RouteMatch(Spec):
     header: dict[str, str] | None = None
 
 
+class SpillWhen(Spec):
+    """When the route's own pool counts as full for a new request; any condition given holds."""
+
+    saturation_gte: PositiveFloat | None = Field(
+        1.0,
+        description=(
+            "The primary's saturation ((in flight + waiting) / capacity, every gateway's with a"
+            " ledger) at or over this: 1.0 is every slot busy."
+        ),
+    )
+    predicted_wait_gte_s: PositiveFloat | None = Field(
+        None,
+        description=(
+            "The request's predicted wait for a slot on the primary (its place in line over the"
+            " measured drain rate, as fail-fast predicts it) at or over this many seconds."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _some_condition(self) -> SpillWhen:
+        if self.saturation_gte is None and self.predicted_wait_gte_s is None:
+            raise ValueError("give saturation_gte, predicted_wait_gte_s or both")
+        return self
+
+
+class FallbackSpec(Spec):
+    """A pool a request may spill to when its route's pool is full and this one has room."""
+
+    pool: str
+    when: SpillWhen = SpillWhen()
+    below_saturation: PositiveFloat = Field(
+        1.0,
+        description=(
+            "The fallback has room while its own saturation is under this: 1.0 is a free slot"
+            " with nobody waiting for it, so a spilled request never queues behind the"
+            " fallback's own traffic."
+        ),
+    )
+    tiers: list[Literal["critical", "standard", "sheddable"]] = Field(
+        ["critical", "standard"],
+        min_length=1,
+        description=(
+            "Tiers that may spill. Sheddable traffic is left out by default: it is the first to"
+            " be shed, not the first to take a warm pool's room."
+        ),
+    )
+
+
 class RouteSpec(Spec):
     match: RouteMatch = RouteMatch()
     pool: str
+    fallback: list[FallbackSpec] = Field(
+        [],
+        description=(
+            "Pools to spill to, tried in order, when `pool` is full (docs/operations.md,"
+            " Spill-over)."
+        ),
+    )
+    allow_model_substitution: bool = Field(
+        False,
+        description=(
+            "Let a fallback serve another model than the route's pool (27B -> 12B); the client"
+            " sees it in `x-gateway-model`. Off: every fallback serves the same model."
+        ),
+    )
 
 
 class PluginSpec(Spec):

@@ -1,0 +1,82 @@
+"""Stage 5a, spill: a request whose route's pool is full goes to a fallback pool that has room.
+
+The route's `fallback` list is tried in order; the first fallback whose conditions hold takes
+the request: the request's tier may spill, the primary is full by the fallback's `when` (its
+saturation, or the request's predicted wait there), the fallback's own saturation is under its
+`below_saturation`, and the request fits the fallback's model (context length, LoRA adapter).
+Otherwise the request stays with its route's pool and is queued, shed or refused there as
+before.
+
+The choice is made once, before the quota is charged and before any slot is asked for, so the
+tenant's pool and model windows are those of the pool that serves the request, and a request is
+admitted to one pool only. A spilled request is still demand for its primary: it is counted there
+as one that could not be served (`Demand.refused`), so `llm_pool_desired_replicas` asks for the
+replicas that would have kept it at home, and spilling stops once they serve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from gateway.admit import PoolSlots
+from gateway.context import Ctx
+from gateway.policy.schema import PRIORITIES
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter
+
+    from gateway.adapters import Adapters
+    from gateway.route import Fallback
+
+
+def primary_full(fallback: Fallback, primary: PoolSlots, workload: str) -> bool:
+    """Whether `fallback`'s `when` holds for a new request of class `workload` on `primary`."""
+    if fallback.saturation_gte is not None and primary.saturation >= fallback.saturation_gte:
+        return True
+    if fallback.predicted_wait_gte_s is None:
+        return False
+    wait = primary.predicted_wait(workload)
+    return wait is not None and wait >= fallback.predicted_wait_gte_s
+
+
+def fits(ctx: Ctx, fallback: Fallback, adapters: Adapters) -> bool:
+    """The fallback's model can serve the request: it fits the context, and a LoRA request goes
+    only to a pool serving its adapter."""
+    if ctx.adapter and fallback.pool.name not in adapters.pools(ctx.adapter):
+        return False
+    limit = fallback.pool.model.spec.max_model_len
+    return ctx.longest_prompt < limit and ctx.longest_prompt + (ctx.max_output or 0) <= limit
+
+
+def choose(ctx: Ctx, slots: Mapping[str, PoolSlots], adapters: Adapters) -> Fallback | None:
+    """The fallback that takes `ctx` now, or None: it stays on its route's pool."""
+    assert ctx.route is not None and ctx.pool is not None
+    primary = slots[ctx.pool.name]
+    for fallback in ctx.route.fallbacks:
+        if (
+            ctx.priority in fallback.tiers
+            and primary_full(fallback, primary, ctx.workload)
+            and slots[fallback.pool.name].saturation < fallback.below_saturation
+            and fits(ctx, fallback, adapters)
+        ):
+            return fallback
+    return None
+
+
+def spill(ctx: Ctx, slots: Mapping[str, PoolSlots], adapters: Adapters, spilled: Counter) -> None:
+    """Move `ctx` to the fallback `choose` names, if any, and count the move."""
+    if ctx.route is None or not ctx.route.fallbacks:
+        return
+    fallback = choose(ctx, slots, adapters)
+    if fallback is None:
+        return
+    assert ctx.pool is not None
+    primary = slots[ctx.pool.name]
+    primary.demand.arrivals += 1
+    primary.demand.refused += 1
+    spilled.labels(
+        ctx.route.label, ctx.pool.name, fallback.pool.name, PRIORITIES[ctx.priority]
+    ).inc()
+    ctx.spilled_from = ctx.pool.name
+    ctx.pool, ctx.model = fallback.pool, fallback.pool.model
