@@ -360,12 +360,13 @@ def plot_level(
             if times:
                 ax.step([0, *times], range(len(times) + 1), where="post", label=label, **style)
         ax.set_title(f"{title}: {len(done)} of {len(recs)} completed, {len(refused)} refused (429)")
-        ax.set_xlabel(f"time since the first arrival ({s_})")
+        ax.set_xlabel(f"time ({s_} since the start)")
         ax.set_ylabel("requests so far")
         ax.set_xlim(left=0)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small", loc="upper left")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small", loc="upper left")
     fig.tight_layout()
     fig.savefig(out / "throughput.png", dpi=110)
     plt.close(fig)
@@ -391,34 +392,38 @@ def plot_level(
             shares = [(i + 1) / len(values) for i in range(len(values))]
             spread.step([0, *values], [0, *shares], where="post", color=color, label=legend)
         if refused:
+            took = [(r.e2e_s or 0) * k for r in refused]
+            top = max(top, *took)
             over_time.scatter(
                 [r.start_s * k for r in refused],
-                [(r.e2e_s or 0) * k for r in refused],
+                took,
                 marker="x",
                 color="tab:red",
                 label=f"refused (429), {len(refused)}: time to the refusal",
             )
-        if mark:
-            # Far above the data the line would squash every point to the floor: name it instead.
-            if mark.seconds <= 1.5 * max(top, 1e-9):
-                over_time.axhline(mark.seconds, color="tab:red", ls="--", label=mark.label)
-                spread.axvline(mark.seconds, color="tab:red", ls="--", label=mark.label)
-            else:
-                for ax in (over_time, spread):
-                    ax.text(0.99, 0.02, f"{mark.label}: off the scale", ha="right",
-                            transform=ax.transAxes, fontsize="small", color="tab:red")  # fmt: skip
+        # Far above the data the mark would squash every point to the floor: name it instead.
+        if mark and mark.seconds <= 1.5 * max(top, 1e-9):
+            over_time.axhline(mark.seconds, color="tab:red", ls="--", label=mark.label)
+            spread.axvline(mark.seconds, color="tab:red", ls="--", label=mark.label)
+            top = max(top, mark.seconds)
+        elif mark:
+            for ax in (over_time, spread):
+                ax.text(0.99, 0.02, f"{mark.label}: off the scale", ha="right",
+                        transform=ax.transAxes, fontsize="small", color="tab:red")  # fmt: skip
         over_time.set_title(f"{title}: latency of each request by arrival time")
-        over_time.set_xlabel(f"arrival time since the first arrival ({s_})")
+        over_time.set_xlabel(f"arrival time ({s_} since the start)")
         over_time.set_ylabel(f"latency ({s_})")
         spread.set_title(f"{title}: latency distribution of completed requests")
         spread.set_xlabel(f"latency ({s_})")
         spread.set_ylabel("share of completed requests at or below")
         spread.set_ylim(0, 1.02)
+        # Headroom above the highest point keeps the legend off the data.
+        over_time.set_ylim(0, 1.45 * max(top, 1e-3))
         for ax in (over_time, spread):
             ax.set_xlim(left=0)
-            ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize="small", loc="upper left")
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize="small", loc="upper left")
     fig.tight_layout()
     fig.savefig(out / "latency.png", dpi=110)
     plt.close(fig)
