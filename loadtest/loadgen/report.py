@@ -178,7 +178,7 @@ def level_table(curve: Curve, time_scale: float = 1.0) -> list[str]:
     s_ = "sim s" if sim else "s"
     lines = [
         f"| {unit} | sent | completed | failed | unfinished | completion | req/{s_} | out tok/{s_}"
-        f" | TPM | E2E P50 / P95 / P99 {s_} | TTFT P50 / P95 / P99 {s_}"
+        f" | {'TPM sim' if sim else 'TPM'} | E2E P50 / P95 / P99 {s_} | TTFT P50 / P95 / P99 {s_}"
         f" | TPOT P50 / P95 / P99 {'sim ms' if sim else 'ms'} | ISL exact |",
         "|---:" * 13 + "|",
     ]
