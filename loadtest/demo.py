@@ -129,36 +129,39 @@ def _s(value: float | None) -> str:
 
 
 @dataclass
-class Workload:
+class Outcome:
     """One workload of the mix as the client saw it and the gateway handled it, simulated s."""
 
     name: str
     records: list[RequestRecord]
     route: tuple[str, str] | None  # (class, pool) the gateway chose most often
-    refusals: dict[str, list[float]]  # the client's error code: seconds each took to refuse
+    refusals: dict[tuple[int, str], list[float]]  # (status, error code): seconds each took
 
     def quantile(self, attr: str, p: float, time_scale: float) -> float | None:
-        known = [v * time_scale for r in self.records if r.ok and (v := getattr(r, attr))]
+        known = [
+            v * time_scale for r in self.records if r.ok and (v := getattr(r, attr)) is not None
+        ]
         return percentile(known, p) if known else None
 
 
 def workloads(
     records: list[RequestRecord], access: list[dict[str, Any]], time_scale: float
-) -> list[Workload]:
+) -> list[Outcome]:
     by_class: dict[str, list[RequestRecord]] = defaultdict(list)
     for rec in records:
         by_class[rec.cls].append(rec)
     # Exact prompts: the gateway's input count is the workload's ISL.
     name_of = {rec.isl: rec.cls for rec in records}
     decided: dict[str, Counter[tuple[str, str]]] = defaultdict(Counter)
-    refusals: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    refusals: dict[str, dict[tuple[int, str], list[float]]] = defaultdict(lambda: defaultdict(list))
     for line in access:
         name = name_of.get(line["input_tokens"], "-")
         decided[name][(line["class"] or "-", line["pool"] or "-")] += 1
         if line["status"] != 200:
-            refusals[name][line["reason"] or str(line["status"])].append(line["e2e_s"] * time_scale)
+            refused = (line["status"], line["reason"] or "-")
+            refusals[name][refused].append(line["e2e_s"] * time_scale)
     return [
-        Workload(
+        Outcome(
             name,
             recs,
             route[0][0] if (route := decided[name].most_common(1)) else None,
@@ -168,7 +171,7 @@ def workloads(
     ]
 
 
-def table(found: list[Workload], policy: dict[str, Any], time_scale: float) -> str:
+def table(found: list[Outcome], policy: dict[str, Any], time_scale: float) -> str:
     """Per workload: what the client saw and where the gateway sent it, in simulated seconds."""
     rows = [
         "| workload | requests | ok | refused (429) | class -> pool | cap x replicas"
@@ -189,7 +192,7 @@ def table(found: list[Workload], policy: dict[str, Any], time_scale: float) -> s
     return "\n".join(rows)
 
 
-def story(found: list[Workload], policy: dict[str, Any], time_scale: float) -> str:
+def story(found: list[Outcome], policy: dict[str, Any], time_scale: float) -> str:
     """What happened, from the counts: which workload flowed, which queued, what was refused and
     how (by the client's error code, from the gateway's access log)."""
     lines = []
@@ -205,22 +208,24 @@ def story(found: list[Workload], policy: dict[str, Any], time_scale: float) -> s
         if wait is not None:
             line += f" (queue max wait {wait:g}s)"
         lines.append(line + ".")
-        for code, took in sorted(w.refusals.items(), key=lambda kv: -len(kv[1])):
+        for (status, code), took in sorted(w.refusals.items(), key=lambda kv: -len(kv[1])):
             spread = f"{min(took):.2f}s" + (f"-{max(took):.2f}s" if max(took) > min(took) else "")
             what = REFUSALS.get(code, "refused").format(wait=_s(wait))
-            lines.append(f"  {len(took)} refused with 429 {code}, {spread} after arriving: {what}.")
+            lines.append(
+                f"  {len(took)} refused with {status} {code}, {spread} after arriving: {what}."
+            )
         if not w.refusals:
             lines.append("  None refused.")
     lines.append(
         "A queue_wait_too_long refusal comes at once, with the predicted wait as Retry-After:"
         " the client learns now what it would learn after waiting max_wait_s in the queue."
-        if any("queue_wait_too_long" in w.refusals for w in found)
+        if any(code == "queue_wait_too_long" for w in found for _, code in w.refusals)
         else "Nothing was refused before waiting its queue's max wait."
     )
     return "\n".join(lines)
 
 
-def marks(found: list[Workload], policy: dict[str, Any]) -> dict[str, Mark]:
+def marks(found: list[Outcome], policy: dict[str, Any]) -> dict[str, Mark]:
     """The queue's max wait of each workload's pool: the policy's only latency bound."""
     out = {}
     for w in found:
