@@ -7,8 +7,14 @@ classification (4,000 tokens in, 10 out) and generation (500 in, 1,000 out, stre
 prints, per workload, how the gateway handled it. Bounded: a fixed arrival schedule, a deadline,
 and every process and replica stopped at the end.
 
-    python -m loadtest.demo [--policy policies/demo.yaml] [--port 18080] [--rate 12] [--duration 20]
-                            [--time-scale 10] [--out loadtest/out/demo]
+One clock: the fleet's. The replicas run `--time-scale` times faster than real time, so every time
+and rate the demo reads or prints is in simulated seconds: `--rate` and `--duration`, the
+latencies, and the policy's own times (demo.yaml states them as for a real fleet). The gateway
+runs on the wall clock, so it gets a copy of the policy, `OUT/gateway-policy.yaml`, with every
+`*_s` value divided by the time scale.
+
+    python -m loadtest.demo [--policy policies/demo.yaml] [--port 18080] [--rate 1.2]
+                            [--duration 200] [--time-scale 10] [--out loadtest/out/demo]
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import contextlib
 import os
 import sys
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -28,6 +35,7 @@ import orjson
 import yaml
 
 from loadtest.loadgen import (
+    Mark,
     SweepConfig,
     SweepResult,
     Target,
@@ -45,7 +53,12 @@ PROFILES = {
     "gemma-3-27b-it": "gemma-3-27b-tpu-v6e-2x2",
     "gemma-3-12b-it": "gemma-3-12b-tpu-v6e-2x2",
 }
-DEADLINE_S = 150
+DEADLINE_S = 150  # wall clock
+REFUSALS = {  # the client's error code: what the gateway did, "{wait}" the queue's max wait
+    "queue_wait_too_long": "the gateway predicted a queue wait over {wait} and refused at once",
+    "queue_timeout": "each waited the queue's max wait, {wait}, without a free slot",
+    "queue_full": "the queue was at its max_depth on arrival",
+}
 
 
 def ensure_tokenizers(policy: dict[str, Any], base: Path) -> str:
@@ -56,6 +69,34 @@ def ensure_tokenizers(policy: dict[str, Any], base: Path) -> str:
             print(f"building the demo tokenizer in {os.path.relpath(directory)} ...", flush=True)
             build(directory)
     return sorted(directories)[0]
+
+
+def scaled(node: Any, time_scale: float) -> Any:
+    """The policy on the wall clock: every `*_s` value divided by the time scale."""
+    if isinstance(node, dict):
+        return {
+            key: value / time_scale
+            if key.endswith("_s") and isinstance(value, int | float) and not isinstance(value, bool)
+            else scaled(value, time_scale)
+            for key, value in node.items()
+        }
+    if isinstance(node, list):
+        return [scaled(item, time_scale) for item in node]
+    return node
+
+
+def gateway_policy(policy: dict[str, Any], source: Path, time_scale: float, path: Path) -> Path:
+    """Write the policy the gateway runs on; its tokenizer paths made absolute, since the copy
+    lives elsewhere."""
+    copy = scaled(policy, time_scale)
+    for model in copy["models"].values():
+        model["tokenizer"] = str((source.parent / model["tokenizer"]).resolve())
+    path.write_text(
+        f"# Written by loadtest/demo.py from {source}: its *_s values divided by the time"
+        f" scale {time_scale:g},\n# for a gateway on the wall clock. Edit the original.\n"
+        + yaml.safe_dump(copy, sort_keys=False)
+    )
+    return path
 
 
 async def start_replicas(
@@ -72,7 +113,7 @@ async def start_replicas(
     return replicas
 
 
-async def wait_ready(url: str, proc: asyncio.subprocess.Process) -> None:
+async def wait_ready(url: str, proc: asyncio.subprocess.Process, log: Path) -> None:
     async with aiohttp.ClientSession() as http, asyncio.timeout(60):
         while proc.returncode is None:
             with contextlib.suppress(aiohttp.ClientError):
@@ -80,64 +121,143 @@ async def wait_ready(url: str, proc: asyncio.subprocess.Process) -> None:
                     if resp.status == 200:
                         return
             await asyncio.sleep(0.2)
-    raise RuntimeError("the gateway did not start; see its log above")
+    raise RuntimeError(f"the gateway did not start; see {log}")
 
 
 def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}s"
 
 
-def table(records: list[RequestRecord], access: list[dict[str, Any]], time_scale: float) -> str:
-    """Per workload: what the client saw (simulated seconds) and where the gateway sent it."""
-    decided: dict[int, Counter[tuple[str, str]]] = defaultdict(Counter)
-    for line in access:  # exact prompts: the gateway's input count is the workload's ISL
-        decided[line["input_tokens"]][(line["class"] or "-", line["pool"] or "-")] += 1
-    rows = [
-        "| workload | requests | ok | rejected (429) | class -> pool | P50 E2E | P95 E2E | P50 TTFT | P95 TTFT |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---:|",
-    ]
+@dataclass
+class Outcome:
+    """One workload of the mix as the client saw it and the gateway handled it, simulated s."""
+
+    name: str
+    records: list[RequestRecord]
+    route: tuple[str, str] | None  # (class, pool) the gateway chose most often
+    refusals: dict[tuple[int, str], list[float]]  # (status, error code): seconds each took
+
+    def quantile(self, attr: str, p: float, time_scale: float) -> float | None:
+        known = [
+            v * time_scale for r in self.records if r.ok and (v := getattr(r, attr)) is not None
+        ]
+        return percentile(known, p) if known else None
+
+
+def workloads(
+    records: list[RequestRecord], access: list[dict[str, Any]], time_scale: float
+) -> list[Outcome]:
     by_class: dict[str, list[RequestRecord]] = defaultdict(list)
     for rec in records:
         by_class[rec.cls].append(rec)
-    for name, recs in by_class.items():
-        ok = [r for r in recs if r.ok]
+    # Exact prompts: the gateway's input count is the workload's ISL.
+    name_of = {rec.isl: rec.cls for rec in records}
+    decided: dict[str, Counter[tuple[str, str]]] = defaultdict(Counter)
+    refusals: dict[str, dict[tuple[int, str], list[float]]] = defaultdict(lambda: defaultdict(list))
+    for line in access:
+        name = name_of.get(line["input_tokens"], "-")
+        decided[name][(line["class"] or "-", line["pool"] or "-")] += 1
+        if line["status"] != 200:
+            refused = (line["status"], line["reason"] or "-")
+            refusals[name][refused].append(line["e2e_s"] * time_scale)
+    return [
+        Outcome(
+            name,
+            recs,
+            route[0][0] if (route := decided[name].most_common(1)) else None,
+            dict(refusals[name]),
+        )
+        for name, recs in by_class.items()
+    ]
 
-        def q(values: list[float | None], p: float) -> float | None:
-            known = [v * time_scale for v in values if v is not None]
-            return percentile(known, p) if known else None
 
-        e2e, ttft = [r.e2e_s for r in ok], [r.ttft_s for r in ok]
-        where = decided.get(recs[0].isl, Counter()).most_common(1)
-        route = f"{where[0][0][0]} -> {where[0][0][1]}" if where else "-"
+def table(found: list[Outcome], policy: dict[str, Any], time_scale: float) -> str:
+    """Per workload: what the client saw and where the gateway sent it, in simulated seconds."""
+    rows = [
+        "| workload | requests | ok | refused (429) | class -> pool | cap x replicas"
+        " | queue max wait | P50 E2E | P95 E2E | P50 TTFT | P95 TTFT |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for w in found:
+        pool = policy["pools"].get(w.route[1]) if w.route else None
+        cap = f"{pool['max_concurrency']} x {len(pool['replicas'])}" if pool else "-"
+        wait = _s(pool["queue"]["max_wait_s"]) if pool else "-"
+        route = f"{w.route[0]} -> {w.route[1]}" if w.route else "-"
+        q = [_s(w.quantile(a, p, time_scale)) for a in ("e2e_s", "ttft_s") for p in (50, 95)]
         rows.append(
-            f"| {name} | {len(recs)} | {len(ok)} | {sum(r.status == 429 for r in recs)} | {route}"
-            f" | {_s(q(e2e, 50))} | {_s(q(e2e, 95))} | {_s(q(ttft, 50))} | {_s(q(ttft, 95))} |"
+            f"| {w.name} | {len(w.records)} | {sum(r.ok for r in w.records)}"
+            f" | {sum(r.status == 429 for r in w.records)} | {route} | {cap} | {wait}"
+            f" | {' | '.join(q)} |"
         )
     return "\n".join(rows)
+
+
+def story(found: list[Outcome], policy: dict[str, Any], time_scale: float) -> str:
+    """What happened, from the counts: which workload flowed, which queued, what was refused and
+    how (by the client's error code, from the gateway's access log)."""
+    lines = []
+    for w in found:
+        pool = policy["pools"].get(w.route[1], {}) if w.route else {}
+        wait = pool.get("queue", {}).get("max_wait_s")
+        ok = sum(r.ok for r in w.records)
+        ttft = w.quantile("ttft_s", 95, time_scale)
+        line = f"{w.name}: {ok} of {len(w.records)} completed"
+        if w.route:
+            line += f" in pool {w.route[1]} (cap {pool.get('max_concurrency')} a replica)"
+        line += f", P95 TTFT {_s(ttft)}"
+        if wait is not None:
+            line += f" (queue max wait {wait:g}s)"
+        lines.append(line + ".")
+        for (status, code), took in sorted(w.refusals.items(), key=lambda kv: -len(kv[1])):
+            spread = f"{min(took):.2f}s" + (f"-{max(took):.2f}s" if max(took) > min(took) else "")
+            what = REFUSALS.get(code, "refused").format(wait=_s(wait))
+            lines.append(
+                f"  {len(took)} refused with {status} {code}, {spread} after arriving: {what}."
+            )
+        if not w.refusals:
+            lines.append("  None refused.")
+    lines.append(
+        "A queue_wait_too_long refusal comes at once, with the predicted wait as Retry-After:"
+        " the client learns now what it would learn after waiting max_wait_s in the queue."
+        if any(code == "queue_wait_too_long" for w in found for _, code in w.refusals)
+        else "Nothing was refused before waiting its queue's max wait."
+    )
+    return "\n".join(lines)
+
+
+def marks(found: list[Outcome], policy: dict[str, Any]) -> dict[str, Mark]:
+    """The queue's max wait of each workload's pool: the policy's only latency bound."""
+    out = {}
+    for w in found:
+        if w.route and (pool := policy["pools"].get(w.route[1])):
+            wait = pool["queue"]["max_wait_s"]
+            out[w.name] = Mark(f"{w.route[1]} queue max wait {wait:g}s", wait)
+    return out
 
 
 async def run(
     policy_path: Path, policy: dict[str, Any], tokenizer: str, args: argparse.Namespace
 ) -> SweepResult:
     """Start the fleet and the gateway, send the load, stop everything; the gateway's access log
-    goes to `args.out / "access.jsonl"`."""
+    goes to `args.out / "access.jsonl"`, its own log to `args.out / "gateway.log"`."""
     url = f"http://127.0.0.1:{args.port}"
     replicas = await start_replicas(policy, tokenizer, args.time_scale)
-    with (args.out / "access.jsonl").open("wb") as log:
+    gateway_log = args.out / "gateway.log"
+    with (args.out / "access.jsonl").open("wb") as log, gateway_log.open("wb") as errors:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "gateway", "serve", "--policy", str(policy_path),
-            "--port", str(args.port), stdout=log,
+            "--port", str(args.port), stdout=log, stderr=errors,
         )  # fmt: skip
         try:
-            await wait_ready(url, proc)
-            print(f"gateway up at {url}, {len(replicas)} simulated replicas (time scale"
-                  f" {args.time_scale:g}); sending {args.rate:g} req/s of mixed traffic for"
-                  f" {args.duration:g}s ...", flush=True)  # fmt: skip
+            await wait_ready(url, proc, gateway_log)
+            print(f"gateway up at {url}, {len(replicas)} simulated replicas; sending"
+                  f" {args.rate:g} req/s of mixed traffic for {args.duration:g}s ...",
+                  flush=True)  # fmt: skip
             config = SweepConfig(
                 targets=(Target(url, "gemma-3", tokenizer),),
                 workloads=(load_workload("mixed"),),
-                rates=(args.rate,),
-                duration_s=args.duration,
+                rates=(args.rate * args.time_scale,),  # the load generator sends on the wall clock
+                duration_s=args.duration / args.time_scale,
                 max_seconds_per_level=DEADLINE_S,
                 time_scale=args.time_scale,
             )
@@ -156,31 +276,47 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--policy", type=Path, default=ROOT / "policies" / "demo.yaml")
     parser.add_argument("--port", type=int, default=18080, help="the gateway's port")
-    parser.add_argument("--rate", type=float, default=12.0, help="arrivals per wall-clock second")
+    parser.add_argument("--rate", type=float, default=1.2, help="arrivals per simulated second")
     parser.add_argument(
-        "--duration", type=float, default=20.0, help="wall-clock seconds of arrivals"
+        "--duration", type=float, default=200.0, help="simulated seconds of arrivals"
     )
-    parser.add_argument("--time-scale", type=float, default=10.0)
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=10.0,
+        help="how much faster than real time the fleet runs",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "loadtest" / "out" / "demo")
     args = parser.parse_args(argv)
     policy = yaml.safe_load(args.policy.read_text())
     tokenizer = ensure_tokenizers(policy, args.policy.parent)
     args.out.mkdir(parents=True, exist_ok=True)
-    result = asyncio.run(run(args.policy, policy, tokenizer, args))
+    copy = gateway_policy(policy, args.policy, args.time_scale, args.out / "gateway-policy.yaml")
+    print(
+        f"Every time and rate below is in simulated seconds: the replicas run {args.time_scale:g}x"
+        f" faster than real time,\nand the gateway runs on {os.path.relpath(copy)},"
+        f" {args.policy.name} with its times divided by {args.time_scale:g}.",
+        flush=True,
+    )
+    result = asyncio.run(run(copy, policy, tokenizer, args))
     access_path = args.out / "access.jsonl"
     access = [orjson.loads(line) for line in access_path.read_bytes().splitlines()]
     records = result.series[0].levels[0][1].records
-    summary = table(records, access, args.time_scale)
-    write_report(result, args.out)
+    found = workloads(records, access, args.time_scale)
+    summary, said = table(found, policy, args.time_scale), story(found, policy, args.time_scale)
+    write_report(result, args.out, marks(found, policy))
     (args.out / "demo.md").write_text(
-        f"# Demo\n\nPolicy `{args.policy.name}`, {args.rate:g} req/s for {args.duration:g}s wall"
-        f" clock, time scale {args.time_scale:g} (latencies in simulated seconds).\n\n{summary}\n"
+        f"# Demo\n\nPolicy `{args.policy.name}`, {args.rate:g} req/s for {args.duration:g}s."
+        f" Every time and rate is in simulated seconds (the replicas run {args.time_scale:g}x"
+        f" faster than real time; the gateway ran on `gateway-policy.yaml`, the policy's times"
+        f" divided by {args.time_scale:g}).\n\n{summary}\n\n```\n{said}\n```\n\n"
+        "![requests over time](throughput.png)\n\n![latency](latency.png)\n"
     )
-    print(f"\n{summary}\n")
-    print("Classification flows through its own pool; generation waits behind its low cap, and")
-    print("what waits longer than its queue allows is refused with a retryable 429, not piled up.")
-    print(f"Report: {os.path.relpath(args.out)}/demo.md (and report.md, results.json, plots);")
-    print(f"access log: {os.path.relpath(access_path)}")
+    print(f"\n{summary}\n\n{said}\n")
+    print(f"Report: {os.path.relpath(args.out)}/demo.md (and report.md, results.json, CSV, plots);")
+    print(
+        f"access log: {os.path.relpath(access_path)}; gateway log: {os.path.relpath(args.out)}/gateway.log"
+    )
     return 0 if any(r.ok for r in records) else 1
 
 

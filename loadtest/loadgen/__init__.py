@@ -25,7 +25,7 @@ from loadtest.loadgen.compare import (
 from loadtest.loadgen.knee import Knee, KneeParams, find_knee, policy_snippet
 from loadtest.loadgen.profile import Profile, build_profile, read_access_log
 from loadtest.loadgen.prompts import PromptBuilder
-from loadtest.loadgen.report import analyse, write_report
+from loadtest.loadgen.report import Mark, analyse, write_report
 from loadtest.loadgen.roundrobin import create_roundrobin_app, roundrobin_process
 from loadtest.loadgen.runner import RequestRecord
 from loadtest.loadgen.stats import LevelStats, Point, jump_flags, normalise, percentile, summarize
@@ -47,6 +47,7 @@ __all__ = [
     "Knee",
     "KneeParams",
     "LevelStats",
+    "Mark",
     "Point",
     "Profile",
     "PromptBuilder",

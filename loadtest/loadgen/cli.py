@@ -197,7 +197,7 @@ def sweep(argv: Sequence[str]) -> int:
     paths = write_report(result, args.out)
     print(summary_text(result))
     runs = {
-        f"{s.target.model} {s.workload.name} {config.kind}={load:g}": run.records
+        f"{s.target.model} {s.workload.name} {config.kind}={config.reported_load(load):g}": run.records
         for s in result.series
         for load, run in s.levels
     }

@@ -56,6 +56,11 @@ class SweepConfig:
     def kind(self) -> LoadKind:
         return "rate" if self.rates else "users"
 
+    def reported_load(self, load: float) -> float:
+        """A level's load in the report's clock: a rate is sent in wall-clock arrivals per second,
+        which are `time_scale` times fewer per simulated second; users are users."""
+        return load / self.time_scale if self.rates else load
+
     def loads(self, workload: Workload) -> tuple[float, ...]:
         if self.rates:
             return self.rates
@@ -98,7 +103,10 @@ class SweepResult:
                 for load, run in s.levels:
                     records = [r for r in run.records if cls is None or r.cls == cls]
                     curve.levels.append(
-                        (load, summarize(records, run.duration_s, self.config.time_scale))
+                        (
+                            self.config.reported_load(load),
+                            summarize(records, run.duration_s, self.config.time_scale),
+                        )
                     )
                 out.append(curve)
         return out
@@ -130,7 +138,10 @@ async def run_sweep(config: SweepConfig, progress: Progress | None = None) -> Sw
                     bodies = await asyncio.to_thread(
                         prompts[target.tokenizer].bodies, target.model, planned, config.stream
                     )
-                    label = f"{target.model} {workload.name} {config.kind}={load:g}"
+                    label = (
+                        f"{target.model} {workload.name} {config.kind}"
+                        f"={config.reported_load(load):g}"
+                    )
                     progress.start(label, len(planned))
                     run = await run_level(
                         http,
@@ -148,12 +159,15 @@ async def run_sweep(config: SweepConfig, progress: Progress | None = None) -> Sw
 
 
 def level_line(run: LevelRun, time_scale: float) -> str:
+    """One clock for the whole line: a duration in wall-clock seconds next to latencies and rates
+    in simulated ones read as if requests outlived the run."""
     s = summarize(run.records, run.duration_s, time_scale)
     failed = ", ".join(f"{k}: {v}" for k, v in sorted(s.failed.items())) or "none"
+    clock = "" if time_scale == 1 else f" (simulated seconds, time scale {time_scale:g})"
     return (
-        f"{s.completed}/{len(run.records)} completed in {run.duration_s:.1f}s wall clock,"
+        f"{s.completed}/{len(run.records)} completed in {s.duration_s:.1f}s,"
         f" {s.rps:.2f} req/s, {s.output_tps:.0f} out tok/s, P95 E2E {_s(s.e2e.p95)},"
-        f" failed {failed}, unfinished {s.unfinished}"
+        f" failed {failed}, unfinished {s.unfinished}{clock}"
     )
 
 
