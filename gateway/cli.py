@@ -144,7 +144,14 @@ def _without_tokenizers(loaded: LoadedSpec, fallback: bool) -> tuple[LoadedSpec,
         name: model.model_copy(update={"tokenizer": "estimate"}) if name in missing else model
         for name, model in loaded.spec.models.items()
     }
-    spec = loaded.spec.model_copy(update={"models": models})
+    # explain picks no replica, and `precise_prefix` would refuse a model counted by estimate
+    pools = {
+        name: pool.model_copy(update={"pick": None})
+        if pool.model in missing and pool.pick is not None and "precise_prefix" in pool.pick.scorers
+        else pool
+        for name, pool in loaded.spec.pools.items()
+    }
+    spec = loaded.spec.model_copy(update={"models": models, "pools": pools})
     return dataclasses.replace(loaded, spec=spec), missing
 
 

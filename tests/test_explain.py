@@ -144,6 +144,19 @@ def test_a_missing_tokenizer_falls_back_to_the_estimate(capsys, tmp_path) -> Non
     )
 
 
+def test_the_fallback_serves_a_pool_scoring_by_precise_prefix(capsys, tmp_path) -> None:
+    """That scorer refuses a model counted by estimate; explain picks no replica anyway."""
+    absent = tmp_path / "no-such-tokenizer"
+    pick = {"scorers": {"precise_prefix": 1, "queue": 1}}
+    policy = basic_policy(str(absent), ["http://127.0.0.1:1"], pick=pick)
+    path = str(write_policy(tmp_path, policy))
+    code, out, err = explain(
+        capsys, "--json", "--policy", path, "--tokenizer-fallback", "estimate", chat(tmp_path)
+    )
+    assert (code, err) == (0, "")
+    assert json.loads(out)["pool"] == "main"
+
+
 def test_a_missing_tokenizer_without_the_fallback_says_which_and_what_to_do(
     capsys, tmp_path
 ) -> None:
