@@ -201,15 +201,16 @@ async def _explain(
             headers=CIMultiDictProxy(CIMultiDict(headers)),
             arrived=time.perf_counter(),
         )
+        # The server answers 401 to a request without a key; explain still shows where it goes.
         keyless = bool(policy.tenants) and "Authorization" not in ctx.headers
-        if not keyless:  # explaining a request without its key still shows where it would go
+        if not keyless:
             authenticate(ctx, policy.tenants)
         parse(ctx, "application/json", raw, policy.spec.server)
         await decide(ctx, policy)
     finally:
         policy.close()
-    assert ctx.pool is not None and ctx.route is not None
-    model = ctx.pool.model
+    assert ctx.pool is not None and ctx.route is not None and ctx.model is not None
+    model = ctx.model  # whose tokenizer counted: an alias's first route's
     tenant = ctx.tenant
     quota: list[str] | str | None = None
     if keyless:
