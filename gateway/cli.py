@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import logging
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from gateway import __version__
-from gateway.policy.load import PolicyError
+from gateway.policy.load import LoadedSpec, PolicyError
+
+if TYPE_CHECKING:
+    from gateway.policy.schema import RouteMatch
 
 log = logging.getLogger("gateway")
 
@@ -109,16 +113,84 @@ def _endpoint(body: dict[str, Any], given: str | None) -> str:
     return "chat" if "messages" in body else "completions"
 
 
-async def _explain(policy_path: str, raw: bytes, endpoint: str | None) -> dict[str, Any]:
+_NO_TOKENIZER_HINT = (
+    "explain --tokenizer-fallback estimate counts such models with the character estimate"
+    " (`tokenizer: estimate`) instead"
+)
+
+
+def _header(text: str) -> tuple[str, str]:
+    """`Name: value`, as curl's `-H` takes it."""
+    name, colon, value = text.partition(":")
+    if not colon or not name.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not `Name: value`")
+    return name.strip(), value.strip()
+
+
+def _without_tokenizers(loaded: LoadedSpec, fallback: bool) -> tuple[LoadedSpec, dict[str, str]]:
+    """The spec with each model whose tokenizer directory is missing here counted by estimate
+    (when `fallback`), and those models' directories: a laptop rarely holds the fleet's."""
+    from gateway.policy.compile import tokenizer_dir
+
+    base = Path(loaded.path).parent
+    missing = {
+        name: str(tokenizer_dir(model, base))
+        for name, model in loaded.spec.models.items()
+        if model.tokenizer != "estimate" and not tokenizer_dir(model, base).is_dir()
+    }
+    if not (missing and fallback):
+        return loaded, missing
+    models = {
+        name: model.model_copy(update={"tokenizer": "estimate"}) if name in missing else model
+        for name, model in loaded.spec.models.items()
+    }
+    # explain picks no replica, and `precise_prefix` would refuse a model counted by estimate
+    pools = {
+        name: pool.model_copy(update={"pick": None})
+        if pool.model in missing and pool.pick is not None and "precise_prefix" in pool.pick.scorers
+        else pool
+        for name, pool in loaded.spec.pools.items()
+    }
+    spec = loaded.spec.model_copy(update={"models": models, "pools": pools})
+    return dataclasses.replace(loaded, spec=spec), missing
+
+
+def _match(spec: RouteMatch) -> str:
+    """A route's conditions as the policy writes them: why the request took it."""
+    given = spec.model_dump(by_alias=True, exclude_none=True)
+    return ", ".join(f"{key} {orjson.dumps(value).decode()}" for key, value in given.items()) or (
+        "anything"
+    )
+
+
+async def _explain(
+    policy_path: str,
+    raw: bytes,
+    endpoint: str | None,
+    headers: list[tuple[str, str]],
+    tokenizer_fallback: bool,
+) -> dict[str, Any]:
     from multidict import CIMultiDict, CIMultiDictProxy
 
     from gateway.context import Ctx
     from gateway.forward import upstream_priority
     from gateway.parse import parse
     from gateway.pipeline import decide
-    from gateway.policy.compile import load_policy
+    from gateway.policy.compile import compile_policy, reference_problems
+    from gateway.policy.load import load_spec
+    from gateway.policy.schema import PRIORITIES
+    from gateway.quota import tenant_windows
+    from gateway.tenants import authenticate
 
-    policy = load_policy(policy_path)
+    loaded, missing = _without_tokenizers(
+        load_spec(policy_path, reference_problems), tokenizer_fallback
+    )
+    try:
+        policy = compile_policy(loaded)
+    except PolicyError as exc:
+        if missing and not tokenizer_fallback:
+            raise PolicyError([*exc.lines, _NO_TOKENIZER_HINT]) from None
+        raise
     try:
         body = orjson.loads(raw)
         chosen = _endpoint(body if isinstance(body, dict) else {}, endpoint)
@@ -126,23 +198,42 @@ async def _explain(policy_path: str, raw: bytes, endpoint: str | None) -> dict[s
             request_id="explain",
             endpoint=chosen,
             path=f"/v1/{'chat/completions' if chosen == 'chat' else 'completions'}",
-            headers=CIMultiDictProxy(CIMultiDict()),
+            headers=CIMultiDictProxy(CIMultiDict(headers)),
             arrived=time.perf_counter(),
         )
+        # The server answers 401 to a request without a key; explain still shows where it goes.
+        keyless = bool(policy.tenants) and "Authorization" not in ctx.headers
+        if not keyless:
+            authenticate(ctx, policy.tenants)
         parse(ctx, "application/json", raw, policy.spec.server)
         await decide(ctx, policy)
     finally:
         policy.close()
-    assert ctx.pool is not None and ctx.route is not None
+    assert ctx.pool is not None and ctx.route is not None and ctx.model is not None
+    model = ctx.model  # whose tokenizer counted: an alias's first route's
+    tenant = ctx.tenant
+    quota: list[str] | str | None = None
+    if keyless:
+        quota = "no key given: the gateway answers 401"
+    elif tenant is not None:
+        charged = tenant_windows(tenant, ctx, ctx.reserved_tokens)
+        quota = [f"{w.kind} {w.limit.amount} of {w.limit.limit}/min{w.where}" for w in charged]
+        quota = quota or "unlimited"
     return {
         "endpoint": ctx.endpoint,
         "requested_model": ctx.requested_model,
+        "tenant": tenant.name if tenant is not None else None,  # never the key
+        "tier": PRIORITIES[ctx.tier] if tenant is not None else None,
+        "priority": PRIORITIES[ctx.priority],
+        "quota": quota,
         "input_tokens": ctx.input_tokens,
-        "tokenizer": ctx.pool.model.spec.tokenizer,
+        "tokenizer": missing.get(model.name, model.spec.tokenizer),
+        "tokenizer_missing": model.name in missing,
         "expected_output_tokens": ctx.expected_output,
         "estimate_source": ctx.estimate_source,
         "class": ctx.workload,
         "route": ctx.route.label,
+        "route_match": _match(policy.spec.routes[ctx.route.index].match),
         "pool": ctx.pool.name,
         "adapter": ctx.adapter or None,
         "rewritten_model": ctx.upstream_model,  # the `model` the replica gets
@@ -151,12 +242,35 @@ async def _explain(policy_path: str, raw: bytes, endpoint: str | None) -> dict[s
     }
 
 
+def _lines(decision: dict[str, Any]) -> list[str]:
+    shown = {k: v for k, v in decision.items() if k != "tokenizer_missing"}
+    if decision["tokenizer_missing"]:
+        shown["input_tokens"] = (
+            f"{decision['input_tokens']} (estimated: tokenizer {decision['tokenizer']} not found)"
+        )
+        shown["tokenizer"] = f"estimate (fallback for {decision['tokenizer']})"
+    if isinstance(shown["quota"], list):
+        shown["quota"] = "; ".join(shown["quota"])
+    width = max(map(len, shown))
+    return [f"{key:<{width}}  {value}" for key, value in shown.items()]
+
+
 def explain(args: argparse.Namespace) -> int:
     from gateway.errors import GatewayError
 
+    headers = list(args.header)
+    if args.api_key is not None:  # the server resolves the tenant from this header alone
+        headers = [(k, v) for k, v in headers if k.lower() != "authorization"]
+        headers.append(("Authorization", f"Bearer {args.api_key}"))
     try:
         decision = asyncio.run(
-            _explain(args.policy, Path(args.request).read_bytes(), args.endpoint)
+            _explain(
+                args.policy,
+                Path(args.request).read_bytes(),
+                args.endpoint,
+                headers,
+                args.tokenizer_fallback == "estimate",
+            )
         )
     except PolicyError as exc:
         print(exc, file=sys.stderr)
@@ -170,9 +284,7 @@ def explain(args: argparse.Namespace) -> int:
     if args.json:
         print(orjson.dumps(decision, option=orjson.OPT_INDENT_2).decode())
     else:
-        width = max(map(len, decision))
-        for key, value in decision.items():
-            print(f"{key:<{width}}  {value}")
+        print("\n".join(_lines(decision)))
     return 0
 
 
@@ -207,9 +319,33 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.set_defaults(func=check)
     p = sub.add_parser("explain", help="show how a request would be handled, offline")
-    p.add_argument("--policy", required=True)
-    p.add_argument("--endpoint", choices=["chat", "completions"])
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--policy", required=True, help="the policy file (YAML)")
+    p.add_argument(
+        "--endpoint",
+        choices=["chat", "completions"],
+        help="default: chat when the body has `messages`, else completions",
+    )
+    p.add_argument(
+        "-H",
+        "--header",
+        action="append",
+        type=_header,
+        default=[],
+        metavar="'NAME: VALUE'",
+        help="a request header, as curl's -H (repeatable): route `header` rules, x-priority",
+    )
+    p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="the tenant key (sent as `Authorization: Bearer KEY`); the output names the tenant,"
+        " never the key",
+    )
+    p.add_argument(
+        "--tokenizer-fallback",
+        choices=["estimate"],
+        help="count models whose tokenizer directory is missing here with the character estimate",
+    )
+    p.add_argument("--json", action="store_true", help="print the decision as JSON")
     p.add_argument("request", help="a JSON request body")
     p.set_defaults(func=explain)
     p = sub.add_parser("schema", help="print the policy JSON Schema (policies/schema.json)")

@@ -1,4 +1,5 @@
-"""Stage 7, forward: send the request to the admitted replica and relay the answer untouched.
+"""Stage 7, forward: send the request to the admitted replica and relay the answer untouched
+(but its `model`, with `server.response_model: requested`).
 
 Streams are relayed event by event as they arrive: the relay only looks inside an event that
 carries `"usage"`, to read the real token counts and to drop the final usage chunk that the gateway
@@ -15,6 +16,7 @@ import logging
 import re
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -57,6 +59,10 @@ _USAGE = b'"usage"'
 _USAGE_KEY = re.compile(rb'"usage"\s*:\s*')
 _USAGE_SPAN = 4096  # a usage object is a few hundred bytes
 _DECODER = json.JSONDecoder()
+# A `"model"` key and its string value. Inside a JSON string quotes are escaped, so these bytes
+# are only ever a key: the top-level one, the only `model` in an answer or a stream's event.
+_MODEL_KEY = b'"model"'
+_MODEL = re.compile(rb'("model"\s*:\s*)"(?:[^"\\]|\\.)*"')
 CLIENT_CLOSED = 499  # nginx's code for "the client went away"; bounded, so fine as a label
 
 
@@ -93,6 +99,44 @@ def upstream_body(ctx: Ctx) -> bytes:
     elif not changes:
         return ctx.raw
     return orjson.dumps({**body, **changes})
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRename:
+    """Gives answers back the `model` the client sent (`server.response_model: requested`)."""
+
+    sent: bytes  # `"model":"<what the replica was sent>"`, compact, as vLLM writes it
+    renamed: bytes  # the same with the client's name
+    wanted: bytes  # the client's name, JSON-encoded
+
+    @classmethod
+    def of(cls, ctx: Ctx) -> ModelRename | None:
+        """None when there is nothing to rewrite: the replica's name is the one asked for (a
+        model's own, an adapter's)."""
+        if ctx.requested_model == ctx.upstream_model:
+            return None
+        wanted = orjson.dumps(ctx.requested_model)
+        sent = _MODEL_KEY + b":" + orjson.dumps(ctx.upstream_model)
+        return cls(sent, _MODEL_KEY + b":" + wanted, wanted)
+
+    def _value(self, key: re.Match[bytes]) -> bytes:
+        return key[1] + self.wanted
+
+    def events(self, run: bytes) -> bytes:
+        """Every event of a run of whole SSE events. When each `"model"` in it is the exact bytes
+        vLLM writes for the name it was sent, a plain replace does it at a quarter of the
+        regular expression's cost; a replica answering with another of its served names, or
+        spacing its JSON, takes the expression."""
+        if run.count(self.sent) == run.count(_MODEL_KEY):
+            return run.replace(self.sent, self.renamed)
+        return _MODEL.sub(self._value, run)
+
+    def answer(self, body: bytearray) -> None:
+        """A JSON answer's `model`, in place: the top-level key leads the object, so the search
+        stops at the first rather than scanning megabytes of choices, and nothing is copied."""
+        key = _MODEL.search(body)
+        if key is not None:
+            body[key.end(1) : key.end()] = self.wanted
 
 
 def _hop_by_hop(headers: Mapping[str, str], always: frozenset[str]) -> frozenset[str]:
@@ -239,11 +283,18 @@ def _stream_error(ctx: Ctx, replica_url: str, exc: BaseException) -> bytes:
 
 
 async def _relay(
-    ctx: Ctx, up: aiohttp.ClientResponse, resp: web.StreamResponse, first: float, total: float
+    ctx: Ctx,
+    up: aiohttp.ClientResponse,
+    resp: web.StreamResponse,
+    first: float,
+    total: float,
+    rename: ModelRename | None,
 ) -> None:
     """Relay events until the end; `first` and `total` are loop-time deadlines for the first
     bytes and for the whole answer. Any bytes end the wait for the first: an SSE comment
-    (`: ping`) carries no token but proves the replica alive; silence stays bounded by `read_s`."""
+    (`: ping`) carries no token but proves the replica alive; silence stays bounded by `read_s`.
+    `rename` rewrites each run of whole events, so an event split across reads is renamed once
+    it is complete, and nothing waits longer than it does without it."""
     drop_usage = not ctx.client_wants_usage
     pending = b""
     deadline = min(first, total)
@@ -265,10 +316,13 @@ async def _relay(
             end = len(data) - 2
         pending = data[end + 2 :]
         out = _scan(ctx, data[: end + 2], drop_usage)
+        if rename is not None:
+            out = rename.events(out)
         if out:
             await resp.write(out)
     if pending:
-        await resp.write(_scan(ctx, pending, drop_usage))
+        out = _scan(ctx, pending, drop_usage)
+        await resp.write(out if rename is None else rename.events(out))
 
 
 async def forward(
@@ -282,13 +336,16 @@ async def forward(
     max_response_bytes: int,
     *,
     retry_503: bool = False,
+    rename_model: bool = False,
 ) -> web.StreamResponse:
     """Send upstream and relay the answer; raise a `GatewayError` only before the first byte.
 
     `ReplicaRefused` means the replica never took the request (refused, reset before headers, or
     503 when `retry_503`): the caller may retry it elsewhere. Nothing is retried after a byte
-    reached the client. What went wrong is logged; the client is told less.
+    reached the client. What went wrong is logged; the client is told less. `rename_model`
+    gives the answer the `model` the client sent (`server.response_model`).
     """
+    rename = ModelRename.of(ctx) if rename_model else None
     url = replica_url + ctx.path
     headers = upstream_headers(request.headers, ctx, api_key, request.remote)
     now = asyncio.get_running_loop().time()
@@ -323,7 +380,7 @@ async def forward(
         if not streaming:
             try:
                 async with asyncio.timeout_at(total):
-                    return await _whole(ctx, up, replica_url, max_response_bytes)
+                    return await _whole(ctx, up, replica_url, max_response_bytes, rename)
             except TimeoutError as exc:
                 raise UpstreamTimeout(
                     _failed(ctx, replica_url, "the replica did not finish its answer in time", exc)
@@ -331,7 +388,7 @@ async def forward(
         resp = web.StreamResponse(status=200, headers=_response_headers(up.headers, ctx))
         try:
             await resp.prepare(request)  # the first write: the client may be gone already
-            await _relay(ctx, up, resp, first, total)
+            await _relay(ctx, up, resp, first, total, rename)
         except ConnectionResetError:  # the client left mid-stream (before cancellation reached us)
             up.close()
             ctx.status, ctx.reason = CLIENT_CLOSED, "client_disconnect"
@@ -354,7 +411,11 @@ async def forward(
 
 
 async def _whole(
-    ctx: Ctx, up: aiohttp.ClientResponse, replica_url: str, limit: int
+    ctx: Ctx,
+    up: aiohttp.ClientResponse,
+    replica_url: str,
+    limit: int,
+    rename: ModelRename | None,
 ) -> web.Response:
     """Read the answer whole, but no more than `limit` bytes: past it, the request ends and the
     caller closes the connection, so a huge answer costs the gateway `limit` at most."""
@@ -379,6 +440,8 @@ async def _whole(
         ) from None
     if up.status == 200 and usage_at >= 0:
         _read_usage(ctx, _usage_object(data, usage_at))
+    if up.status == 200 and rename is not None:
+        rename.answer(data)
     return web.Response(status=up.status, body=data, headers=_response_headers(up.headers, ctx))
 
 

@@ -352,6 +352,7 @@ class Gateway:
         slots, session, key = runtime.slots[name], self.sessions[name], runtime.api_keys[name]
         timeouts = ctx.pool.spec.timeouts
         max_bytes = runtime.policy.spec.server.max_response_bytes
+        rename_model = runtime.policy.spec.server.response_model == "requested"
         place = Place()
         while True:
             retrying = bool(place.avoid)
@@ -372,6 +373,7 @@ class Gateway:
                             runtime.client_timeouts[name],
                             max_bytes,
                             retry_503=retry_next,
+                            rename_model=rename_model,
                         )
                     except ReplicaRefused:
                         slots.failed(replica, "refused")

@@ -46,6 +46,11 @@ class _Scoped:
     scope: str
     limit: Limit
 
+    @property
+    def where(self) -> str:
+        """` on model M` or ` on pool P`; "" for the tenant's overall window."""
+        return f" on {self.scope.rstrip(':').replace(':', ' ', 1)}" if self.scope else ""
+
 
 def duration(seconds: float) -> str:
     """OpenAI's reset format: `20ms`, `6s`, `1.5s`, `6m0s`."""
@@ -92,7 +97,7 @@ def _charged(reserved: int, stated: int, tpm: int) -> int:
     return max(stated, tpm)
 
 
-def _windows(tenant: Tenant, ctx: Ctx, tokens: int) -> list[_Scoped]:
+def tenant_windows(tenant: Tenant, ctx: Ctx, tokens: int) -> list[_Scoped]:
     """The tenant's overall windows, then those of the model and the pool this request uses.
 
     One hash tag per tenant: all its windows share a Redis Cluster slot, so one script can
@@ -131,7 +136,7 @@ class Quotas:
         if ctx.tenant is None:
             return None
         tenant = ctx.tenant
-        scoped = _windows(tenant, ctx, ctx.reserved_tokens)
+        scoped = tenant_windows(tenant, ctx, ctx.reserved_tokens)
         if not scoped:
             return None
         result = await self.state.reserve([item.limit for item in scoped])
@@ -139,8 +144,7 @@ class Quotas:
         if isinstance(result, Refusal):
             item = scoped[result.index]
             self.metrics.quota_rejections.labels(tenant.name, item.kind).inc()
-            where = f" on {item.scope.rstrip(':').replace(':', ' ', 1)}" if item.scope else ""
-            per_minute = f"{item.limit.limit} {item.kind} per minute{where}"
+            per_minute = f"{item.limit.limit} {item.kind} per minute{item.where}"
             if result.retry_after_s is None:
                 raise OverQuota(
                     f"this request needs {item.limit.amount} {item.kind}, more than tenant"
@@ -162,7 +166,7 @@ class Quotas:
         the headers inform, they must not turn a refusal into a failure."""
         if ctx.tenant is None or ctx.ratelimit_headers:
             return
-        scoped = _windows(ctx.tenant, ctx, 0)
+        scoped = tenant_windows(ctx.tenant, ctx, 0)
         if not scoped:
             return
         try:

@@ -85,6 +85,11 @@ class TokenizerThreads:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
+def tokenizer_dir(spec: ModelSpec, base: Path) -> Path:
+    """Where a model's tokenizer is loaded from: a relative path is the policy file's neighbour."""
+    return base / spec.tokenizer
+
+
 def _counter(
     spec: ModelSpec, policy: PolicySpec, base: Path, threads: TokenizerThreads | None, load: bool
 ) -> Any:
@@ -92,9 +97,7 @@ def _counter(
         return EstimateCounter(spec.chars_per_token, spec.image_tokens)
     server = policy.server
     return HFCounter(
-        load_tokenizer(
-            str(base / spec.tokenizer)
-        ),  # a relative path is the policy file's neighbour
+        load_tokenizer(str(tokenizer_dir(spec, base))),
         memoized=spec.token_counting == "memoized",
         executor=threads.small if threads is not None else None,
         inline_max_chars=server.inline_tokenize_max_chars,
@@ -399,4 +402,5 @@ __all__ = [
     "compile_policy",
     "load_policy",
     "reference_problems",
+    "tokenizer_dir",
 ]

@@ -529,6 +529,16 @@ class ServerSpec(Spec):
             " closed. Streams are relayed as they come and never held whole."
         ),
     )
+    response_model: Literal["upstream", "requested"] = Field(
+        "upstream",
+        description=(
+            "The `model` field of answers: `upstream`, what the replica reports (the pool's model"
+            " for an alias); `requested`, the name the client sent, as LiteLLM answers: rewritten"
+            " in a JSON answer and in each event of a stream as it passes, never buffered. Set"
+            " for the whole gateway, not per route: an alias spans routes chosen by class, and"
+            " the name a client sees must not depend on its request's size."
+        ),
+    )
     idle_timeout_s: PositiveFloat = Field(
         75.0,
         description=(
