@@ -19,6 +19,8 @@ from gateway import __version__
 from gateway.policy.load import LoadedSpec, PolicyError
 
 if TYPE_CHECKING:
+    from gateway.context import Ctx
+    from gateway.policy.compile import Policy
     from gateway.policy.schema import RouteMatch
 
 log = logging.getLogger("gateway")
@@ -155,6 +157,81 @@ def _without_tokenizers(loaded: LoadedSpec, fallback: bool) -> tuple[LoadedSpec,
     return dataclasses.replace(loaded, spec=spec), missing
 
 
+def _assumed(text: str) -> tuple[str, float]:
+    name, sep, value = text.partition("=")
+    try:
+        if sep and name and float(value) >= 0:
+            return name, float(value)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r}: give POOL=NUMBER, the number 0 or more")
+
+
+@dataclasses.dataclass(frozen=True)
+class _AssumedLoad:
+    """A pool's load as the explain command line states it (`spill.PoolLoad`)."""
+
+    saturation: float
+    wait_s: float | None
+
+    def predicted_wait(self, workload: str) -> float | None:
+        return self.wait_s if self.wait_s is not None else (0.0 if self.saturation < 1 else None)
+
+
+_PASSED_OVER = {
+    "tier": "not for tier {tier}",
+    "primary_has_room": "{primary} is not full",
+    "fallback_full": "{pool} is full too (saturation {load:g} >= {bound:g})",
+    "does_not_fit": "{pool} cannot serve it (context length or LoRA adapter)",
+}
+
+
+def _fallbacks(
+    ctx: Ctx, policy: Policy, saturation: dict[str, float], waits: dict[str, float]
+) -> list[str] | None:
+    """The route's fallback chain, each with whether it takes the request at the load assumed."""
+    from gateway import spill
+    from gateway.policy.schema import PRIORITIES
+
+    assert ctx.route is not None and ctx.pool is not None
+    if not ctx.route.fallbacks:
+        return None
+    loads = {
+        name: _AssumedLoad(saturation.get(name, 0.0), waits.get(name)) for name in policy.pools
+    }
+    primary, lines, taken = ctx.pool, [], False
+    for fallback in ctx.route.fallbacks:
+        when = [
+            *([f"saturation >= {fallback.saturation_gte:g}"] if fallback.saturation_gte else []),
+            *(
+                [f"predicted wait >= {fallback.predicted_wait_gte_s:g}s"]
+                if fallback.predicted_wait_gte_s
+                else []
+            ),
+        ]
+        tiers = "+".join(PRIORITIES[t] for t in sorted(fallback.tiers))
+        rule = (
+            f"{fallback.pool.name} (when {primary.name} {' or '.join(when)};"
+            f" while under {fallback.below_saturation:g}; tiers {tiers})"
+        )
+        why = spill.passed_over(ctx, fallback, loads, policy.adapters)
+        if taken:
+            verdict = "not reached"
+        elif why is None:
+            verdict, taken = "TAKES IT", True
+            ctx.spilled_from, ctx.pool, ctx.model = primary.name, fallback.pool, fallback.pool.model
+        else:
+            verdict = "passed over: " + _PASSED_OVER[why].format(
+                tier=PRIORITIES[ctx.priority],
+                primary=primary.name,
+                pool=fallback.pool.name,
+                load=loads[fallback.pool.name].saturation,
+                bound=fallback.below_saturation,
+            )
+        lines.append(f"{rule}: {verdict}")
+    return lines
+
+
 def _match(spec: RouteMatch) -> str:
     """A route's conditions as the policy writes them: why the request took it."""
     given = spec.model_dump(by_alias=True, exclude_none=True)
@@ -169,6 +246,8 @@ async def _explain(
     endpoint: str | None,
     headers: list[tuple[str, str]],
     tokenizer_fallback: bool,
+    saturation: dict[str, float] | None = None,
+    waits: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -191,6 +270,10 @@ async def _explain(
         if missing and not tokenizer_fallback:
             raise PolicyError([*exc.lines, _NO_TOKENIZER_HINT]) from None
         raise
+    unknown = sorted({*(saturation or {}), *(waits or {})} - policy.pools.keys())
+    if unknown:
+        policy.close()
+        raise PolicyError([f"--saturation / --predicted-wait: no pool {', '.join(unknown)}"])
     try:
         body = orjson.loads(raw)
         chosen = _endpoint(body if isinstance(body, dict) else {}, endpoint)
@@ -207,6 +290,7 @@ async def _explain(
             authenticate(ctx, policy.tenants)
         parse(ctx, "application/json", raw, policy.spec.server)
         await decide(ctx, policy)
+        fallbacks = _fallbacks(ctx, policy, saturation or {}, waits or {})
     finally:
         policy.close()
     assert ctx.pool is not None and ctx.route is not None and ctx.model is not None
@@ -234,7 +318,9 @@ async def _explain(
         "class": ctx.workload,
         "route": ctx.route.label,
         "route_match": _match(policy.spec.routes[ctx.route.index].match),
+        "fallback": fallbacks,
         "pool": ctx.pool.name,
+        "spilled_from": ctx.spilled_from or None,
         "adapter": ctx.adapter or None,
         "rewritten_model": ctx.upstream_model,  # the `model` the replica gets
         "upstream_priority": upstream_priority(ctx),
@@ -251,6 +337,10 @@ def _lines(decision: dict[str, Any]) -> list[str]:
         shown["tokenizer"] = f"estimate (fallback for {decision['tokenizer']})"
     if isinstance(shown["quota"], list):
         shown["quota"] = "; ".join(shown["quota"])
+    if shown["fallback"] is None:  # a route without fallbacks: nothing to say of them
+        del shown["fallback"], shown["spilled_from"]
+    else:
+        shown["fallback"] = "; then ".join(shown["fallback"])
     width = max(map(len, shown))
     return [f"{key:<{width}}  {value}" for key, value in shown.items()]
 
@@ -270,6 +360,8 @@ def explain(args: argparse.Namespace) -> int:
                 args.endpoint,
                 headers,
                 args.tokenizer_fallback == "estimate",
+                dict(args.saturation),
+                dict(args.predicted_wait),
             )
         )
     except PolicyError as exc:
@@ -344,6 +436,24 @@ def main(argv: list[str] | None = None) -> int:
         "--tokenizer-fallback",
         choices=["estimate"],
         help="count models whose tokenizer directory is missing here with the character estimate",
+    )
+    p.add_argument(
+        "--saturation",
+        action="append",
+        type=_assumed,
+        default=[],
+        metavar="POOL=X",
+        help="assume the pool's saturation ((in flight + waiting) / capacity) is X, to see which"
+        " route fallback would take the request (repeatable; default: every pool idle, 0)",
+    )
+    p.add_argument(
+        "--predicted-wait",
+        action="append",
+        type=_assumed,
+        default=[],
+        metavar="POOL=S",
+        help="assume a new request would wait S seconds for a slot on the pool (repeatable;"
+        " default: 0 where saturation is under 1, else unknown)",
     )
     p.add_argument("--json", action="store_true", help="print the decision as JSON")
     p.add_argument("request", help="a JSON request body")

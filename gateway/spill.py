@@ -17,7 +17,7 @@ replicas that would have kept it at home, and spilling stops once they serve.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from gateway.admit import PoolSlots
 from gateway.context import Ctx
@@ -30,7 +30,16 @@ if TYPE_CHECKING:
     from gateway.route import Fallback
 
 
-def primary_full(fallback: Fallback, primary: PoolSlots, workload: str) -> bool:
+class PoolLoad(Protocol):
+    """What spilling reads of a pool: `PoolSlots` live, or `explain`'s assumed figures."""
+
+    @property
+    def saturation(self) -> float: ...
+
+    def predicted_wait(self, workload: str) -> float | None: ...
+
+
+def primary_full(fallback: Fallback, primary: PoolLoad, workload: str) -> bool:
     """Whether `fallback`'s `when` holds for a new request of class `workload` on `primary`."""
     if fallback.saturation_gte is not None and primary.saturation >= fallback.saturation_gte:
         return True
@@ -49,17 +58,33 @@ def fits(ctx: Ctx, fallback: Fallback, adapters: Adapters) -> bool:
     return ctx.longest_prompt < limit and ctx.longest_prompt + (ctx.max_output or 0) <= limit
 
 
-def choose(ctx: Ctx, slots: Mapping[str, PoolSlots], adapters: Adapters) -> Fallback | None:
-    """The fallback that takes `ctx` now, or None: it stays on its route's pool."""
-    assert ctx.route is not None and ctx.pool is not None
-    primary = slots[ctx.pool.name]
+# Why a fallback did not take a request, in the order they are checked.
+TIER, PRIMARY_HAS_ROOM, FALLBACK_FULL, DOES_NOT_FIT = (
+    "tier", "primary_has_room", "fallback_full", "does_not_fit"
+)  # fmt: skip
+
+
+def passed_over(
+    ctx: Ctx, fallback: Fallback, loads: Mapping[str, PoolLoad], adapters: Adapters
+) -> str | None:
+    """Why `fallback` does not take `ctx` now, or None: it does."""
+    assert ctx.pool is not None
+    if ctx.priority not in fallback.tiers:
+        return TIER
+    if not primary_full(fallback, loads[ctx.pool.name], ctx.workload):
+        return PRIMARY_HAS_ROOM
+    if loads[fallback.pool.name].saturation >= fallback.below_saturation:
+        return FALLBACK_FULL
+    if not fits(ctx, fallback, adapters):
+        return DOES_NOT_FIT
+    return None
+
+
+def choose(ctx: Ctx, loads: Mapping[str, PoolLoad], adapters: Adapters) -> Fallback | None:
+    """The first fallback that takes `ctx` now, or None: it stays on its route's pool."""
+    assert ctx.route is not None
     for fallback in ctx.route.fallbacks:
-        if (
-            ctx.priority in fallback.tiers
-            and primary_full(fallback, primary, ctx.workload)
-            and slots[fallback.pool.name].saturation < fallback.below_saturation
-            and fits(ctx, fallback, adapters)
-        ):
+        if passed_over(ctx, fallback, loads, adapters) is None:
             return fallback
     return None
 

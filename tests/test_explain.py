@@ -204,3 +204,42 @@ def test_the_documented_example_runs_on_the_shipped_policy(capsys, sample, expec
     decision = json.loads(out)
     assert code == 0
     assert (decision["class"], decision["pool"], decision["priority"]) == expected
+
+
+def shipped(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """explain on the shipped fleet, which spills alias classification from 27B to 12B."""
+    return explain(
+        capsys, "--policy", str(ROOT / "policies/gemma3-tpu-v6e.yaml"),
+        "--tokenizer-fallback", "estimate", *argv, str(ROOT / "policies/requests/classify.json"),
+    )  # fmt: skip
+
+
+def test_the_fallback_chain_is_shown_and_taken_only_at_the_load_that_takes_it(capsys) -> None:
+    _, out, _ = shipped(capsys, "--json")
+    idle = json.loads(out)
+    assert (idle["pool"], idle["spilled_from"]) == ("classify-27b", None)
+    assert idle["fallback"] == [
+        "generate-12b (when classify-27b saturation >= 1; while under 0.8;"
+        " tiers critical+standard): passed over: classify-27b is not full"
+    ]
+    _, out, _ = shipped(
+        capsys, "--json", "--saturation", "classify-27b=1.2", "--saturation", "generate-12b=0.5"
+    )
+    full = json.loads(out)
+    assert (full["pool"], full["spilled_from"], full["rewritten_model"]) == (
+        "generate-12b", "classify-27b", "gemma-3-12b-it",
+    )  # fmt: skip
+    assert full["fallback"][0].endswith(": TAKES IT")
+    _, out, _ = shipped(
+        capsys, "--saturation", "classify-27b=1.2", "--saturation", "generate-12b=0.8"
+    )
+    assert "passed over: generate-12b is full too (saturation 0.8 >= 0.8)" in out
+    _, out, _ = shipped(capsys, "--saturation", "classify-27b=2", "-H", "x-priority: sheddable")
+    assert "passed over: not for tier sheddable" in out and "classify-27b" in out
+
+
+def test_an_assumed_load_names_a_pool_of_the_policy(capsys) -> None:
+    code, _, err = shipped(capsys, "--saturation", "classify-99b=1")
+    assert code == 1 and "no pool classify-99b" in err
+    with pytest.raises(SystemExit):
+        shipped(capsys, "--predicted-wait", "classify-27b=soon")
