@@ -78,8 +78,10 @@ def test_the_ceiling_holds_and_the_forecast_is_never_negative() -> None:
     assert capped > 60
     assert holt.ahead(HORIZON_S) < Holt.CEILING
     falling = Holt()
-    feed(falling, [max(0.0, 100.0 - t) for t in range(300)])  # drained: the level undershoots 0
-    assert falling.ahead(HORIZON_S) == 0.0
+    feed(falling, [max(0.0, 100.0 - t) for t in range(300)])  # drained: the trend undershoots
+    assert falling.level == 0.0 and falling.ahead(HORIZON_S) == 0.0
+    woken = feed(falling, [10.0] * 60)
+    assert woken[0] > 0  # demand back at once: a level held at 0, not dug below it
     assert Holt().ahead(HORIZON_S) == 0.0  # no sample yet: no opinion
 
 

@@ -51,6 +51,9 @@ class Holt:
         beta = 1 - math.exp(-dt / self.TREND_S)
         predicted = self.level + self.trend * dt
         level = predicted + alpha * (value - predicted)
+        if level <= 0:  # a drained pool: a falling trend would dig below nothing and stay there
+            self.level, self.trend = 0.0, 0.0
+            return
         self.trend += beta * ((level - self.level) / dt - self.trend)
         self.level = level
 
@@ -59,6 +62,5 @@ class Holt:
         within [0, CEILING x level]."""
         if self.level is None:
             return 0.0
-        level = max(0.0, self.level)
         rise = self.trend * self.DAMPING_S * (1 - math.exp(-horizon_s / self.DAMPING_S))
-        return min(max(0.0, level + rise), self.CEILING * level)
+        return min(max(0.0, self.level + rise), self.CEILING * self.level)
