@@ -180,8 +180,8 @@ class _Gauges(Collector):
             "llm_pool_desired_replicas_forecast",
             "Replicas the pool's demand is forecast to need `startup_s` from now, when a replica"
             " started now could serve (Holt's trend on the same slot-seconds per second, damped,"
-            f" at most {Holt.CEILING:g}x the current level); it may be below llm_pool_desired_replicas, which"
-            " stays the HPA's floor.",
+            f" at most {Holt.CEILING:g}x the current level); it may be below"
+            " llm_pool_desired_replicas, which stays the HPA's floor.",
             labels=["pool"],
         )
         for name, pool in self.source.slots.items():

@@ -6,9 +6,9 @@ startup too late on every ramp. The forecast extrapolates the slot-seconds per s
 
 Why Holt's linear trend (double exponential smoothing): demand ramps (a morning, a batch job
 starting) are locally linear over minutes, and Holt is the simplest model that has a trend at
-all; it is two numbers updated in O(1) a tick, and its forecast, level + trend x horizon, can be
-read off a dashboard and checked by hand. Seasonal models need days of history the gateway does
-not keep, and a gateway restart would lose it.
+all; it is two numbers updated in O(1) a tick, and its forecast, level + trend x horizon (the
+horizon shortened by the damping below), can be read off a dashboard and checked by hand.
+Seasonal models need days of history the gateway does not keep, and a restart would lose it.
 
 Why damped and capped: a trend measured over a few minutes says little about the tenth minute
 ahead, so the trend is assumed to fade with time constant `DAMPING_S` over the horizon. And the
