@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gateway.admit import PoolSlots
+from gateway.admit.forecast import Holt
 from gateway.looplag import LAG_BUCKETS
 from gateway.policy.schema import PRIORITIES
 
@@ -175,8 +176,17 @@ class _Gauges(Collector):
             " slot-seconds per second, smoothed): a target for the HPA.",
             labels=["pool"],
         )
+        forecast = GaugeMetricFamily(
+            "llm_pool_desired_replicas_forecast",
+            "Replicas the pool's demand is forecast to need `startup_s` from now, when a replica"
+            " started now could serve (Holt's trend on the same slot-seconds per second, damped,"
+            f" at most {Holt.CEILING:g}x the current level); it may be below"
+            " llm_pool_desired_replicas, which stays the HPA's floor.",
+            labels=["pool"],
+        )
         for name, pool in self.source.slots.items():
             desired.add_metric([name], round(pool.demand.desired_replicas, 3))
+            forecast.add_metric([name], round(pool.demand.desired_replicas_forecast, 3))
         info = GaugeMetricFamily(
             "llm_policy_info", "The running policy, by the hash of its file.", labels=["hash"]
         )
@@ -186,7 +196,7 @@ class _Gauges(Collector):
         )
         errors.add_metric([], self.source.reload_errors)
         return [requests, tokens, depth, leases, capacity, up, ejections, drift, observed, shed, index,
-                blocks, held, events, precise_blocks, desired, info, errors]  # fmt: skip
+                blocks, held, events, precise_blocks, desired, forecast, info, errors]  # fmt: skip
 
 
 MAX_ADAPTER_LABELS = 512

@@ -260,10 +260,26 @@ def test_one_hpa_per_vllm_deployment_on_the_gateways_signals_never_cpu(
             assert metric["type"] == "External", "never on CPU or memory"
             assert metric["external"]["metric"]["name"] in served
             assert metric["external"]["metric"]["selector"]["matchLabels"] == {"pool": pool}
+        targets = {
+            m["external"]["metric"]["name"]: m["external"]["target"] for m in hpa["spec"]["metrics"]
+        }
+        demand = {"type": "AverageValue", "averageValue": "1"}  # replicas, proposed as they are
+        # the forecast beside the reactive estimate: the HPA's max keeps the reactive one a floor
+        assert targets["llm_pool_desired_replicas"] == demand
+        assert targets["llm_pool_desired_replicas_forecast"] == demand
         up, down = hpa["spec"]["behavior"]["scaleUp"], hpa["spec"]["behavior"]["scaleDown"]
         assert up["stabilizationWindowSeconds"] == 0
         assert down["stabilizationWindowSeconds"] >= 300
         assert max(p["value"] for p in down["policies"] if p["type"] == "Pods") == 1
+
+
+def test_the_adapter_serves_the_forecast_summed_over_gateways_as_the_reactive_estimate() -> None:
+    rules = {r["name"]["as"]: r for r in adapter_rules()}
+    for name in ("llm_pool_desired_replicas", "llm_pool_desired_replicas_forecast"):
+        rule = rules[name]
+        assert rule["seriesQuery"] == f'{name}{{pool!=""}}'  # the gateway's gauge of that name
+        assert rule["metricsQuery"] == "sum by (pool) (<<.Series>>{<<.LabelMatchers>>})"
+        assert rule["resources"] == {"namespaced": False}
 
 
 # --- The Prometheus Operator's objects (CRDs: no schema in kubernetes-validate) -------------------
@@ -370,6 +386,7 @@ def test_the_dashboard_has_the_issues_panels_per_pool_and_class() -> None:
     panel("llm_inflight_requests", "llm_pool_capacity")  # saturation
     panel("llm_rejections_total", "reason")
     panel("llm_replica_up", "llm_replica_ejections_total")
+    panel("llm_pool_desired_replicas{", "llm_pool_desired_replicas_forecast{", "llm_replica_up")
     panel("llm_tenant_tokens_total")
 
 

@@ -6,6 +6,8 @@ import math
 import time
 from collections import deque
 
+from gateway.admit.forecast import Holt
+
 
 class HoldTimes:
     """How long the pool's last `SIZE` slots were held: by Little's law the queue drains at the
@@ -45,7 +47,8 @@ class Demand:
 
     By Little's law the slots in use on average are busy seconds per second; waiting and refused
     requests are demand too (a refused one would have held a slot for the mean hold time). Their
-    sum over the per-replica cap is `llm_pool_desired_replicas`, which an HPA can target.
+    sum over the per-replica cap is `llm_pool_desired_replicas`, which an HPA can target. The same
+    sum, forecast `startup_s` ahead (forecast.py), is `llm_pool_desired_replicas_forecast`.
     """
 
     SMOOTHING = 0.2  # weight of the newest tick in the moving average
@@ -56,9 +59,11 @@ class Demand:
         self.busy_s = 0.0
         self.queued_s = 0.0
         self.desired_replicas = 0.0
+        self.desired_replicas_forecast = 0.0
+        self._forecast = Holt()
         self._last: tuple[float, int, int, float, float] | None = None
 
-    def tick(self, cap: int) -> None:
+    def tick(self, cap: int, startup_s: float) -> None:
         now = time.perf_counter()
         if self._last is not None:
             then, arrivals, refused, busy_s, queued_s = self._last
@@ -70,4 +75,6 @@ class Demand:
                     self.refused - refused
                 ) * hold_s / dt
                 self.desired_replicas += self.SMOOTHING * (slots / cap - self.desired_replicas)
+                self._forecast.add(slots, dt)  # unsmoothed: Holt smooths by time, not by tick
+                self.desired_replicas_forecast = self._forecast.ahead(startup_s) / cap
         self._last = (now, self.arrivals, self.refused, self.busy_s, self.queued_s)

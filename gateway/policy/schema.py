@@ -249,6 +249,17 @@ class PoolSpec(Spec):
     max_inflight_tokens: PositiveInt | None = Field(
         None, description="Per replica: input + expected output tokens of the requests in flight."
     )
+    startup_s: PositiveFloat = Field(
+        600.0,
+        description=(
+            "Seconds from asking for a new replica to its serving: the horizon of"
+            " `llm_pool_desired_replicas_forecast`. The default, 10 minutes, is a TPU v6e replica"
+            " of Gemma 3 27B on vLLM with its XLA compilation cache kept: node provisioning,"
+            " image pull and weight load take minutes, and compilation 1-3 minutes from the"
+            " cache against 10-30 without it (vLLM's TPU figures; docs/operations.md). Measure"
+            " yours, Pod created to Ready, and set it."
+        ),
+    )
     pick: PickSpec | None = Field(
         None, description="Weighted replica scorers; unset: the policy's `plugins.picker`."
     )

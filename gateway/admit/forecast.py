@@ -1,0 +1,66 @@
+"""Demand ahead of time: where a pool's slot demand will be once a replica started now can serve.
+
+A TPU replica takes minutes to come up (`startup_s`), so a reactive signal asks for capacity one
+startup too late on every ramp. The forecast extrapolates the slot-seconds per second that
+`Demand` measures to now + `startup_s`.
+
+Why Holt's linear trend (double exponential smoothing): demand ramps (a morning, a batch job
+starting) are locally linear over minutes, and Holt is the simplest model that has a trend at
+all; it is two numbers updated in O(1) a tick, and its forecast, level + trend x horizon (the
+horizon shortened by the damping below), can be read off a dashboard and checked by hand.
+Seasonal models need days of history the gateway does not keep, and a restart would lose it.
+
+Why damped and capped: a trend measured over a few minutes says little about the tenth minute
+ahead, so the trend is assumed to fade with time constant `DAMPING_S` over the horizon. And the
+trend misreads a step (a tenant switched on, an idle pool woken) as a steep ramp until the level
+catches up, worst from a level near zero. The forecast is therefore capped at `CEILING` x the
+current level: it may ask for at most half as much again as is measured. A ramp steeper than
++50% per startup is rare, and what it exceeds the reactive signal still catches; a misread
+cannot buy more than half the pool again in accelerators. It is never negative. What the
+forecast may not do is ask for less than the reactive signal: that floor is applied where the
+two meet (the HPA takes the larger of its metrics), not here, so this series shows the
+estimator's own opinion.
+
+The smoothing weights come from time constants in seconds, not per tick, because the tick is the
+shortest of the pool's health intervals and changes with the policy.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class Holt:
+    """Holt's level and trend of one series sampled at irregular intervals."""
+
+    LEVEL_S = 60.0  # a minute of samples: per-second slot demand is lumpy (a hold lands at once)
+    TREND_S = 300.0  # slower still: a trend must last minutes before it is believed
+    DAMPING_S = 300.0  # the extrapolated trend fades with this time constant over the horizon
+    CEILING = 1.5  # the forecast is at most this multiple of the current level
+
+    def __init__(self) -> None:
+        self.level: float | None = None
+        self.trend = 0.0  # per second
+
+    def add(self, value: float, dt: float) -> None:
+        """The series' value over the last `dt` seconds."""
+        if self.level is None:
+            self.level = value
+            return
+        alpha = 1 - math.exp(-dt / self.LEVEL_S)
+        beta = 1 - math.exp(-dt / self.TREND_S)
+        predicted = self.level + self.trend * dt
+        level = predicted + alpha * (value - predicted)
+        if level <= 0:  # a drained pool: a falling trend would dig below nothing and stay there
+            self.level, self.trend = 0.0, 0.0
+            return
+        self.trend += beta * ((level - self.level) / dt - self.trend)
+        self.level = level
+
+    def ahead(self, horizon_s: float) -> float:
+        """The value forecast `horizon_s` from now: the level plus the damped trend's integral,
+        within [0, CEILING x level]."""
+        if self.level is None:
+            return 0.0
+        rise = self.trend * self.DAMPING_S * (1 - math.exp(-horizon_s / self.DAMPING_S))
+        return min(max(0.0, self.level + rise), self.CEILING * self.level)
