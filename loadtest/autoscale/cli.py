@@ -1,0 +1,186 @@
+"""`llm-loadtest autoscale`: the gateway in front of a simulated pool that a model of the
+Kubernetes HPA scales on the gateway's own metric, driven by a trace. Loopback only.
+
+    llm-loadtest autoscale [--trace step:base=0.5,peak=3,start=60,end=240,duration=720 | FILE.csv]
+                           [--signal reactive|forecast|max] [--startup-s 180] [--time-scale 12]
+                           [--out loadtest/out/autoscale]
+    llm-loadtest autoscale --trace-from-log access.jsonl --bin-s 60 --trace-out trace.csv
+
+Every duration is in simulated seconds (wall seconds x --time-scale); docs/autoscale.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from loadtest.autoscale import hpa, report
+from loadtest.autoscale.loop import FORECAST, REACTIVE, AutoscaleConfig, run_autoscale
+from loadtest.autoscale.trace import STEP, from_access_log, load_trace, write_trace
+from loadtest.loadgen.compare import SLO, parse_slo
+from loadtest.loadgen.profile import read_access_log
+from loadtest.tiny_tokenizer import build
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_TRACE = "step:" + ",".join(f"{k}={v:g}" for k, v in STEP.items())
+# Gemma 3 27B on a v6e 2x2 host, from "pod scheduled" to "serving": pulling the vLLM TPU image
+# (cached on the node), reading ~54 GB of bf16 weights, and XLA-compiling the padded batch
+# shapes, which tpu-inference does before it serves. An estimate of 3 minutes, not measured;
+# a new node (GKE provisioning a TPU VM) would add several more.
+DEFAULT_STARTUP_S = 180.0
+
+
+def _policy(text: str) -> hpa.ScalingPolicy:
+    kind, value, period = text.split(":")
+    if kind not in ("Pods", "Percent"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a policy reads Pods|Percent:VALUE:PERIOD_S")
+    return hpa.ScalingPolicy(kind, int(value), float(period))  # type: ignore[arg-type]
+
+
+def _rules(
+    window: float | None, policies: list[hpa.ScalingPolicy] | None, select: str | None,
+    default: hpa.ScalingRules,
+) -> hpa.ScalingRules | None:  # fmt: skip
+    if window is None and policies is None and select is None:
+        return None
+    return hpa.ScalingRules(
+        default.stabilization_s if window is None else window,
+        tuple(policies) if policies else default.policies,
+        select or default.select,  # type: ignore[arg-type]
+    )
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="llm-loadtest autoscale",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--trace", default=DEFAULT_TRACE, help="built-in NAME:params or a CSV file")
+    p.add_argument("--workload", default="generation", help="for trace rows without one")
+    p.add_argument("--profile", default="gemma-3-27b-tpu-v6e-2x2", help="simulated replica")
+    p.add_argument("--pool", default="generate-27b")
+    p.add_argument("--time-scale", type=float, default=12.0, help="simulated s per wall s")
+    p.add_argument("--startup-s", type=float, default=DEFAULT_STARTUP_S,
+                   help="asked for -> serving, per replica (default: %(default)s)")  # fmt: skip
+    p.add_argument("--signal", choices=("reactive", "forecast", "max"), default="reactive")
+    p.add_argument("--metric", default=REACTIVE, help="the reactive gauge")
+    p.add_argument("--forecast-metric", default=FORECAST)
+    p.add_argument("--target", type=float, default=1.0, help="AverageValue per replica")
+    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--max-replicas", type=int, default=8)
+    p.add_argument("--initial-replicas", type=int, default=1)
+    p.add_argument("--sync-period-s", type=float, default=hpa.DEFAULT_SYNC_PERIOD_S)
+    p.add_argument("--tolerance", type=float, default=hpa.DEFAULT_TOLERANCE)
+    for way, default in (("up", hpa.DEFAULT_SCALE_UP), ("down", hpa.DEFAULT_SCALE_DOWN)):
+        p.add_argument(
+            f"--scale-{way}-window-s",
+            type=float,
+            help=f"stabilisation window (default {default.stabilization_s:g})",
+        )
+        p.add_argument(
+            f"--scale-{way}-policy",
+            type=_policy,
+            action="append",
+            help="Pods|Percent:VALUE:PERIOD_S, repeatable (default: "
+            + ", ".join(f"{x.type}:{x.value}:{x.period_s:g}" for x in default.policies)
+            + ")",
+        )
+        p.add_argument(f"--scale-{way}-select", choices=("Max", "Min", "Disabled"))  # fmt: skip
+    p.add_argument("--max-concurrency", type=int, default=16, help="gateway cap per replica")
+    p.add_argument("--queue-wait-s", type=float, default=30.0, help="gateway queue max_wait_s")
+    p.add_argument("--dns-interval-s", type=float, default=5.0, help="gateway re-resolves")
+    p.add_argument("--slo", action="append", default=[], metavar="CLASS:metric=s,...",
+                   help="per workload, e.g. generation:ttft=2,tpot=0.1 (replaces its default)")  # fmt: skip
+    p.add_argument("--slo-e2e-s", type=float, help="an E2E limit for every workload")
+    p.add_argument("--window-s", type=float, default=30.0, help="P95-over-time window")
+    p.add_argument("--max-requests", type=int, default=20_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", type=Path, help="HF tokenizer dir (default: a tiny one, built)")
+    p.add_argument("--out", type=Path, default=ROOT / "loadtest" / "out" / "autoscale")
+    p.add_argument("--trace-from-log", type=Path, help="write a trace from an access log, exit")
+    p.add_argument("--bin-s", type=float, default=60.0, help="with --trace-from-log")
+    p.add_argument("--class-workload", action="append", default=[], metavar="CLASS=WORKLOAD",
+                   help="with --trace-from-log: the gateway class's loadgen workload")  # fmt: skip
+    p.add_argument("--trace-out", type=Path, default=Path("trace.csv"))
+    return p
+
+
+def slos(args: argparse.Namespace) -> dict[str, SLO]:
+    from loadtest.loadgen.compare import DEFAULT_SLOS
+
+    out = dict(DEFAULT_SLOS)
+    out.update(parse_slo(text) for text in args.slo)
+    if args.slo_e2e_s is not None:
+        trace_names = {"classification", "generation", *out}
+        for name in trace_names:
+            base = out.get(name, SLO())
+            out[name] = SLO(args.slo_e2e_s, base.ttft_s, base.tpot_s)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`argv[0]` is `autoscale`, as loadtest/cli.py passes it."""
+    args = parser().parse_args(list(argv or [])[1:])
+    if args.trace_from_log is not None:
+        mapping = dict(pair.split("=", 1) for pair in args.class_workload)
+        trace = from_access_log(read_access_log(args.trace_from_log), args.bin_s, mapping)
+        write_trace(trace, args.trace_out)
+        print(
+            f"wrote {args.trace_out}: {trace.duration_s:g} s, workloads {', '.join(trace.series)}"
+        )
+        return 0
+    tokenizer = args.tokenizer or ROOT / "loadtest" / "out" / "demo" / "tokenizer"
+    if not (tokenizer / "tokenizer.json").exists():
+        print(f"building the demo tokenizer in {os.path.relpath(tokenizer)} ...", flush=True)
+        build(tokenizer)
+    config = AutoscaleConfig(
+        trace=load_trace(args.trace, args.workload),
+        tokenizer=str(tokenizer),
+        out=args.out,
+        profile=args.profile,
+        pool=args.pool,
+        time_scale=args.time_scale,
+        startup_s=args.startup_s,
+        signal=args.signal,
+        metric=args.metric,
+        forecast_metric=args.forecast_metric,
+        target=args.target,
+        min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas,
+        initial_replicas=args.initial_replicas,
+        scale_up=_rules(args.scale_up_window_s, args.scale_up_policy, args.scale_up_select,
+                        hpa.DEFAULT_SCALE_UP),
+        scale_down=_rules(args.scale_down_window_s, args.scale_down_policy,
+                          args.scale_down_select, hpa.DEFAULT_SCALE_DOWN),
+        tolerance=args.tolerance,
+        sync_period_s=args.sync_period_s,
+        max_concurrency=args.max_concurrency,
+        queue_wait_s=args.queue_wait_s,
+        dns_interval_s=args.dns_interval_s,
+        max_requests=args.max_requests,
+        seed=args.seed,
+    )  # fmt: skip
+    wall = (config.trace.duration_s) / config.time_scale
+    print(f"autoscale: trace of {config.trace.duration_s:g} simulated s at time scale"
+          f" {config.time_scale:g} (~{wall:.0f} s wall), signal {config.signal}, start-up"
+          f" {config.startup_s:g} s ...", flush=True)  # fmt: skip
+    run = asyncio.run(run_autoscale(config))
+    targets = slos(args)
+    summary = report.summarise(run, targets, args.window_s)
+    report.write(run, summary, args.out)
+    for note in run.notes:
+        print(f"note: {note}")
+    a = summary["all"]
+    print(f"{a['requests']} requests: {a['ok']} ok, {a['slo_violations']} SLO-violating,"
+          f" {a['refused_429']} refused (429), {a['refused_503']} (503), {a['other_failures']}"
+          f" other failures; P95 E2E {a['p95_e2e_s']} s; {summary['replica_hours']:g}"
+          f" replica-hours; peak {summary['peak_ready']} ready (simulated times)")  # fmt: skip
+    for m in summary["replicas"]:
+        print(f"  {m['host']}: asked {m['asked_s']:g} s, ready {m['ready_s']}, removed"
+              f" {m['removed_s']}, served {m['requests_served']}")  # fmt: skip
+    print(f"report: {os.path.relpath(args.out)}/autoscale.md (autoscale.json, autoscale.png)")
+    return 0 if a["ok"] else 1
