@@ -8,7 +8,14 @@ from pathlib import Path
 
 from loadtest.autoscale import report
 from loadtest.autoscale.hpa import ScalingPolicy, ScalingRules
-from loadtest.autoscale.loop import AutoscaleConfig, run_autoscale
+from loadtest.autoscale.loop import (
+    FORECAST,
+    REACTIVE,
+    AutoscaleConfig,
+    hpa_metrics,
+    parse_gauges,
+    run_autoscale,
+)
 from loadtest.autoscale.trace import load_trace
 from loadtest.loadgen.compare import DEFAULT_SLOS
 
@@ -50,3 +57,36 @@ async def test_a_step_adds_replicas_after_their_start_up_and_the_gateway_uses_th
     paths = report.write(run, summary, tmp_path)
     assert all(p.stat().st_size > 0 for p in paths)
     assert summary["replica_hours"] > 200 / 3600  # the first replica alone served 200 s
+
+
+EXPOSITION = """\
+# HELP llm_pool_desired_replicas Replicas the pool's demand needs.
+# TYPE llm_pool_desired_replicas gauge
+llm_pool_desired_replicas{pool="generate-27b"} 2.5
+llm_pool_desired_replicas{pool="other"} 9.0
+# HELP llm_pool_desired_replicas_forecast Forecast.
+# TYPE llm_pool_desired_replicas_forecast gauge
+llm_pool_desired_replicas_forecast{pool="generate-27b"} 4.25
+"""
+
+
+def test_the_signal_picks_the_series_and_falls_back_to_the_reactive_one_when_absent(
+    tmp_path: Path,
+) -> None:
+    both = {REACTIVE, FORECAST}
+    gauges = parse_gauges(EXPOSITION, both, "generate-27b")
+    assert gauges == {REACTIVE: 2.5, FORECAST: 4.25}
+    trace = load_trace("ramp", "generation")
+
+    def names(signal: str, have_forecast: bool) -> tuple[tuple[str, ...], list[str]]:
+        config = AutoscaleConfig(trace, "tok", tmp_path, signal=signal)  # type: ignore[arg-type]
+        return hpa_metrics(config, have_forecast)
+
+    assert names("reactive", True) == ((REACTIVE,), [])
+    assert names("forecast", True) == ((FORECAST,), [])
+    assert names("max", True) == ((REACTIVE, FORECAST), [])  # the HPA takes the larger
+    for signal in ("forecast", "max"):
+        used, notes = names(signal, False)
+        assert used == (REACTIVE,) and "fell back" in notes[0]
+    custom = AutoscaleConfig(trace, "tok", tmp_path, metric="my_gauge")
+    assert hpa_metrics(custom, False) == (("my_gauge",), [])

@@ -45,14 +45,15 @@ class Trace:
 
     def arrivals(self, rng: random.Random, limit: int) -> dict[str, list[float]]:
         """Poisson arrival times (simulated seconds) per workload, by thinning: candidates at
-        the series' peak rate, each kept with probability rate(t) / peak. At most `limit` in all."""
+        the series' peak rate, each kept with probability rate(t) / peak. More than `limit` in
+        all is an error, never a silently shortened trace."""
         out: dict[str, list[float]] = {}
         for name, points in self.series.items():
             peak = max(rate for _, rate in points)
             times: list[float] = []
             if peak > 0:
                 t = rng.expovariate(peak)
-                while t < points[-1][0] and len(times) < limit:
+                while t < points[-1][0] and len(times) <= limit:
                     if rng.random() * peak < _at(points, t):
                         times.append(t)
                     t += rng.expovariate(peak)
