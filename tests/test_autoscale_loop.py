@@ -43,7 +43,7 @@ async def test_a_step_adds_replicas_after_their_start_up_and_the_gateway_uses_th
     started = [m for m in added if m.started_s is not None]
     assert started, "no added replica came up"
     for m in started:  # serving only once its start-up has passed, never before
-        assert m.started_s >= m.asked_s + STARTUP_S
+        assert m.started_s is not None and m.started_s >= m.asked_s + STARTUP_S
     served = Counter(line["replica"] for line in run.access if line["status"] == 200)
     new_urls = [u for u, host in run.url_of.items() if host in {m.host for m in started}]
     assert sum(served[u] for u in new_urls) > 0, served

@@ -72,7 +72,7 @@ class DnsServer:
         transport, _ = await loop.create_datagram_endpoint(
             lambda: _Protocol(self), local_addr=("127.0.0.1", 0)
         )
-        self._transport = cast(asyncio.DatagramTransport, transport)
+        self._transport = transport
         self.port = transport.get_extra_info("sockname")[1]
 
     def close(self) -> None:

@@ -224,9 +224,12 @@ async def run_autoscale(config: AutoscaleConfig, progress: Progress | None = Non
     gateway_port = config.gateway_port or free_port("127.0.0.1")
     url = f"http://127.0.0.1:{gateway_port}"
     planned = planned_requests(config)
-    bodies = await asyncio.to_thread(
-        PromptBuilder(config.tokenizer).bodies, MODEL_ALIAS, planned, True
-    )
+
+    def build_bodies() -> list[Body]:
+        return PromptBuilder(config.tokenizer).bodies(MODEL_ALIAS, planned, True)
+
+    # Seconds of tokenizer work: done while the gateway starts.
+    bodies_task = asyncio.create_task(asyncio.to_thread(build_bodies))
     samples: list[Sample] = []
     names: tuple[str, ...] = (config.metric,)
     notes: list[str] = []
@@ -243,6 +246,7 @@ async def run_autoscale(config: AutoscaleConfig, progress: Progress | None = Non
             timeout = aiohttp.ClientTimeout(total=10)
             async with aiohttp.ClientSession(timeout=timeout) as http:
                 await wait_ready(http, url, proc)
+                bodies = await bodies_task
                 both = {config.metric, config.forecast_metric}
                 first = await scrape(http, url, both, config.pool)
                 names, notes = hpa_metrics(config, config.forecast_metric in first)
@@ -266,6 +270,8 @@ async def run_autoscale(config: AutoscaleConfig, progress: Progress | None = Non
                 records = await _drive(config, url, http, pool, model, planned, bodies, samples,
                                        clock_zero, progress or Progress())  # fmt: skip
     finally:
+        bodies_task.cancel()  # if the gateway never came up
+        await asyncio.gather(bodies_task, return_exceptions=True)
         if proc is not None and proc.returncode is None:
             proc.terminate()
             await proc.wait()

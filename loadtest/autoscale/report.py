@@ -44,9 +44,13 @@ def _counts(records: list[RequestRecord], slos: Mapping[str, SLO], k: float) -> 
         "refused_429": sum(r.status == 429 for r in records),
         "refused_503": sum(r.status == 503 for r in records),
         "other_failures": sum(not r.ok and r.status not in REFUSED for r in records),
-        "p50_e2e_s": round(percentile(e2e, 50), 3) if e2e else None,
-        "p95_e2e_s": round(percentile(e2e, 95), 3) if e2e else None,
+        "p50_e2e_s": _round(percentile(e2e, 50)),
+        "p95_e2e_s": _round(percentile(e2e, 95)),
     }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 def p95_over_time(
@@ -61,7 +65,7 @@ def p95_over_time(
         value = getattr(r, metric)
         if r.ok and value is not None:
             buckets[min(windows - 1, int(r.start_s * k // window_s))].append(value * k)
-    return [((i + 0.5) * window_s, percentile(b, 95) if b else None) for i, b in enumerate(buckets)]
+    return [((i + 0.5) * window_s, percentile(b, 95)) for i, b in enumerate(buckets)]
 
 
 def summarise(run: AutoscaleRun, slos: Mapping[str, SLO], window_s: float) -> dict[str, Any]:
