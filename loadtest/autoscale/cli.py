@@ -1,7 +1,7 @@
 """`llm-loadtest autoscale`: the gateway in front of a simulated pool that a model of the
 Kubernetes HPA scales on the gateway's own metric, driven by a trace. Loopback only.
 
-    llm-loadtest autoscale [--trace step:base=0.5,peak=3,start=60,end=240,duration=720 | FILE.csv]
+    llm-loadtest autoscale [--trace step:base=0.5,peak=5,start=60,end=240,duration=720 | FILE.csv]
                            [--signal reactive|forecast|max] [--startup-s 180] [--time-scale 12]
                            [--out loadtest/out/autoscale]
     llm-loadtest autoscale --trace-from-log access.jsonl --bin-s 60 --trace-out trace.csv

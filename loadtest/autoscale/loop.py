@@ -43,6 +43,7 @@ MODEL_ALIAS = "gemma-3"  # what the load generator asks for; the policy routes i
 STEP_WALL_S = 0.05  # how often starting replicas are checked for readiness (wall)
 TAIL_S = 120.0  # simulated seconds the last arrivals get to finish before they are cut off
 READY_WALL_S = 60.0
+HEALTH_TICK_S = 1.0  # simulated: gateway/health.py's PASSIVE_TICK_S, the tick of a real gateway
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,11 @@ def policy(config: AutoscaleConfig, dns_port: int) -> dict[str, Any]:
                     "nameservers": [f"127.0.0.1:{dns_port}"],
                 },
                 "queue": {"max_depth": 1024, "max_wait_s": config.queue_wait_s / k},
+                # The gateway smooths llm_pool_desired_replicas per health tick (at most
+                # PASSIVE_TICK_S = 1 s apart, wall clock), not per second: probing every
+                # simulated second keeps one tick per simulated second, so the signal moves
+                # on the simulated clock as it would on a real one (and not 12x slower).
+                "health": {"interval_s": HEALTH_TICK_S / k},
             }
         },
         "classes": [{"name": "any"}],

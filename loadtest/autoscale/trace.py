@@ -4,7 +4,7 @@ A trace is, per workload, a piecewise-linear rate (requests per simulated second
 points `(t_s, rate_rps)`; it ends at its last point. Two points at the same time make a step.
 
 Built-ins (`NAME:key=value,...`):
-    step:base=0.5,peak=3,start=60,end=240,duration=720   base, peak from start to end, base
+    step:base=0.5,peak=5,start=60,end=240,duration=720   base, peak from start to end, base
     ramp:from=0.2,to=2,duration=600                       linear from one rate to the other
     diurnal:min=0.2,max=2,period=600,duration=720         a day compressed into `period`:
                                                           a cosine from min (t=0) to max
@@ -92,7 +92,7 @@ def _params(text: str, defaults: Mapping[str, float]) -> dict[str, float]:
     return out
 
 
-STEP = {"base": 0.5, "peak": 3.0, "start": 60.0, "end": 240.0, "duration": 720.0}
+STEP = {"base": 0.5, "peak": 5.0, "start": 60.0, "end": 240.0, "duration": 720.0}
 RAMP = {"from": 0.2, "to": 2.0, "duration": 600.0}
 DIURNAL = {"min": 0.2, "max": 2.0, "period": 600.0, "duration": 720.0}
 
