@@ -7,6 +7,10 @@ blog post on configurable tolerance for the 50-replica example.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import yaml
+
 from loadtest.autoscale.hpa import (
     DEFAULT_SCALE_UP,
     ExternalMetric,
@@ -15,6 +19,7 @@ from loadtest.autoscale.hpa import (
     ScalingPolicy,
     ScalingRules,
     average_value_proposal,
+    from_manifest,
 )
 
 M = "llm_pool_desired_replicas"
@@ -158,3 +163,25 @@ def test_min_and_max_replicas_bound_every_decision() -> None:
     assert model.sync(15.0, 6, {M: 0.0}).desired == 2
     assert model.sync(30.0, 9, {M: 1.0}).reason == "TooManyReplicas"  # out of range: clamped
     assert model.sync(45.0, 1, {M: 9.0}).desired == 2
+
+
+def test_the_shipped_manifest_reads_as_its_behavior_says() -> None:
+    # deploy/base/autoscaling/hpa.yaml: up 100% or 2 pods a minute (Max), no stabilisation;
+    # down one pod per 5 minutes after 10 minutes of stabilisation.
+    root = Path(__file__).resolve().parent.parent
+    docs = list(yaml.safe_load_all((root / "deploy/base/autoscaling/hpa.yaml").read_text()))
+    shipped = from_manifest(next(d for d in docs if d["metadata"]["name"] == "gemma3-27b-gen"))
+    assert (shipped.min_replicas, shipped.max_replicas, shipped.pool) == (1, 8, "generate-27b")
+    assert shipped.metrics == (ExternalMetric(M, 1.0),)
+    assert shipped.unmodelled == ("llm_pool_queue_wait_p95_seconds (External, Value target)",)
+    assert shipped.scale_down == ScalingRules(600.0, (ScalingPolicy("Pods", 1, 300.0),), "Min")
+    model = Hpa(HpaSpec(shipped.metrics, 1, 8, shipped.scale_up, shipped.scale_down))
+    assert model.sync(0.0, 1, {M: 8.0}).desired == 3  # +2 pods beats +100% of 1
+    assert model.sync(30.0, 3, {M: 8.0}).desired == 3  # the minute is not over
+    assert model.sync(60.0, 3, {M: 8.0}).desired == 6
+
+
+def test_a_manifest_without_behavior_gets_the_defaults() -> None:
+    bare = {"metadata": {"name": "x"}, "spec": {"maxReplicas": 4, "metrics": []}}
+    manifest = from_manifest(bare)
+    assert manifest.scale_up == DEFAULT_SCALE_UP and manifest.scale_down.stabilization_s == 300

@@ -16,6 +16,9 @@ import asyncio
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
+
+import yaml
 
 from loadtest.autoscale import hpa, report
 from loadtest.autoscale.loop import FORECAST, REACTIVE, AutoscaleConfig, run_autoscale
@@ -24,6 +27,7 @@ from loadtest.loadgen.compare import SLO, parse_slo
 from loadtest.loadgen.profile import read_access_log
 from loadtest.tiny_tokenizer import build
 
+T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TRACE = "step:" + ",".join(f"{k}={v:g}" for k, v in STEP.items())
 # Gemma 3 27B on a v6e 2x2 host, from "pod scheduled" to "serving": pulling the vLLM TPU image
@@ -42,10 +46,11 @@ def _policy(text: str) -> hpa.ScalingPolicy:
 
 def _rules(
     window: float | None, policies: list[hpa.ScalingPolicy] | None, select: str | None,
-    default: hpa.ScalingRules,
+    default: hpa.ScalingRules, given: bool,
 ) -> hpa.ScalingRules | None:  # fmt: skip
+    """The flags over `default` (the manifest's or the API's); None: the API's defaults."""
     if window is None and policies is None and select is None:
-        return None
+        return default if given else None
     return hpa.ScalingRules(
         default.stabilization_s if window is None else window,
         tuple(policies) if policies else default.policies,
@@ -62,16 +67,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=DEFAULT_TRACE, help="built-in NAME:params or a CSV file")
     p.add_argument("--workload", default="generation", help="for trace rows without one")
     p.add_argument("--profile", default="gemma-3-27b-tpu-v6e-2x2", help="simulated replica")
-    p.add_argument("--pool", default="generate-27b")
+    p.add_argument("--hpa", metavar="FILE[#NAME]",
+                   help="take min/max replicas, behavior and target from an HPA manifest"
+                   " (e.g. deploy/base/autoscaling/hpa.yaml#gemma3-27b-gen); flags override")  # fmt: skip
+    p.add_argument("--pool", help="default: the --hpa metrics' pool, else generate-27b")
     p.add_argument("--time-scale", type=float, default=12.0, help="simulated s per wall s")
     p.add_argument("--startup-s", type=float, default=DEFAULT_STARTUP_S,
                    help="asked for -> serving, per replica (default: %(default)s)")  # fmt: skip
     p.add_argument("--signal", choices=("reactive", "forecast", "max"), default="reactive")
     p.add_argument("--metric", default=REACTIVE, help="the reactive gauge")
     p.add_argument("--forecast-metric", default=FORECAST)
-    p.add_argument("--target", type=float, default=1.0, help="AverageValue per replica")
-    p.add_argument("--min-replicas", type=int, default=1)
-    p.add_argument("--max-replicas", type=int, default=8)
+    p.add_argument("--target", type=float, help="AverageValue per replica (default 1)")
+    p.add_argument("--min-replicas", type=int, help="default 1")
+    p.add_argument("--max-replicas", type=int, help="default 8")
     p.add_argument("--initial-replicas", type=int, default=1)
     p.add_argument("--sync-period-s", type=float, default=hpa.DEFAULT_SYNC_PERIOD_S)
     p.add_argument("--tolerance", type=float, default=hpa.DEFAULT_TOLERANCE)
@@ -109,6 +117,40 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def first(*values: T | None) -> T:
+    """The first value given (a flag, then the manifest's, then the default)."""
+    return next(v for v in values if v is not None)
+
+
+def load_manifest(spec: str | None) -> hpa.Manifest | None:
+    """`FILE#NAME`, or `FILE` for its first HorizontalPodAutoscaler."""
+    if spec is None:
+        return None
+    path, _, name = spec.partition("#")
+    docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
+    hpas = [d for d in docs if d.get("kind") == "HorizontalPodAutoscaler"]
+    chosen = [d for d in hpas if not name or d["metadata"]["name"] == name]
+    if not chosen:
+        names = ", ".join(d["metadata"]["name"] for d in hpas)
+        raise SystemExit(f"llm-loadtest autoscale: no HPA {name!r} in {path} (it has {names})")
+    return hpa.from_manifest(chosen[0])
+
+
+def manifest_target(manifest: hpa.Manifest | None, metric: str) -> float | None:
+    if manifest is None:
+        return None
+    return next((m.average_value for m in manifest.metrics if m.name == metric), None)
+
+
+def manifest_notes(manifest: hpa.Manifest | None) -> tuple[str, ...]:
+    if manifest is None or not manifest.unmodelled:
+        return ()
+    return (
+        f"HPA {manifest.name}: not modelled, so left out: {', '.join(manifest.unmodelled)}."
+        " The real HPA would also scale on it (the larger proposal wins).",
+    )
+
+
 def slos(args: argparse.Namespace) -> dict[str, SLO]:
     from loadtest.loadgen.compare import DEFAULT_SLOS
 
@@ -133,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"wrote {args.trace_out}: {trace.duration_s:g} s, workloads {', '.join(trace.series)}"
         )
         return 0
+    manifest = load_manifest(args.hpa)
     tokenizer = args.tokenizer or ROOT / "loadtest" / "out" / "demo" / "tokenizer"
     if not (tokenizer / "tokenizer.json").exists():
         print(f"building the demo tokenizer in {os.path.relpath(tokenizer)} ...", flush=True)
@@ -142,20 +185,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokenizer=str(tokenizer),
         out=args.out,
         profile=args.profile,
-        pool=args.pool,
+        pool=args.pool or (manifest.pool if manifest else None) or "generate-27b",
         time_scale=args.time_scale,
         startup_s=args.startup_s,
         signal=args.signal,
         metric=args.metric,
         forecast_metric=args.forecast_metric,
-        target=args.target,
-        min_replicas=args.min_replicas,
-        max_replicas=args.max_replicas,
+        target=first(args.target, manifest_target(manifest, args.metric), 1.0),
+        min_replicas=first(args.min_replicas, manifest.min_replicas if manifest else None, 1),
+        max_replicas=first(args.max_replicas, manifest.max_replicas if manifest else None, 8),
         initial_replicas=args.initial_replicas,
         scale_up=_rules(args.scale_up_window_s, args.scale_up_policy, args.scale_up_select,
-                        hpa.DEFAULT_SCALE_UP),
+                        manifest.scale_up if manifest else hpa.DEFAULT_SCALE_UP,
+                        manifest is not None),
         scale_down=_rules(args.scale_down_window_s, args.scale_down_policy,
-                          args.scale_down_select, hpa.DEFAULT_SCALE_DOWN),
+                          args.scale_down_select,
+                          manifest.scale_down if manifest else hpa.DEFAULT_SCALE_DOWN,
+                          manifest is not None),
+        notes=manifest_notes(manifest),
         tolerance=args.tolerance,
         sync_period_s=args.sync_period_s,
         max_concurrency=args.max_concurrency,

@@ -19,7 +19,8 @@ kubernetes/kubernetes pkg/controller/podautoscaler:
    smallest, Disabled none. min/max replicas bound the result.
 
 A current count outside [min, max] is brought inside at once, as the controller does before it
-reads any metric. Times are the caller's clock in seconds (simulated seconds in loadtest).
+reads any metric. `from_manifest` reads min/max, behavior and the AverageValue External metrics
+from an HPA manifest (deploy/base/autoscaling/hpa.yaml); other metric types are not modelled. Times are the caller's clock in seconds (simulated seconds in loadtest).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 PolicyType = Literal["Pods", "Percent"]
 Select = Literal["Max", "Min", "Disabled"]
@@ -228,3 +229,59 @@ class Hpa:
         elif change < 0:
             self.scale_down_events.append((now_s, -change))
         return decision
+
+
+def _rules(raw: Mapping[str, Any] | None, default: ScalingRules) -> ScalingRules:
+    """One `behavior` direction with the API's defaults for what it leaves out."""
+    if raw is None:
+        return default
+    window = raw.get("stabilizationWindowSeconds")
+    policies = tuple(
+        ScalingPolicy(p["type"], int(p["value"]), float(p["periodSeconds"]))
+        for p in raw.get("policies") or ()
+    )
+    return ScalingRules(
+        default.stabilization_s if window is None else float(window),
+        policies or default.policies,
+        raw.get("selectPolicy", "Max"),
+    )
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What an autoscaling/v2 HorizontalPodAutoscaler manifest says that the model uses."""
+
+    name: str
+    min_replicas: int
+    max_replicas: int
+    scale_up: ScalingRules
+    scale_down: ScalingRules
+    metrics: tuple[ExternalMetric, ...]  # External metrics with an AverageValue target
+    pool: str | None  # the metrics' `pool` label selector, if they share one
+    unmodelled: tuple[str, ...]  # the other metrics, described
+
+
+def from_manifest(doc: Mapping[str, Any]) -> Manifest:
+    spec = doc["spec"]
+    behavior = spec.get("behavior") or {}
+    metrics, unmodelled, pools = [], [], set()
+    for m in spec.get("metrics") or ():
+        external = m.get("external") if m.get("type") == "External" else None
+        target = (external or {}).get("target") or {}
+        if external is None or target.get("type") != "AverageValue":
+            name = (external or {}).get("metric", {}).get("name", m.get("type"))
+            unmodelled.append(f"{name} ({m.get('type')}, {target.get('type', '?')} target)")
+            continue
+        metric = external["metric"]
+        metrics.append(ExternalMetric(metric["name"], float(target["averageValue"])))
+        pools.add((metric.get("selector") or {}).get("matchLabels", {}).get("pool"))
+    return Manifest(
+        doc["metadata"]["name"],
+        int(spec.get("minReplicas", 1)),
+        int(spec["maxReplicas"]),
+        _rules(behavior.get("scaleUp"), DEFAULT_SCALE_UP),
+        _rules(behavior.get("scaleDown"), DEFAULT_SCALE_DOWN),
+        tuple(metrics),
+        pools.pop() if len(pools) == 1 else None,
+        tuple(unmodelled),
+    )

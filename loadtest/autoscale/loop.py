@@ -72,6 +72,7 @@ class AutoscaleConfig:
     max_requests: int = 20_000
     seed: int = 0
     gateway_port: int = 0  # 0: a free one
+    notes: tuple[str, ...] = ()  # for the report, e.g. what of an HPA manifest is not modelled
 
 
 @dataclass
@@ -255,7 +256,8 @@ async def run_autoscale(config: AutoscaleConfig, progress: Progress | None = Non
                 bodies = await bodies_task
                 both = {config.metric, config.forecast_metric}
                 first = await scrape(http, url, both, config.pool)
-                names, notes = hpa_metrics(config, config.forecast_metric in first)
+                names, fallbacks = hpa_metrics(config, config.forecast_metric in first)
+                notes = [*config.notes, *fallbacks]
                 model = Hpa(
                     HpaSpec(
                         metrics=tuple(ExternalMetric(n, config.target) for n in names),

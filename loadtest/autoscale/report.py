@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from loadtest.autoscale.hpa import DEFAULT_SCALE_DOWN, DEFAULT_SCALE_UP, ScalingRules
 from loadtest.autoscale.loop import AutoscaleRun
 from loadtest.loadgen.compare import SLO
 from loadtest.loadgen.runner import RequestRecord
@@ -68,6 +69,21 @@ def p95_over_time(
     return [((i + 0.5) * window_s, percentile(b, 95)) for i, b in enumerate(buckets)]
 
 
+def _rules(rules: ScalingRules) -> str:
+    policies = ", ".join(
+        f"{p.value:g}{'%' if p.type == 'Percent' else ' pods'} per {p.period_s:g} s"
+        for p in rules.policies
+    )
+    return f"{rules.stabilization_s:g} s window, {policies} (select {rules.select})"
+
+
+def behavior(run: AutoscaleRun) -> str:
+    """The HPA behavior in effect, as the report prints it."""
+    c = run.config
+    up, down = c.scale_up or DEFAULT_SCALE_UP, c.scale_down or DEFAULT_SCALE_DOWN
+    return f"scale up {_rules(up)}; scale down {_rules(down)}; tolerance {c.tolerance:g}"
+
+
 def summarise(run: AutoscaleRun, slos: Mapping[str, SLO], window_s: float) -> dict[str, Any]:
     k, end = run.config.time_scale, run.end_s
     served = Counter(line.get("replica") for line in run.access if line.get("status") == 200)
@@ -100,6 +116,7 @@ def summarise(run: AutoscaleRun, slos: Mapping[str, SLO], window_s: float) -> di
         "signal": run.config.signal,
         "hpa_metrics": list(run.signal_used),
         "notes": run.notes,
+        "behavior": behavior(run),
         "startup_s": run.config.startup_s,
         "replica_hours": round(replica_s / 3600, 3),
         "peak_ready": max((s.ready for s in run.samples), default=0),
@@ -150,6 +167,8 @@ def markdown(run: AutoscaleRun, summary: dict[str, Any]) -> str:
         f" {c.sync_period_s:g} s. Time scale {c.time_scale:g}: {summary['simulated_s']:g}"
         f" simulated seconds in {summary['wall_s']:g} wall seconds. **Every time below is in"
         " simulated seconds.**",
+        "",
+        f"Behavior: {summary['behavior']}.",
         "",
         *[f"> {note}" for note in summary["notes"]],
         "",
