@@ -213,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     wall = (config.trace.duration_s) / config.time_scale
     print(f"autoscale: trace of {config.trace.duration_s:g} simulated s at time scale"
-          f" {config.time_scale:g} (~{wall:.0f} s wall), signal {config.signal}, start-up"
+          f" {config.time_scale:g} (~{wall:.0f} s of load, wall clock), signal {config.signal}, start-up"
           f" {config.startup_s:g} s ...", flush=True)  # fmt: skip
     run = asyncio.run(run_autoscale(config))
     targets = slos(args)

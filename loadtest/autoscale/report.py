@@ -170,8 +170,7 @@ def markdown(run: AutoscaleRun, summary: dict[str, Any]) -> str:
         "",
         f"Behavior: {summary['behavior']}.",
         "",
-        *[f"> {note}" for note in summary["notes"]],
-        "",
+        *[line for note in summary["notes"] for line in (f"> {note}", "")],
         "| requests | ok | SLO-violating | refused 429 | refused 503 | other failures"
         " | P50 E2E | P95 E2E | replica-hours | peak ready |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
