@@ -1,4 +1,5 @@
-"""Traces: the built-ins, the CSV format, one built from an access log, Poisson arrivals."""
+"""Traces: the built-ins, the CSV format, one built from an access log, Poisson arrivals; and
+the command line."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.autoscale.trace import from_access_log, load_trace, write_trace
+from loadtest.cli import main as loadtest
 
 
 def test_a_step_holds_its_peak_between_start_and_end() -> None:
@@ -58,3 +60,18 @@ def test_arrivals_follow_the_rate() -> None:
     assert 70 < low < 130 and 420 < high < 580
     with pytest.raises(ValueError, match="more than the limit"):
         trace.arrivals(random.Random(1), 100)
+
+
+def test_the_command_is_listed_and_every_flag_explains_itself(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert loadtest(["--help"]) == 0
+    assert "llm-loadtest autoscale" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        loadtest(["autoscale", "--help"])
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    flags = [line for line in lines if line.startswith("--")]
+    assert len(flags) > 30
+    for i, line in enumerate(lines):  # help on the flag's line or, if it is long, the next one
+        if line.startswith("--") and len(line.split(maxsplit=2)) < 3:
+            assert lines[i + 1] and not lines[i + 1].startswith("-"), f"{line}: no help"

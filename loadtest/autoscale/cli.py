@@ -74,15 +74,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=float, default=12.0, help="simulated s per wall s")
     p.add_argument("--startup-s", type=float, default=DEFAULT_STARTUP_S,
                    help="asked for -> serving, per replica (default: %(default)s)")  # fmt: skip
-    p.add_argument("--signal", choices=("reactive", "forecast", "max"), default="reactive")
+    p.add_argument("--signal", choices=("reactive", "forecast", "max"), default="reactive",
+                   help="the metric(s) the HPA reads; max: both, the larger wins")  # fmt: skip
     p.add_argument("--metric", default=REACTIVE, help="the reactive gauge")
-    p.add_argument("--forecast-metric", default=FORECAST)
+    p.add_argument("--forecast-metric", default=FORECAST, help="for --signal forecast|max")
     p.add_argument("--target", type=float, help="AverageValue per replica (default 1)")
     p.add_argument("--min-replicas", type=int, help="default 1")
     p.add_argument("--max-replicas", type=int, help="default 8")
-    p.add_argument("--initial-replicas", type=int, default=1)
-    p.add_argument("--sync-period-s", type=float, default=hpa.DEFAULT_SYNC_PERIOD_S)
-    p.add_argument("--tolerance", type=float, default=hpa.DEFAULT_TOLERANCE)
+    p.add_argument("--initial-replicas", type=int, default=1, help="ready at time 0")
+    p.add_argument(
+        "--sync-period-s",
+        type=float,
+        default=hpa.DEFAULT_SYNC_PERIOD_S,
+        help="the HPA's sync period (default %(default)s)",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=hpa.DEFAULT_TOLERANCE,
+        help="no change within this of a usage ratio of 1 (default %(default)s)",
+    )
     for way, default in (("up", hpa.DEFAULT_SCALE_UP), ("down", hpa.DEFAULT_SCALE_DOWN)):
         p.add_argument(
             f"--scale-{way}-window-s",
@@ -97,7 +108,8 @@ def parser() -> argparse.ArgumentParser:
             + ", ".join(f"{x.type}:{x.value}:{x.period_s:g}" for x in default.policies)
             + ")",
         )
-        p.add_argument(f"--scale-{way}-select", choices=("Max", "Min", "Disabled"))  # fmt: skip
+        p.add_argument(f"--scale-{way}-select", choices=("Max", "Min", "Disabled"),
+                       help=f"policy selection (default {default.select})")  # fmt: skip
     p.add_argument("--max-concurrency", type=int, default=16, help="gateway cap per replica")
     p.add_argument("--queue-wait-s", type=float, default=30.0, help="gateway queue max_wait_s")
     p.add_argument("--dns-interval-s", type=float, default=5.0, help="gateway re-resolves")
@@ -105,15 +117,27 @@ def parser() -> argparse.ArgumentParser:
                    help="per workload, e.g. generation:ttft=2,tpot=0.1 (replaces its default)")  # fmt: skip
     p.add_argument("--slo-e2e-s", type=float, help="an E2E limit for every workload")
     p.add_argument("--window-s", type=float, default=30.0, help="P95-over-time window")
-    p.add_argument("--max-requests", type=int, default=20_000)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-requests",
+        type=int,
+        default=20_000,
+        help="refuse a trace planning more (default %(default)s)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="arrivals and shapes")
     p.add_argument("--tokenizer", type=Path, help="HF tokenizer dir (default: a tiny one, built)")
-    p.add_argument("--out", type=Path, default=ROOT / "loadtest" / "out" / "autoscale")
+    p.add_argument(
+        "--out", type=Path, default=ROOT / "loadtest" / "out" / "autoscale", help="report directory"
+    )
     p.add_argument("--trace-from-log", type=Path, help="write a trace from an access log, exit")
     p.add_argument("--bin-s", type=float, default=60.0, help="with --trace-from-log")
     p.add_argument("--class-workload", action="append", default=[], metavar="CLASS=WORKLOAD",
                    help="with --trace-from-log: the gateway class's loadgen workload")  # fmt: skip
-    p.add_argument("--trace-out", type=Path, default=Path("trace.csv"))
+    p.add_argument(
+        "--trace-out",
+        type=Path,
+        default=Path("trace.csv"),
+        help="with --trace-from-log: the CSV written",
+    )
     return p
 
 
@@ -164,9 +188,9 @@ def slos(args: argparse.Namespace) -> dict[str, SLO]:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str]) -> int:
     """`argv[0]` is `autoscale`, as loadtest/cli.py passes it."""
-    args = parser().parse_args(list(argv or [])[1:])
+    args = parser().parse_args(list(argv)[1:])
     if args.trace_from_log is not None:
         mapping = dict(pair.split("=", 1) for pair in args.class_workload)
         trace = from_access_log(read_access_log(args.trace_from_log), args.bin_s, mapping)

@@ -46,12 +46,10 @@ class DnsServer:
     def __init__(self, name: str, addresses: Callable[[], list[str]]) -> None:
         self.name = dns.name.from_text(name)
         self.addresses = addresses
-        self.queries = 0
         self.port = 0
         self._transport: asyncio.DatagramTransport | None = None
 
     def answer(self, query: dns.message.Message) -> dns.message.Message:
-        self.queries += 1
         response = dns.message.make_response(query)
         response.flags |= dns.flags.AA
         if not query.question:

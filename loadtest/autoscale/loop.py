@@ -315,7 +315,8 @@ async def _drive(
             await asyncio.sleep(STEP_WALL_S)
 
     async def controller() -> None:
-        t = config.sync_period_s
+        period_s = model.spec.sync_period_s
+        t = period_s
         while t <= last_sync_s:
             await asyncio.sleep(max(0.0, clock_zero[0] + t / k - time.perf_counter()))
             values = await scrape(http, url, names, config.pool)
@@ -327,7 +328,7 @@ async def _drive(
                 Sample(t, config.trace.rate(t), pool.ready, current, decision.desired,
                        decision.reason, {n: values.get(n) for n in sorted(names)})
             )  # fmt: skip
-            t += config.sync_period_s
+            t += period_s
 
     async with session(max_wall_s) as load:
         progress.start(f"autoscale {config.pool} signal={config.signal}", len(planned))
