@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -23,7 +23,7 @@ import yaml
 from loadtest.autoscale import hpa, report
 from loadtest.autoscale.loop import FORECAST, REACTIVE, AutoscaleConfig, run_autoscale
 from loadtest.autoscale.trace import STEP, from_access_log, load_trace, write_trace
-from loadtest.loadgen.compare import SLO, parse_slo
+from loadtest.loadgen.compare import DEFAULT_SLOS, SLO, parse_slo
 from loadtest.loadgen.profile import read_access_log
 from loadtest.tiny_tokenizer import build
 
@@ -175,14 +175,12 @@ def manifest_notes(manifest: hpa.Manifest | None) -> tuple[str, ...]:
     )
 
 
-def slos(args: argparse.Namespace) -> dict[str, SLO]:
-    from loadtest.loadgen.compare import DEFAULT_SLOS
-
+def slos(args: argparse.Namespace, classes: Iterable[str]) -> dict[str, SLO]:
+    """loadgen's default SLOs, then `--slo`, then `--slo-e2e-s` for every class sent."""
     out = dict(DEFAULT_SLOS)
     out.update(parse_slo(text) for text in args.slo)
     if args.slo_e2e_s is not None:
-        trace_names = {"classification", "generation", *out}
-        for name in trace_names:
+        for name in {*classes, *out}:
             base = out.get(name, SLO())
             out[name] = SLO(args.slo_e2e_s, base.ttft_s, base.tpot_s)
     return out
@@ -240,7 +238,7 @@ def main(argv: Sequence[str]) -> int:
           f" {config.time_scale:g} (~{wall:.0f} s of load, wall clock), signal {config.signal}, start-up"
           f" {config.startup_s:g} s ...", flush=True)  # fmt: skip
     run = asyncio.run(run_autoscale(config))
-    targets = slos(args)
+    targets = slos(args, {r.cls for r in run.records})
     summary = report.summarise(run, targets, args.window_s)
     report.write(run, summary, args.out)
     for note in run.notes:

@@ -24,7 +24,15 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.autoscale.dns import DnsServer
-from loadtest.autoscale.hpa import Decision, ExternalMetric, Hpa, HpaSpec, ScalingRules
+from loadtest.autoscale.hpa import (
+    DEFAULT_SCALE_DOWN,
+    DEFAULT_SCALE_UP,
+    Decision,
+    ExternalMetric,
+    Hpa,
+    HpaSpec,
+    ScalingRules,
+)
 from loadtest.autoscale.pool import FIRST_HOST, Member, SimPool
 from loadtest.autoscale.trace import Trace
 from loadtest.loadgen.profile import read_access_log
@@ -42,7 +50,7 @@ DNS_NAME = "pool.autoscale.test"
 MODEL_ALIAS = "gemma-3"  # what the load generator asks for; the policy routes it to the pool
 STEP_WALL_S = 0.05  # how often starting replicas are checked for readiness (wall)
 TAIL_S = 120.0  # simulated seconds the last arrivals get to finish before they are cut off
-READY_WALL_S = 60.0
+READY_WALL_S = 60.0  # the gateway's start-up (imports, tokenizer, first DNS lookup), at most
 HEALTH_TICK_S = 1.0  # simulated: gateway/health.py's PASSIVE_TICK_S, the tick of a real gateway
 
 
@@ -263,16 +271,10 @@ async def run_autoscale(config: AutoscaleConfig, progress: Progress | None = Non
                         metrics=tuple(ExternalMetric(n, config.target) for n in names),
                         min_replicas=config.min_replicas,
                         max_replicas=config.max_replicas,
+                        scale_up=config.scale_up or DEFAULT_SCALE_UP,
+                        scale_down=config.scale_down or DEFAULT_SCALE_DOWN,
                         tolerance=config.tolerance,
                         sync_period_s=config.sync_period_s,
-                        **{
-                            key: rules
-                            for key, rules in (
-                                ("scale_up", config.scale_up),
-                                ("scale_down", config.scale_down),
-                            )
-                            if rules is not None
-                        },
                     )
                 )
                 records = await _drive(config, url, http, pool, model, planned, bodies, samples,
@@ -285,10 +287,12 @@ async def run_autoscale(config: AutoscaleConfig, progress: Progress | None = Non
             await proc.wait()
         await pool.close()
         dns.close()
+    urls = {f"http://{m.host}:{port}": m.host for m in pool.members}
+    access = read_access_log(access_path)
+    wall_s = time.perf_counter() - started
     return AutoscaleRun(
-        config, names, notes, samples, pool.members, records, read_access_log(access_path),
-        time.perf_counter() - started, clock(), {f"http://{m.host}:{port}": m.host for m in pool.members},
-    )  # fmt: skip
+        config, names, notes, samples, pool.members, records, access, wall_s, clock(), urls
+    )
 
 
 async def _drive(
@@ -339,5 +343,9 @@ async def _drive(
         finally:
             for task in background:
                 task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
+            outcomes = await asyncio.gather(*background, return_exceptions=True)
+    # A replica that could not start, or an HPA step that failed, must not pass for a quiet run.
+    for outcome in outcomes:
+        if isinstance(outcome, Exception):
+            raise outcome
     return run.records
