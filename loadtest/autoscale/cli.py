@@ -113,6 +113,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=16, help="gateway cap per replica")
     p.add_argument("--queue-wait-s", type=float, default=30.0, help="gateway queue max_wait_s")
     p.add_argument("--dns-interval-s", type=float, default=5.0, help="gateway re-resolves")
+    p.add_argument("--scrape-interval-s", type=float, default=15.0,
+                   help="Prometheus scrapes the gateway; the HPA reads the newest scrape"
+                   " (0: /metrics at each sync)")  # fmt: skip
     p.add_argument("--slo", action="append", default=[], metavar="CLASS:metric=s,...",
                    help="per workload, e.g. generation:ttft=2,tpot=0.1 (replaces its default)")  # fmt: skip
     p.add_argument("--slo-e2e-s", type=float, help="an E2E limit for every workload")
@@ -230,6 +233,7 @@ def main(argv: Sequence[str]) -> int:
         max_concurrency=args.max_concurrency,
         queue_wait_s=args.queue_wait_s,
         dns_interval_s=args.dns_interval_s,
+        scrape_interval_s=args.scrape_interval_s,
         max_requests=args.max_requests,
         seed=args.seed,
     )  # fmt: skip

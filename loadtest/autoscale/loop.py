@@ -1,8 +1,9 @@
 """One autoscaling run: trace -> gateway -> simulated pool, with the HPA model in the loop.
 
 The gateway (`python -m gateway serve`, a subprocess) discovers the pool from the loopback DNS
-server (dns.py); the HPA model (hpa.py) reads the gateway's /metrics every sync period and
-scales the simulated Deployment (pool.py); the open-loop load generator (loadtest.loadgen)
+server (dns.py); a stand-in for Prometheus scrapes the gateway's /metrics, and the HPA model
+(hpa.py) reads the newest scrape every sync period, as through prometheus-adapter, and scales
+the simulated Deployment (pool.py); the open-loop load generator (loadtest.loadgen)
 sends the trace's arrivals. Everything runs on one simulated clock: wall seconds since the
 load began times the time scale. Every duration in `AutoscaleConfig` is in simulated seconds.
 """
@@ -77,6 +78,9 @@ class AutoscaleConfig:
     max_concurrency: int = 16  # the gateway's per-replica cap
     queue_wait_s: float = 30.0  # the gateway's max_wait_s, simulated
     dns_interval_s: float = 5.0  # how often the gateway re-resolves, simulated
+    # Prometheus's scrape of the gateway (deploy/base/monitoring/servicemonitor.yaml: 15 s); the
+    # HPA reads the newest scrape through the adapter. 0: the HPA reads /metrics at each sync.
+    scrape_interval_s: float = 15.0
     max_requests: int = 20_000
     seed: int = 0
     gateway_port: int = 0  # 0: a free one
@@ -173,12 +177,13 @@ def parse_gauges(text: str, names: set[str], pool: str) -> dict[str, float]:
 
 async def scrape(
     http: aiohttp.ClientSession, url: str, names: set[str], pool: str
-) -> dict[str, float]:
+) -> dict[str, float] | None:
+    """The gauges now; None if the gateway did not answer."""
     try:
         async with http.get(f"{url}/metrics") as resp:
             text = await resp.text()
     except (aiohttp.ClientError, TimeoutError):
-        return {}  # as for the HPA, an unreadable metric is a missing one
+        return None
     return parse_gauges(text, names, pool)
 
 
@@ -263,7 +268,7 @@ async def run_autoscale(config: AutoscaleConfig, progress: Progress | None = Non
                 await wait_ready(http, url, proc)
                 bodies = await bodies_task
                 both = {config.metric, config.forecast_metric}
-                first = await scrape(http, url, both, config.pool)
+                first = await scrape(http, url, both, config.pool) or {}
                 names, fallbacks = hpa_metrics(config, config.forecast_metric in first)
                 notes = [*config.notes, *fallbacks]
                 model = Hpa(
@@ -318,12 +323,31 @@ async def _drive(
             await pool.step()
             await asyncio.sleep(STEP_WALL_S)
 
+    async def until(t_s: float) -> None:
+        await asyncio.sleep(max(0.0, clock_zero[0] + t_s / k - time.perf_counter()))
+
+    # What Prometheus holds: the last successful scrape (a failed one keeps the old samples;
+    # a series a successful one lacks is gone, as staleness markers make it).
+    stored: dict[str, float] = {}
+
+    async def prometheus() -> None:
+        t = config.scrape_interval_s / 2  # scrapes out of phase with the syncs
+        while t <= last_sync_s:
+            await until(t)
+            if (values := await scrape(http, url, names, config.pool)) is not None:
+                stored.clear()
+                stored.update(values)
+            t += config.scrape_interval_s
+
     async def controller() -> None:
         period_s = model.spec.sync_period_s
         t = period_s
         while t <= last_sync_s:
-            await asyncio.sleep(max(0.0, clock_zero[0] + t / k - time.perf_counter()))
-            values = await scrape(http, url, names, config.pool)
+            await until(t)
+            if config.scrape_interval_s:
+                values = dict(stored)  # prometheus-adapter's instant query: the newest sample
+            else:
+                values = await scrape(http, url, names, config.pool) or {}
             current = pool.current
             decision: Decision = model.sync(t, current, values)
             if decision.desired != current:
@@ -338,6 +362,8 @@ async def _drive(
         progress.start(f"autoscale {config.pool} signal={config.signal}", len(planned))
         clock_zero[0] = time.perf_counter()
         background = [asyncio.create_task(starter()), asyncio.create_task(controller())]
+        if config.scrape_interval_s:
+            background.append(asyncio.create_task(prometheus()))
         try:
             run = await run_level(load, url, planned, bodies, None, max_wall_s, True, progress)
         finally:
