@@ -20,7 +20,8 @@ kubernetes/kubernetes pkg/controller/podautoscaler:
 
 A current count outside [min, max] is brought inside at once, as the controller does before it
 reads any metric. `from_manifest` reads min/max, behavior and the AverageValue External metrics
-from an HPA manifest (deploy/base/autoscaling/hpa.yaml); other metric types are not modelled. Times are the caller's clock in seconds (simulated seconds in loadtest).
+from an HPA manifest (deploy/base/autoscaling/hpa.yaml); other metric types are not modelled.
+Times are the caller's clock in seconds (simulated seconds in loadtest).
 """
 
 from __future__ import annotations
