@@ -4,6 +4,7 @@ llm-loadtest simulate ...   simulated vLLM replicas (loadtest/sim)
 llm-loadtest sweep ...      closed- or open-loop load, per-level report, knee (loadtest/loadgen)
 llm-loadtest profile ...    ISL / OSL / concurrency distributions from a gateway access log
 llm-loadtest compare ...    the gateway against plain round-robin at overload
+llm-loadtest autoscale ...  a simulated HPA scaling a simulated pool on the gateway's metric
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ COMMANDS = {
     "sweep": "loadtest.loadgen.cli",
     "profile": "loadtest.loadgen.cli",
     "compare": "loadtest.loadgen.cli",
+    "autoscale": "loadtest.autoscale.cli",
 }
 
 

@@ -1,0 +1,259 @@
+"""`llm-loadtest autoscale`: the gateway in front of a simulated pool that a model of the
+Kubernetes HPA scales on the gateway's own metric, driven by a trace. Loopback only.
+
+    llm-loadtest autoscale [--trace step:base=0.5,peak=5,start=60,end=240,duration=720 | FILE.csv]
+                           [--signal reactive|forecast|max] [--startup-s 180] [--time-scale 12]
+                           [--out loadtest/out/autoscale]
+    llm-loadtest autoscale --trace-from-log access.jsonl --bin-s 60 --trace-out trace.csv
+
+Every duration is in simulated seconds (wall seconds x --time-scale); docs/autoscale.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import yaml
+
+from loadtest.autoscale import hpa, report
+from loadtest.autoscale.loop import FORECAST, REACTIVE, AutoscaleConfig, run_autoscale
+from loadtest.autoscale.trace import STEP, from_access_log, load_trace, write_trace
+from loadtest.loadgen.compare import DEFAULT_SLOS, SLO, parse_slo
+from loadtest.loadgen.profile import read_access_log
+from loadtest.tiny_tokenizer import build
+
+T = TypeVar("T")
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_TRACE = "step:" + ",".join(f"{k}={v:g}" for k, v in STEP.items())
+# Gemma 3 27B on a v6e 2x2 host, from "pod scheduled" to "serving": pulling the vLLM TPU image
+# (cached on the node), reading ~54 GB of bf16 weights, and XLA-compiling the padded batch
+# shapes, which tpu-inference does before it serves. An estimate of 3 minutes, not measured;
+# a new node (GKE provisioning a TPU VM) would add several more.
+DEFAULT_STARTUP_S = 180.0
+
+
+def _policy(text: str) -> hpa.ScalingPolicy:
+    kind, value, period = text.split(":")
+    if kind not in ("Pods", "Percent"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a policy reads Pods|Percent:VALUE:PERIOD_S")
+    return hpa.ScalingPolicy(kind, int(value), float(period))  # type: ignore[arg-type]
+
+
+def _rules(
+    window: float | None, policies: list[hpa.ScalingPolicy] | None, select: str | None,
+    default: hpa.ScalingRules, given: bool,
+) -> hpa.ScalingRules | None:  # fmt: skip
+    """The flags over `default` (the manifest's or the API's); None: the API's defaults."""
+    if window is None and policies is None and select is None:
+        return default if given else None
+    return hpa.ScalingRules(
+        default.stabilization_s if window is None else window,
+        tuple(policies) if policies else default.policies,
+        select or default.select,  # type: ignore[arg-type]
+    )
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="llm-loadtest autoscale",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--trace", default=DEFAULT_TRACE, help="built-in NAME:params or a CSV file")
+    p.add_argument("--workload", default="generation", help="for trace rows without one")
+    p.add_argument("--profile", default="gemma-3-27b-tpu-v6e-2x2", help="simulated replica")
+    p.add_argument("--hpa", metavar="FILE[#NAME]",
+                   help="take min/max replicas, behavior and target from an HPA manifest"
+                   " (e.g. deploy/base/autoscaling/hpa.yaml#gemma3-27b-gen); flags override")  # fmt: skip
+    p.add_argument("--pool", help="default: the --hpa metrics' pool, else generate-27b")
+    p.add_argument("--time-scale", type=float, default=12.0, help="simulated s per wall s")
+    p.add_argument("--startup-s", type=float, default=DEFAULT_STARTUP_S,
+                   help="asked for -> serving, per replica (default: %(default)s)")  # fmt: skip
+    p.add_argument("--signal", choices=("reactive", "forecast", "max"), default="reactive",
+                   help="the metric(s) the HPA reads; max: both, the larger wins")  # fmt: skip
+    p.add_argument("--metric", default=REACTIVE, help="the reactive gauge")
+    p.add_argument("--forecast-metric", default=FORECAST, help="for --signal forecast|max")
+    p.add_argument("--target", type=float, help="AverageValue per replica (default 1)")
+    p.add_argument("--min-replicas", type=int, help="default 1")
+    p.add_argument("--max-replicas", type=int, help="default 8")
+    p.add_argument("--initial-replicas", type=int, default=1, help="ready at time 0")
+    p.add_argument(
+        "--sync-period-s",
+        type=float,
+        default=hpa.DEFAULT_SYNC_PERIOD_S,
+        help="the HPA's sync period (default %(default)s)",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=hpa.DEFAULT_TOLERANCE,
+        help="no change within this of a usage ratio of 1 (default %(default)s)",
+    )
+    for way, default in (("up", hpa.DEFAULT_SCALE_UP), ("down", hpa.DEFAULT_SCALE_DOWN)):
+        p.add_argument(
+            f"--scale-{way}-window-s",
+            type=float,
+            help=f"stabilisation window (default {default.stabilization_s:g})",
+        )
+        p.add_argument(
+            f"--scale-{way}-policy",
+            type=_policy,
+            action="append",
+            help="Pods|Percent:VALUE:PERIOD_S, repeatable (default: "
+            + ", ".join(f"{x.type}:{x.value}:{x.period_s:g}" for x in default.policies)
+            + ")",
+        )
+        p.add_argument(f"--scale-{way}-select", choices=("Max", "Min", "Disabled"),
+                       help=f"policy selection (default {default.select})")  # fmt: skip
+    p.add_argument("--max-concurrency", type=int, default=16, help="gateway cap per replica")
+    p.add_argument("--queue-wait-s", type=float, default=30.0, help="gateway queue max_wait_s")
+    p.add_argument("--dns-interval-s", type=float, default=5.0, help="gateway re-resolves")
+    p.add_argument("--scrape-interval-s", type=float, default=15.0,
+                   help="Prometheus scrapes the gateway; the HPA reads the newest scrape"
+                   " (0: /metrics at each sync)")  # fmt: skip
+    p.add_argument("--slo", action="append", default=[], metavar="CLASS:metric=s,...",
+                   help="per workload, e.g. generation:ttft=2,tpot=0.1 (replaces its default)")  # fmt: skip
+    p.add_argument("--slo-e2e-s", type=float, help="an E2E limit for every workload")
+    p.add_argument("--window-s", type=float, default=30.0, help="P95-over-time window")
+    p.add_argument(
+        "--max-requests",
+        type=int,
+        default=20_000,
+        help="refuse a trace planning more (default %(default)s)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="arrivals and shapes")
+    p.add_argument("--tokenizer", type=Path, help="HF tokenizer dir (default: a tiny one, built)")
+    p.add_argument(
+        "--out", type=Path, default=ROOT / "loadtest" / "out" / "autoscale", help="report directory"
+    )
+    p.add_argument("--trace-from-log", type=Path, help="write a trace from an access log, exit")
+    p.add_argument("--bin-s", type=float, default=60.0, help="with --trace-from-log")
+    p.add_argument("--class-workload", action="append", default=[], metavar="CLASS=WORKLOAD",
+                   help="with --trace-from-log: the gateway class's loadgen workload")  # fmt: skip
+    p.add_argument(
+        "--trace-out",
+        type=Path,
+        default=Path("trace.csv"),
+        help="with --trace-from-log: the CSV written",
+    )
+    return p
+
+
+def first(*values: T | None) -> T:
+    """The first value given (a flag, then the manifest's, then the default)."""
+    return next(v for v in values if v is not None)
+
+
+def load_manifest(spec: str | None) -> hpa.Manifest | None:
+    """`FILE#NAME`, or `FILE` for its first HorizontalPodAutoscaler."""
+    if spec is None:
+        return None
+    path, _, name = spec.partition("#")
+    docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
+    hpas = [d for d in docs if d.get("kind") == "HorizontalPodAutoscaler"]
+    chosen = [d for d in hpas if not name or d["metadata"]["name"] == name]
+    if not chosen:
+        names = ", ".join(d["metadata"]["name"] for d in hpas)
+        raise SystemExit(f"llm-loadtest autoscale: no HPA {name!r} in {path} (it has {names})")
+    return hpa.from_manifest(chosen[0])
+
+
+def manifest_target(manifest: hpa.Manifest | None, metric: str) -> float | None:
+    if manifest is None:
+        return None
+    return next((m.average_value for m in manifest.metrics if m.name == metric), None)
+
+
+def manifest_notes(manifest: hpa.Manifest | None) -> tuple[str, ...]:
+    if manifest is None or not manifest.unmodelled:
+        return ()
+    return (
+        f"HPA {manifest.name}: not modelled, so left out: {', '.join(manifest.unmodelled)}."
+        " The real HPA would also scale on it (the larger proposal wins).",
+    )
+
+
+def slos(args: argparse.Namespace, classes: Iterable[str]) -> dict[str, SLO]:
+    """loadgen's default SLOs, then `--slo`, then `--slo-e2e-s` for every class sent."""
+    out = dict(DEFAULT_SLOS)
+    out.update(parse_slo(text) for text in args.slo)
+    if args.slo_e2e_s is not None:
+        for name in {*classes, *out}:
+            base = out.get(name, SLO())
+            out[name] = SLO(args.slo_e2e_s, base.ttft_s, base.tpot_s)
+    return out
+
+
+def main(argv: Sequence[str]) -> int:
+    """`argv[0]` is `autoscale`, as loadtest/cli.py passes it."""
+    args = parser().parse_args(list(argv)[1:])
+    if args.trace_from_log is not None:
+        mapping = dict(pair.split("=", 1) for pair in args.class_workload)
+        trace = from_access_log(read_access_log(args.trace_from_log), args.bin_s, mapping)
+        write_trace(trace, args.trace_out)
+        print(
+            f"wrote {args.trace_out}: {trace.duration_s:g} s, workloads {', '.join(trace.series)}"
+        )
+        return 0
+    manifest = load_manifest(args.hpa)
+    tokenizer = args.tokenizer or ROOT / "loadtest" / "out" / "demo" / "tokenizer"
+    if not (tokenizer / "tokenizer.json").exists():
+        print(f"building the demo tokenizer in {os.path.relpath(tokenizer)} ...", flush=True)
+        build(tokenizer)
+    config = AutoscaleConfig(
+        trace=load_trace(args.trace, args.workload),
+        tokenizer=str(tokenizer),
+        out=args.out,
+        profile=args.profile,
+        pool=args.pool or (manifest.pool if manifest else None) or "generate-27b",
+        time_scale=args.time_scale,
+        startup_s=args.startup_s,
+        signal=args.signal,
+        metric=args.metric,
+        forecast_metric=args.forecast_metric,
+        target=first(args.target, manifest_target(manifest, args.metric), 1.0),
+        min_replicas=first(args.min_replicas, manifest.min_replicas if manifest else None, 1),
+        max_replicas=first(args.max_replicas, manifest.max_replicas if manifest else None, 8),
+        initial_replicas=args.initial_replicas,
+        scale_up=_rules(args.scale_up_window_s, args.scale_up_policy, args.scale_up_select,
+                        manifest.scale_up if manifest else hpa.DEFAULT_SCALE_UP,
+                        manifest is not None),
+        scale_down=_rules(args.scale_down_window_s, args.scale_down_policy,
+                          args.scale_down_select,
+                          manifest.scale_down if manifest else hpa.DEFAULT_SCALE_DOWN,
+                          manifest is not None),
+        notes=manifest_notes(manifest),
+        tolerance=args.tolerance,
+        sync_period_s=args.sync_period_s,
+        max_concurrency=args.max_concurrency,
+        queue_wait_s=args.queue_wait_s,
+        dns_interval_s=args.dns_interval_s,
+        scrape_interval_s=args.scrape_interval_s,
+        max_requests=args.max_requests,
+        seed=args.seed,
+    )  # fmt: skip
+    wall = (config.trace.duration_s) / config.time_scale
+    print(f"autoscale: trace of {config.trace.duration_s:g} simulated s at time scale"
+          f" {config.time_scale:g} (~{wall:.0f} s of load, wall clock), signal {config.signal}, start-up"
+          f" {config.startup_s:g} s ...", flush=True)  # fmt: skip
+    run = asyncio.run(run_autoscale(config))
+    targets = slos(args, {r.cls for r in run.records})
+    summary = report.summarise(run, targets, args.window_s)
+    report.write(run, summary, args.out)
+    for note in run.notes:
+        print(f"note: {note}")
+    a = summary["all"]
+    print(f"{a['requests']} requests: {a['ok']} ok, {a['slo_violations']} SLO-violating,"
+          f" {a['refused_429']} refused (429), {a['refused_503']} (503), {a['other_failures']}"
+          f" other failures; P95 E2E {a['p95_e2e_s']} s; {summary['replica_hours']:g}"
+          f" replica-hours; peak {summary['peak_ready']} ready (simulated times)")  # fmt: skip
+    for m in summary["replicas"]:
+        print(f"  {m['host']}: asked {m['asked_s']:g} s, ready {m['ready_s']}, removed"
+              f" {m['removed_s']}, served {m['requests_served']}")  # fmt: skip
+    print(f"report: {os.path.relpath(args.out)}/autoscale.md (autoscale.json, autoscale.png)")
+    return 0 if a["ok"] else 1

@@ -1,0 +1,287 @@
+"""An autoscaling run's report: JSON, Markdown and a PNG, every time in simulated seconds.
+
+A request violates its SLO when it completed (200) but one of its class's limits did not hold
+for it (E2E, TTFT or TPOT, loadgen's `SLO`); refused ones (429, 503) are counted apart, as are
+other failures. Replica-hours count each replica from when it was asked for (a TPU that is
+loading weights is paid for) until it was stopped, within the run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from loadtest.autoscale.hpa import DEFAULT_SCALE_DOWN, DEFAULT_SCALE_UP, ScalingRules
+from loadtest.autoscale.loop import AutoscaleRun
+from loadtest.loadgen.compare import SLO
+from loadtest.loadgen.runner import RequestRecord
+from loadtest.loadgen.stats import percentile
+
+REFUSED = (429, 503)
+
+
+def violates(rec: RequestRecord, slo: SLO | None, time_scale: float) -> bool:
+    if slo is None or not rec.ok:
+        return False
+    for metric, limit in slo.limits().items():
+        value = getattr(rec, metric)
+        if value is not None and value * time_scale > limit:
+            return True
+    return False
+
+
+def _counts(records: list[RequestRecord], slos: Mapping[str, SLO], k: float) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    e2e = [r.e2e_s * k for r in ok if r.e2e_s is not None]
+    return {
+        "requests": len(records),
+        "ok": len(ok),
+        "slo_violations": sum(violates(r, slos.get(r.cls), k) for r in records),
+        "refused_429": sum(r.status == 429 for r in records),
+        "refused_503": sum(r.status == 503 for r in records),
+        "other_failures": sum(not r.ok and r.status not in REFUSED for r in records),
+        "p50_e2e_s": _round(percentile(e2e, 50)),
+        "p95_e2e_s": _round(percentile(e2e, 95)),
+    }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def p95_over_time(
+    run: AutoscaleRun, window_s: float, metric: str = "e2e_s"
+) -> list[tuple[float, float | None]]:
+    """P95 of a latency (`e2e_s`, `ttft_s`) of the completed requests that started in each
+    window: (window midpoint, seconds)."""
+    k = run.config.time_scale
+    windows = max(1, math.ceil(run.end_s / window_s))
+    buckets: list[list[float]] = [[] for _ in range(windows)]
+    for r in run.records:
+        value = getattr(r, metric)
+        if r.ok and value is not None:
+            buckets[min(windows - 1, int(r.start_s * k // window_s))].append(value * k)
+    return [((i + 0.5) * window_s, percentile(b, 95)) for i, b in enumerate(buckets)]
+
+
+def _rules(rules: ScalingRules) -> str:
+    policies = ", ".join(
+        f"{p.value:g}{'%' if p.type == 'Percent' else ' pods'} per {p.period_s:g} s"
+        for p in rules.policies
+    )
+    return f"{rules.stabilization_s:g} s window, {policies} (select {rules.select})"
+
+
+def behavior(run: AutoscaleRun) -> str:
+    """The HPA behavior in effect, as the report prints it."""
+    c = run.config
+    up, down = c.scale_up or DEFAULT_SCALE_UP, c.scale_down or DEFAULT_SCALE_DOWN
+    return f"scale up {_rules(up)}; scale down {_rules(down)}; tolerance {c.tolerance:g}"
+
+
+def summarise(run: AutoscaleRun, slos: Mapping[str, SLO], window_s: float) -> dict[str, Any]:
+    k, end = run.config.time_scale, run.end_s
+    served = Counter(line.get("replica") for line in run.access if line.get("status") == 200)
+    members = []
+    for m in run.members:
+        url = next((u for u, h in run.url_of.items() if h == m.host), None)
+        members.append(
+            {
+                "host": m.host,
+                "asked_s": round(m.asked_s, 1),
+                "ready_s": None if m.started_s is None else round(m.started_s, 1),
+                "removed_s": None if m.removed_s is None else round(m.removed_s, 1),
+                "stopped_s": None if m.gone_s is None else round(m.gone_s, 1),
+                "requests_served": served.get(url, 0),
+            }
+        )
+    replica_s = sum(
+        min(end, m.gone_s if m.gone_s is not None else end) - max(0.0, m.asked_s)
+        for m in run.members
+    )
+    by_class: dict[str, list[RequestRecord]] = {}
+    for r in run.records:
+        by_class.setdefault(r.cls, []).append(r)
+    return {
+        "window_s": window_s,
+        "clock": "simulated seconds (wall seconds x time scale)",
+        "time_scale": k,
+        "simulated_s": round(end, 1),
+        "wall_s": round(run.wall_s, 1),
+        "signal": run.config.signal,
+        "hpa_metrics": list(run.signal_used),
+        "notes": run.notes,
+        "behavior": behavior(run),
+        "startup_s": run.config.startup_s,
+        "replica_hours": round(replica_s / 3600, 3),
+        "peak_ready": max((s.ready for s in run.samples), default=0),
+        "peak_desired": max((s.desired for s in run.samples), default=0),
+        "slos": {c: s.limits() for c, s in slos.items()},
+        "all": _counts(run.records, slos, k),
+        "by_workload": {c: _counts(rs, slos, k) for c, rs in by_class.items()},
+        "replicas": members,
+    }
+
+
+def write(run: AutoscaleRun, summary: dict[str, Any], out: Path) -> list[Path]:
+    timeline = [
+        {
+            "t_s": s.t_s,
+            "rate_rps": round(s.rate_rps, 4),
+            "ready": s.ready,
+            "current": s.current,
+            "desired": s.desired,
+            "reason": s.reason,
+            "metrics": s.metrics,
+        }
+        for s in run.samples
+    ]
+    p95 = p95_over_time(run, summary["window_s"])
+    ttft = p95_over_time(run, summary["window_s"], "ttft_s")
+    data = {**summary, "timeline": timeline, "p95_e2e_by_window": p95, "p95_ttft_by_window": ttft}
+    (out / "autoscale.json").write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
+    (out / "requests.jsonl").write_bytes(b"\n".join(orjson.dumps(r.row()) for r in run.records))
+    plot(run, p95, ttft, summary, out / "autoscale.png")
+    (out / "autoscale.md").write_text(markdown(run, summary))
+    return [out / "autoscale.json", out / "autoscale.md", out / "autoscale.png"]
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+def markdown(run: AutoscaleRun, summary: dict[str, Any]) -> str:
+    c = run.config
+    a = summary["all"]
+    out = [
+        "# Autoscaling run",
+        "",
+        f"Pool `{c.pool}` ({c.profile}), signal `{c.signal}` (the HPA reads"
+        f" {', '.join(f'`{m}`' for m in summary['hpa_metrics'])}, AverageValue {c.target:g}),"
+        f" replicas {c.min_replicas}-{c.max_replicas}, start-up {c.startup_s:g} s, HPA sync"
+        f" {c.sync_period_s:g} s. Time scale {c.time_scale:g}: {summary['simulated_s']:g}"
+        f" simulated seconds in {summary['wall_s']:g} wall seconds. **Every time below is in"
+        " simulated seconds.**",
+        "",
+        f"Behavior: {summary['behavior']}.",
+        "",
+        *[line for note in summary["notes"] for line in (f"> {note}", "")],
+        "| requests | ok | SLO-violating | refused 429 | refused 503 | other failures"
+        " | P50 E2E | P95 E2E | replica-hours | peak ready |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| {a['requests']} | {a['ok']} | {a['slo_violations']} | {a['refused_429']}"
+        f" | {a['refused_503']} | {a['other_failures']} | {_s(a['p50_e2e_s'])} s"
+        f" | {_s(a['p95_e2e_s'])} s | {summary['replica_hours']:g} | {summary['peak_ready']} |",
+        "",
+        "| workload | SLO (s) | requests | ok | SLO-violating | refused | P95 E2E |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, w in summary["by_workload"].items():
+        limits = summary["slos"].get(name) or {}
+        slo = ", ".join(f"{m.removesuffix('_s')} {v:g}" for m, v in limits.items()) or "-"
+        out.append(
+            f"| {name} | {slo} | {w['requests']} | {w['ok']} | {w['slo_violations']}"
+            f" | {w['refused_429'] + w['refused_503']} | {_s(w['p95_e2e_s'])} s |"
+        )
+    out += [
+        "",
+        "Replicas (asked for, ready = serving and in DNS, removed = out of DNS, stopped ="
+        " drained; requests served as the gateway's access log says):",
+        "",
+        "| replica | asked | ready | removed | stopped | requests served |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for m in summary["replicas"]:
+        out.append(
+            f"| {m['host']} | {m['asked_s']:g} | {_s(m['ready_s'])} | {_s(m['removed_s'])}"
+            f" | {_s(m['stopped_s'])} | {m['requests_served']} |"
+        )
+    out += ["", "![autoscaling](autoscale.png)", ""]
+    return "\n".join(out)
+
+
+def _ready_steps(run: AutoscaleRun) -> tuple[list[float], list[int]]:
+    """Ready replicas over time, exactly: a step at every start and removal."""
+    events = []
+    for m in run.members:
+        if m.started_s is not None:
+            events.append((m.started_s, 1))
+            if m.removed_s is not None:
+                events.append((m.removed_s, -1))
+    times, counts, level = [0.0], [0], 0
+    for t, delta in sorted(events):
+        level += delta
+        times.append(t)
+        counts.append(level)
+    times.append(run.end_s)
+    counts.append(level)
+    return times, counts
+
+
+Series = list[tuple[float, float | None]]
+
+
+def plot(run: AutoscaleRun, p95: Series, ttft: Series, summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on CI or servers
+    import matplotlib.pyplot as plt
+
+    c = run.config
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    step = max(1.0, run.end_s / 400)
+    ts = [i * step for i in range(int(run.end_s / step) + 1)]
+    top.plot(ts, [c.trace.rate(t) for t in ts], color="tab:gray", label="demand (trace)")
+    top.set_ylabel("demand (requests / simulated s)")
+    top.set_ylim(bottom=0)
+    replicas = top.twinx()
+    times, counts = _ready_steps(run)
+    replicas.step(times, counts, where="post", color="tab:green", label="ready replicas")
+    if run.samples:
+        replicas.step(
+            [0.0] + [s.t_s for s in run.samples],
+            [run.samples[0].current] + [s.desired for s in run.samples],
+            where="post", color="tab:blue", linestyle="--", label="HPA desired replicas",
+        )  # fmt: skip
+        metric = summary["hpa_metrics"][0]
+        replicas.plot(
+            [s.t_s for s in run.samples],
+            [math.nan if s.metrics.get(metric) is None else s.metrics[metric] for s in run.samples],
+            color="tab:orange", linewidth=0.8, label=f"{metric} (gateway)",
+        )  # fmt: skip
+    replicas.set_ylabel("replicas")
+    replicas.set_ylim(0, max(c.max_replicas, max(counts, default=0)) + 1)
+    lines = top.get_legend_handles_labels()
+    more = replicas.get_legend_handles_labels()
+    top.legend(lines[0] + more[0], lines[1] + more[1], loc="upper right", fontsize="small")
+    top.set_title(
+        f"{c.pool}: signal {c.signal}, start-up {c.startup_s:g} s, time scale {c.time_scale:g}"
+    )
+    top.grid(alpha=0.3)
+    bottom.plot(
+        [t for t, _ in p95], [math.nan if v is None else v for _, v in p95], marker="o",
+        label=f"P95 E2E of completed requests (by start, {summary['window_s']:g} s windows)",
+    )  # fmt: skip
+    bottom.plot(
+        [t for t, _ in ttft], [math.nan if v is None else v for _, v in ttft], marker=".",
+        color="tab:purple", label="P95 TTFT",
+    )  # fmt: skip
+    for name, limits in summary["slos"].items():
+        for metric, style in (("e2e_s", ":"), ("ttft_s", "-.")):
+            if metric in limits and name in summary["by_workload"]:
+                bottom.axhline(limits[metric], color="tab:red", linestyle=style, linewidth=1,
+                               label=f"{name} {metric.removesuffix('_s').upper()} SLO")  # fmt: skip
+    bottom.set_ylim(bottom=0)
+    bottom.set_ylabel("P95 latency (simulated s)")
+    bottom.set_xlabel("time since the load began (simulated seconds)")
+    bottom.set_xlim(left=0)
+    bottom.grid(alpha=0.3)
+    bottom.legend(loc="upper right", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
