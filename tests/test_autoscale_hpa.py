@@ -172,13 +172,14 @@ def test_the_shipped_manifest_reads_as_its_behavior_says() -> None:
     docs = list(yaml.safe_load_all((root / "deploy/base/autoscaling/hpa.yaml").read_text()))
     shipped = from_manifest(next(d for d in docs if d["metadata"]["name"] == "gemma3-27b-gen"))
     assert (shipped.min_replicas, shipped.max_replicas, shipped.pool) == (1, 8, "generate-27b")
-    assert shipped.metrics == (ExternalMetric(M, 1.0),)
+    forecast = "llm_pool_desired_replicas_forecast"  # the HPA takes the larger: reactive floor
+    assert shipped.metrics == (ExternalMetric(M, 1.0), ExternalMetric(forecast, 1.0))
     assert shipped.unmodelled == ("llm_pool_queue_wait_p95_seconds (External, Value target)",)
     assert shipped.scale_down == ScalingRules(600.0, (ScalingPolicy("Pods", 1, 300.0),), "Min")
     model = Hpa(HpaSpec(shipped.metrics, 1, 8, shipped.scale_up, shipped.scale_down))
-    assert model.sync(0.0, 1, {M: 8.0}).desired == 3  # +2 pods beats +100% of 1
-    assert model.sync(30.0, 3, {M: 8.0}).desired == 3  # the minute is not over
-    assert model.sync(60.0, 3, {M: 8.0}).desired == 6
+    assert model.sync(0.0, 1, {M: 8.0, forecast: 2.0}).desired == 3  # +2 pods beats +100% of 1
+    assert model.sync(30.0, 3, {M: 8.0, forecast: 2.0}).desired == 3  # the minute is not over
+    assert model.sync(60.0, 3, {M: 8.0, forecast: 2.0}).desired == 6
 
 
 def test_a_manifest_without_behavior_gets_the_defaults() -> None:
