@@ -178,12 +178,16 @@ class _AssumedLoad:
         return self.wait_s if self.wait_s is not None else (0.0 if self.saturation < 1 else None)
 
 
-_PASSED_OVER = {
-    "tier": "not for tier {tier}",
-    "primary_has_room": "{primary} is not full",
-    "fallback_full": "{pool} is full too (saturation {load:g} >= {bound:g})",
-    "does_not_fit": "{pool} cannot serve it (context length or LoRA adapter)",
-}
+def _passed_over_text(why: str) -> str:
+    """`spill.passed_over`'s reason, as explain says it."""
+    from gateway import spill
+
+    return {
+        spill.TIER: "not for tier {tier}",
+        spill.PRIMARY_HAS_ROOM: "{primary} is not full",
+        spill.FALLBACK_FULL: "{pool} is full too (saturation {load:g} >= {bound:g})",
+        spill.DOES_NOT_FIT: "{pool} cannot serve it (context length or LoRA adapter)",
+    }[why]
 
 
 def _fallbacks(
@@ -219,9 +223,9 @@ def _fallbacks(
             verdict = "not reached"
         elif why is None:
             verdict, taken = "TAKES IT", True
-            ctx.spilled_from, ctx.pool, ctx.model = primary.name, fallback.pool, fallback.pool.model
+            spill.move(ctx, fallback)
         else:
-            verdict = "passed over: " + _PASSED_OVER[why].format(
+            verdict = "passed over: " + _passed_over_text(why).format(
                 tier=PRIORITIES[ctx.priority],
                 primary=primary.name,
                 pool=fallback.pool.name,

@@ -80,6 +80,13 @@ class Ctx:
         """The `model` the replica gets: an adapter keeps its name, an alias becomes the pool's."""
         return self.adapter or self.served_model
 
+    def fits_context(self, max_model_len: int) -> bool:
+        """Whether vLLM would take the request on a model of this context length: its longest
+        prompt leaves room for at least one token, and for all `max_tokens` asked for."""
+        return self.longest_prompt < max_model_len and (
+            self.longest_prompt + (self.max_output or 0) <= max_model_len
+        )
+
     @property
     def reserved_tokens(self) -> int:
         """Tokens held against a replica's `max_inflight_tokens` while this request runs."""

@@ -113,8 +113,7 @@ def check_context_length(ctx: Ctx) -> None:
     """Refuse early what vLLM would refuse anyway, before it takes a slot."""
     assert ctx.pool is not None
     limit = ctx.pool.model.spec.max_model_len
-    needed = ctx.longest_prompt + (ctx.max_output or 0)
-    if ctx.longest_prompt >= limit or needed > limit:
+    if not ctx.fits_context(limit):
         raise _too_long(ctx, limit, ctx.longest_prompt)
 
 

@@ -54,8 +54,7 @@ def fits(ctx: Ctx, fallback: Fallback, adapters: Adapters) -> bool:
     only to a pool serving its adapter."""
     if ctx.adapter and fallback.pool.name not in adapters.pools(ctx.adapter):
         return False
-    limit = fallback.pool.model.spec.max_model_len
-    return ctx.longest_prompt < limit and ctx.longest_prompt + (ctx.max_output or 0) <= limit
+    return ctx.fits_context(fallback.pool.model.spec.max_model_len)
 
 
 # Why a fallback did not take a request, in the order they are checked.
@@ -103,5 +102,11 @@ def spill(ctx: Ctx, slots: Mapping[str, PoolSlots], adapters: Adapters, spilled:
     spilled.labels(
         ctx.route.label, ctx.pool.name, fallback.pool.name, PRIORITIES[ctx.priority]
     ).inc()
+    move(ctx, fallback)
+
+
+def move(ctx: Ctx, fallback: Fallback) -> None:
+    """Hand `ctx` to `fallback`'s pool, and its model: the answer and the metrics are its."""
+    assert ctx.pool is not None
     ctx.spilled_from = ctx.pool.name
     ctx.pool, ctx.model = fallback.pool, fallback.pool.model
