@@ -16,7 +16,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gateway.admit import PoolSlots
-from gateway.admit.forecast import Holt
 from gateway.looplag import LAG_BUCKETS
 from gateway.policy.schema import PRIORITIES
 
@@ -180,7 +179,7 @@ class _Gauges(Collector):
             "llm_pool_desired_replicas_forecast",
             "Replicas the pool's demand is forecast to need `startup_s` from now, when a replica"
             " started now could serve (Holt's trend on the same slot-seconds per second, damped,"
-            f" at most {Holt.CEILING:g}x the current level); it may be below"
+            " at most the pool's forecast.ceiling x the current level); it may be below"
             " llm_pool_desired_replicas, which stays the HPA's floor.",
             labels=["pool"],
         )

@@ -23,17 +23,16 @@ import argparse
 import asyncio
 import contextlib
 import os
-import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
 import orjson
 import yaml
 
+from loadtest import processes
 from loadtest.loadgen import (
     Mark,
     SweepConfig,
@@ -45,7 +44,7 @@ from loadtest.loadgen import (
     write_report,
 )
 from loadtest.loadgen.runner import RequestRecord
-from loadtest.sim import Replica, ReplicaOptions, load_profile, start_replica
+from loadtest.sim import ReplicaOptions, load_profile, start_replica
 from loadtest.tiny_tokenizer import build
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,28 +99,21 @@ def gateway_policy(policy: dict[str, Any], source: Path, time_scale: float, path
 
 
 async def start_replicas(
-    policy: dict[str, Any], tokenizer: str, time_scale: float
-) -> list[Replica]:
-    replicas = []
+    policy: dict[str, Any], tokenizer: str, time_scale: float, stack: contextlib.AsyncExitStack
+) -> int:
+    """The policy's replicas, each closed when `stack` closes (so a later start that fails
+    leaves none behind); returns how many."""
+    started = 0
     for pool in policy["pools"].values():
         profile = load_profile(PROFILES[pool["model"]])
         for url in pool["replicas"]:
             parts = urlsplit(url)
             assert parts.hostname == "127.0.0.1", "the demo serves replicas on loopback only"
             options = ReplicaOptions(time_scale=time_scale, tokenizer=tokenizer)
-            replicas.append(await start_replica(profile, options, port=parts.port or 80))
-    return replicas
-
-
-async def wait_ready(url: str, proc: asyncio.subprocess.Process, log: Path) -> None:
-    async with aiohttp.ClientSession() as http, asyncio.timeout(60):
-        while proc.returncode is None:
-            with contextlib.suppress(aiohttp.ClientError):
-                async with http.get(f"{url}/readyz") as resp:
-                    if resp.status == 200:
-                        return
-            await asyncio.sleep(0.2)
-    raise RuntimeError(f"the gateway did not start; see {log}")
+            replica = await start_replica(profile, options, port=parts.port or 80)
+            stack.push_async_callback(replica.close)
+            started += 1
+    return started
 
 
 def _s(value: float | None) -> str:
@@ -240,34 +232,22 @@ async def run(
 ) -> SweepResult:
     """Start the fleet and the gateway, send the load, stop everything; the gateway's access log
     goes to `args.out / "access.jsonl"`, its own log to `args.out / "gateway.log"`."""
-    url = f"http://127.0.0.1:{args.port}"
-    replicas = await start_replicas(policy, tokenizer, args.time_scale)
-    gateway_log = args.out / "gateway.log"
-    with (args.out / "access.jsonl").open("wb") as log, gateway_log.open("wb") as errors:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gateway", "serve", "--policy", str(policy_path),
-            "--port", str(args.port), stdout=log, stderr=errors,
-        )  # fmt: skip
-        try:
-            await wait_ready(url, proc, gateway_log)
-            print(f"gateway up at {url}, {len(replicas)} simulated replicas; sending"
-                  f" {args.rate:g} req/s of mixed traffic for {args.duration:g}s ...",
-                  flush=True)  # fmt: skip
-            config = SweepConfig(
-                targets=(Target(url, "gemma-3", tokenizer),),
-                workloads=(load_workload("mixed"),),
-                rates=(args.rate * args.time_scale,),  # the load generator sends on the wall clock
-                duration_s=args.duration / args.time_scale,
-                max_seconds_per_level=DEADLINE_S,
-                time_scale=args.time_scale,
-            )
-            async with asyncio.timeout(DEADLINE_S + 30):
-                return await run_sweep(config)
-        finally:
-            proc.terminate()
-            await proc.wait()
-            for replica in replicas:
-                await replica.close()
+    async with contextlib.AsyncExitStack() as stack:
+        replicas = await start_replicas(policy, tokenizer, args.time_scale, stack)
+        url = await stack.enter_async_context(processes.gateway(policy_path, args.port, args.out))
+        print(f"gateway up at {url}, {replicas} simulated replicas; sending"
+              f" {args.rate:g} req/s of mixed traffic for {args.duration:g}s ...",
+              flush=True)  # fmt: skip
+        config = SweepConfig(
+            targets=(Target(url, "gemma-3", tokenizer),),
+            workloads=(load_workload("mixed"),),
+            rates=(args.rate * args.time_scale,),  # the load generator sends on the wall clock
+            duration_s=args.duration / args.time_scale,
+            max_seconds_per_level=DEADLINE_S,
+            time_scale=args.time_scale,
+        )
+        async with asyncio.timeout(DEADLINE_S + 30):
+            return await run_sweep(config)
 
 
 def main(argv: list[str] | None = None) -> int:

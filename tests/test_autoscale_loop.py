@@ -12,6 +12,7 @@ from loadtest.autoscale.loop import (
     FORECAST,
     REACTIVE,
     AutoscaleConfig,
+    PoolConfig,
     hpa_metrics,
     parse_gauges,
     run_autoscale,
@@ -32,8 +33,7 @@ async def test_a_step_adds_replicas_after_their_start_up_and_the_gateway_uses_th
         out=tmp_path,
         time_scale=20.0,  # 200 simulated seconds in ~10 wall seconds
         startup_s=STARTUP_S,
-        max_concurrency=8,
-        max_replicas=4,
+        pools=(PoolConfig(max_concurrency=8, max_replicas=4),),
         scale_down=ScalingRules(0.0, (ScalingPolicy("Pods", 1, 15.0),)),
     )
     run = await run_autoscale(config)
@@ -78,13 +78,13 @@ def test_the_signal_picks_the_series_and_falls_back_to_the_reactive_one_when_abs
     tmp_path: Path,
 ) -> None:
     both = {REACTIVE, FORECAST}
-    gauges = parse_gauges(EXPOSITION, both, "generate-27b")
-    assert gauges == {REACTIVE: 2.5, FORECAST: 4.25}
+    gauges = parse_gauges(EXPOSITION, both)
+    assert gauges == {"generate-27b": {REACTIVE: 2.5, FORECAST: 4.25}, "other": {REACTIVE: 9.0}}
     trace = load_trace("ramp", "generation")
 
     def names(signal: str, have_forecast: bool) -> tuple[tuple[str, ...], list[str]]:
         config = AutoscaleConfig(trace, "tok", tmp_path, signal=signal)  # type: ignore[arg-type]
-        return hpa_metrics(config, have_forecast)
+        return hpa_metrics(config, "generate-27b", have_forecast)
 
     assert names("reactive", True) == ((REACTIVE,), [])
     assert names("forecast", True) == ((FORECAST,), [])
@@ -93,4 +93,4 @@ def test_the_signal_picks_the_series_and_falls_back_to_the_reactive_one_when_abs
         used, notes = names(signal, False)
         assert used == (REACTIVE,) and "fell back" in notes[0]
     custom = AutoscaleConfig(trace, "tok", tmp_path, metric="my_gauge")
-    assert hpa_metrics(custom, False) == (("my_gauge",), [])
+    assert hpa_metrics(custom, "generate-27b", False) == (("my_gauge",), [])

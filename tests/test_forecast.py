@@ -9,7 +9,7 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from gateway.admit.forecast import Holt
+from gateway.admit.forecast import DEFAULT, Holt
 from gateway.policy.schema import PoolSpec
 from tests.conftest import basic_policy
 from tests.test_resilience import CHAT, scrape
@@ -27,7 +27,7 @@ def feed(holt: Holt, values: list[float], dt: float = 1.0) -> list[float]:
 
 
 def damped_rise(slope: float, horizon_s: float = HORIZON_S) -> float:
-    return slope * Holt.DAMPING_S * (1 - math.exp(-horizon_s / Holt.DAMPING_S))
+    return slope * DEFAULT.damping_s * (1 - math.exp(-horizon_s / DEFAULT.damping_s))
 
 
 def test_a_linear_trend_is_extrapolated_to_the_horizon_with_its_damping() -> None:
@@ -51,7 +51,7 @@ def test_a_step_converges_to_the_new_level_within_the_ceiling() -> None:
     before = feed(holt, [10.0] * 600)
     assert before[-1] == pytest.approx(10.0)
     after = feed(holt, [20.0] * 3600)
-    assert 20.0 < max(after) <= 20.0 * Holt.CEILING  # read as a ramp for a while, within bounds
+    assert 20.0 < max(after) <= 20.0 * DEFAULT.ceiling  # read as a ramp for a while, within bounds
     assert after[-1] == pytest.approx(20.0, rel=0.02)
 
 
@@ -72,11 +72,11 @@ def test_the_ceiling_holds_and_the_forecast_is_never_negative() -> None:
         holt.add(value, 1.0)
         assert holt.level is not None
         straight = holt.level + damped_rise(holt.trend)
-        capped += straight > Holt.CEILING * holt.level
-        expected = max(0.0, min(straight, Holt.CEILING * holt.level))
+        capped += straight > DEFAULT.ceiling * holt.level
+        expected = max(0.0, min(straight, DEFAULT.ceiling * holt.level))
         assert holt.ahead(HORIZON_S) == pytest.approx(expected)
     assert capped > 60
-    assert holt.ahead(HORIZON_S) < Holt.CEILING
+    assert holt.ahead(HORIZON_S) < DEFAULT.ceiling
     falling = Holt()
     feed(falling, [max(0.0, 100.0 - t) for t in range(300)])  # drained: the trend undershoots
     assert falling.level == 0.0 and falling.ahead(HORIZON_S) == 0.0

@@ -6,7 +6,7 @@ import math
 import time
 from collections import deque
 
-from gateway.admit.forecast import Holt
+from gateway.admit.forecast import Holt, HoltParams
 
 
 class HoldTimes:
@@ -62,6 +62,10 @@ class Demand:
         self.desired_replicas_forecast = 0.0
         self._forecast = Holt()
         self._last: tuple[float, int, int, float, float] | None = None
+
+    def retune(self, params: HoltParams) -> None:
+        """New forecast constants from a policy reload; what was learned carries over."""
+        self._forecast.params = params
 
     def tick(self, cap: int, startup_s: float) -> None:
         now = time.perf_counter()

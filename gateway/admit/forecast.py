@@ -11,10 +11,10 @@ horizon shortened by the damping below), can be read off a dashboard and checked
 Seasonal models need days of history the gateway does not keep, and a restart would lose it.
 
 Why damped and capped: a trend measured over a few minutes says little about the tenth minute
-ahead, so the trend is assumed to fade with time constant `DAMPING_S` over the horizon. And the
+ahead, so the trend is assumed to fade with time constant `damping_s` over the horizon. And the
 trend misreads a step (a tenant switched on, an idle pool woken) as a steep ramp until the level
-catches up, worst from a level near zero. The forecast is therefore capped at `CEILING` x the
-current level: it may ask for at most half as much again as is measured. A ramp steeper than
+catches up, worst from a level near zero. The forecast is therefore capped at `ceiling` x the
+current level (1.5 by default): it may ask for at most half as much again as is measured. A ramp steeper than
 +50% per startup is rare, and what it exceeds the reactive signal still catches; a misread
 cannot buy more than half the pool again in accelerators. It is never negative. What the
 forecast may not do is ask for less than the reactive signal: that floor is applied where the
@@ -28,17 +28,31 @@ shortest of the pool's health intervals and changes with the policy.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HoltParams:
+    """The estimator's time constants (seconds) and ceiling: a pool's `forecast` in the policy."""
+
+    level_s: float = (
+        60.0  # a minute of samples: per-second slot demand is lumpy (a hold lands at once)
+    )
+    trend_s: float = 300.0  # slower still: a trend must last minutes before it is believed
+    damping_s: float = (
+        300.0  # the extrapolated trend fades with this time constant over the horizon
+    )
+    ceiling: float = 1.5  # the forecast is at most this multiple of the current level
+
+
+DEFAULT = HoltParams()
 
 
 class Holt:
     """Holt's level and trend of one series sampled at irregular intervals."""
 
-    LEVEL_S = 60.0  # a minute of samples: per-second slot demand is lumpy (a hold lands at once)
-    TREND_S = 300.0  # slower still: a trend must last minutes before it is believed
-    DAMPING_S = 300.0  # the extrapolated trend fades with this time constant over the horizon
-    CEILING = 1.5  # the forecast is at most this multiple of the current level
-
-    def __init__(self) -> None:
+    def __init__(self, params: HoltParams = DEFAULT) -> None:
+        self.params = params  # a policy reload may replace them; level and trend carry over
         self.level: float | None = None
         self.trend = 0.0  # per second
 
@@ -47,8 +61,8 @@ class Holt:
         if self.level is None:
             self.level = value
             return
-        alpha = 1 - math.exp(-dt / self.LEVEL_S)
-        beta = 1 - math.exp(-dt / self.TREND_S)
+        alpha = 1 - math.exp(-dt / self.params.level_s)
+        beta = 1 - math.exp(-dt / self.params.trend_s)
         predicted = self.level + self.trend * dt
         level = predicted + alpha * (value - predicted)
         if level <= 0:  # a drained pool: a falling trend would dig below nothing and stay there
@@ -59,8 +73,9 @@ class Holt:
 
     def ahead(self, horizon_s: float) -> float:
         """The value forecast `horizon_s` from now: the level plus the damped trend's integral,
-        within [0, CEILING x level]."""
+        within [0, ceiling x level]."""
         if self.level is None:
             return 0.0
-        rise = self.trend * self.DAMPING_S * (1 - math.exp(-horizon_s / self.DAMPING_S))
-        return min(max(0.0, self.level + rise), self.CEILING * self.level)
+        damping_s = self.params.damping_s
+        rise = self.trend * damping_s * (1 - math.exp(-horizon_s / damping_s))
+        return min(max(0.0, self.level + rise), self.params.ceiling * self.level)

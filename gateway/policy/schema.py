@@ -89,6 +89,23 @@ class QueueSpec(Spec):
     )
 
 
+class ForecastSpec(Spec):
+    """How `llm_pool_desired_replicas_forecast` extrapolates (gateway/admit/forecast.py)."""
+
+    level_s: PositiveFloat = Field(
+        60.0, description="Time constant of the demand's level: longer is steadier and later."
+    )
+    trend_s: PositiveFloat = Field(
+        300.0, description="Time constant of its trend: how long a ramp lasts before it counts."
+    )
+    damping_s: PositiveFloat = Field(
+        300.0, description="The extrapolated trend fades with this time constant over the horizon."
+    )
+    ceiling: float = Field(
+        1.5, ge=1, description="The forecast is at most this multiple of the current demand."
+    )
+
+
 class TimeoutSpec(Spec):
     """Each time-out maps to a clear error: 504 before the first byte, a terminal SSE error after."""
 
@@ -260,6 +277,7 @@ class PoolSpec(Spec):
             " yours, Pod created to Ready, and set it."
         ),
     )
+    forecast: ForecastSpec = ForecastSpec()
     pick: PickSpec | None = Field(
         None, description="Weighted replica scorers; unset: the policy's `plugins.picker`."
     )

@@ -4,6 +4,9 @@ Kubernetes HPA scales on the gateway's own metric, driven by a trace. Loopback o
     llm-loadtest autoscale [--trace step:base=0.5,peak=5,start=60,end=240,duration=720 | FILE.csv]
                            [--signal reactive|forecast|max] [--startup-s 180] [--time-scale 12]
                            [--out loadtest/out/autoscale]
+    llm-loadtest autoscale --fleet loadtest/autoscale/fleets/gemma3-seed.yaml \
+        --trace classification=step:base=4,peak=12,start=300,end=1500,duration=2100 \
+        --trace generation=step:base=1.5,peak=1.5,duration=2100 --signal max [--no-spill]
     llm-loadtest autoscale --trace-from-log access.jsonl --bin-s 60 --trace-out trace.csv
 
 Every duration is in simulated seconds (wall seconds x --time-scale); docs/autoscale.md.
@@ -16,13 +19,20 @@ import asyncio
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import yaml
 
 from loadtest.autoscale import hpa, report
-from loadtest.autoscale.loop import FORECAST, REACTIVE, AutoscaleConfig, run_autoscale
-from loadtest.autoscale.trace import STEP, from_access_log, load_trace, write_trace
+from loadtest.autoscale.loop import (
+    FORECAST,
+    REACTIVE,
+    AutoscaleConfig,
+    PoolConfig,
+    Signal,
+    run_autoscale,
+)
+from loadtest.autoscale.trace import STEP, from_access_log, load_traces, write_trace
 from loadtest.loadgen.compare import DEFAULT_SLOS, SLO, parse_slo
 from loadtest.loadgen.profile import read_access_log
 from loadtest.tiny_tokenizer import build
@@ -35,6 +45,27 @@ DEFAULT_TRACE = "step:" + ",".join(f"{k}={v:g}" for k, v in STEP.items())
 # shapes, which tpu-inference does before it serves. An estimate of 3 minutes, not measured;
 # a new node (GKE provisioning a TPU VM) would add several more.
 DEFAULT_STARTUP_S = 180.0
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
+    return value
+
+
+def _not_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must not be negative")
+    return value
+
+
+def _slo(text: str) -> tuple[str, SLO]:
+    try:
+        return parse_slo(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _policy(text: str) -> hpa.ScalingPolicy:
@@ -64,40 +95,48 @@ def parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--trace", default=DEFAULT_TRACE, help="built-in NAME:params or a CSV file")
+    p.add_argument("--trace", action="append", metavar="[WORKLOAD=]SPEC",
+                   help="built-in NAME:params or a CSV file; WORKLOAD=NAME:params gives one"
+                   f" workload its own curve; repeatable (default: {DEFAULT_TRACE})")  # fmt: skip
+    p.add_argument("--fleet", type=Path,
+                   help="pools, classes and routes from a YAML file"
+                   " (loadtest/autoscale/fleets/); the single-pool flags then do not apply")  # fmt: skip
+    p.add_argument("--no-spill", dest="spill", action="store_false",
+                   help="leave the routes' fallbacks out (spill-over off)")  # fmt: skip
     p.add_argument("--workload", default="generation", help="for trace rows without one")
-    p.add_argument("--profile", default="gemma-3-27b-tpu-v6e-2x2", help="simulated replica")
+    p.add_argument("--profile", help="simulated replica (default gemma-3-27b-tpu-v6e-2x2)")
     p.add_argument("--hpa", metavar="FILE[#NAME]",
                    help="take min/max replicas, behavior and target from an HPA manifest"
                    " (e.g. deploy/base/autoscaling/hpa.yaml#gemma3-27b-gen); flags override")  # fmt: skip
     p.add_argument("--pool", help="default: the --hpa metrics' pool, else generate-27b")
-    p.add_argument("--time-scale", type=float, default=12.0, help="simulated s per wall s")
-    p.add_argument("--startup-s", type=float, default=DEFAULT_STARTUP_S,
+    p.add_argument("--time-scale", type=_positive, default=12.0, help="simulated s per wall s")
+    p.add_argument("--startup-s", type=_positive, default=DEFAULT_STARTUP_S,
                    help="asked for -> serving, per replica (default: %(default)s)")  # fmt: skip
-    p.add_argument("--signal", choices=("reactive", "forecast", "max"), default="reactive",
-                   help="the metric(s) the HPA reads; max: both, the larger wins")  # fmt: skip
+    p.add_argument("--signal", choices=("reactive", "forecast", "max"),
+                   help="the metric(s) the HPA reads; max: both, the larger wins (default:"
+                   " reactive, or what the --hpa manifest lists)")  # fmt: skip
     p.add_argument("--metric", default=REACTIVE, help="the reactive gauge")
     p.add_argument("--forecast-metric", default=FORECAST, help="for --signal forecast|max")
-    p.add_argument("--target", type=float, help="AverageValue per replica (default 1)")
+    p.add_argument("--target", type=_positive, help="AverageValue per replica (default 1)")
     p.add_argument("--min-replicas", type=int, help="default 1")
     p.add_argument("--max-replicas", type=int, help="default 8")
-    p.add_argument("--initial-replicas", type=int, default=1, help="ready at time 0")
+    p.add_argument("--initial-replicas", type=int, help="ready at time 0 (default 1)")
     p.add_argument(
         "--sync-period-s",
-        type=float,
+        type=_positive,
         default=hpa.DEFAULT_SYNC_PERIOD_S,
         help="the HPA's sync period (default %(default)s)",
     )
     p.add_argument(
         "--tolerance",
-        type=float,
+        type=_not_negative,
         default=hpa.DEFAULT_TOLERANCE,
         help="no change within this of a usage ratio of 1 (default %(default)s)",
     )
     for way, default in (("up", hpa.DEFAULT_SCALE_UP), ("down", hpa.DEFAULT_SCALE_DOWN)):
         p.add_argument(
             f"--scale-{way}-window-s",
-            type=float,
+            type=_not_negative,
             help=f"stabilisation window (default {default.stabilization_s:g})",
         )
         p.add_argument(
@@ -110,16 +149,16 @@ def parser() -> argparse.ArgumentParser:
         )
         p.add_argument(f"--scale-{way}-select", choices=("Max", "Min", "Disabled"),
                        help=f"policy selection (default {default.select})")  # fmt: skip
-    p.add_argument("--max-concurrency", type=int, default=16, help="gateway cap per replica")
-    p.add_argument("--queue-wait-s", type=float, default=30.0, help="gateway queue max_wait_s")
-    p.add_argument("--dns-interval-s", type=float, default=5.0, help="gateway re-resolves")
-    p.add_argument("--scrape-interval-s", type=float, default=15.0,
+    p.add_argument("--max-concurrency", type=int, help="gateway cap per replica (default 16)")
+    p.add_argument("--queue-wait-s", type=_positive, default=30.0, help="gateway max_wait_s")
+    p.add_argument("--dns-interval-s", type=_positive, default=5.0, help="gateway re-resolves")
+    p.add_argument("--scrape-interval-s", type=_not_negative, default=15.0,
                    help="Prometheus scrapes the gateway; the HPA reads the newest scrape"
                    " (0: /metrics at each sync)")  # fmt: skip
-    p.add_argument("--slo", action="append", default=[], metavar="CLASS:metric=s,...",
+    p.add_argument("--slo", action="append", default=[], type=_slo, metavar="CLASS:metric=s,...",
                    help="per workload, e.g. generation:ttft=2,tpot=0.1 (replaces its default)")  # fmt: skip
-    p.add_argument("--slo-e2e-s", type=float, help="an E2E limit for every workload")
-    p.add_argument("--window-s", type=float, default=30.0, help="P95-over-time window")
+    p.add_argument("--slo-e2e-s", type=_positive, help="an E2E limit for every workload")
+    p.add_argument("--window-s", type=_positive, default=30.0, help="P95-over-time window")
     p.add_argument(
         "--max-requests",
         type=int,
@@ -127,7 +166,8 @@ def parser() -> argparse.ArgumentParser:
         help="refuse a trace planning more (default %(default)s)",
     )
     p.add_argument("--seed", type=int, default=0, help="arrivals and shapes")
-    p.add_argument("--tokenizer", type=Path, help="HF tokenizer dir (default: a tiny one, built)")
+    p.add_argument("--tokenizer", help="HF tokenizer dir, or `estimate`: none anywhere, 4"
+                   " characters a token (default: a tiny one, built)")  # fmt: skip
     p.add_argument(
         "--out", type=Path, default=ROOT / "loadtest" / "out" / "autoscale", help="report directory"
     )
@@ -181,12 +221,104 @@ def manifest_notes(manifest: hpa.Manifest | None) -> tuple[str, ...]:
 def slos(args: argparse.Namespace, classes: Iterable[str]) -> dict[str, SLO]:
     """loadgen's default SLOs, then `--slo`, then `--slo-e2e-s` for every class sent."""
     out = dict(DEFAULT_SLOS)
-    out.update(parse_slo(text) for text in args.slo)
+    out.update(args.slo)
     if args.slo_e2e_s is not None:
         for name in {*classes, *out}:
             base = out.get(name, SLO())
             out[name] = SLO(args.slo_e2e_s, base.ttft_s, base.tpot_s)
     return out
+
+
+def tokenizer(given: str | None) -> str | None:
+    """The tokenizer directory; None for `estimate`; the demo's tiny one (built once) if none."""
+    if given == "estimate":
+        return None
+    if given is not None:
+        return given
+    path = ROOT / "loadtest" / "out" / "demo" / "tokenizer"
+    if not (path / "tokenizer.json").exists():
+        print(f"building the demo tokenizer in {os.path.relpath(path)} ...", flush=True)
+        build(path)
+    return str(path)
+
+
+SINGLE_POOL_FLAGS = ("pool", "profile", "max_concurrency", "target", "min_replicas",
+                     "max_replicas", "initial_replicas")  # fmt: skip
+
+
+def fleet(args: argparse.Namespace, manifest: hpa.Manifest | None) -> dict[str, Any]:
+    """`pools`, `classes` and `routes` for the config: from `--fleet`, or one pool of flags."""
+    if args.fleet is not None:
+        given = [f"--{f.replace('_', '-')}" for f in SINGLE_POOL_FLAGS if getattr(args, f)]
+        if given or manifest is not None:
+            raise SystemExit(f"llm-loadtest autoscale: --fleet names its pools; drop {given}")
+        return load_fleet(args.fleet)
+    pool = PoolConfig(
+        name=args.pool or (manifest.pool if manifest else None) or PoolConfig.name,
+        profile=args.profile or PoolConfig.profile,
+        max_concurrency=first(args.max_concurrency, PoolConfig.max_concurrency),
+        target=first(args.target, manifest_target(manifest, args.metric), PoolConfig.target),
+        min_replicas=first(args.min_replicas, manifest.min_replicas if manifest else None, 1),
+        max_replicas=first(args.max_replicas, manifest.max_replicas if manifest else None, 8),
+        initial_replicas=first(args.initial_replicas, PoolConfig.initial_replicas),
+    )
+    return {"pools": (pool,)}
+
+
+def load_fleet(path: Path) -> dict[str, Any]:
+    """A fleet file: `pools` (a list of PoolConfig fields), the gateway's `classes` and
+    `routes` in policy syntax."""
+    doc = yaml.safe_load(path.read_text()) or {}
+    unknown = set(doc) - {"pools", "classes", "routes"}
+    if unknown or not doc.get("pools"):
+        raise SystemExit(f"llm-loadtest autoscale: {path}: needs `pools`; unknown: {unknown}")
+    try:
+        pools = tuple(PoolConfig(**entry) for entry in doc["pools"])
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"llm-loadtest autoscale: {path}: {exc}") from None
+    return {
+        "pools": pools,
+        "classes": tuple(doc["classes"]) if doc.get("classes") else None,
+        "routes": tuple(doc["routes"]) if doc.get("routes") else None,
+    }
+
+
+def manifest_signal(manifest: hpa.Manifest | None, args: argparse.Namespace) -> Signal:
+    """The signal an HPA manifest's metric list amounts to: both gauges are `max`."""
+    names = {m.name for m in manifest.metrics} if manifest else set()
+    if args.forecast_metric in names:
+        return "max" if args.metric in names else "forecast"
+    return "reactive"
+
+
+def build_config(args: argparse.Namespace, manifest: hpa.Manifest | None) -> AutoscaleConfig:
+    return AutoscaleConfig(
+        trace=load_traces(args.trace or [DEFAULT_TRACE], args.workload),
+        tokenizer=tokenizer(args.tokenizer),
+        out=args.out,
+        **fleet(args, manifest),
+        spill=args.spill,
+        time_scale=args.time_scale,
+        startup_s=args.startup_s,
+        signal=args.signal or manifest_signal(manifest, args),
+        metric=args.metric,
+        forecast_metric=args.forecast_metric,
+        scale_up=_rules(args.scale_up_window_s, args.scale_up_policy, args.scale_up_select,
+                        manifest.scale_up if manifest else hpa.DEFAULT_SCALE_UP,
+                        manifest is not None),
+        scale_down=_rules(args.scale_down_window_s, args.scale_down_policy,
+                          args.scale_down_select,
+                          manifest.scale_down if manifest else hpa.DEFAULT_SCALE_DOWN,
+                          manifest is not None),
+        notes=manifest_notes(manifest),
+        tolerance=args.tolerance,
+        sync_period_s=args.sync_period_s,
+        queue_wait_s=args.queue_wait_s,
+        dns_interval_s=args.dns_interval_s,
+        scrape_interval_s=args.scrape_interval_s,
+        max_requests=args.max_requests,
+        seed=args.seed,
+    )  # fmt: skip
 
 
 def main(argv: Sequence[str]) -> int:
@@ -201,43 +333,11 @@ def main(argv: Sequence[str]) -> int:
         )
         return 0
     manifest = load_manifest(args.hpa)
-    tokenizer = args.tokenizer or ROOT / "loadtest" / "out" / "demo" / "tokenizer"
-    if not (tokenizer / "tokenizer.json").exists():
-        print(f"building the demo tokenizer in {os.path.relpath(tokenizer)} ...", flush=True)
-        build(tokenizer)
-    config = AutoscaleConfig(
-        trace=load_trace(args.trace, args.workload),
-        tokenizer=str(tokenizer),
-        out=args.out,
-        profile=args.profile,
-        pool=args.pool or (manifest.pool if manifest else None) or "generate-27b",
-        time_scale=args.time_scale,
-        startup_s=args.startup_s,
-        signal=args.signal,
-        metric=args.metric,
-        forecast_metric=args.forecast_metric,
-        target=first(args.target, manifest_target(manifest, args.metric), 1.0),
-        min_replicas=first(args.min_replicas, manifest.min_replicas if manifest else None, 1),
-        max_replicas=first(args.max_replicas, manifest.max_replicas if manifest else None, 8),
-        initial_replicas=args.initial_replicas,
-        scale_up=_rules(args.scale_up_window_s, args.scale_up_policy, args.scale_up_select,
-                        manifest.scale_up if manifest else hpa.DEFAULT_SCALE_UP,
-                        manifest is not None),
-        scale_down=_rules(args.scale_down_window_s, args.scale_down_policy,
-                          args.scale_down_select,
-                          manifest.scale_down if manifest else hpa.DEFAULT_SCALE_DOWN,
-                          manifest is not None),
-        notes=manifest_notes(manifest),
-        tolerance=args.tolerance,
-        sync_period_s=args.sync_period_s,
-        max_concurrency=args.max_concurrency,
-        queue_wait_s=args.queue_wait_s,
-        dns_interval_s=args.dns_interval_s,
-        scrape_interval_s=args.scrape_interval_s,
-        max_requests=args.max_requests,
-        seed=args.seed,
-    )  # fmt: skip
-    wall = (config.trace.duration_s) / config.time_scale
+    try:
+        config = build_config(args, manifest)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"llm-loadtest autoscale: {exc}") from None
+    wall = config.trace.duration_s / config.time_scale
     print(f"autoscale: trace of {config.trace.duration_s:g} simulated s at time scale"
           f" {config.time_scale:g} (~{wall:.0f} s of load, wall clock), signal {config.signal}, start-up"
           f" {config.startup_s:g} s ...", flush=True)  # fmt: skip
@@ -250,10 +350,10 @@ def main(argv: Sequence[str]) -> int:
     a = summary["all"]
     print(f"{a['requests']} requests: {a['ok']} ok, {a['slo_violations']} SLO-violating,"
           f" {a['refused_429']} refused (429), {a['refused_503']} (503), {a['other_failures']}"
-          f" other failures; P95 E2E {a['p95_e2e_s']} s; {summary['replica_hours']:g}"
-          f" replica-hours; peak {summary['peak_ready']} ready (simulated times)")  # fmt: skip
+          f" other failures; {summary['spilled']} spilled; P95 E2E {a['p95_e2e_s']} s;"
+          f" {summary['replica_hours']:g} replica-hours (simulated times)")  # fmt: skip
     for m in summary["replicas"]:
-        print(f"  {m['host']}: asked {m['asked_s']:g} s, ready {m['ready_s']}, removed"
+        print(f"  {m['pool']} {m['host']}: asked {m['asked_s']:g} s, ready {m['ready_s']}, removed"
               f" {m['removed_s']}, served {m['requests_served']}")  # fmt: skip
     print(f"report: {os.path.relpath(args.out)}/autoscale.md (autoscale.json, autoscale.png)")
     return 0 if a["ok"] else 1

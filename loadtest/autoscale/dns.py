@@ -1,6 +1,6 @@
 """A tiny authoritative DNS server on loopback: the simulated pool's headless Service.
 
-It answers A queries for one name with the addresses of the replicas that are ready, as
+It answers A queries for each pool's name with the addresses of its replicas that are ready, as
 Kubernetes' DNS does for a headless Service (only ready endpoints are published), so the
 gateway discovers the pool through its ordinary `dns:` path. Every other question gets an
 empty answer (AAAA) or NXDOMAIN (other names). TTL 0: the gateway re-resolves on its own period.
@@ -9,7 +9,7 @@ empty answer (AAAA) or NXDOMAIN (other names). TTL 0: the gateway re-resolves on
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import cast
 
 import dns.exception
@@ -41,11 +41,11 @@ class _Protocol(asyncio.DatagramProtocol):
 
 
 class DnsServer:
-    """Serves `name` -> `addresses()` (called at every query) on 127.0.0.1, a free UDP port."""
+    """Serves each `name` -> `addresses()` (called at every query) on 127.0.0.1, a free UDP
+    port."""
 
-    def __init__(self, name: str, addresses: Callable[[], list[str]]) -> None:
-        self.name = dns.name.from_text(name)
-        self.addresses = addresses
+    def __init__(self, zones: Mapping[str, Callable[[], list[str]]]) -> None:
+        self.zones = {dns.name.from_text(name): addresses for name, addresses in zones.items()}
         self.port = 0
         self._transport: asyncio.DatagramTransport | None = None
 
@@ -55,12 +55,13 @@ class DnsServer:
         if not query.question:
             return response
         question = query.question[0]
-        if question.name != self.name:
+        zone = self.zones.get(question.name)
+        if zone is None:
             response.set_rcode(dns.rcode.NXDOMAIN)
-        elif question.rdtype == dns.rdatatype.A and (addresses := self.addresses()):
+        elif question.rdtype == dns.rdatatype.A and (addresses := zone()):
             response.answer.append(
                 dns.rrset.from_text_list(
-                    self.name, 0, dns.rdataclass.IN, dns.rdatatype.A, addresses
+                    question.name, 0, dns.rdataclass.IN, dns.rdatatype.A, addresses
                 )
             )
         return response

@@ -1,11 +1,12 @@
-"""One autoscaling run: trace -> gateway -> simulated pool, with the HPA model in the loop.
+"""One autoscaling run: trace -> gateway -> simulated pools, one HPA model per pool in the loop.
 
-The gateway (`python -m gateway serve`, a subprocess) discovers the pool from the loopback DNS
-server (dns.py); a stand-in for Prometheus scrapes the gateway's /metrics, and the HPA model
-(hpa.py) reads the newest scrape every sync period, as through prometheus-adapter, and scales
-the simulated Deployment (pool.py); the open-loop load generator (loadtest.loadgen)
-sends the trace's arrivals. Everything runs on one simulated clock: wall seconds since the
-load began times the time scale. Every duration in `AutoscaleConfig` is in simulated seconds.
+The gateway (`python -m gateway serve`, a subprocess) discovers each pool from the loopback DNS
+server (dns.py); a stand-in for Prometheus scrapes the gateway's /metrics, and each pool's HPA
+model (hpa.py) reads the newest scrape every sync period, as through prometheus-adapter, and
+scales its simulated Deployment (pool.py); the open-loop load generator (loadtest.loadgen)
+sends the trace's arrivals. The gateway's routes decide where each request goes, fallbacks
+(spill-over) included. Everything runs on one simulated clock: wall seconds since the load began
+times the time scale. Every duration in `AutoscaleConfig` is in simulated seconds.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import asyncio
 import contextlib
 import random
 import socket
-import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -24,17 +25,18 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.admit.forecast import DEFAULT as FORECAST_DEFAULT
+from loadtest import processes
 from loadtest.autoscale.dns import DnsServer
 from loadtest.autoscale.hpa import (
     DEFAULT_SCALE_DOWN,
     DEFAULT_SCALE_UP,
-    Decision,
     ExternalMetric,
     Hpa,
     HpaSpec,
     ScalingRules,
 )
-from loadtest.autoscale.pool import FIRST_HOST, Member, SimPool
+from loadtest.autoscale.pool import FIRST_HOST, POOL_STRIDE, Member, SimPool
 from loadtest.autoscale.trace import Trace
 from loadtest.loadgen.profile import read_access_log
 from loadtest.loadgen.progress import Progress
@@ -47,35 +49,56 @@ from loadtest.sim import ReplicaOptions, load_profile
 Signal = Literal["reactive", "forecast", "max"]
 REACTIVE = "llm_pool_desired_replicas"
 FORECAST = "llm_pool_desired_replicas_forecast"
-DNS_NAME = "pool.autoscale.test"
+DNS_ZONE = "autoscale.test"  # pool P's headless Service is P.autoscale.test
 MODEL_ALIAS = "gemma-3"  # what the load generator asks for; the policy routes it to the pool
 STEP_WALL_S = 0.05  # how often starting replicas are checked for readiness (wall)
 TAIL_S = 120.0  # simulated seconds the last arrivals get to finish before they are cut off
-READY_WALL_S = 60.0  # the gateway's start-up (imports, tokenizer, first DNS lookup), at most
 HEALTH_TICK_S = 1.0  # simulated: gateway/health.py's PASSIVE_TICK_S, the tick of a real gateway
+# gateway/admit/forecast.py's time constants (real seconds in a real gateway: simulated here)
+FORECAST_TIMES = ("level_s", "trend_s", "damping_s")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One simulated Deployment, the gateway's pool of it, and its HPA's replica bounds."""
+
+    name: str = "generate-27b"
+    profile: str = "gemma-3-27b-tpu-v6e-2x2"
+    max_concurrency: int = 16  # the gateway's per-replica cap
+    min_replicas: int = 1
+    max_replicas: int = 8
+    initial_replicas: int = 1  # ready at time 0
+    target: float = 1.0  # the metrics' AverageValue target
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_replicas <= self.max_replicas:
+            raise ValueError(f"pool {self.name}: need 0 < min_replicas <= max_replicas")
+        if not 0 <= self.initial_replicas <= self.max_replicas:
+            raise ValueError(f"pool {self.name}: need 0 <= initial_replicas <= max_replicas")
+        if self.max_concurrency <= 0 or self.target <= 0:
+            raise ValueError(f"pool {self.name}: max_concurrency and target must be positive")
 
 
 @dataclass(frozen=True)
 class AutoscaleConfig:
     trace: Trace
-    tokenizer: str
+    tokenizer: str | None  # a tokenizer directory; None: 4 characters a token everywhere
     out: Path
-    profile: str = "gemma-3-27b-tpu-v6e-2x2"
-    pool: str = "generate-27b"
+    pools: tuple[PoolConfig, ...] = (PoolConfig(),)
+    # The gateway's `classes` and `routes` (policy syntax); None: one class, every request to
+    # the first pool.
+    classes: tuple[dict[str, Any], ...] | None = None
+    routes: tuple[dict[str, Any], ...] | None = None
+    spill: bool = True  # False: the routes' fallbacks are left out
     time_scale: float = 12.0
     startup_s: float = 180.0
     signal: Signal = "reactive"
     metric: str = REACTIVE
     forecast_metric: str = FORECAST
-    target: float = 1.0  # the metrics' AverageValue target
-    min_replicas: int = 1
-    max_replicas: int = 8
-    initial_replicas: int = 1
     scale_up: ScalingRules | None = None  # None: the API's defaults
     scale_down: ScalingRules | None = None
     tolerance: float = 0.1
     sync_period_s: float = 15.0
-    max_concurrency: int = 16  # the gateway's per-replica cap
     queue_wait_s: float = 30.0  # the gateway's max_wait_s, simulated
     dns_interval_s: float = 5.0  # how often the gateway re-resolves, simulated
     # Prometheus's scrape of the gateway (deploy/base/monitoring/servicemonitor.yaml: 15 s); the
@@ -83,16 +106,37 @@ class AutoscaleConfig:
     scrape_interval_s: float = 15.0
     max_requests: int = 20_000
     seed: int = 0
-    gateway_port: int = 0  # 0: a free one
     notes: tuple[str, ...] = ()  # for the report, e.g. what of an HPA manifest is not modelled
+
+    def __post_init__(self) -> None:
+        positive = {
+            "time_scale": self.time_scale,
+            "startup_s": self.startup_s,
+            "sync_period_s": self.sync_period_s,
+            "queue_wait_s": self.queue_wait_s,
+            "dns_interval_s": self.dns_interval_s,
+        }
+        if bad := [name for name, value in positive.items() if not value > 0]:
+            raise ValueError(f"must be positive: {', '.join(bad)}")
+        if self.scrape_interval_s < 0 or self.tolerance < 0:
+            raise ValueError("scrape_interval_s and tolerance must not be negative")
+        names = [p.name for p in self.pools]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"need one or more pools with distinct names, not {names}")
+
+    @property
+    def pool(self) -> PoolConfig:
+        """The first pool: the one a single-pool run scales."""
+        return self.pools[0]
 
 
 @dataclass
 class Sample:
-    """One HPA sync, in simulated seconds."""
+    """One HPA sync of one pool, in simulated seconds."""
 
+    pool: str
     t_s: float
-    rate_rps: float
+    rate_rps: float  # the trace's, all workloads
     ready: int
     current: int
     desired: int
@@ -103,7 +147,7 @@ class Sample:
 @dataclass
 class AutoscaleRun:
     config: AutoscaleConfig
-    signal_used: tuple[str, ...]
+    signal_used: dict[str, tuple[str, ...]]  # pool -> the metrics its HPA read
     notes: list[str]
     samples: list[Sample]
     members: list[Member]
@@ -121,37 +165,49 @@ def free_port(host: str) -> int:
         return port
 
 
-def policy(config: AutoscaleConfig, dns_port: int) -> dict[str, Any]:
-    """One pool on DNS discovery; the gateway's own durations are wall seconds, so they are
-    the simulated ones over the time scale."""
+def dns_name(pool: str) -> str:
+    return f"{pool}.{DNS_ZONE}"
+
+
+def policy(config: AutoscaleConfig, dns_port: int, ports: Mapping[str, int]) -> dict[str, Any]:
+    """The gateway's policy: each pool on DNS discovery (`ports`: its replicas' port). The
+    gateway's own durations are wall seconds, so they are the simulated ones over the time
+    scale."""
     k = config.time_scale
-    profile = load_profile(config.profile)
+    models: dict[str, Any] = {}
+    pools: dict[str, Any] = {}
+    forecast = {name: getattr(FORECAST_DEFAULT, name) / k for name in FORECAST_TIMES}
+    for p in config.pools:
+        profile = load_profile(p.profile)
+        models[profile.served_model_name] = {
+            "tokenizer": config.tokenizer or "estimate",
+            "max_model_len": profile.serving.max_model_len,
+        }
+        pools[p.name] = {
+            "model": profile.served_model_name,
+            "max_concurrency": p.max_concurrency,
+            "dns": {
+                "name": f"{dns_name(p.name)}:{ports[p.name]}",
+                "interval_s": config.dns_interval_s / k,
+                "nameservers": [f"127.0.0.1:{dns_port}"],
+            },
+            "queue": {"max_depth": 1024, "max_wait_s": config.queue_wait_s / k},
+            # The gateway smooths llm_pool_desired_replicas per health tick (at most
+            # PASSIVE_TICK_S = 1 s apart, wall clock), not per second: probing every
+            # simulated second keeps one tick per simulated second, so the signal moves
+            # on the simulated clock as it would on a real one (and not 12x slower).
+            "health": {"interval_s": HEALTH_TICK_S / k},
+            "startup_s": config.startup_s / k,  # the forecast's horizon
+            "forecast": forecast,
+        }
+    routes = config.routes or ({"match": {"model": MODEL_ALIAS}, "pool": config.pool.name},)
+    if not config.spill:
+        routes = tuple({k: v for k, v in r.items() if k != "fallback"} for r in routes)
     return {
-        "models": {
-            profile.served_model_name: {
-                "tokenizer": config.tokenizer,
-                "max_model_len": profile.serving.max_model_len,
-            }
-        },
-        "pools": {
-            config.pool: {
-                "model": profile.served_model_name,
-                "max_concurrency": config.max_concurrency,
-                "dns": {
-                    "name": f"{DNS_NAME}:{{port}}",
-                    "interval_s": config.dns_interval_s / k,
-                    "nameservers": [f"127.0.0.1:{dns_port}"],
-                },
-                "queue": {"max_depth": 1024, "max_wait_s": config.queue_wait_s / k},
-                # The gateway smooths llm_pool_desired_replicas per health tick (at most
-                # PASSIVE_TICK_S = 1 s apart, wall clock), not per second: probing every
-                # simulated second keeps one tick per simulated second, so the signal moves
-                # on the simulated clock as it would on a real one (and not 12x slower).
-                "health": {"interval_s": HEALTH_TICK_S / k},
-            }
-        },
-        "classes": [{"name": "any"}],
-        "routes": [{"match": {"model": MODEL_ALIAS}, "pool": config.pool}],
+        "models": models,
+        "pools": pools,
+        "classes": list(config.classes or ({"name": "any"},)),
+        "routes": list(routes),
     }
 
 
@@ -165,30 +221,33 @@ def planned_requests(config: AutoscaleConfig) -> list[Planned]:
     return sorted(out, key=lambda p: p.at or 0.0)
 
 
-def parse_gauges(text: str, names: set[str], pool: str) -> dict[str, float]:
-    """The named gauges' values for `pool` in a Prometheus text exposition."""
-    out: dict[str, float] = {}
+Gauges = dict[str, dict[str, float]]  # pool -> gauge name -> value
+
+
+def parse_gauges(text: str, names: set[str]) -> Gauges:
+    """The named gauges' values per pool in a Prometheus text exposition."""
+    out: Gauges = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in names and sample.labels.get("pool") == pool:
-                out[sample.name] = sample.value
+            if sample.name in names and (pool := sample.labels.get("pool")) is not None:
+                out.setdefault(pool, {})[sample.name] = sample.value
     return out
 
 
-async def scrape(
-    http: aiohttp.ClientSession, url: str, names: set[str], pool: str
-) -> dict[str, float] | None:
+async def scrape(http: aiohttp.ClientSession, url: str, names: set[str]) -> Gauges | None:
     """The gauges now; None if the gateway did not answer."""
     try:
         async with http.get(f"{url}/metrics") as resp:
             text = await resp.text()
     except (aiohttp.ClientError, TimeoutError):
         return None
-    return parse_gauges(text, names, pool)
+    return parse_gauges(text, names)
 
 
-def hpa_metrics(config: AutoscaleConfig, have_forecast: bool) -> tuple[tuple[str, ...], list[str]]:
-    """The metric names the HPA reads for the signal, and what fell back if the forecast is
+def hpa_metrics(
+    config: AutoscaleConfig, pool: str, have_forecast: bool
+) -> tuple[tuple[str, ...], list[str]]:
+    """The metric names a pool's HPA reads for the signal, and what fell back if the forecast is
     not exported. `max` is an HPA with both metrics: it takes the larger proposal, so the
     reactive signal is the floor."""
     wanted = {
@@ -199,27 +258,27 @@ def hpa_metrics(config: AutoscaleConfig, have_forecast: bool) -> tuple[tuple[str
     if config.forecast_metric in wanted and not have_forecast:
         note = (
             f"--signal {config.signal}: the gateway exports no {config.forecast_metric}"
-            f"{{pool={config.pool!r}}}; fell back to the reactive {config.metric} alone. (A real"
+            f"{{pool={pool!r}}}; fell back to the reactive {config.metric} alone. (A real"
             " HPA listing a metric it cannot read would never scale down.)"
         )
         return (config.metric,), [note]
     return wanted, []
 
 
-async def wait_ready(
-    http: aiohttp.ClientSession, url: str, proc: asyncio.subprocess.Process
-) -> None:
-    deadline = time.perf_counter() + READY_WALL_S
-    while proc.returncode is None and time.perf_counter() < deadline:
-        with contextlib.suppress(aiohttp.ClientError):
-            async with http.get(f"{url}/readyz") as resp:
-                if resp.status == 200:
-                    return
-        await asyncio.sleep(0.1)
-    raise RuntimeError("the gateway did not become ready; see gateway.log in the out dir")
+@dataclass
+class Scaled:
+    """One pool in the loop: its Deployment and its HPA."""
+
+    config: PoolConfig
+    sim: SimPool
+    hpa: Hpa
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return tuple(m.name for m in self.hpa.spec.metrics)
 
 
-async def run_autoscale(config: AutoscaleConfig, progress: Progress | None = None) -> AutoscaleRun:
+async def run_autoscale(config: AutoscaleConfig) -> AutoscaleRun:
     config.out.mkdir(parents=True, exist_ok=True)
     k = config.time_scale
     started = time.perf_counter()
@@ -228,99 +287,106 @@ async def run_autoscale(config: AutoscaleConfig, progress: Progress | None = Non
     def clock() -> float:
         return (time.perf_counter() - clock_zero[0]) * k
 
-    profile = load_profile(config.profile)
     options = ReplicaOptions(time_scale=k, tokenizer=config.tokenizer, seed=config.seed)
-    port = free_port(str(FIRST_HOST))
-    pool = SimPool(
-        profile, options, port, config.startup_s, clock,
-        drain_wait_s=2 * config.dns_interval_s / k, drain_limit_s=TAIL_S / k,
-    )  # fmt: skip
-    dns = DnsServer(DNS_NAME, pool.addresses)
-    await dns.start()
-    spec = policy(config, dns.port)
-    spec["pools"][config.pool]["dns"]["name"] = f"{DNS_NAME}:{port}"
-    policy_path = config.out / "policy.yaml"
-    policy_path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    gateway_port = config.gateway_port or free_port("127.0.0.1")
-    url = f"http://127.0.0.1:{gateway_port}"
+    sims: dict[str, SimPool] = {}
+    for i, p in enumerate(config.pools):
+        first = FIRST_HOST + i * POOL_STRIDE
+        sims[p.name] = SimPool(
+            p.name, first, load_profile(p.profile), options, free_port(str(first)),
+            config.startup_s, clock, drain_wait_s=2 * config.dns_interval_s / k,
+            drain_limit_s=TAIL_S / k,
+        )  # fmt: skip
+    dns = DnsServer({dns_name(name): sim.addresses for name, sim in sims.items()})
     planned = planned_requests(config)
 
     def build_bodies() -> list[Body]:
         return PromptBuilder(config.tokenizer).bodies(MODEL_ALIAS, planned, True)
 
-    # Seconds of tokenizer work: done while the gateway starts.
-    bodies_task = asyncio.create_task(asyncio.to_thread(build_bodies))
-    samples: list[Sample] = []
-    names: tuple[str, ...] = (config.metric,)
-    notes: list[str] = []
     records: list[RequestRecord] = []
-    access_path = config.out / "access.jsonl"
-    proc: asyncio.subprocess.Process | None = None
-    try:
-        await pool.start_ready(config.initial_replicas)
-        with access_path.open("wb") as log, (config.out / "gateway.log").open("wb") as errors:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "gateway", "serve", "--policy", str(policy_path),
-                "--host", "127.0.0.1", "--port", str(gateway_port), stdout=log, stderr=errors,
-            )  # fmt: skip
-            timeout = aiohttp.ClientTimeout(total=10)
-            async with aiohttp.ClientSession(timeout=timeout) as http:
-                await wait_ready(http, url, proc)
-                bodies = await bodies_task
-                both = {config.metric, config.forecast_metric}
-                first = await scrape(http, url, both, config.pool) or {}
-                names, fallbacks = hpa_metrics(config, config.forecast_metric in first)
-                notes = [*config.notes, *fallbacks]
-                model = Hpa(
-                    HpaSpec(
-                        metrics=tuple(ExternalMetric(n, config.target) for n in names),
-                        min_replicas=config.min_replicas,
-                        max_replicas=config.max_replicas,
-                        scale_up=config.scale_up or DEFAULT_SCALE_UP,
-                        scale_down=config.scale_down or DEFAULT_SCALE_DOWN,
-                        tolerance=config.tolerance,
-                        sync_period_s=config.sync_period_s,
-                    )
+    samples: list[Sample] = []
+    notes = list(config.notes)
+    scaled: dict[str, Scaled] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        # Seconds of tokenizer work: done while the replicas and the gateway start.
+        bodies_task = asyncio.create_task(asyncio.to_thread(build_bodies))
+        stack.push_async_callback(_cancelled, bodies_task)
+        await dns.start()
+        stack.callback(dns.close)
+        for name, sim in sims.items():
+            stack.push_async_callback(sim.close)
+            await sim.start_ready(next(p for p in config.pools if p.name == name).initial_replicas)
+        spec = policy(config, dns.port, {name: sim.port for name, sim in sims.items()})
+        policy_path = config.out / "policy.yaml"
+        policy_path.write_text(yaml.safe_dump(spec, sort_keys=False))
+        port = free_port("127.0.0.1")
+        url = await stack.enter_async_context(processes.gateway(policy_path, port, config.out))
+        http = await stack.enter_async_context(
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        )
+        bodies = await bodies_task
+        first_scrape = await scrape(http, url, {config.metric, config.forecast_metric}) or {}
+        for p in config.pools:
+            have = config.forecast_metric in first_scrape.get(p.name, {})
+            names, fallbacks = hpa_metrics(config, p.name, have)
+            notes += fallbacks
+            hpa = Hpa(
+                HpaSpec(
+                    metrics=tuple(ExternalMetric(n, p.target) for n in names),
+                    min_replicas=p.min_replicas,
+                    max_replicas=p.max_replicas,
+                    scale_up=config.scale_up or DEFAULT_SCALE_UP,
+                    scale_down=config.scale_down or DEFAULT_SCALE_DOWN,
+                    tolerance=config.tolerance,
+                    sync_period_s=config.sync_period_s,
                 )
-                records = await _drive(config, url, http, pool, model, planned, bodies, samples,
-                                       clock_zero, progress or Progress())  # fmt: skip
-    finally:
-        bodies_task.cancel()  # if the gateway never came up
-        await asyncio.gather(bodies_task, return_exceptions=True)
-        if proc is not None and proc.returncode is None:
-            proc.terminate()
-            await proc.wait()
-        await pool.close()
-        dns.close()
-    urls = {f"http://{m.host}:{port}": m.host for m in pool.members}
-    access = read_access_log(access_path)
-    wall_s = time.perf_counter() - started
+            )
+            scaled[p.name] = Scaled(p, sims[p.name], hpa)
+        records = await _drive(config, url, http, scaled, planned, bodies, samples, clock_zero)
+    access = read_access_log(config.out / "access.jsonl")
+    urls = {
+        f"http://{m.host}:{sims[m.pool].port}": m.host for s in sims.values() for m in s.members
+    }
     return AutoscaleRun(
-        config, names, notes, samples, pool.members, records, access, wall_s, clock(), urls
+        config,
+        {name: s.metrics for name, s in scaled.items()},
+        notes,
+        samples,
+        [m for sim in sims.values() for m in sim.members],
+        records,
+        access,
+        time.perf_counter() - started,
+        clock(),
+        urls,
     )
+
+
+async def _cancelled(task: asyncio.Task[Any]) -> None:
+    task.cancel()  # if the gateway never came up
+    await asyncio.gather(task, return_exceptions=True)
 
 
 async def _drive(
     config: AutoscaleConfig,
     url: str,
     http: aiohttp.ClientSession,
-    pool: SimPool,
-    model: Hpa,
+    scaled: Mapping[str, Scaled],
     planned: list[Planned],
     bodies: list[Body],
     samples: list[Sample],
     clock_zero: list[float],
-    progress: Progress,
 ) -> list[RequestRecord]:
-    """Send the load while the HPA syncs on its period; both stop when the load is done."""
+    """Send the load while the HPAs sync on their period; all stop when the load is done. A
+    background task that fails (a replica that could not start) ends the run with its error."""
     k = config.time_scale
-    names = {m.name for m in model.spec.metrics} | {config.metric, config.forecast_metric}
+    names = {config.metric, config.forecast_metric}
     last_sync_s = config.trace.duration_s + TAIL_S
     max_wall_s = last_sync_s / k
+    progress = Progress()
 
     async def starter() -> None:
         while True:
-            await pool.step()
+            for s in scaled.values():
+                await s.sim.step()
             await asyncio.sleep(STEP_WALL_S)
 
     async def until(t_s: float) -> None:
@@ -328,50 +394,50 @@ async def _drive(
 
     # What Prometheus holds: the last successful scrape (a failed one keeps the old samples;
     # a series a successful one lacks is gone, as staleness markers make it).
-    stored: dict[str, float] = {}
+    stored: Gauges = {}
 
     async def prometheus() -> None:
         t = config.scrape_interval_s / 2  # scrapes out of phase with the syncs
         while t <= last_sync_s:
             await until(t)
-            if (values := await scrape(http, url, names, config.pool)) is not None:
+            if (values := await scrape(http, url, names)) is not None:
                 stored.clear()
                 stored.update(values)
             t += config.scrape_interval_s
 
     async def controller() -> None:
-        period_s = model.spec.sync_period_s
-        t = period_s
+        t = config.sync_period_s
         while t <= last_sync_s:
             await until(t)
             if config.scrape_interval_s:
                 values = dict(stored)  # prometheus-adapter's instant query: the newest sample
             else:
-                values = await scrape(http, url, names, config.pool) or {}
-            current = pool.current
-            decision: Decision = model.sync(t, current, values)
-            if decision.desired != current:
-                await pool.scale_to(decision.desired)
-            samples.append(
-                Sample(t, config.trace.rate(t), pool.ready, current, decision.desired,
-                       decision.reason, {n: values.get(n) for n in sorted(names)})
-            )  # fmt: skip
-            t += period_s
+                values = await scrape(http, url, names) or {}
+            for name, s in scaled.items():  # the controller syncs every HPA each period
+                pool_values = values.get(name, {})
+                current = s.sim.current
+                decision = s.hpa.sync(t, current, pool_values)
+                if decision.desired != current:
+                    s.sim.scale_to(decision.desired)
+                samples.append(
+                    Sample(name, t, config.trace.rate(t), s.sim.ready, current,
+                           decision.desired, decision.reason,
+                           {n: pool_values.get(n) for n in sorted(names)})
+                )  # fmt: skip
+            t += config.sync_period_s
 
-    async with session(max_wall_s) as load:
-        progress.start(f"autoscale {config.pool} signal={config.signal}", len(planned))
-        clock_zero[0] = time.perf_counter()
-        background = [asyncio.create_task(starter()), asyncio.create_task(controller())]
+    label = f"autoscale {'+'.join(scaled)} signal={config.signal}"
+    progress.start(label, len(planned))
+    clock_zero[0] = time.perf_counter()
+    async with session(max_wall_s) as load, asyncio.TaskGroup() as group:
+        background = [group.create_task(starter()), group.create_task(controller())]
         if config.scrape_interval_s:
-            background.append(asyncio.create_task(prometheus()))
+            background.append(group.create_task(prometheus()))
         try:
             run = await run_level(load, url, planned, bodies, None, max_wall_s, True, progress)
         finally:
             for task in background:
                 task.cancel()
-            outcomes = await asyncio.gather(*background, return_exceptions=True)
-    # A replica that could not start, or an HPA step that failed, must not pass for a quiet run.
-    for outcome in outcomes:
-        if isinstance(outcome, Exception):
-            raise outcome
+    ok = sum(r.ok for r in run.records)
+    progress.finish(f"{ok} of {len(run.records)} ok")
     return run.records

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from loadtest.sim import Profile, Replica, ReplicaOptions, start_replica
 
 FIRST_HOST = ipaddress.ip_address("127.0.1.1")  # fresh addresses: a new pod gets a new IP
+POOL_STRIDE = 256  # the next pool's addresses start a /24 further: 127.0.2.1, 127.0.3.1, ...
 DRAIN_POLL_S = 0.05  # wall seconds between "anything still in flight?" checks
 
 
@@ -26,6 +27,7 @@ DRAIN_POLL_S = 0.05  # wall seconds between "anything still in flight?" checks
 class Member:
     """One pod's life in simulated seconds: asked for, ready (serving), removed, gone."""
 
+    pool: str
     host: str
     asked_s: float
     ready_s: float
@@ -42,6 +44,8 @@ class Member:
 class SimPool:
     def __init__(
         self,
+        name: str,
+        first_host: ipaddress.IPv4Address | ipaddress.IPv6Address,
         profile: Profile,
         options: ReplicaOptions,
         port: int,
@@ -52,7 +56,8 @@ class SimPool:
     ) -> None:
         """`clock()` is simulated seconds; `drain_wait_s` (wall) is how long a removed
         replica keeps listening at least (the gateway's DNS period, twice), `drain_limit_s`
-        (wall) the most its in-flight requests get."""
+        (wall) the most its in-flight requests get. Replicas get addresses from `first_host` up."""
+        self.name, self.first_host = name, first_host
         self.profile, self.options, self.port = profile, options, port
         self.startup_s, self.clock = startup_s, clock
         self.drain_wait_s, self.drain_limit_s = drain_wait_s, drain_limit_s
@@ -60,7 +65,7 @@ class SimPool:
         self._drains: set[asyncio.Task[None]] = set()
 
     def _next_host(self) -> str:
-        return str(FIRST_HOST + len(self.members))
+        return str(self.first_host + len(self.members))
 
     @property
     def current(self) -> int:
@@ -78,7 +83,7 @@ class SimPool:
     async def start_ready(self, count: int) -> None:
         """`count` replicas that are already up at time 0 (the pool before the run)."""
         for _ in range(count):
-            member = Member(self._next_host(), 0.0, 0.0)
+            member = Member(self.name, self._next_host(), 0.0, 0.0)
             self.members.append(member)
             await self._start(member)
             member.started_s = 0.0
@@ -89,10 +94,10 @@ class SimPool:
         )
         member.started_s = max(0.0, self.clock())
 
-    async def scale_to(self, replicas: int) -> None:
+    def scale_to(self, replicas: int) -> None:
         now = self.clock()
         for _ in range(replicas - self.current):
-            self.members.append(Member(self._next_host(), now, now + self.startup_s))
+            self.members.append(Member(self.name, self._next_host(), now, now + self.startup_s))
         for _ in range(self.current - replicas):
             live = [m for m in self.members if m.removed_s is None]
             starting = [m for m in live if m.replica is None]

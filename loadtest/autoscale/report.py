@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,9 @@ import orjson
 
 from loadtest.autoscale.hpa import DEFAULT_SCALE_DOWN, DEFAULT_SCALE_UP, ScalingRules
 from loadtest.autoscale.loop import AutoscaleRun
+from loadtest.autoscale.pool import Member
 from loadtest.loadgen.compare import SLO
+from loadtest.loadgen.report import request_row
 from loadtest.loadgen.runner import RequestRecord
 from loadtest.loadgen.stats import percentile
 
@@ -26,24 +28,22 @@ REFUSED = (429, 503)
 
 
 def violates(rec: RequestRecord, slo: SLO | None, time_scale: float) -> bool:
-    if slo is None or not rec.ok:
-        return False
-    for metric, limit in slo.limits().items():
-        value = getattr(rec, metric)
-        if value is not None and value * time_scale > limit:
-            return True
-    return False
+    """Completed, but over one of its workload's limits."""
+    return rec.ok and slo is not None and not slo.met(rec, time_scale)
 
 
 def _counts(records: list[RequestRecord], slos: Mapping[str, SLO], k: float) -> dict[str, Any]:
     ok = [r for r in records if r.ok]
     e2e = [r.e2e_s * k for r in ok if r.e2e_s is not None]
+    violations = sum(violates(r, slos.get(r.cls), k) for r in records)
+    refused = {code: sum(r.status == code for r in records) for code in REFUSED}
     return {
         "requests": len(records),
         "ok": len(ok),
-        "slo_violations": sum(violates(r, slos.get(r.cls), k) for r in records),
-        "refused_429": sum(r.status == 429 for r in records),
-        "refused_503": sum(r.status == 503 for r in records),
+        "slo_violations": violations,
+        "refused_429": refused[429],
+        "refused_503": refused[503],
+        "violating_or_refused": violations + refused[429] + refused[503],
         "other_failures": sum(not r.ok and r.status not in REFUSED for r in records),
         "p50_e2e_s": _round(percentile(e2e, 50)),
         "p95_e2e_s": _round(percentile(e2e, 95)),
@@ -84,26 +84,48 @@ def behavior(run: AutoscaleRun) -> str:
     return f"scale up {_rules(up)}; scale down {_rules(down)}; tolerance {c.tolerance:g}"
 
 
+def _member(m: Member, url: str | None, served: Counter[str | None]) -> dict[str, Any]:
+    return {
+        "pool": m.pool,
+        "host": m.host,
+        "asked_s": round(m.asked_s, 1),
+        "ready_s": None if m.started_s is None else round(m.started_s, 1),
+        "removed_s": None if m.removed_s is None else round(m.removed_s, 1),
+        "stopped_s": None if m.gone_s is None else round(m.gone_s, 1),
+        "requests_served": served.get(url, 0),
+    }
+
+
+def _replica_s(members: list[Member], end: float) -> float:
+    """Each replica from when it was asked for until it stopped, within the run."""
+    return sum(
+        min(end, m.gone_s if m.gone_s is not None else end) - max(0.0, m.asked_s) for m in members
+    )
+
+
 def summarise(run: AutoscaleRun, slos: Mapping[str, SLO], window_s: float) -> dict[str, Any]:
     k, end = run.config.time_scale, run.end_s
-    served = Counter(line.get("replica") for line in run.access if line.get("status") == 200)
-    members = []
-    for m in run.members:
-        url = next((u for u, h in run.url_of.items() if h == m.host), None)
-        members.append(
-            {
-                "host": m.host,
-                "asked_s": round(m.asked_s, 1),
-                "ready_s": None if m.started_s is None else round(m.started_s, 1),
-                "removed_s": None if m.removed_s is None else round(m.removed_s, 1),
-                "stopped_s": None if m.gone_s is None else round(m.gone_s, 1),
-                "requests_served": served.get(url, 0),
-            }
-        )
-    replica_s = sum(
-        min(end, m.gone_s if m.gone_s is not None else end) - max(0.0, m.asked_s)
-        for m in run.members
-    )
+    ok_lines = [line for line in run.access if line.get("status") == 200]
+    served = Counter(line.get("replica") for line in ok_lines)
+    host_url = {h: u for u, h in run.url_of.items()}
+    pools = {}
+    for p in run.config.pools:
+        members = [m for m in run.members if m.pool == p.name]
+        samples = [s for s in run.samples if s.pool == p.name]
+        pools[p.name] = {
+            "profile": p.profile,
+            "max_concurrency": p.max_concurrency,
+            "replicas_min_max": [p.min_replicas, p.max_replicas],
+            "hpa_metrics": list(run.signal_used.get(p.name, ())),
+            "target": p.target,
+            "replica_hours": round(_replica_s(members, end) / 3600, 3),
+            "peak_ready": max((s.ready for s in samples), default=0),
+            "peak_desired": max((s.desired for s in samples), default=0),
+            "requests_served": sum(line.get("pool") == p.name for line in ok_lines),
+            "spilled_in": sum(
+                line.get("pool") == p.name and bool(line.get("spilled_from")) for line in ok_lines
+            ),
+        }
     by_class: dict[str, list[RequestRecord]] = {}
     for r in run.records:
         by_class.setdefault(r.cls, []).append(r)
@@ -114,23 +136,24 @@ def summarise(run: AutoscaleRun, slos: Mapping[str, SLO], window_s: float) -> di
         "simulated_s": round(end, 1),
         "wall_s": round(run.wall_s, 1),
         "signal": run.config.signal,
-        "hpa_metrics": list(run.signal_used),
+        "spill": run.config.spill,
         "notes": run.notes,
         "behavior": behavior(run),
         "startup_s": run.config.startup_s,
-        "replica_hours": round(replica_s / 3600, 3),
-        "peak_ready": max((s.ready for s in run.samples), default=0),
-        "peak_desired": max((s.desired for s in run.samples), default=0),
+        "replica_hours": round(_replica_s(run.members, end) / 3600, 3),
+        "spilled": sum(bool(line.get("spilled_from")) for line in ok_lines),
         "slos": {c: s.limits() for c, s in slos.items()},
         "all": _counts(run.records, slos, k),
         "by_workload": {c: _counts(rs, slos, k) for c, rs in by_class.items()},
-        "replicas": members,
+        "pools": pools,
+        "replicas": [_member(m, host_url.get(m.host), served) for m in run.members],
     }
 
 
 def write(run: AutoscaleRun, summary: dict[str, Any], out: Path) -> list[Path]:
     timeline = [
         {
+            "pool": s.pool,
             "t_s": s.t_s,
             "rate_rps": round(s.rate_rps, 4),
             "ready": s.ready,
@@ -145,7 +168,9 @@ def write(run: AutoscaleRun, summary: dict[str, Any], out: Path) -> list[Path]:
     ttft = p95_over_time(run, summary["window_s"], "ttft_s")
     data = {**summary, "timeline": timeline, "p95_e2e_by_window": p95, "p95_ttft_by_window": ttft}
     (out / "autoscale.json").write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
-    (out / "requests.jsonl").write_bytes(b"\n".join(orjson.dumps(r.row()) for r in run.records))
+    k = run.config.time_scale
+    rows = (orjson.dumps(request_row(r, k)) for r in run.records)  # in simulated seconds
+    (out / "requests.jsonl").write_bytes(b"\n".join(rows))
     plot(run, p95, ttft, summary, out / "autoscale.png")
     (out / "autoscale.md").write_text(markdown(run, summary))
     return [out / "autoscale.json", out / "autoscale.md", out / "autoscale.png"]
@@ -158,25 +183,24 @@ def _s(value: float | None) -> str:
 def markdown(run: AutoscaleRun, summary: dict[str, Any]) -> str:
     c = run.config
     a = summary["all"]
+    signal = f"signal `{c.signal}`, spill-over {'on' if c.spill else 'off'}"
     out = [
         "# Autoscaling run",
         "",
-        f"Pool `{c.pool}` ({c.profile}), signal `{c.signal}` (the HPA reads"
-        f" {', '.join(f'`{m}`' for m in summary['hpa_metrics'])}, AverageValue {c.target:g}),"
-        f" replicas {c.min_replicas}-{c.max_replicas}, start-up {c.startup_s:g} s, HPA sync"
-        f" {c.sync_period_s:g} s. Time scale {c.time_scale:g}: {summary['simulated_s']:g}"
-        f" simulated seconds in {summary['wall_s']:g} wall seconds. **Every time below is in"
-        " simulated seconds.**",
+        f"Pools {', '.join(f'`{p.name}` ({p.profile})' for p in c.pools)}; {signal}; start-up"
+        f" {c.startup_s:g} s, HPA sync {c.sync_period_s:g} s. Time scale {c.time_scale:g}:"
+        f" {summary['simulated_s']:g} simulated seconds in {summary['wall_s']:g} wall seconds."
+        " **Every time below is in simulated seconds.**",
         "",
         f"Behavior: {summary['behavior']}.",
         "",
         *[line for note in summary["notes"] for line in (f"> {note}", "")],
         "| requests | ok | SLO-violating | refused 429 | refused 503 | other failures"
-        " | P50 E2E | P95 E2E | replica-hours | peak ready |",
+        " | spilled | P50 E2E | P95 E2E | replica-hours |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| {a['requests']} | {a['ok']} | {a['slo_violations']} | {a['refused_429']}"
-        f" | {a['refused_503']} | {a['other_failures']} | {_s(a['p50_e2e_s'])} s"
-        f" | {_s(a['p95_e2e_s'])} s | {summary['replica_hours']:g} | {summary['peak_ready']} |",
+        f" | {a['refused_503']} | {a['other_failures']} | {summary['spilled']}"
+        f" | {_s(a['p50_e2e_s'])} s | {_s(a['p95_e2e_s'])} s | {summary['replica_hours']:g} |",
         "",
         "| workload | SLO (s) | requests | ok | SLO-violating | refused | P95 E2E |",
         "|---|---|---:|---:|---:|---:|---:|",
@@ -190,25 +214,39 @@ def markdown(run: AutoscaleRun, summary: dict[str, Any]) -> str:
         )
     out += [
         "",
+        "| pool | profile | cap | HPA reads (AverageValue) | replicas | peak ready"
+        " | replica-hours | served | of which spilled in |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|",
+    ]
+    for name, p in summary["pools"].items():
+        metrics = ", ".join(f"`{m}`" for m in p["hpa_metrics"])
+        low, high = p["replicas_min_max"]
+        out.append(
+            f"| {name} | {p['profile']} | {p['max_concurrency']} | {metrics} ({p['target']:g})"
+            f" | {low}-{high} | {p['peak_ready']} | {p['replica_hours']:g}"
+            f" | {p['requests_served']} | {p['spilled_in']} |"
+        )
+    out += [
+        "",
         "Replicas (asked for, ready = serving and in DNS, removed = out of DNS, stopped ="
         " drained; requests served as the gateway's access log says):",
         "",
-        "| replica | asked | ready | removed | stopped | requests served |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| pool | replica | asked | ready | removed | stopped | requests served |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for m in summary["replicas"]:
         out.append(
-            f"| {m['host']} | {m['asked_s']:g} | {_s(m['ready_s'])} | {_s(m['removed_s'])}"
-            f" | {_s(m['stopped_s'])} | {m['requests_served']} |"
+            f"| {m['pool']} | {m['host']} | {m['asked_s']:g} | {_s(m['ready_s'])}"
+            f" | {_s(m['removed_s'])} | {_s(m['stopped_s'])} | {m['requests_served']} |"
         )
     out += ["", "![autoscaling](autoscale.png)", ""]
     return "\n".join(out)
 
 
-def _ready_steps(run: AutoscaleRun) -> tuple[list[float], list[int]]:
+def _ready_steps(members: list[Member], end_s: float) -> tuple[list[float], list[int]]:
     """Ready replicas over time, exactly: a step at every start and removal."""
     events = []
-    for m in run.members:
+    for m in members:
         if m.started_s is not None:
             events.append((m.started_s, 1))
             if m.removed_s is not None:
@@ -218,7 +256,7 @@ def _ready_steps(run: AutoscaleRun) -> tuple[list[float], list[int]]:
         level += delta
         times.append(t)
         counts.append(level)
-    times.append(run.end_s)
+    times.append(end_s)
     counts.append(level)
     return times, counts
 
@@ -226,62 +264,65 @@ def _ready_steps(run: AutoscaleRun) -> tuple[list[float], list[int]]:
 Series = list[tuple[float, float | None]]
 
 
+def _nan(values: Iterable[float | None]) -> list[float]:
+    return [math.nan if v is None else v for v in values]
+
+
 def plot(run: AutoscaleRun, p95: Series, ttft: Series, summary: dict[str, Any], path: Path) -> None:
+    """Demand per workload, then each pool's replicas and signal, then P95 latency."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on CI or servers
     import matplotlib.pyplot as plt
 
     c = run.config
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    rows = 2 + len(c.pools)
+    fig, axes = plt.subplots(rows, 1, figsize=(10, 2.6 * rows), sharex=True)
+    demand, *panels, bottom = axes
     step = max(1.0, run.end_s / 400)
     ts = [i * step for i in range(int(run.end_s / step) + 1)]
-    top.plot(ts, [c.trace.rate(t) for t in ts], color="tab:gray", label="demand (trace)")
-    top.set_ylabel("demand (requests / simulated s)")
-    top.set_ylim(bottom=0)
-    replicas = top.twinx()
-    times, counts = _ready_steps(run)
-    replicas.step(times, counts, where="post", color="tab:green", label="ready replicas")
-    if run.samples:
-        replicas.step(
-            [0.0] + [s.t_s for s in run.samples],
-            [run.samples[0].current] + [s.desired for s in run.samples],
-            where="post", color="tab:blue", linestyle="--", label="HPA desired replicas",
-        )  # fmt: skip
-        metric = summary["hpa_metrics"][0]
-        replicas.plot(
-            [s.t_s for s in run.samples],
-            [math.nan if s.metrics.get(metric) is None else s.metrics[metric] for s in run.samples],
-            color="tab:orange", linewidth=0.8, label=f"{metric} (gateway)",
-        )  # fmt: skip
-    replicas.set_ylabel("replicas")
-    replicas.set_ylim(0, max(c.max_replicas, max(counts, default=0)) + 1)
-    lines = top.get_legend_handles_labels()
-    more = replicas.get_legend_handles_labels()
-    top.legend(lines[0] + more[0], lines[1] + more[1], loc="upper right", fontsize="small")
-    top.set_title(
-        f"{c.pool}: signal {c.signal}, start-up {c.startup_s:g} s, time scale {c.time_scale:g}"
+    for workload in c.trace.series:
+        demand.plot(ts, [c.trace.rate(t, workload) for t in ts], label=workload)
+    demand.set_ylabel("demand (req / sim s)")
+    demand.set_ylim(bottom=0)
+    demand.set_title(
+        f"signal {c.signal}, spill-over {'on' if c.spill else 'off'}, start-up"
+        f" {c.startup_s:g} s, time scale {c.time_scale:g}"
     )
-    top.grid(alpha=0.3)
-    bottom.plot(
-        [t for t, _ in p95], [math.nan if v is None else v for _, v in p95], marker="o",
-        label=f"P95 E2E of completed requests (by start, {summary['window_s']:g} s windows)",
-    )  # fmt: skip
-    bottom.plot(
-        [t for t, _ in ttft], [math.nan if v is None else v for _, v in ttft], marker=".",
-        color="tab:purple", label="P95 TTFT",
-    )  # fmt: skip
+    for ax, pool in zip(panels, c.pools, strict=True):
+        members = [m for m in run.members if m.pool == pool.name]
+        samples = [s for s in run.samples if s.pool == pool.name]
+        times, counts = _ready_steps(members, run.end_s)
+        ax.step(times, counts, where="post", color="tab:green", label="ready replicas")
+        if samples:
+            ax.step(
+                [0.0] + [s.t_s for s in samples],
+                [samples[0].current] + [s.desired for s in samples],
+                where="post", color="tab:blue", linestyle="--", label="HPA desired",
+            )  # fmt: skip
+            for metric in summary["pools"][pool.name]["hpa_metrics"]:
+                ax.plot(
+                    [s.t_s for s in samples], _nan(s.metrics.get(metric) for s in samples),
+                    linewidth=0.8, label=metric,
+                )  # fmt: skip
+        ax.set_ylabel(f"{pool.name}\nreplicas")
+        ax.set_ylim(0, max(pool.max_replicas, max(counts, default=0)) + 1)
+    bottom.plot([t for t, _ in p95], _nan(v for _, v in p95), marker="o",
+                label=f"P95 E2E (by start, {summary['window_s']:g} s windows)")  # fmt: skip
+    bottom.plot([t for t, _ in ttft], _nan(v for _, v in ttft), marker=".", color="tab:purple",
+                label="P95 TTFT")  # fmt: skip
     for name, limits in summary["slos"].items():
         for metric, style in (("e2e_s", ":"), ("ttft_s", "-.")):
             if metric in limits and name in summary["by_workload"]:
                 bottom.axhline(limits[metric], color="tab:red", linestyle=style, linewidth=1,
                                label=f"{name} {metric.removesuffix('_s').upper()} SLO")  # fmt: skip
     bottom.set_ylim(bottom=0)
-    bottom.set_ylabel("P95 latency (simulated s)")
+    bottom.set_ylabel("P95 (sim s)")
     bottom.set_xlabel("time since the load began (simulated seconds)")
     bottom.set_xlim(left=0)
-    bottom.grid(alpha=0.3)
-    bottom.legend(loc="upper right", fontsize="small")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper right", fontsize="x-small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -10,7 +10,8 @@ Built-ins (`NAME:key=value,...`):
                                                           a cosine from min (t=0) to max
 
 A CSV file (`t_s,rate_rps[,workload]`, a header row optional) gives the points; rows without a
-workload use the run's default workload. `from_access_log` builds one from a gateway access log.
+workload use the run's default workload. `WORKLOAD=SPEC` gives one workload its own built-in, so
+several workloads can follow different curves in one run (`load_traces`). `from_access_log` builds one from a gateway access log.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import csv
 import math
 import random
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,22 @@ def load_trace(spec: str | Path, default_workload: str) -> Trace:
         raise ValueError(f"{path}: no rows")
     # A stable sort keeps a step's two rows (same time) in file order.
     return Trace({n: tuple(sorted(p, key=lambda x: x[0])) for n, p in series.items()})
+
+
+def load_traces(specs: Sequence[str], default_workload: str) -> Trace:
+    """Several traces as one: each `WORKLOAD=SPEC` (a built-in for that workload) or `SPEC`
+    (rows for `default_workload`, or a CSV's own workloads). A workload given twice is an error."""
+    series: dict[str, tuple[tuple[float, float], ...]] = {}
+    for text in specs:
+        head, eq, rest = text.partition("=")
+        workload, spec = (head, rest) if eq and ":" not in head else (default_workload, text)
+        for name, points in load_trace(spec, workload).series.items():
+            if name in series:
+                raise ValueError(f"workload {name!r} has two traces")
+            series[name] = points
+    if not series:
+        raise ValueError("no trace given")
+    return Trace(series)
 
 
 def write_trace(trace: Trace, path: str | Path) -> Path:
