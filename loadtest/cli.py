@@ -4,7 +4,9 @@ llm-loadtest simulate ...   simulated vLLM replicas (loadtest/sim)
 llm-loadtest sweep ...      closed- or open-loop load, per-level report, knee (loadtest/loadgen)
 llm-loadtest profile ...    ISL / OSL / concurrency distributions from a gateway access log
 llm-loadtest compare ...    the gateway against plain round-robin at overload
-llm-loadtest autoscale ...  a simulated HPA scaling a simulated pool on the gateway's metric
+llm-loadtest autoscale ...  a simulated HPA scaling simulated pools on the gateway's metric
+llm-loadtest autoscale-matrix ...
+                            the same run four ways: reactive / forecast signal, spill-over off / on
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ COMMANDS = {
     "profile": "loadtest.loadgen.cli",
     "compare": "loadtest.loadgen.cli",
     "autoscale": "loadtest.autoscale.cli",
+    "autoscale-matrix": "loadtest.autoscale.matrix",
 }
 
 

@@ -55,16 +55,16 @@ def _round(value: float | None) -> float | None:
 
 
 def p95_over_time(
-    run: AutoscaleRun, window_s: float, metric: str = "e2e_s"
+    run: AutoscaleRun, window_s: float, metric: str = "e2e_s", workload: str | None = None
 ) -> list[tuple[float, float | None]]:
-    """P95 of a latency (`e2e_s`, `ttft_s`) of the completed requests that started in each
-    window: (window midpoint, seconds)."""
+    """P95 of a latency (`e2e_s`, `ttft_s`, `tpot_s`) of the completed requests (of one
+    workload, or all) that started in each window: (window midpoint, seconds)."""
     k = run.config.time_scale
     windows = max(1, math.ceil(run.end_s / window_s))
     buckets: list[list[float]] = [[] for _ in range(windows)]
     for r in run.records:
         value = getattr(r, metric)
-        if r.ok and value is not None:
+        if r.ok and value is not None and workload in (None, r.cls):
             buckets[min(windows - 1, int(r.start_s * k // window_s))].append(value * k)
     return [((i + 0.5) * window_s, percentile(b, 95)) for i, b in enumerate(buckets)]
 
@@ -146,6 +146,7 @@ def summarise(run: AutoscaleRun, slos: Mapping[str, SLO], window_s: float) -> di
         "all": _counts(run.records, slos, k),
         "by_workload": {c: _counts(rs, slos, k) for c, rs in by_class.items()},
         "pools": pools,
+        "bad_by_window": bad_over_time(run, slos, window_s),
         "replicas": [_member(m, host_url.get(m.host), served) for m in run.members],
     }
 
@@ -164,14 +165,13 @@ def write(run: AutoscaleRun, summary: dict[str, Any], out: Path) -> list[Path]:
         }
         for s in run.samples
     ]
-    p95 = p95_over_time(run, summary["window_s"])
-    ttft = p95_over_time(run, summary["window_s"], "ttft_s")
-    data = {**summary, "timeline": timeline, "p95_e2e_by_window": p95, "p95_ttft_by_window": ttft}
+    p95 = latency_windows(run, summary)
+    data = {**summary, "timeline": timeline, "p95_by_window": p95}
     (out / "autoscale.json").write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
     k = run.config.time_scale
     rows = (orjson.dumps(request_row(r, k)) for r in run.records)  # in simulated seconds
     (out / "requests.jsonl").write_bytes(b"\n".join(rows))
-    plot(run, p95, ttft, summary, out / "autoscale.png")
+    plot(run, p95, summary, out / "autoscale.png")
     (out / "autoscale.md").write_text(markdown(run, summary))
     return [out / "autoscale.json", out / "autoscale.md", out / "autoscale.png"]
 
@@ -264,11 +264,35 @@ def _ready_steps(members: list[Member], end_s: float) -> tuple[list[float], list
 Series = list[tuple[float, float | None]]
 
 
+def bad_over_time(
+    run: AutoscaleRun, slos: Mapping[str, SLO], window_s: float
+) -> list[tuple[float, int]]:
+    """SLO-violating or refused requests that started in each window: (midpoint, count)."""
+    k = run.config.time_scale
+    windows = max(1, math.ceil(run.end_s / window_s))
+    counts = [0] * windows
+    for r in run.records:
+        if r.status in REFUSED or violates(r, slos.get(r.cls), k):
+            counts[min(windows - 1, int(r.start_s * k // window_s))] += 1
+    return [((i + 0.5) * window_s, n) for i, n in enumerate(counts)]
+
+
+def latency_windows(run: AutoscaleRun, summary: dict[str, Any]) -> dict[str, dict[str, Series]]:
+    """Per workload, the P95 over time of each latency its SLO limits (E2E if none)."""
+    out: dict[str, dict[str, Series]] = {}
+    for name in summary["by_workload"]:
+        metrics = list(summary["slos"].get(name) or ()) or ["e2e_s"]
+        out[name] = {m: p95_over_time(run, summary["window_s"], m, name) for m in metrics}
+    return out
+
+
 def _nan(values: Iterable[float | None]) -> list[float]:
     return [math.nan if v is None else v for v in values]
 
 
-def plot(run: AutoscaleRun, p95: Series, ttft: Series, summary: dict[str, Any], path: Path) -> None:
+def plot(
+    run: AutoscaleRun, p95: dict[str, dict[str, Series]], summary: dict[str, Any], path: Path
+) -> None:
     """Demand per workload, then each pool's replicas and signal, then P95 latency."""
     import matplotlib
 
@@ -307,17 +331,18 @@ def plot(run: AutoscaleRun, p95: Series, ttft: Series, summary: dict[str, Any], 
                 )  # fmt: skip
         ax.set_ylabel(f"{pool.name}\nreplicas")
         ax.set_ylim(0, max(pool.max_replicas, max(counts, default=0)) + 1)
-    bottom.plot([t for t, _ in p95], _nan(v for _, v in p95), marker="o",
-                label=f"P95 E2E (by start, {summary['window_s']:g} s windows)")  # fmt: skip
-    bottom.plot([t for t, _ in ttft], _nan(v for _, v in ttft), marker=".", color="tab:purple",
-                label="P95 TTFT")  # fmt: skip
-    for name, limits in summary["slos"].items():
-        for metric, style in (("e2e_s", ":"), ("ttft_s", "-.")):
-            if metric in limits and name in summary["by_workload"]:
-                bottom.axhline(limits[metric], color="tab:red", linestyle=style, linewidth=1,
-                               label=f"{name} {metric.removesuffix('_s').upper()} SLO")  # fmt: skip
-    bottom.set_ylim(bottom=0)
-    bottom.set_ylabel("P95 (sim s)")
+    colors = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4)
+    for name, series in p95.items():
+        limits = summary["slos"].get(name) or {}
+        for metric, points in series.items():
+            color, label = next(colors), f"{name} P95 {metric.removesuffix('_s').upper()}"
+            bottom.plot([t for t, _ in points], _nan(v for _, v in points), marker=".",
+                        color=color, label=label)  # fmt: skip
+            if metric in limits:
+                bottom.axhline(limits[metric], color=color, linestyle=":", linewidth=1,
+                               label=f"{label.replace(' P95', '')} SLO")  # fmt: skip
+    bottom.set_ylabel(f"P95, {summary['window_s']:g} s windows\n(sim s, log)")
+    bottom.set_yscale("log")
     bottom.set_xlabel("time since the load began (simulated seconds)")
     bottom.set_xlim(left=0)
     for ax in axes:
