@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.autoscale.trace import from_access_log, load_trace, write_trace
+from loadtest.autoscale.trace import from_access_log, load_trace, load_traces, write_trace
 from loadtest.cli import main as loadtest
 
 
@@ -75,3 +75,14 @@ def test_the_command_is_listed_and_every_flag_explains_itself(
     for i, line in enumerate(lines):  # help on the flag's line or, if it is long, the next one
         if line.startswith("--") and len(line.split(maxsplit=2)) < 3:
             assert lines[i + 1] and not lines[i + 1].startswith("-"), f"{line}: no help"
+
+
+def test_each_workload_may_follow_its_own_curve_and_none_twice() -> None:
+    trace = load_traces(
+        ["classification=step:base=3,peak=9,start=10,end=20,duration=30", "ramp:to=2"],
+        "generation",
+    )
+    assert set(trace.series) == {"classification", "generation"}
+    assert trace.rate(15, "classification") == 9 and trace.rate(15) > 9
+    with pytest.raises(ValueError, match="two traces"):
+        load_traces(["generation=ramp", "ramp"], "generation")

@@ -17,7 +17,7 @@ import random
 import socket
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -69,8 +69,13 @@ class PoolConfig:
     max_replicas: int = 8
     initial_replicas: int = 1  # ready at time 0
     target: float = 1.0  # the metrics' AverageValue target
+    # The pool's policy `forecast` (gateway/admit/forecast.py), times in simulated seconds;
+    # what is left out keeps the gateway's default.
+    forecast: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if unknown := set(self.forecast) - {*FORECAST_TIMES, "ceiling"}:
+            raise ValueError(f"pool {self.name}: forecast has no {sorted(unknown)}")
         if not 0 < self.min_replicas <= self.max_replicas:
             raise ValueError(f"pool {self.name}: need 0 < min_replicas <= max_replicas")
         if not 0 <= self.initial_replicas <= self.max_replicas:
@@ -176,7 +181,6 @@ def policy(config: AutoscaleConfig, dns_port: int, ports: Mapping[str, int]) -> 
     k = config.time_scale
     models: dict[str, Any] = {}
     pools: dict[str, Any] = {}
-    forecast = {name: getattr(FORECAST_DEFAULT, name) / k for name in FORECAST_TIMES}
     for p in config.pools:
         profile = load_profile(p.profile)
         models[profile.served_model_name] = {
@@ -198,7 +202,7 @@ def policy(config: AutoscaleConfig, dns_port: int, ports: Mapping[str, int]) -> 
             # on the simulated clock as it would on a real one (and not 12x slower).
             "health": {"interval_s": HEALTH_TICK_S / k},
             "startup_s": config.startup_s / k,  # the forecast's horizon
-            "forecast": forecast,
+            "forecast": _forecast(p, k),
         }
     routes = config.routes or ({"match": {"model": MODEL_ALIAS}, "pool": config.pool.name},)
     if not config.spill:
@@ -209,6 +213,12 @@ def policy(config: AutoscaleConfig, dns_port: int, ports: Mapping[str, int]) -> 
         "classes": list(config.classes or ({"name": "any"},)),
         "routes": list(routes),
     }
+
+
+def _forecast(pool: PoolConfig, k: float) -> dict[str, float]:
+    """The pool's forecast constants for the gateway: its times over the time scale."""
+    given = {**asdict(FORECAST_DEFAULT), **pool.forecast}
+    return {name: value / k if name in FORECAST_TIMES else value for name, value in given.items()}
 
 
 def planned_requests(config: AutoscaleConfig) -> list[Planned]:

@@ -76,9 +76,10 @@ def compare(runs: dict[str, dict[str, Any]], title: str) -> str:
         fewer = 1 - d["all"]["violating_or_refused"] / b if b else 0.0
         more = d["replica_hours"] / base["replica_hours"] - 1
         verdict = "met" if fewer >= 0.5 and more <= 0.10 else "not met"
+        change = f"{100 * fewer:.0f}% fewer" if fewer >= 0 else f"{-100 * fewer:.0f}% more"
         out += [
             "",
-            f"(d) against (a): {100 * fewer:.0f}% fewer SLO-violating or refused requests at"
+            f"(d) against (a): {change} SLO-violating or refused requests at"
             f" {100 * more:+.0f}% replica-hours; the target (at least 50% fewer at no more than"
             f" +10%) is {verdict}.",
         ]
