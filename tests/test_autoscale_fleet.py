@@ -12,7 +12,7 @@ import pytest
 
 from loadtest import processes
 from loadtest.autoscale import cli, matrix, report
-from loadtest.autoscale.loop import AutoscaleConfig, PoolConfig, free_port, run_autoscale
+from loadtest.autoscale.loop import AutoscaleConfig, PoolConfig, free_port, policy, run_autoscale
 from loadtest.autoscale.trace import load_traces
 from loadtest.loadgen.compare import DEFAULT_SLOS
 
@@ -31,7 +31,7 @@ def small_fleet(tmp_path: Path, spill: bool) -> AutoscaleConfig:
     return AutoscaleConfig(
         trace=load_traces(
             [
-                "classification=step:base=12,peak=12,duration=60",
+                "classification=ramp:from=12,to=12,duration=60",
                 "generation=ramp:from=0.5,to=0.5,duration=60",
             ],
             "generation",
@@ -157,3 +157,21 @@ async def test_a_gateway_that_cannot_start_is_reported_with_its_log(tmp_path: Pa
 def test_the_compare_says_more_when_d_did_worse() -> None:
     worse = matrix.compare({"a": summary(40, 1.0), "d": summary(50, 1.0)}, "diurnal")
     assert "25% more SLO-violating" in worse and "is not met" in worse
+
+
+def test_forecast_flags_reach_every_pool_over_the_fleets_and_the_gateway_gets_them_scaled(
+    tmp_path: Path,
+) -> None:
+    args = cli.parser().parse_args(
+        ["--fleet", str(FLEET), "--tokenizer", "estimate", "--forecast", "ceiling=2.5",
+         "--forecast", "trend_s=120", "--time-scale", "10"]
+    )  # fmt: skip
+    config = cli.build_config(args, None)
+    assert all(p.forecast == {"ceiling": 2.5, "trend_s": 120} for p in config.pools)
+    spec = policy(config, 53, {p.name: 8000 for p in config.pools})
+    assert spec["pools"]["classify-27b"]["forecast"] == {
+        "level_s": 6.0, "trend_s": 12.0, "damping_s": 30.0, "ceiling": 2.5,
+    }  # fmt: skip
+    assert spec["pools"]["classify-27b"]["startup_s"] == config.startup_s / 10
+    with pytest.raises(SystemExit):
+        cli.parser().parse_args(["--forecast", "ceiling"])

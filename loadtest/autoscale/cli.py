@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -68,6 +69,13 @@ def _slo(text: str) -> tuple[str, SLO]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _forecast(text: str) -> tuple[str, float]:
+    key, eq, value = text.partition("=")
+    if not eq:
+        raise argparse.ArgumentTypeError(f"{text!r}: reads KEY=VALUE, e.g. ceiling=2.5")
+    return key, _positive(value)
+
+
 def _policy(text: str) -> hpa.ScalingPolicy:
     kind, value, period = text.split(":")
     if kind not in ("Pods", "Percent"):
@@ -101,6 +109,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fleet", type=Path,
                    help="pools, classes and routes from a YAML file"
                    " (loadtest/autoscale/fleets/); the single-pool flags then do not apply")  # fmt: skip
+    p.add_argument("--forecast", action="append", default=[], type=_forecast, metavar="KEY=VALUE",
+                   help="every pool's forecast constant (level_s, trend_s, damping_s: simulated;"
+                   " ceiling), over the fleet's; repeatable")  # fmt: skip
     p.add_argument("--no-spill", dest="spill", action="store_false",
                    help="leave the routes' fallbacks out (spill-over off)")  # fmt: skip
     p.add_argument("--workload", default="generation", help="for trace rows without one")
@@ -292,11 +303,17 @@ def manifest_signal(manifest: hpa.Manifest | None, args: argparse.Namespace) -> 
 
 
 def build_config(args: argparse.Namespace, manifest: hpa.Manifest | None) -> AutoscaleConfig:
+    pools = fleet(args, manifest)
+    if args.forecast:
+        given = dict(args.forecast)
+        pools["pools"] = tuple(
+            dataclasses.replace(p, forecast={**p.forecast, **given}) for p in pools["pools"]
+        )
     return AutoscaleConfig(
         trace=load_traces(args.trace or [DEFAULT_TRACE], args.workload),
         tokenizer=tokenizer(args.tokenizer),
         out=args.out,
-        **fleet(args, manifest),
+        **pools,
         spill=args.spill,
         time_scale=args.time_scale,
         startup_s=args.startup_s,

@@ -322,9 +322,9 @@ async def run_autoscale(config: AutoscaleConfig) -> AutoscaleRun:
         stack.push_async_callback(_cancelled, bodies_task)
         await dns.start()
         stack.callback(dns.close)
-        for name, sim in sims.items():
-            stack.push_async_callback(sim.close)
-            await sim.start_ready(next(p for p in config.pools if p.name == name).initial_replicas)
+        for p in config.pools:
+            stack.push_async_callback(sims[p.name].close)
+            await sims[p.name].start_ready(p.initial_replicas)
         spec = policy(config, dns.port, {name: sim.port for name, sim in sims.items()})
         policy_path = config.out / "policy.yaml"
         policy_path.write_text(yaml.safe_dump(spec, sort_keys=False))

@@ -75,7 +75,9 @@ def compare(runs: dict[str, dict[str, Any]], title: str) -> str:
         d, b = runs["d"], base["all"]["violating_or_refused"]
         fewer = 1 - d["all"]["violating_or_refused"] / b if b else 0.0
         more = d["replica_hours"] / base["replica_hours"] - 1
-        verdict = "met" if fewer >= 0.5 and more <= 0.10 else "not met"
+        verdict = (
+            "met" if fewer >= 0.5 and round(more, 6) <= 0.10 else "not met"
+        )  # 1.1 / 1.0 - 1 > 0.1
         change = f"{100 * fewer:.0f}% fewer" if fewer >= 0 else f"{-100 * fewer:.0f}% more"
         out += [
             "",
