@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from loadtest.autoscale.hpa import DEFAULT_SCALE_DOWN, DEFAULT_SCALE_UP, ScalingRules
-from loadtest.autoscale.loop import AutoscaleRun
+from loadtest.autoscale.loop import AutoscaleConfig, AutoscaleRun
 from loadtest.autoscale.pool import Member
 from loadtest.loadgen.compare import SLO
 from loadtest.loadgen.report import request_row
@@ -176,6 +176,12 @@ def write(run: AutoscaleRun, summary: dict[str, Any], out: Path) -> list[Path]:
     return [out / "autoscale.json", out / "autoscale.md", out / "autoscale.png"]
 
 
+def spill_state(config: AutoscaleConfig) -> str:
+    if not any(route.get("fallback") for route in config.routes or ()):
+        return "no fallbacks"
+    return f"spill-over {'on' if config.spill else 'off'}"
+
+
 def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:g}"
 
@@ -183,7 +189,7 @@ def _s(value: float | None) -> str:
 def markdown(run: AutoscaleRun, summary: dict[str, Any]) -> str:
     c = run.config
     a = summary["all"]
-    signal = f"signal `{c.signal}`, spill-over {'on' if c.spill else 'off'}"
+    signal = f"signal `{c.signal}`, {spill_state(c)}"
     out = [
         "# Autoscaling run",
         "",
@@ -310,7 +316,7 @@ def plot(
     demand.set_ylabel("demand (req / sim s)")
     demand.set_ylim(bottom=0)
     demand.set_title(
-        f"signal {c.signal}, spill-over {'on' if c.spill else 'off'}, start-up"
+        f"signal {c.signal}, {spill_state(c)}, start-up"
         f" {c.startup_s:g} s, time scale {c.time_scale:g}"
     )
     for ax, pool in zip(panels, c.pools, strict=True):
