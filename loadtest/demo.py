@@ -53,6 +53,7 @@ PROFILES = {
     "gemma-3-12b-it": "gemma-3-12b-tpu-v6e-2x2",
 }
 DEADLINE_S = 150  # wall clock
+ESTIMATE = "estimate"  # a model's tokenizer when it has none: no directory to build or rebase
 REFUSALS = {  # the client's error code: what the gateway did, "{wait}" the queue's max wait
     "queue_wait_too_long": "the gateway predicted a queue wait over {wait} and refused at once",
     "queue_timeout": "each waited the queue's max wait, {wait}, without a free slot",
@@ -60,14 +61,19 @@ REFUSALS = {  # the client's error code: what the gateway did, "{wait}" the queu
 }
 
 
-def ensure_tokenizers(policy: dict[str, Any], base: Path) -> str:
-    """Build the demo tokenizer where the policy expects it; return its directory."""
-    directories = {str((base / m["tokenizer"]).resolve()) for m in policy["models"].values()}
+def ensure_tokenizers(policy: dict[str, Any], base: Path) -> str | None:
+    """Build the demo tokenizer where the policy expects it; return its directory (None: every
+    model estimates)."""
+    directories = {
+        str((base / m["tokenizer"]).resolve())
+        for m in policy["models"].values()
+        if m.get("tokenizer", ESTIMATE) != ESTIMATE
+    }
     for directory in directories:
         if not (Path(directory) / "tokenizer.json").exists():
             print(f"building the demo tokenizer in {os.path.relpath(directory)} ...", flush=True)
             build(directory)
-    return sorted(directories)[0]
+    return min(directories, default=None)
 
 
 def scaled(node: Any, time_scale: float) -> Any:
@@ -85,11 +91,15 @@ def scaled(node: Any, time_scale: float) -> Any:
 
 
 def gateway_policy(policy: dict[str, Any], source: Path, time_scale: float, path: Path) -> Path:
-    """Write the policy the gateway runs on; its tokenizer paths made absolute, since the copy
-    lives elsewhere."""
+    """Write the policy the gateway runs on; its relative paths (tokenizers, keys files) made
+    absolute, since the copy lives elsewhere."""
     copy = scaled(policy, time_scale)
     for model in copy["models"].values():
-        model["tokenizer"] = str((source.parent / model["tokenizer"]).resolve())
+        if model.get("tokenizer", ESTIMATE) != ESTIMATE:
+            model["tokenizer"] = str((source.parent / model["tokenizer"]).resolve())
+    for tenant in (copy.get("tenants") or {}).values():
+        if tenant.get("keys_file"):
+            tenant["keys_file"] = str((source.parent / tenant["keys_file"]).resolve())
     path.write_text(
         f"# Written by loadtest/demo.py from {source}: its *_s values divided by the time"
         f" scale {time_scale:g},\n# for a gateway on the wall clock. Edit the original.\n"
@@ -99,7 +109,10 @@ def gateway_policy(policy: dict[str, Any], source: Path, time_scale: float, path
 
 
 async def start_replicas(
-    policy: dict[str, Any], tokenizer: str, time_scale: float, stack: contextlib.AsyncExitStack
+    policy: dict[str, Any],
+    tokenizer: str | None,
+    time_scale: float,
+    stack: contextlib.AsyncExitStack,
 ) -> int:
     """The policy's replicas, each closed when `stack` closes (so a later start that fails
     leaves none behind); returns how many."""
@@ -228,7 +241,7 @@ def marks(found: list[Outcome], policy: dict[str, Any]) -> dict[str, Mark]:
 
 
 async def run(
-    policy_path: Path, policy: dict[str, Any], tokenizer: str, args: argparse.Namespace
+    policy_path: Path, policy: dict[str, Any], tokenizer: str | None, args: argparse.Namespace
 ) -> SweepResult:
     """Start the fleet and the gateway, send the load, stop everything; the gateway's access log
     goes to `args.out / "access.jsonl"`, its own log to `args.out / "gateway.log"`."""

@@ -52,3 +52,19 @@ def test_demo_runs_and_reports_each_workload_in_its_pool(tmp_path, tokenizer_dir
     for name, pool in policy["pools"].items():
         assert copy["pools"][name]["queue"]["max_wait_s"] == pool["queue"]["max_wait_s"] / 10
     assert "Normalised" not in (out / "report.md").read_text()
+
+
+def test_the_gateways_copy_rebases_relative_paths_and_leaves_estimate_alone(tmp_path) -> None:
+    from loadtest.demo import ensure_tokenizers, gateway_policy
+
+    source = tmp_path / "policies" / "mine.yaml"
+    policy = {
+        "models": {"m": {"tokenizer": "estimate"}, "n": {"max_model_len": 8}},
+        "pools": {"p": {"queue": {"max_wait_s": 30}}},
+        "tenants": {"t": {"keys_file": "keys.txt"}},
+    }
+    assert ensure_tokenizers(policy, source.parent) is None  # nothing to build
+    copy = yaml.safe_load(gateway_policy(policy, source, 10.0, tmp_path / "copy.yaml").read_text())
+    assert copy["models"] == {"m": {"tokenizer": "estimate"}, "n": {"max_model_len": 8}}
+    assert copy["tenants"]["t"]["keys_file"] == str(source.parent.resolve() / "keys.txt")
+    assert copy["pools"]["p"]["queue"]["max_wait_s"] == 3.0
