@@ -86,13 +86,12 @@ class SimPool:
             member = Member(self.name, self._next_host(), 0.0, 0.0)
             self.members.append(member)
             await self._start(member)
-            member.started_s = 0.0
 
     async def _start(self, member: Member) -> None:
         member.replica = await start_replica(
             self.profile, self.options, host=member.host, port=self.port
         )
-        member.started_s = max(0.0, self.clock())
+        member.started_s = max(0.0, self.clock())  # before the load began: time 0
 
     def scale_to(self, replicas: int) -> None:
         now = self.clock()
