@@ -85,13 +85,13 @@ class SimPool:
         for _ in range(count):
             member = Member(self.name, self._next_host(), 0.0, 0.0)
             self.members.append(member)
-            await self._start(member)
+            await self._start(member, at_s=0.0)  # the clock starts with the load, after this
 
-    async def _start(self, member: Member) -> None:
+    async def _start(self, member: Member, at_s: float | None = None) -> None:
         member.replica = await start_replica(
             self.profile, self.options, host=member.host, port=self.port
         )
-        member.started_s = max(0.0, self.clock())  # before the load began: time 0
+        member.started_s = self.clock() if at_s is None else at_s
 
     def scale_to(self, replicas: int) -> None:
         now = self.clock()
