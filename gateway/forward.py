@@ -359,40 +359,25 @@ async def forward(
     now = asyncio.get_running_loop().time()
     total = now + timeouts.total_s
     first = now + timeouts.first_token_s
+    up: aiohttp.ClientResponse | None = None
     try:
+        # A non-stream answer is read under the request's own deadline: one scope serves both
+        # (each costs a task lookup and a timer, a few µs of a short request).
         async with asyncio.timeout_at(min(first, total) if ctx.stream else total):
-            up = await session.post(
-                url, data=upstream_body(ctx), headers=headers, timeout=client_timeout
-            )
-    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-        raise UpstreamTimeout(
-            _failed(ctx, replica_url, "the replica did not answer in time", exc)
-        ) from None
-    except (
-        aiohttp.ClientConnectorError,
-        aiohttp.ServerDisconnectedError,
-        aiohttp.ClientOSError,
-    ) as exc:
-        raise ReplicaRefused(
-            _failed(ctx, replica_url, "the replica failed before answering", exc)
-        ) from None
-    except aiohttp.ClientError as exc:
-        raise UpstreamError(
-            _failed(ctx, replica_url, "the replica failed before answering", exc)
-        ) from None
+            up = await _post(ctx, session, url, headers, client_timeout, replica_url)
+            if not ctx.stream:
+                return await _answer(ctx, up, replica_url, max_response_bytes, rename, retry_503)
+    except TimeoutError as exc:
+        reading = up is not None and not ctx.stream
+        raise _timed_out(ctx, replica_url, reading, exc) from None
+    if up.status != 200 or up.content_type != "text/event-stream":
+        try:
+            async with asyncio.timeout_at(total):
+                return await _answer(ctx, up, replica_url, max_response_bytes, rename, retry_503)
+        except TimeoutError as exc:
+            raise _timed_out(ctx, replica_url, True, exc) from None
     try:
-        if up.status == 503 and retry_503:
-            raise ReplicaRefused(_failed(ctx, replica_url, "the replica is unavailable", "503"))
         ctx.status = up.status
-        streaming = ctx.stream and up.status == 200 and up.content_type == "text/event-stream"
-        if not streaming:
-            try:
-                async with asyncio.timeout_at(total):
-                    return await _whole(ctx, up, replica_url, max_response_bytes, rename)
-            except TimeoutError as exc:
-                raise UpstreamTimeout(
-                    _failed(ctx, replica_url, "the replica did not finish its answer in time", exc)
-                ) from None
         resp = web.StreamResponse(status=200, headers=_response_headers(up.headers, ctx))
         try:
             await resp.prepare(request)  # the first write: the client may be gone already
@@ -413,6 +398,62 @@ async def forward(
         return resp
     except BaseException:
         up.close()  # the client left or we failed: make the replica stop generating
+        raise
+    finally:
+        up.release()
+
+
+def _timed_out(ctx: Ctx, replica_url: str, reading: bool, exc: BaseException) -> UpstreamTimeout:
+    told = "did not finish its answer in time" if reading else "did not answer in time"
+    return UpstreamTimeout(_failed(ctx, replica_url, f"the replica {told}", exc))
+
+
+async def _post(
+    ctx: Ctx,
+    session: aiohttp.ClientSession,
+    url: str,
+    headers: CIMultiDict[str],
+    client_timeout: aiohttp.ClientTimeout,
+    replica_url: str,
+) -> aiohttp.ClientResponse:
+    """Send the request; what the client library raises before an answer, as a `GatewayError`."""
+    try:
+        return await session.post(
+            url, data=upstream_body(ctx), headers=headers, timeout=client_timeout
+        )
+    except aiohttp.ServerTimeoutError as exc:
+        raise _timed_out(ctx, replica_url, False, exc) from None
+    except (
+        aiohttp.ClientConnectorError,
+        aiohttp.ServerDisconnectedError,
+        aiohttp.ClientOSError,
+    ) as exc:
+        raise ReplicaRefused(
+            _failed(ctx, replica_url, "the replica failed before answering", exc)
+        ) from None
+    except aiohttp.ClientError as exc:
+        raise UpstreamError(
+            _failed(ctx, replica_url, "the replica failed before answering", exc)
+        ) from None
+
+
+async def _answer(
+    ctx: Ctx,
+    up: aiohttp.ClientResponse,
+    replica_url: str,
+    limit: int,
+    rename: ModelRename | None,
+    retry_503: bool,
+) -> web.Response:
+    """An answer that is not an event stream, read whole; the connection is closed on a failure
+    or a refusal, so the replica stops working on it."""
+    try:
+        if up.status == 503 and retry_503:
+            raise ReplicaRefused(_failed(ctx, replica_url, "the replica is unavailable", "503"))
+        ctx.status = up.status
+        return await _whole(ctx, up, replica_url, limit, rename)
+    except BaseException:
+        up.close()
         raise
     finally:
         up.release()
