@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_left, insort
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Protocol
@@ -79,12 +80,25 @@ def estimate_output(ctx: Ctx, estimator: OutputEstimator, default_tokens: int) -
 
 
 class _Window:
-    __slots__ = ("quantile", "samples", "updated")
+    """The last `size` samples, in arrival order and sorted.
+
+    Every request reads its key's quantile and every answer adds a sample, so a cached quantile
+    would be stale at each read and sorting the window (200 samples: ~4 µs) would be paid per
+    request; keeping a sorted copy costs a binary search and a short memmove per sample instead.
+    """
+
+    __slots__ = ("ordered", "samples", "updated")
 
     def __init__(self, size: int, now: float) -> None:
         self.samples: deque[int] = deque(maxlen=size)
-        self.quantile: int | None = None  # cached; None after a new sample
+        self.ordered: list[int] = []
         self.updated = now
+
+    def add(self, sample: int) -> None:
+        if len(self.samples) == self.samples.maxlen:  # the oldest leaves both
+            del self.ordered[bisect_left(self.ordered, self.samples[0])]
+        self.samples.append(sample)
+        insort(self.ordered, sample)
 
 
 class _Table:
@@ -139,13 +153,11 @@ class RollingQuantileEstimator:
         if self.clock() - window.updated > self.params.max_age_s:
             del table.windows[key]
             return None
-        if len(window.samples) < self.params.min_samples:
+        ordered = window.ordered
+        if len(ordered) < self.params.min_samples:
             return None
-        if window.quantile is None:
-            ordered = sorted(window.samples)
-            rank = max(0, math.ceil(self.params.quantile * len(ordered)) - 1)
-            window.quantile = max(1, ordered[rank])
-        return window.quantile
+        rank = max(0, math.ceil(self.params.quantile * len(ordered)) - 1)
+        return max(1, ordered[rank])
 
     def observe(self, key: Key, output_tokens: int) -> None:
         now = self.clock()
@@ -162,11 +174,10 @@ class RollingQuantileEstimator:
                     table.first.popitem(last=False)
                 return
             window = table.windows[key] = _Window(self.params.window, now)
-            window.samples.append(first[0])
+            window.add(first[0])
             if len(table.windows) > self.params.max_keys:
                 table.windows.popitem(last=False)
         else:
             table.windows.move_to_end(key)
-        window.samples.append(output_tokens)
-        window.quantile = None
+        window.add(output_tokens)
         window.updated = now

@@ -15,14 +15,13 @@ import json
 import logging
 import re
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict, CIMultiDictProxy, MultiMapping
 
 from gateway.context import Ctx
 from gateway.errors import (
@@ -139,13 +138,26 @@ class ModelRename:
             body[key.end(1) : key.end()] = self.wanted
 
 
-def _hop_by_hop(headers: Mapping[str, str], always: frozenset[str]) -> frozenset[str]:
+def _hop_by_hop(headers: MultiMapping[str], always: frozenset[str]) -> frozenset[str]:
     """`always`, plus the headers the `Connection` header names: those are hop-by-hop too
     (RFC 9110, 7.6.1), and forwarding them lets a client smuggle headers past a proxy."""
-    named = ",".join(v for k, v in headers.items() if k.lower() == "connection")  # every line
+    named = ",".join(headers.getall("Connection", ()))  # every line, in any case
     if not named:
         return always
     return always | {token.strip().lower() for token in named.split(",")}
+
+
+def _end_to_end(headers: MultiMapping[str], always: frozenset[str]) -> CIMultiDict[str]:
+    """A copy of `headers` without the hop-by-hop ones, order and case kept.
+
+    Copied whole and then pruned by name: both are C calls on the multidict, where filtering
+    item by item lowercases every name in Python, twice the cost for a few headers and more the
+    more a client sends (an SDK sends a dozen)."""
+    out = CIMultiDict(headers)
+    for name in _hop_by_hop(headers, always):
+        if name in out:
+            del out[name]  # every line of it
+    return out
 
 
 def check_forwardable(raw_headers: tuple[tuple[bytes, bytes], ...]) -> None:
@@ -174,8 +186,7 @@ def upstream_headers(
     """The client's end-to-end headers, the gateway's request id, the peer appended to
     `X-Forwarded-For` (and to `Forwarded` when the client sent one) as any proxy does, and the
     credentials the policy says (README, Tenants)."""
-    drop = _hop_by_hop(headers, _DROP_REQUEST)
-    out: CIMultiDict[str] = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
+    out = _end_to_end(headers, _DROP_REQUEST)
     out["x-request-id"] = ctx.request_id
     if peer:
         out["X-Forwarded-For"] = ", ".join([*out.popall("X-Forwarded-For", []), peer])
@@ -192,11 +203,8 @@ def upstream_headers(
     return out
 
 
-def _response_headers(upstream: Mapping[str, str], ctx: Ctx) -> CIMultiDict[str]:
-    drop = _hop_by_hop(upstream, _DROP_RESPONSE)
-    out: CIMultiDict[str] = CIMultiDict(
-        (k, v) for k, v in upstream.items() if k.lower() not in drop
-    )
+def _response_headers(upstream: MultiMapping[str], ctx: Ctx) -> CIMultiDict[str]:
+    out = _end_to_end(upstream, _DROP_RESPONSE)
     out["x-request-id"] = ctx.request_id
     # Which pool and model answered: a spilled request (`spill.py`) may be served by another.
     if ctx.pool is not None:
@@ -351,40 +359,25 @@ async def forward(
     now = asyncio.get_running_loop().time()
     total = now + timeouts.total_s
     first = now + timeouts.first_token_s
+    up: aiohttp.ClientResponse | None = None
     try:
+        # A non-stream answer is read under the request's own deadline: one scope serves both
+        # (each costs a task lookup and a timer, a few µs of a short request).
         async with asyncio.timeout_at(min(first, total) if ctx.stream else total):
-            up = await session.post(
-                url, data=upstream_body(ctx), headers=headers, timeout=client_timeout
-            )
-    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-        raise UpstreamTimeout(
-            _failed(ctx, replica_url, "the replica did not answer in time", exc)
-        ) from None
-    except (
-        aiohttp.ClientConnectorError,
-        aiohttp.ServerDisconnectedError,
-        aiohttp.ClientOSError,
-    ) as exc:
-        raise ReplicaRefused(
-            _failed(ctx, replica_url, "the replica failed before answering", exc)
-        ) from None
-    except aiohttp.ClientError as exc:
-        raise UpstreamError(
-            _failed(ctx, replica_url, "the replica failed before answering", exc)
-        ) from None
+            up = await _post(ctx, session, url, headers, client_timeout, replica_url)
+            if not ctx.stream:
+                return await _answer(ctx, up, replica_url, max_response_bytes, rename, retry_503)
+    except TimeoutError as exc:
+        reading = up is not None and not ctx.stream
+        raise _timed_out(ctx, replica_url, reading, exc) from None
+    if up.status != 200 or up.content_type != "text/event-stream":
+        try:
+            async with asyncio.timeout_at(total):
+                return await _answer(ctx, up, replica_url, max_response_bytes, rename, retry_503)
+        except TimeoutError as exc:
+            raise _timed_out(ctx, replica_url, True, exc) from None
     try:
-        if up.status == 503 and retry_503:
-            raise ReplicaRefused(_failed(ctx, replica_url, "the replica is unavailable", "503"))
         ctx.status = up.status
-        streaming = ctx.stream and up.status == 200 and up.content_type == "text/event-stream"
-        if not streaming:
-            try:
-                async with asyncio.timeout_at(total):
-                    return await _whole(ctx, up, replica_url, max_response_bytes, rename)
-            except TimeoutError as exc:
-                raise UpstreamTimeout(
-                    _failed(ctx, replica_url, "the replica did not finish its answer in time", exc)
-                ) from None
         resp = web.StreamResponse(status=200, headers=_response_headers(up.headers, ctx))
         try:
             await resp.prepare(request)  # the first write: the client may be gone already
@@ -405,6 +398,62 @@ async def forward(
         return resp
     except BaseException:
         up.close()  # the client left or we failed: make the replica stop generating
+        raise
+    finally:
+        up.release()
+
+
+def _timed_out(ctx: Ctx, replica_url: str, reading: bool, exc: BaseException) -> UpstreamTimeout:
+    told = "did not finish its answer in time" if reading else "did not answer in time"
+    return UpstreamTimeout(_failed(ctx, replica_url, f"the replica {told}", exc))
+
+
+async def _post(
+    ctx: Ctx,
+    session: aiohttp.ClientSession,
+    url: str,
+    headers: CIMultiDict[str],
+    client_timeout: aiohttp.ClientTimeout,
+    replica_url: str,
+) -> aiohttp.ClientResponse:
+    """Send the request; what the client library raises before an answer, as a `GatewayError`."""
+    try:
+        return await session.post(
+            url, data=upstream_body(ctx), headers=headers, timeout=client_timeout
+        )
+    except aiohttp.ServerTimeoutError as exc:
+        raise _timed_out(ctx, replica_url, False, exc) from None
+    except (
+        aiohttp.ClientConnectorError,
+        aiohttp.ServerDisconnectedError,
+        aiohttp.ClientOSError,
+    ) as exc:
+        raise ReplicaRefused(
+            _failed(ctx, replica_url, "the replica failed before answering", exc)
+        ) from None
+    except aiohttp.ClientError as exc:
+        raise UpstreamError(
+            _failed(ctx, replica_url, "the replica failed before answering", exc)
+        ) from None
+
+
+async def _answer(
+    ctx: Ctx,
+    up: aiohttp.ClientResponse,
+    replica_url: str,
+    limit: int,
+    rename: ModelRename | None,
+    retry_503: bool,
+) -> web.Response:
+    """An answer that is not an event stream, read whole; the connection is closed on a failure
+    or a refusal, so the replica stops working on it."""
+    try:
+        if up.status == 503 and retry_503:
+            raise ReplicaRefused(_failed(ctx, replica_url, "the replica is unavailable", "503"))
+        ctx.status = up.status
+        return await _whole(ctx, up, replica_url, limit, rename)
+    except BaseException:
+        up.close()
         raise
     finally:
         up.release()

@@ -15,6 +15,7 @@ from typing import Any
 from gateway.adapters import Adapters
 from gateway.admit import Picker  # importing a stage module registers its plug-ins
 from gateway.classify import Workload, compile_class
+from gateway.cpus import available_cpus
 from gateway.estimate import OutputEstimator
 from gateway.pick.weighted import WeightedPicker
 from gateway.policy.load import LoadedSpec, PolicyError, Problem, load_spec
@@ -281,7 +282,8 @@ def compile_policy(
         and load_tokenizers
         and any(m.tokenizer != "estimate" for m in spec.models.values())
     ):
-        executor = TokenizerThreads.start(spec.server.tokenizer_threads)
+        threads = spec.server.tokenizer_threads
+        executor = TokenizerThreads.start(available_cpus() if threads is None else threads)
     base = Path(loaded.path).parent
     tenants, tenant_problems = compile_tenants(spec.tenants, base)
     problems += tenant_problems
