@@ -236,7 +236,9 @@ async def test_the_tenants_pool_window_charged_is_the_one_of_the_pool_that_serve
 async def test_with_redis_the_primary_is_full_when_another_gateway_fills_it(
     fresh_redis: RedisServer, stub_factory, gateway_factory, tokenizer_dir, http
 ) -> None:
-    primary, spare = await stub_factory(delay_s=1.0), await stub_factory()
+    # The first request holds the primary's one slot for 4 s: the second gateway learns of its
+    # lease within a renewal (about a second, longer on a loaded machine) and asks while held.
+    primary, spare = await stub_factory(delay_s=4.0), await stub_factory()
     policy = spill_policy(tokenizer_dir, primary.url, spare.url)
     policy["state"] = {"backend": "redis", "url": fresh_redis.url, "timeout_s": 0.3, "gateways": 2}
     one, two = await gateway_factory(policy), await gateway_factory(policy)
