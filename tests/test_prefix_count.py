@@ -208,6 +208,16 @@ def test_the_second_prompt_encodes_only_what_follows_the_shared_block(tokenizers
     assert all(size < 256 + 64 for size in encoded[1:]), encoded
 
 
+def test_the_cache_keeps_at_most_its_entries(tokenizers) -> None:
+    tokenizer = tokenizers["llama3"]
+    counts = PrefixCounts(tokenizer.backend_tokenizer, entries=3, block_chars=64)
+    rules = rules_block()
+    for n in range(20):
+        prompt = f"{n}\n{rules}" if n % 2 else rules + str(n)
+        assert counts.lengths([prompt], False) == [whole(tokenizer, prompt)]
+        assert len(counts._cache) <= 3
+
+
 def test_an_unprovable_tokenizer_is_off_and_counts_the_same(tokenizers) -> None:
     """Trained without newlines kept apart, the vocabulary joins a newline to what follows, so a
     cut there could be crossed by a merge: the mode is off and texts are encoded whole."""
@@ -264,6 +274,8 @@ def test_nfc_starts_no_non_whitespace_character_with_whitespace() -> None:
             continue
         char = chr(code)
         first = unicodedata.normalize("NFD", char)[0]
+        if char != "\n":  # the no-merge rule's: what follows a cut's newline is none after NFC
+            assert unicodedata.normalize("NFC", char)[0] != "\n", hex(code)
         if char.isspace():
             assert first.isspace(), hex(code)
         else:
