@@ -92,10 +92,12 @@ def byte_level(directory: Path, split: str | None) -> Path:
     return save(tokenizer, directory)
 
 
-def sentencepiece_style(directory: Path, *, isolate_newlines: bool, legacy: bool) -> Path:
+def sentencepiece_style(
+    directory: Path, *, isolate_newlines: bool, legacy: bool, split: bool = False
+) -> Path:
     """BPE over `▁`-for-space text, as converted SentencePiece models are: no pre-tokenizer
     (`legacy`: Llama 2's Prepend + Replace normalizer) or Metaspace without split (newer
-    conversions). Trained with newline runs isolated, as SentencePiece keeps them, the vocabulary
+    conversions; `split`: with it, and a `▁` before every added-token split). Trained with newline runs isolated, as SentencePiece keeps them, the vocabulary
     has no token joining a newline to what follows; trained without, it has."""
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True))
     metaspace = pre_tokenizers.Metaspace(prepend_scheme="first", split=True)
@@ -111,7 +113,8 @@ def sentencepiece_style(directory: Path, *, isolate_newlines: bool, legacy: bool
         )
         tokenizer.pre_tokenizer = None
     else:
-        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+        scheme = "always" if split else "first"
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme, split=split)
     return save(tokenizer, directory)
 
 
@@ -126,6 +129,9 @@ def tokenizers(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) ->
         "llama3": byte_level(base / "llama3", LLAMA3_PATTERN),
         "metaspace": sentencepiece_style(base / "meta", isolate_newlines=True, legacy=False),
         "legacy": sentencepiece_style(base / "legacy", isolate_newlines=True, legacy=True),
+        "split": sentencepiece_style(
+            base / "split", isolate_newlines=True, legacy=False, split=True
+        ),
         "merging": sentencepiece_style(base / "merging", isolate_newlines=False, legacy=False),
     }
     return {
@@ -140,6 +146,7 @@ MODES = {
     "llama3": PRE_TOKENIZER_SPLIT,
     "metaspace": NO_MERGE,
     "legacy": NO_MERGE,
+    "split": NO_MERGE,
     "merging": OFF,
 }
 EXACT = [name for name, mode in MODES.items() if mode != OFF]
