@@ -33,7 +33,9 @@ T[i:] alone. Applied to T and to ANCHOR + T[i:] (also safe at its cut), it gives
   GPT-2's regex has no `\\s*[\\r\\n]+`: its `\\s+(?!\\S)` splits a run "  \\n" before a word into
   "  " + "\\n" but takes it whole at end-of-text, so it also needs T[i-2] not whitespace: the run
   is the lone newline, a piece either way.
-- `NO_MERGE` (SentencePiece-style BPE: no pre-tokenizer, or Metaspace): BPE runs over whole words
+- `NO_MERGE` (SentencePiece-style BPE: no pre-tokenizer, or one that splits only at matches of a
+  string without a newline, Metaspace's `▁` or Gemma's Split: no match spans the cut, and those on
+  each side are that side's alone, so the pieces are those of the two sides): BPE runs over words
   that may span the cut, so the vocabulary must forbid crossing: no token has a newline followed by
   anything but a newline, the newline is a token of its own (or a byte-fallback byte no token
   starts with), and a cut is a newline followed by anything but a newline. No merge can then join
@@ -161,6 +163,21 @@ def _newline_never_merges(model: dict[str, Any]) -> bool:
     )
 
 
+def _splits_in_place(component: dict[str, Any]) -> bool:
+    """A pre-tokenizer whose splits are fixed positions no cut's newline is part of: Metaspace's
+    at each `▁`, or a Split at each match of a string without a newline (Gemma's)."""
+    if component.get("type") == "Metaspace":
+        return True
+    pattern = component.get("pattern", {}).get("String")
+    return (
+        component.get("type") == "Split"
+        and isinstance(pattern, str)
+        and "\n" not in pattern
+        and not component.get("invert")
+        and component.get("behavior") != "Removed"
+    )
+
+
 def plan(backend: Any) -> Plan:
     """Whether, and by which argument, cut counts of this `tokenizers.Tokenizer` are exact."""
     config = json.loads(backend.to_str())
@@ -180,7 +197,7 @@ def plan(backend: Any) -> Plan:
         nfc = frozenset({"NFC"}) if split is _AFTER_NEWLINE else frozenset()
         ok = _normalizers_concatenate(config, nfc)
         return Plan(PRE_TOKENIZER_SPLIT, split) if ok else _OFF
-    if all(c.get("type") == "Metaspace" for c in pre) and len(pre) <= 1:
+    if len(pre) <= 1 and all(map(_splits_in_place, pre)):
         if _normalizers_concatenate(
             config, frozenset({"Prepend", "Replace", "NFC"})
         ) and _newline_never_merges(model):

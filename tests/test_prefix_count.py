@@ -92,13 +92,13 @@ def byte_level(directory: Path, split: str | None) -> Path:
     return save(tokenizer, directory)
 
 
-def sentencepiece_style(
-    directory: Path, *, isolate_newlines: bool, legacy: bool, split: bool = False
-) -> Path:
-    """BPE over `▁`-for-space text, as converted SentencePiece models are: no pre-tokenizer
-    (`legacy`: Llama 2's Prepend + Replace normalizer) or Metaspace without split (newer
-    conversions; `split`: with it, and a `▁` before every added-token split). Trained with newline runs isolated, as SentencePiece keeps them, the vocabulary
-    has no token joining a newline to what follows; trained without, it has."""
+def sentencepiece_style(directory: Path, shape: str, *, isolate_newlines: bool = True) -> Path:
+    """BPE over `▁`-for-space text, as converted SentencePiece models are, in four `shape`s:
+    "legacy" (Llama 2: Prepend + Replace normalizer, no pre-tokenizer), "metaspace" (newer
+    conversions: Metaspace without split), "split" (Metaspace with split and a `▁` before every
+    added-token split), "gemma" (Replace normalizer, a Split at a string). Trained with newline
+    runs isolated, as SentencePiece keeps them, the vocabulary has no token joining a newline to
+    what follows; trained without, it has."""
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True))
     metaspace = pre_tokenizers.Metaspace(prepend_scheme="first", split=True)
     newlines = pre_tokenizers.Split(Regex("\n+"), "isolated")
@@ -107,15 +107,21 @@ def sentencepiece_style(
     )
     trainer = trainers.BpeTrainer(vocab_size=3000, special_tokens=SPECIALS)
     tokenizer.train_from_iterator(corpus(), trainer)
-    if legacy:
-        tokenizer.normalizer = normalizers.Sequence(
-            [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-        )
+    replace = normalizers.Replace(" ", "▁")
+    if shape == "legacy":
+        tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), replace])
         tokenizer.pre_tokenizer = None
+    elif shape == "gemma":
+        tokenizer.normalizer = replace
+        tokenizer.pre_tokenizer = pre_tokenizers.Split("▁", "merged_with_previous")
     else:
+        split = shape == "split"
         scheme = "always" if split else "first"
         tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme, split=split)
     return save(tokenizer, directory)
+
+
+SENTENCEPIECE = ("metaspace", "legacy", "split", "gemma")
 
 
 @pytest.fixture(scope="module")
@@ -127,12 +133,8 @@ def tokenizers(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) ->
         "tiny": tokenizer_dir,
         "gpt2": byte_level(base / "gpt2", None),
         "llama3": byte_level(base / "llama3", LLAMA3_PATTERN),
-        "metaspace": sentencepiece_style(base / "meta", isolate_newlines=True, legacy=False),
-        "legacy": sentencepiece_style(base / "legacy", isolate_newlines=True, legacy=True),
-        "split": sentencepiece_style(
-            base / "split", isolate_newlines=True, legacy=False, split=True
-        ),
-        "merging": sentencepiece_style(base / "merging", isolate_newlines=False, legacy=False),
+        **{shape: sentencepiece_style(base / shape, shape) for shape in SENTENCEPIECE},
+        "merging": sentencepiece_style(base / "merging", "metaspace", isolate_newlines=False),
     }
     return {
         name: AutoTokenizer.from_pretrained(str(d), local_files_only=True)
@@ -147,6 +149,7 @@ MODES = {
     "metaspace": NO_MERGE,
     "legacy": NO_MERGE,
     "split": NO_MERGE,
+    "gemma": NO_MERGE,
     "merging": OFF,
 }
 EXACT = [name for name, mode in MODES.items() if mode != OFF]
