@@ -9,9 +9,9 @@ every text is encoded whole.
 
 Every cut is just after a newline, `text[i-1] == "\\n"`, and the rest is counted "in context":
 `count(ANCHOR + rest) - count(ANCHOR)` with `ANCHOR = "\\n"`, so whatever the tokenizer does at
-the start of a text (a prepended `▁` or space) happens to the anchor, never to the rest. Lemma, for
-a text T cut at a safe i: the tokens of T are those of T[:i] followed by a sequence that depends on
-T[i:] alone. Applied to T and to ANCHOR + T[i:] (also safe at its cut), it gives
+the start of a text (a prepended `▁` or space) happens to the anchor, never to the rest. Lemma,
+for a text T cut at a safe i: the tokens of T are those of T[:i] followed by a sequence that
+depends on T[i:] alone. Applied to T and to ANCHOR + T[i:] (also safe at its cut), it gives
 `count(T) = count(T[:i]) + count(ANCHOR + T[i:]) - count(ANCHOR)`. Why the lemma holds:
 
 - Common to both families: no added token contains a newline or strips whitespace beside it
@@ -21,8 +21,9 @@ T[i:] alone. Applied to T and to ANCHOR + T[i:] (also safe at its cut), it gives
   none: the newline is not an added token's end), `Replace` of strings without a newline (no match
   can cover the cut's newline), and NFC with Llama 3's rule (a newline is a stable code point:
   NFC(A + "\\n" + B) is NFC(A) + "\\n" + NFC(B); and NFC starts no non-whitespace character's
-  text with whitespace, tested over all of Unicode). The post-processor adds the same special tokens to any single text (BOS once, at the
-  start), so a count with special tokens is the count without them plus that constant.
+  text with whitespace, tested over all of Unicode). The post-processor adds the same special
+  tokens to any single text (BOS once, at the start), so a count with special tokens is the count
+  without them plus that constant.
 - `PRE_TOKENIZER_SPLIT` (byte-level BPE whose pieces come from GPT-2's or Llama 3's / Qwen 2's split
   regex, no prefix space): BPE never merges across pieces, so the count is additive if the pieces
   are, and the regexes have no lookbehind, so the pieces right of a piece boundary depend on the

@@ -10,7 +10,7 @@ sequence of roles: the 3,000-token rules block that repeats in every classificat
 dict lookup. And text longer than `inline_tokenize_max_chars` goes to a small thread pool through
 the batch entry point, which releases the GIL (the single-text `encode` holds it). A long text
 whose start was counted before (a rules block with a unique part after it, in one message or in
-the rendered prompt) costs only its rest, exactly (gateway/prefixcount.py says when that is provable).
+the rendered prompt) costs only its rest, exactly: gateway/prefixcount.py says when that holds.
 
 Tokenizer time is shared, so two more rules keep one client's huge prompts from costing everyone
 else's small ones. Before any encoding, a provable floor on the count (gateway/tokenfloor.py) refuses
