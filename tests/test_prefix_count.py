@@ -7,6 +7,7 @@ through `AutoTokenizer` from their directories, as the gateway loads a model's t
 
 from __future__ import annotations
 
+import json
 import sys
 import unicodedata
 from concurrent.futures import ThreadPoolExecutor
@@ -93,8 +94,9 @@ def byte_level(directory: Path, split: str | None) -> Path:
 
 
 def sentencepiece_style(directory: Path, shape: str, *, isolate_newlines: bool = True) -> Path:
-    """BPE over `▁`-for-space text, as converted SentencePiece models are, in four `shape`s:
-    "legacy" (Llama 2: Prepend + Replace normalizer, no pre-tokenizer), "metaspace" (newer
+    """BPE over `▁`-for-space text, as converted SentencePiece models are, in five `shape`s:
+    "legacy" (Llama 2: Prepend + Replace normalizer, no pre-tokenizer; "bytes": the newline is
+    Llama 2's byte-fallback `<0x0A>`, no token of its own), "metaspace" (newer
     conversions: Metaspace without split), "split" (Metaspace with split and a `▁` before every
     added-token split), "gemma" (Replace normalizer, a Split at a string). Trained with newline
     runs isolated, as SentencePiece keeps them, the vocabulary has no token joining a newline to
@@ -108,9 +110,11 @@ def sentencepiece_style(directory: Path, shape: str, *, isolate_newlines: bool =
     trainer = trainers.BpeTrainer(vocab_size=3000, special_tokens=SPECIALS)
     tokenizer.train_from_iterator(corpus(), trainer)
     replace = normalizers.Replace(" ", "▁")
-    if shape == "legacy":
+    if shape in ("legacy", "bytes"):
         tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), replace])
         tokenizer.pre_tokenizer = None
+        if shape == "bytes":
+            tokenizer = newline_as_byte(tokenizer)
     elif shape == "gemma":
         tokenizer.normalizer = replace
         tokenizer.pre_tokenizer = pre_tokenizers.Split("▁", "merged_with_previous")
@@ -121,7 +125,21 @@ def sentencepiece_style(directory: Path, shape: str, *, isolate_newlines: bool =
     return save(tokenizer, directory)
 
 
-SENTENCEPIECE = ("metaspace", "legacy", "split", "gemma")
+def newline_as_byte(tokenizer: Tokenizer) -> Tokenizer:
+    """`tokenizer` without a token holding a newline, and with byte fallback: a newline is then
+    `<0x0A>`, as in Llama 2's vocabulary."""
+    config = json.loads(tokenizer.to_str())
+    model = config["model"]
+    vocab = {t: i for t, i in model["vocab"].items() if "\n" not in t}
+    top = max(model["vocab"].values()) + 1
+    vocab.update({f"<0x{b:02X}>": top + b for b in range(256)})
+    model["vocab"] = vocab
+    model["merges"] = [m for m in model["merges"] if "\n" not in "".join(m)]
+    model["byte_fallback"] = True
+    return Tokenizer.from_str(json.dumps(config))
+
+
+SENTENCEPIECE = ("metaspace", "legacy", "bytes", "split", "gemma")
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +166,7 @@ MODES = {
     "llama3": PRE_TOKENIZER_SPLIT,
     "metaspace": NO_MERGE,
     "legacy": NO_MERGE,
+    "bytes": NO_MERGE,
     "split": NO_MERGE,
     "gemma": NO_MERGE,
     "merging": OFF,
