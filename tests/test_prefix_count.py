@@ -25,6 +25,7 @@ from gateway.prefixcount import (
     NO_MERGE,
     OFF,
     PRE_TOKENIZER_SPLIT,
+    QWEN2_PATTERN,
     PrefixCounts,
 )
 from gateway.tokens import HFCounter, load_tokenizer
@@ -70,10 +71,13 @@ def save(tokenizer: Tokenizer, directory: Path) -> Path:
     return directory
 
 
-def byte_level(directory: Path, split: str | None) -> Path:
+def byte_level(directory: Path, split: str | None, nfc: bool = False) -> Path:
     """Byte-level BPE whose pieces come from GPT-2's split regex (ByteLevel's own), or from
-    `split`'s (Llama 3's: a Split pre-tokenizer before a ByteLevel one without its regex)."""
+    `split`'s (Llama 3's, Qwen 2's: a Split pre-tokenizer before a ByteLevel one without its
+    regex); `nfc`: after an NFC normalizer, as Qwen 2's."""
     tokenizer = Tokenizer(models.BPE())
+    if nfc:
+        tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = (
         pre_tokenizers.ByteLevel(add_prefix_space=False)
         if split is None
@@ -151,6 +155,7 @@ def tokenizers(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) ->
         "tiny": tokenizer_dir,
         "gpt2": byte_level(base / "gpt2", None),
         "llama3": byte_level(base / "llama3", LLAMA3_PATTERN),
+        "qwen2": byte_level(base / "qwen2", QWEN2_PATTERN, nfc=True),
         **{shape: sentencepiece_style(base / shape, shape) for shape in SENTENCEPIECE},
         "merging": sentencepiece_style(base / "merging", "metaspace", isolate_newlines=False),
     }
@@ -164,6 +169,7 @@ MODES = {
     "tiny": PRE_TOKENIZER_SPLIT,
     "gpt2": PRE_TOKENIZER_SPLIT,
     "llama3": PRE_TOKENIZER_SPLIT,
+    "qwen2": PRE_TOKENIZER_SPLIT,
     "metaspace": NO_MERGE,
     "legacy": NO_MERGE,
     "bytes": NO_MERGE,
