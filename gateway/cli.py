@@ -269,6 +269,7 @@ async def _explain(
     from gateway.policy.schema import PRIORITIES
     from gateway.quota import tenant_windows
     from gateway.tenants import authenticate
+    from gateway.tokens import HFCounter
 
     loaded, missing = _without_tokenizers(
         load_spec(policy_path, reference_problems), tokenizer_fallback
@@ -312,6 +313,9 @@ async def _explain(
         charged = tenant_windows(tenant, ctx, ctx.reserved_tokens)
         quota = [f"{w.kind} {w.limit.amount} of {w.limit.limit}/min{w.where}" for w in charged]
         quota = quota or "unlimited"
+    # Whether long texts were counted from cached prefixes, and by which argument of exactness.
+    counter = model.counter
+    prefix_cache = counter.prefix_mode if isinstance(counter, HFCounter) else "off"
     return {
         "endpoint": ctx.endpoint,
         "requested_model": ctx.requested_model,
@@ -322,6 +326,7 @@ async def _explain(
         "input_tokens": ctx.input_tokens,
         "tokenizer": missing.get(model.name, model.spec.tokenizer),
         "tokenizer_missing": model.name in missing,
+        "prefix_cache": prefix_cache,
         "expected_output_tokens": ctx.expected_output,
         "estimate_source": ctx.estimate_source,
         "class": ctx.workload,

@@ -8,7 +8,9 @@ Counting is the gateway's dominant CPU cost (see docs/benchmarks.md), so two thi
 hot path. `memoized` counting sums cached per-message counts with the template's overhead for that
 sequence of roles: the 3,000-token rules block that repeats in every classification prompt costs a
 dict lookup. And text longer than `inline_tokenize_max_chars` goes to a small thread pool through
-the batch entry point, which releases the GIL (the single-text `encode` holds it).
+the batch entry point, which releases the GIL (the single-text `encode` holds it). A long text
+whose start was counted before (a rules block with a unique part after it, in one message or in
+the rendered prompt) costs only its rest, exactly: gateway/prefixcount.py says when that holds.
 
 Tokenizer time is shared, so two more rules keep one client's huge prompts from costing everyone
 else's small ones. Before any encoding, a provable floor on the count (gateway/tokenfloor.py) refuses
@@ -27,6 +29,7 @@ from concurrent.futures import Executor
 from typing import Any, Protocol, TypeVar
 
 from gateway.errors import BadRequest
+from gateway.prefixcount import PrefixCounts
 from gateway.tokenfloor import TokenFloor
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -206,6 +209,7 @@ class HFCounter:
         large_executor: Executor | None = None,
         large_min_chars: int = 0,
         image_tokens: int | None = None,
+        prefix_entries: int = 65536,
     ) -> None:
         self.tokenizer = tokenizer
         self.memoized = memoized
@@ -218,6 +222,7 @@ class HFCounter:
         self._encode_batch: Callable[..., Any] = getattr(
             backend, "encode_batch_fast", backend.encode_batch
         )
+        self._prefixes = PrefixCounts(backend, entries=prefix_entries)
         self._content_counts: OrderedDict[tuple[int, int], int] = OrderedDict()
         self._overheads: dict[tuple[Any, ...], int] = {}
         self._trims = self._template_trims()
@@ -274,7 +279,7 @@ class HFCounter:
             floor = sum(floors) if summed else max(floors, default=0)
             if floor >= refuse_at:
                 raise TooManyTokens(floor)
-        return await self._run(sum(map(len, texts)), self._lengths, texts, special)
+        return await self._run(sum(map(len, texts)), self._prefixes.lengths, texts, special)
 
     async def _run(self, size: int, work: Callable[..., T], *args: Any) -> T:
         """`work(*args)`, on the tokenizer's threads when `size` (characters, or token ids) is
@@ -394,6 +399,12 @@ class HFCounter:
                 return None
             text, special = prompt, special is not False
         return await self._run(len(text), self._ids, text, special)
+
+    @property
+    def prefix_mode(self) -> str:
+        """Which argument makes counting from cached prefixes exact (gateway/prefixcount.py), or
+        "off": every text encoded whole."""
+        return self._prefixes.mode
 
     @property
     def vocab_size(self) -> int:
