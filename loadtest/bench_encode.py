@@ -2,9 +2,9 @@
 
     python -m loadtest.bench_encode [--repeat 200] [--tokens 4000] [--tokenizer DIR]
 
-The tokenizer is a 32k byte-level BPE with Llama 3's split regex, trained here on generated text
-(nothing is downloaded; training takes minutes, so `--tokenizer DIR` keeps it for the next run),
-loaded through `AutoTokenizer` as the gateway loads one. Prints a Markdown table: the median of
+The tokenizer is loadtest.tokenizer32k's 32k byte-level BPE with Llama 3's split regex, trained
+here in seconds on generated text (nothing is downloaded; `--tokenizer DIR` keeps it), loaded
+through `AutoTokenizer` as the gateway loads one. Prints a Markdown table: the median of
 `--repeat` calls of each way to count the text, wall and CPU time (all threads: the batch entry
 points spread a batch over cores), and the speed of a Python thread spinning while the calls run
 back to back, against the same thread alone just before (100%: the calls hold the GIL for none
@@ -24,46 +24,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gateway.prefixcount import LLAMA3_PATTERN, PrefixCounts
-
-SYLLABLES = "ka lo mi ne su ta ri po an el is or un ex de re pro con tion ment ing er ly".split()
-
-
-def words(rng: random.Random, count: int) -> list[str]:
-    """Pseudo-words drawn Zipf-like from a few thousand, so BPE training reaches 32k tokens."""
-    lexicon = ["".join(rng.choices(SYLLABLES, k=rng.randint(1, 4))) for _ in range(6000)]
-    weights = [1 / (rank + 1) for rank in range(len(lexicon))]
-    return rng.choices(lexicon, weights, k=count)
+from gateway.prefixcount import PrefixCounts
+from loadtest import tokenizer32k
 
 
-def line(rng: random.Random) -> str:
-    out = " ".join(words(rng, rng.randint(4, 16)))
-    if rng.random() < 0.3:
-        out += f" {rng.randint(0, 99999)}"
-    return out + rng.choice([".", ":", "", "!", " -"])
+def load(directory: Path) -> Any:
+    """The 32k tokenizer saved in `directory`, built there first if there is none."""
+    from transformers import AutoTokenizer
 
-
-def load(directory: Path, vocab_size: int = 32000) -> Any:
-    """The tokenizer saved in `directory`, trained and saved there first if there is none."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    if (directory / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    rng = random.Random(3)
-    corpus = ["\n".join(line(rng) for _ in range(20)) for _ in range(4000)]
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), "isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tokenizer.train_from_iterator(corpus, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(str(directory))
+    if not (directory / "tokenizer.json").exists():
+        tokenizer32k.build(directory)
     return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
 
 
@@ -114,14 +84,14 @@ def main() -> None:
     rng = random.Random(5)
     rules = ""
     while len(backend.encode(rules).ids) < args.tokens:
-        rules += line(rng) + "\n"
-    unique = "Product:\n" + line(rng)
+        rules += tokenizer32k.text(rng, 12) + "\n"
+    unique = "Product:\n" + tokenizer32k.text(rng, 12)
     text = rules + unique
     n_tokens = len(backend.encode(text).ids)
     cold = PrefixCounts(backend, entries=0)  # caches nothing: every call a miss
     warm = PrefixCounts(backend, entries=4096)
     warm.lengths([rules + "warm-up"], False)
-    suffixes = [f"Product:\n{line(rng)}" for _ in range(64)]
+    suffixes = [f"Product:\n{tokenizer32k.text(rng, 12)}" for _ in range(64)]
     ways: dict[str, Callable[[], object]] = {
         "tokenizers `encode(text)`": lambda: backend.encode(text),
         "tokenizers `encode_batch([text])`": lambda: backend.encode_batch([text]),

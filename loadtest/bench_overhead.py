@@ -14,6 +14,13 @@ them are the result; the raw numbers only give them a scale.
   `token_counting: memoized` exists for — at 1, 16 and 64 connections.
 - (c) time to first body byte of a 20-chunk stream at 16 connections, which wrk cannot see, from a
   small asyncio raw-socket client run as its own process (`--ttfb-client`, internal).
+- What counting costs with a model-sized vocabulary (a 32k byte-level BPE, loadtest.tokenizer32k),
+  at 16 connections: (d) a ~4,000-token prompt in one user message, new in every request of every
+  run (wrk draws its words from a seed taken from the clock: no count cache can have seen it);
+  (e) the seed's shape in one message, a fixed ~3,000-token rules block then ~1,000 unique
+  tokens. Beside each, what the tokenizer alone (`encode_batch_fast`, this process, one thread)
+  spends on the same kind of text in the same run, and the replicas of 27B classification one
+  gateway core keeps up with at that cost.
 
     python -m loadtest.bench_overhead [--duration 5] [--out loadtest/out/overhead.md]
 
@@ -32,6 +39,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import resource
 import shutil
@@ -45,6 +53,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
+
+from loadtest import tokenizer32k
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -64,6 +74,15 @@ TARGET_RPS_SHORT = 0.6
 TARGET_RPS_CLASSIFY = 0.4
 TARGET_ADDED_P50 = 2.0
 OTHER_CPU_WARN = 0.15  # cores used by anything else during a run before the report says so
+MODEL_32K = "bench-32k"  # the same stub behind a model counted with the 32k tokenizer
+COUNTING_CONNECTIONS = 16
+UNIQUE_WORDS = 2800  # ~4,000 tokens of loadtest.tokenizer32k's pseudo-words
+SHARED_WORDS, SHARED_UNIQUE_WORDS = 2100, 700  # ~3,000 + ~1,000 tokens
+WORD_SAMPLE = 20_000  # words drawn by weight once; wrk picks among them uniformly
+OWN_COST_TEXTS = 60  # texts the tokenizer alone counts, per shape
+TARGET_UNIQUE = 1.1  # (d) gateway CPU / the tokenizer's own cost
+TARGET_SHARED = 0.35  # (e) gateway CPU / the tokenizer's cost of the whole prompt
+CLASSIFY_RPS_PER_REPLICA = 8.6  # one simulated TPU v6e 2x2 replica of Gemma 3 27B (capacity.md)
 
 
 # --- the requests --------------------------------------------------------------------------------
@@ -216,6 +235,45 @@ def varying_lua(prefix: str, variants: Sequence[str], suffix: str) -> str:
     )
 
 
+def counting_lua(prefix: str, words: Sequence[str], count: int, suffix: str) -> str:
+    """`prefix` + `count` words new in every request + `suffix`, as one user message of the 32k
+    model: the words are JSON-safe, lines of 12 joined by an escaped newline. The generator is
+    seeded from the clock and the thread, so no two runs send the same text."""
+    items = ",".join(_lua_string(w) for w in words)
+    return (
+        'wrk.method = "POST"\n'
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        f"local prefix = {_lua_string(prefix)}\n"
+        f"local suffix = {_lua_string(suffix)}\n"
+        f"local words = {{{items}}}\n"
+        f"local count = {count}\n"
+        "local threads = 0\n"
+        "setup = function(thread) threads = threads + 1; thread:set('id', threads) end\n"
+        "init = function() math.randomseed(os.time() * 1000 + (id or 0)) end\n"
+        "request = function()\n"
+        "  local out = {}\n"
+        "  for i = 1, count do\n"
+        "    out[i] = words[math.random(#words)] .. ((i % 12 == 0) and '.\\\\n' or ' ')\n"
+        "  end\n"
+        "  return wrk.format(nil, nil, nil, prefix .. table.concat(out) .. suffix)\n"
+        "end\n" + _DONE_LUA
+    )
+
+
+def counting_parts(shared: str) -> tuple[str, str]:
+    """A 32k-model body (JSON) split where its unique words go, after the text `shared`."""
+    body = dumps(
+        {
+            "model": MODEL_32K,
+            "messages": [{"role": "user", "content": shared + _PLACEHOLDER}],
+            "max_tokens": 10,
+            "temperature": 0,
+        }
+    )
+    prefix, suffix = body.split(_PLACEHOLDER)
+    return prefix, suffix
+
+
 def classify_parts() -> tuple[str, list[str], str]:
     """The classification body split around the listing, each part already JSON-escaped."""
     body = dumps(classify_chat(_PLACEHOLDER))
@@ -324,24 +382,34 @@ def wait_ready(service: Service, path: str | None) -> None:
     )
 
 
-def write_policy(workdir: Path, tokenizer: Path, replica: str, redis_url: str | None) -> Path:
-    """One model, one pool of one replica with caps that never queue, access log on; with
+def write_policy(
+    workdir: Path,
+    tokenizer: Path,
+    tokenizer32k: Path,
+    replica: str,
+    redis_url: str | None,
+    tokenizer_threads: int | None,
+) -> Path:
+    """Two models (the tiny tokenizer's and the 32k one's), a pool each of the one replica with
+    caps that never queue, access log on; with
     `redis_url`, quotas and slots shared through Redis as several gateways would run."""
+    pool = {"replicas": [replica], "max_concurrency": 100000, "queue": {"max_depth": 1024}}
     policy: dict[str, Any] = {
         "models": {
             MODEL: {
                 "tokenizer": str(tokenizer),
                 "max_model_len": 32768,
                 "token_counting": "memoized",
-            }
+            },
+            MODEL_32K: {
+                "tokenizer": str(tokenizer32k),
+                "max_model_len": 32768,
+                "token_counting": "memoized",
+            },
         },
         "pools": {
-            "bench": {
-                "model": MODEL,
-                "replicas": [replica],
-                "max_concurrency": 100000,
-                "queue": {"max_depth": 1024, "max_wait_s": 30},
-            }
+            "bench": {"model": MODEL, **pool},
+            "bench-32k": {"model": MODEL_32K, **pool},
         },
         "classes": [
             {
@@ -350,9 +418,14 @@ def write_policy(workdir: Path, tokenizer: Path, replica: str, redis_url: str | 
             },
             {"name": "decode_heavy", "when": {}},
         ],
-        "routes": [{"match": {"model": MODEL}, "pool": "bench"}],
+        "routes": [
+            {"match": {"model": MODEL}, "pool": "bench"},
+            {"match": {"model": MODEL_32K}, "pool": "bench-32k"},
+        ],
         "server": {"access_log": True, "drain_grace_s": 2},
     }
+    if tokenizer_threads is not None:
+        policy["server"]["tokenizer_threads"] = tokenizer_threads
     if redis_url is not None:
         policy["state"] = {"backend": "redis", "url": redis_url, "gateways": 3}
     path = workdir / "policy.yaml"
@@ -622,6 +695,87 @@ def ttfb_client(port: int, body_file: Path, duration: float) -> int:
     return 0
 
 
+@dataclass
+class Counting:
+    """What the 32k tokenizer alone spends on (d)'s and (e)'s texts, measured in this process."""
+
+    unique_ms: float  # a ~4,000-token unique prompt, whole
+    shared_whole_ms: float  # (e)'s prompt, rules block and unique part, whole
+    unique_tokens: int
+    shared_tokens: int
+
+
+def tokenizer_cost(directory: Path, shared: str) -> Counting:
+    """Median CPU ms of `encode_batch_fast([text])` (the gateway's entry point) on fresh texts
+    of each shape, one thread; measured before the load, on a quiet machine."""
+    import statistics
+
+    from transformers import AutoTokenizer
+
+    backend = AutoTokenizer.from_pretrained(str(directory), local_files_only=True).backend_tokenizer
+    rng = random.Random()  # seeded from the OS: fresh text every run, as wrk's
+
+    def cpu_ms(texts: list[str]) -> tuple[float, int]:
+        backend.encode_batch_fast(texts[:1])  # warm
+        times, tokens = [], 0
+        for text in texts:
+            started = time.thread_time()
+            tokens = len(backend.encode_batch_fast([text], add_special_tokens=False)[0].ids)
+            times.append(time.thread_time() - started)
+        return 1000 * statistics.median(times), tokens
+
+    unique = [tokenizer32k.text(rng, UNIQUE_WORDS) for _ in range(OWN_COST_TEXTS)]
+    whole = [shared + tokenizer32k.text(rng, SHARED_UNIQUE_WORDS) for _ in range(OWN_COST_TEXTS)]
+    (unique_ms, unique_tokens), (whole_ms, whole_tokens) = cpu_ms(unique), cpu_ms(whole)
+    return Counting(unique_ms, whole_ms, unique_tokens, whole_tokens)
+
+
+def counting_report(
+    runs: list[Run], cost: Counting, decisions: dict[str, dict[str, Any]]
+) -> list[str]:
+    """The counting rows against the tokenizer's own cost, and replicas per gateway core."""
+    by = {(r.request, r.target): r for r in runs if r.connections == COUNTING_CONNECTIONS}
+    rows = [
+        ("(d) unique ~4,000 tokens, one message", "d", cost.unique_ms, TARGET_UNIQUE,
+         "the tokenizer alone, the same kind of text"),
+        ("(e) 3,000 shared + 1,000 unique, one message", "e", cost.shared_whole_ms,
+         TARGET_SHARED, "the tokenizer alone, the whole prompt"),
+    ]  # fmt: skip
+    lines = [
+        "",
+        f"Counting with a 32k vocabulary, {COUNTING_CONNECTIONS}"
+        " connections: the gateway's CPU per request (all its threads) against what the 32k"
+        " tokenizer alone spends (`encode_batch_fast`, one thread, median of"
+        f" {OWN_COST_TEXTS} fresh texts, this process, before the load). Replicas per core:"
+        f" 1,000 / (gateway CPU ms) / {CLASSIFY_RPS_PER_REPLICA} classification req/s of a"
+        " simulated 27B replica.",
+        "",
+        "| request | gateway input tokens | prefix cache | gateway CPU ms/req | against | its ms"
+        " | ratio | target | result | 27B replicas per gateway core |",
+        "|---|---:|---|---:|---|---:|---:|---:|---|---:|",
+    ]
+    for label, key, own_ms, target, against in rows:
+        gw = by.get((key, "gateway"))
+        cpu = gw.cpu_ms_per_request if gw else None
+        ratio = cpu / own_ms if cpu and own_ms else None
+        shown, verdict = _ratio(ratio, target, False)
+        replicas = f"{1000 / cpu / CLASSIFY_RPS_PER_REPLICA:.0f}" if cpu else "-"
+        d = decisions[key]
+        lines.append(
+            f"| {label} | {d['input_tokens']} | {d.get('prefix_cache', '-')} |"
+            f" {cpu if cpu is None else f'{cpu:.3f}'} | {against} | {own_ms:.3f} | {shown} |"
+            f" <= {target} | {verdict} | {replicas} |"
+        )
+    classify = by.get(("b", "gateway"))
+    if classify and classify.cpu_ms_per_request:
+        lines.append(
+            f"| (b) as before: tiny tokenizer, rules in their own message | {decisions['b']['input_tokens']}"
+            f" | {decisions['b'].get('prefix_cache', '-')} | {classify.cpu_ms_per_request:.3f} | - | - | - | - | -"
+            f" | {1000 / classify.cpu_ms_per_request / CLASSIFY_RPS_PER_REPLICA:.0f} |"
+        )
+    return lines
+
+
 # --- the report ----------------------------------------------------------------------------------
 
 
@@ -733,12 +887,13 @@ def report(
 # --- the run -------------------------------------------------------------------------------------
 
 
-def build_tokenizer(workdir: Path) -> Path:
-    """The tiny real tokenizer, built in a child process so its import cost stays out of ours."""
-    log("building the tiny tokenizer")
-    tokenizer = workdir / "tokenizer"
+def build_tokenizer(workdir: Path, module: str) -> Path:
+    """A real tokenizer (`loadtest.tiny_tokenizer` or `loadtest.tokenizer32k`), built in a child
+    process so its import cost stays out of ours."""
+    log(f"building {module}")
+    tokenizer = workdir / module.rsplit(".", 1)[1]
     subprocess.run(
-        [sys.executable, "-m", "loadtest.tiny_tokenizer", str(tokenizer)], cwd=ROOT, check=True,
+        [sys.executable, "-m", module, str(tokenizer)], cwd=ROOT, check=True,
         capture_output=True, timeout=300,
     )  # fmt: skip
     return tokenizer
@@ -761,10 +916,11 @@ def start_redis(procs: Fleet) -> str:
 
 
 @contextlib.contextmanager
-def fleet(workdir: Path, shared: bool) -> Iterator[dict[str, Service]]:
+def fleet(workdir: Path, shared: bool, threads: int | None) -> Iterator[dict[str, Service]]:
     """Start stub, pass-through and gateway (and, `shared`, the Redis the gateway shares its
     slots through), wait until each is ready, and yield the three targets by name."""
-    tokenizer = build_tokenizer(workdir)
+    tokenizer = build_tokenizer(workdir, "loadtest.tiny_tokenizer")
+    tokenizer32k = build_tokenizer(workdir, "loadtest.tokenizer32k")
     procs = Fleet(workdir)
     try:
         py = sys.executable
@@ -789,7 +945,7 @@ def fleet(workdir: Path, shared: bool) -> Iterator[dict[str, Service]]:
             [py, "-m", "loadtest.passthrough", "--host", HOST, "--port", str(pt_port), "--upstream", stub.url],
             pt_port,
         )  # fmt: skip
-        policy = write_policy(workdir, tokenizer, stub.url, redis_url)
+        policy = write_policy(workdir, tokenizer, tokenizer32k, stub.url, redis_url, threads)
         gateway = procs.start(
             "gateway",
             [py, "-m", "gateway", "serve", "--policy", str(policy), "--host", HOST, "--port", str(gw_port)],
@@ -803,7 +959,7 @@ def fleet(workdir: Path, shared: bool) -> Iterator[dict[str, Service]]:
         procs.stop()
 
 
-def run(duration: int, out_path: Path, shared: bool) -> int:
+def run(duration: int, out_path: Path, shared: bool, threads: int | None) -> int:
     if shutil.which("wrk") is None:
         log("wrk is not installed (apt-get install -y wrk)")
         return 2
@@ -822,14 +978,30 @@ def run(duration: int, out_path: Path, shared: bool) -> int:
         scripts["b"].write_text(varying_lua(prefix, variants, suffix))
         stream_file = workdir / "stream.json"
         stream_file.write_text(stream_body)
+        rules32k = tokenizer32k.text(random.Random(9), SHARED_WORDS) + "\n"
+        lexicon_words, weights = tokenizer32k.lexicon()
+        sample = random.Random(1).choices(lexicon_words, weights, k=WORD_SAMPLE)
+        counting = {"d": ("", UNIQUE_WORDS), "e": (rules32k, SHARED_UNIQUE_WORDS)}
+        samples: dict[str, str] = {}
+        for request, (lead, count) in counting.items():
+            head, tail = counting_parts(lead)
+            scripts[request] = workdir / f"counting-{request}.lua"
+            scripts[request].write_text(counting_lua(head, sample, count, tail))
+            words = json.dumps(tokenizer32k.text(random.Random(2), count))[1:-1]
+            samples[request] = head + words + tail
         runs: list[Run] = []
         ttfb: list[TtfbResult] = []
-        with fleet(workdir, shared) as targets:
+        with fleet(workdir, shared, threads) as targets:
             services = list(targets.values())
             policy = workdir / "policy.yaml"
             decision = explain(policy, sample_classify, workdir)
             short_decision = explain(policy, short_body, workdir)
+            decisions = {"b": decision} | {
+                r: explain(policy, b, workdir) for r, b in samples.items()
+            }
+            cost = tokenizer_cost(workdir / "tokenizer32k", rules32k)
             bodies = {"short": short_body, "classify": sample_classify, "stream": stream_body}
+            bodies |= {f"counting ({r})": body for r, body in samples.items()}
             for name, service in targets.items():
                 check_target(name, service.port, bodies)
             log(
@@ -851,6 +1023,18 @@ def run(duration: int, out_path: Path, shared: bool) -> int:
                             f"  other CPU {result.other_cores:.2f}  errors {result.errors}"
                         )
                         runs.append(result)
+            for request in counting:
+                for name in TARGETS:
+                    run_wrk(targets[name].url, scripts[request], COUNTING_CONNECTIONS, 1)
+                    result = measure(
+                        request, targets[name], services, scripts[request],
+                        COUNTING_CONNECTIONS, duration,
+                    )  # fmt: skip
+                    log(
+                        f"({request}) c={COUNTING_CONNECTIONS} {name:<12} {result.rps:8,.0f} req/s"
+                        f"  CPU {result.cpu_ms_per_request or 0:.3f} ms/req  errors {result.errors}"
+                    )
+                    runs.append(result)
             for name in TARGETS:
                 result_t = measure_ttfb(targets[name], services, stream_file, duration)
                 log(
@@ -865,9 +1049,12 @@ def run(duration: int, out_path: Path, shared: bool) -> int:
         f" gateway at {git_revision()}, load average {load:.2f} at the start,"
         f" {time.monotonic() - started:.0f}s in all.",
         "",
-        "The gateway shares its slots and quotas through a local redis-server (`state: redis`)."
-        if shared
-        else "The gateway keeps its slots and quotas in memory (`state: memory`).",
+        (
+            "The gateway shares its slots and quotas through a local redis-server (`state: redis`)."
+            if shared
+            else "The gateway keeps its slots and quotas in memory (`state: memory`)."
+        )
+        + f" Tokenizer threads: {threads or 'the default (the CPUs it may use)'}.",
         "",
         f"(a) short chat: 1 user message, max_tokens 16, {len(short_body)} bytes,"
         f" {short_decision['input_tokens']} input tokens, class {short_decision['class']}.",
@@ -876,7 +1063,15 @@ def run(duration: int, out_path: Path, shared: bool) -> int:
         f" {decision['input_tokens']} input tokens (the gateway's count, tiny tokenizer, memoized),"
         f" class {decision['class']}.",
     ]
+    header += [
+        f"(d) unique: one user message of {UNIQUE_WORDS} pseudo-words new in every request,"
+        f" {decisions['d']['input_tokens']} input tokens (the sample's); (e) one message of a"
+        f" fixed {SHARED_WORDS}-word block and {SHARED_UNIQUE_WORDS} new words,"
+        f" {decisions['e']['input_tokens']} input tokens; both on the 32k tokenizer, memoized."
+        f" The tokenizer alone: {cost.unique_tokens} and {cost.shared_tokens} tokens.",
+    ]
     text, clean = report(runs, ttfb, header, duration)
+    text += "\n".join(counting_report(runs, cost, decisions)) + "\n"
     print(text)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(text)
@@ -896,6 +1091,11 @@ def main(argv: list[str] | None = None) -> int:
         default="memory",
         help="where the gateway keeps slots and quotas: `redis` starts a local redis-server",
     )
+    parser.add_argument(
+        "--tokenizer-threads",
+        type=int,
+        help="the gateway's server.tokenizer_threads (default: its own, the CPUs it may use)",
+    )
     # Internal: the child processes this benchmark starts.
     parser.add_argument("--ttfb-client", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--ttfb-body", type=Path, help=argparse.SUPPRESS)
@@ -907,7 +1107,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM's default would end this process without its `finally`, leaving the children
     # running: turn it into SystemExit so the fleet is stopped either way.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    return run(args.duration, args.out, args.state == "redis")
+    return run(args.duration, args.out, args.state == "redis", args.tokenizer_threads)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -42,20 +43,30 @@ def corpus(lines: int = 3000, seed: int = 7) -> list[str]:
     return out
 
 
-def build(directory: str | Path, vocab_size: int = 2000) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 
-    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+
+def build(directory: str | Path, vocab_size: int = 2000) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=specials,
+        special_tokens=SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator(corpus(), trainer)
+    return save(tokenizer, directory)
+
+
+def save(tokenizer: Any, directory: str | Path) -> Path:
+    """A trained `tokenizers.Tokenizer` (with `SPECIALS`) as a model directory: BOS added to
+    every encoding, the Gemma-style chat template, loadable by `AutoTokenizer`."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
     bos = tokenizer.token_to_id("<bos>")
     tokenizer.post_processor = processors.TemplateProcessing(
         single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", bos)]
