@@ -712,6 +712,8 @@ def tokenizer_cost(directory: Path, shared: str) -> Counting:
 
     from transformers import AutoTokenizer
 
+    import gateway.tokens  # noqa: F401 - the environment the gateway counts in (its thread pool)
+
     backend = AutoTokenizer.from_pretrained(str(directory), local_files_only=True).backend_tokenizer
     rng = random.Random()  # seeded from the OS: fresh text every run, as wrk's
 
