@@ -82,18 +82,22 @@ async def test_vllm_orders_its_queue_by_the_tier_the_gateway_sends(
             assert resp.status == 200, await resp.text()
         return tier
 
-    async def until(gauge: str, at_least: int) -> None:
-        async with asyncio.timeout(60):
-            while await scrape(http, vllm_lora.url, gauge) < at_least:  # noqa: ASYNC110 - vLLM's
+    async def until(gauge: str, at_least: int, *requests: asyncio.Task[Any]) -> None:
+        """Until vLLM's gauge reads `at_least`; a request that ended meanwhile (it should be
+        running or waiting) fails the test with its own error, not a time-out."""
+        async with asyncio.timeout(120):  # a first run on a cold machine is slow
+            while await scrape(http, vllm_lora.url, gauge) < at_least:
+                if ended := [r for r in requests if r.done()]:
+                    raise AssertionError(f"ended before {gauge} reached {at_least}: {ended}")
                 await asyncio.sleep(0.05)
 
     blocker = asyncio.create_task(stream_until_cancelled())
     try:
-        await until("vllm:num_requests_running", 1)
+        await until("vllm:num_requests_running", 1, blocker)
         sheddable = asyncio.create_task(send("sheddable"))
-        await until("vllm:num_requests_waiting", 1)
+        await until("vllm:num_requests_waiting", 1, blocker, sheddable)
         critical = asyncio.create_task(send("critical"))
-        await until("vllm:num_requests_waiting", 2)
+        await until("vllm:num_requests_waiting", 2, blocker, sheddable, critical)
     finally:
         blocker.cancel()  # the gateway closes its upstream: vLLM aborts it and picks the next
         await asyncio.gather(blocker, return_exceptions=True)
