@@ -61,6 +61,8 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
+from gateway.tokenfloor import flatten
+
 PRE_TOKENIZER_SPLIT = "pre-tokenizer split"
 NO_MERGE = "no-merge boundary"
 OFF = "off"
@@ -92,16 +94,8 @@ class Plan:
 _OFF = Plan(OFF, None)
 
 
-def _flatten(component: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
-    if component is None:
-        return []
-    if component.get("type") == "Sequence":
-        return [c for inner in component[key] for c in _flatten(inner, key)]
-    return [component]
-
-
 def _normalizers_concatenate(config: dict[str, Any], allowed: frozenset[str]) -> bool:
-    for normalizer in _flatten(config.get("normalizer"), "normalizers"):
+    for normalizer in flatten(config.get("normalizer"), "normalizers"):
         kind = normalizer.get("type")
         if kind not in allowed:
             return False
@@ -191,7 +185,7 @@ def plan(backend: Any) -> Plan:
         or not _added_tokens_stay_apart(config)
     ):
         return _OFF
-    pre = _flatten(config.get("pre_tokenizer"), "pretokenizers")
+    pre = flatten(config.get("pre_tokenizer"), "pretokenizers")
     split = _split_rule(pre)
     if split is not None:
         # NFC only with Llama 3's rule (Qwen 2 has it): GPT-2's also reads the char before.

@@ -39,17 +39,19 @@ def _byte_level_alphabet() -> dict[str, int]:
     return chars
 
 
-def _flatten(component: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
+def flatten(component: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
+    """A serialized tokenizer component as the list of what runs: a `Sequence`'s members
+    (under `key`), nested ones too; the component alone otherwise; none for None."""
     if component is None:
         return []
     if component.get("type") == "Sequence":
-        return [c for inner in component[key] for c in _flatten(inner, key)]
+        return [c for inner in component[key] for c in flatten(inner, key)]
     return [component]
 
 
 def _safe(config: dict[str, Any]) -> tuple[bool, bool] | None:
     """(byte_level, byte_fallback) when the tokenizer covers every byte of its input, else None."""
-    normalizers = _flatten(config.get("normalizer"), "normalizers")
+    normalizers = flatten(config.get("normalizer"), "normalizers")
     for normalizer in normalizers:
         if normalizer.get("type") not in _SAFE_NORMALIZERS:
             return None
@@ -58,7 +60,7 @@ def _safe(config: dict[str, Any]) -> tuple[bool, bool] | None:
             content = normalizer.get("content", "")
             if pattern is None or len(content.encode()) < len(pattern.encode()):
                 return None
-    pre = _flatten(config.get("pre_tokenizer"), "pretokenizers")
+    pre = flatten(config.get("pre_tokenizer"), "pretokenizers")
     for component in pre:
         if component.get("type") not in _SAFE_PRE_TOKENIZERS:
             return None

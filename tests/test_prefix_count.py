@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+from transformers import AutoTokenizer
 
 from gateway.prefixcount import (
     LLAMA3_PATTERN,
@@ -29,7 +29,7 @@ from gateway.prefixcount import (
     PrefixCounts,
 )
 from gateway.tokens import HFCounter, load_tokenizer
-from loadtest.tiny_tokenizer import CHAT_TEMPLATE, WORDS
+from loadtest.tiny_tokenizer import WORDS, save
 from loadtest.tiny_tokenizer import corpus as tiny_corpus
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
@@ -51,24 +51,6 @@ def corpus() -> list[str]:
         "\n".join(lines[n : n + 5]) + ATOMS[n % len(ATOMS)] + "\n\n  " + lines[n]
         for n in range(0, len(lines), 5)
     ]
-
-
-def save(tokenizer: Tokenizer, directory: Path) -> Path:
-    bos = tokenizer.token_to_id("<bos>")
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", bos)]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token="<bos>",
-        eos_token="<eos>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        additional_special_tokens=["<start_of_turn>", "<end_of_turn>"],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(str(directory))
-    return directory
 
 
 def byte_level(directory: Path, split: str | None, nfc: bool = False) -> Path:
