@@ -6,7 +6,8 @@ import math
 import time
 from collections import deque
 
-from gateway.admit.forecast import Holt, HoltParams
+from gateway.admit.forecast import Holt
+from gateway.policy.schema import ForecastSpec
 
 
 class HoldTimes:
@@ -63,7 +64,7 @@ class Demand:
         self._forecast = Holt()
         self._last: tuple[float, int, int, float, float] | None = None
 
-    def retune(self, params: HoltParams) -> None:
+    def retune(self, params: ForecastSpec) -> None:
         """New forecast constants from a policy reload; what was learned carries over."""
         self._forecast.params = params
 

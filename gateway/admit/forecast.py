@@ -28,30 +28,16 @@ shortest of the pool's health intervals and changes with the policy.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+from gateway.policy.schema import ForecastSpec
 
-@dataclass(frozen=True)
-class HoltParams:
-    """The estimator's time constants (seconds) and ceiling: a pool's `forecast` in the policy."""
-
-    level_s: float = (
-        60.0  # a minute of samples: per-second slot demand is lumpy (a hold lands at once)
-    )
-    trend_s: float = 300.0  # slower still: a trend must last minutes before it is believed
-    damping_s: float = (
-        300.0  # the extrapolated trend fades with this time constant over the horizon
-    )
-    ceiling: float = 1.5  # the forecast is at most this multiple of the current level
-
-
-DEFAULT = HoltParams()
+DEFAULT = ForecastSpec()  # the policy's defaults: a pool's `forecast` unset
 
 
 class Holt:
     """Holt's level and trend of one series sampled at irregular intervals."""
 
-    def __init__(self, params: HoltParams = DEFAULT) -> None:
+    def __init__(self, params: ForecastSpec = DEFAULT) -> None:
         self.params = params  # a policy reload may replace them; level and trend carry over
         self.level: float | None = None
         self.trend = 0.0  # per second

@@ -26,7 +26,6 @@ from gateway.admit.claim import Claim
 from gateway.admit.drain import Demand, HoldTimes
 from gateway.admit.ejection import Ejector
 from gateway.admit.fairqueue import Place, Queue
-from gateway.admit.forecast import HoltParams
 from gateway.admit.leases import Leases
 from gateway.admit.picker import Picker
 from gateway.admit.reconcile import Reconciler
@@ -66,7 +65,7 @@ class PoolSlots:
 
     def _apply(self, spec: PoolSpec) -> None:
         self.spec = spec
-        self.demand.retune(HoltParams(**spec.forecast.model_dump()))
+        self.demand.retune(spec.forecast)
         groups = {workload: i + 1 for i, workload in enumerate(spec.reserve)}
         if groups != self.queue.groups:
             self.queue.regroup(groups)

@@ -90,7 +90,8 @@ class QueueSpec(Spec):
 
 
 class ForecastSpec(Spec):
-    """How `llm_pool_desired_replicas_forecast` extrapolates (gateway/admit/forecast.py)."""
+    """How `llm_pool_desired_replicas_forecast` extrapolates (gateway/admit/forecast.py, which
+    reads these immutable fields as they are)."""
 
     level_s: PositiveFloat = Field(
         60.0, description="Time constant of the demand's level: longer is steadier and later."

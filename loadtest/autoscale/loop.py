@@ -17,7 +17,7 @@ import random
 import socket
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -217,7 +217,7 @@ def policy(config: AutoscaleConfig, dns_port: int, ports: Mapping[str, int]) -> 
 
 def _forecast(pool: PoolConfig, k: float) -> dict[str, float]:
     """The pool's forecast constants for the gateway: its times over the time scale."""
-    given = {**asdict(FORECAST_DEFAULT), **pool.forecast}
+    given = {**FORECAST_DEFAULT.model_dump(), **pool.forecast}
     return {name: value / k if name in FORECAST_TIMES else value for name, value in given.items()}
 
 
