@@ -35,9 +35,10 @@ from gateway.tokenfloor import TokenFloor
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 # The gateway spreads counting over its own threads (`server.tokenizer_threads`), one batch
-# each; the tokenizers library's own pool splitting a batch again only adds its threads' wake-ups
-# and spinning to every request's CPU (docs/benchmarks.md measured it). Set it to "true" to have
-# one long prompt counted on several cores when the gateway is otherwise idle.
+# each; the tokenizers library's own pool splitting a batch of prefix pieces again adds its
+# threads' wake-ups to every request's CPU (~18% more for a shared-prefix prompt, measured
+# offline: docs/benchmarks.md). Set it to "true" to have one long prompt counted on several
+# cores when the gateway is otherwise idle.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 _EMPTY = ""
