@@ -25,16 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from gateway.prefixcount import PrefixCounts
+from gateway.tokens import load_tokenizer
 from loadtest import tokenizer32k
 
 
 def load(directory: Path) -> Any:
     """The 32k tokenizer saved in `directory`, built there first if there is none."""
-    from transformers import AutoTokenizer
-
     if not (directory / "tokenizer.json").exists():
         tokenizer32k.build(directory)
-    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    return load_tokenizer(str(directory))  # as the gateway loads it, in its environment
 
 
 def spin(stop: threading.Event, done: list[int]) -> None:
@@ -50,11 +49,13 @@ def spun(call: Callable[[], object], seconds: float) -> float:
     spinner = threading.Thread(target=spin, args=(stop, done))
     spinner.start()
     began = time.perf_counter()
-    while time.perf_counter() - began < seconds:
-        call()
-    elapsed = time.perf_counter() - began
-    stop.set()
-    spinner.join()
+    try:
+        while time.perf_counter() - began < seconds:
+            call()
+    finally:  # a call that raises must not leave the spinner spinning
+        elapsed = time.perf_counter() - began
+        stop.set()
+        spinner.join()
     return done[0] / elapsed
 
 

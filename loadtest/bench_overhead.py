@@ -712,11 +712,9 @@ def tokenizer_cost(directory: Path, shared: str) -> Counting:
     of each shape, one thread; measured before the load, on a quiet machine."""
     import statistics
 
-    from transformers import AutoTokenizer
+    from gateway.tokens import load_tokenizer  # and the environment the gateway counts in
 
-    import gateway.tokens  # noqa: F401 - the environment the gateway counts in (its thread pool)
-
-    backend = AutoTokenizer.from_pretrained(str(directory), local_files_only=True).backend_tokenizer
+    backend = load_tokenizer(str(directory)).backend_tokenizer
     rng = random.Random()  # seeded from the OS: fresh text every run, as wrk's
 
     def cpu_ms(texts: list[str]) -> tuple[float, int]:
@@ -767,7 +765,7 @@ def counting_report(
         d = decisions[key]
         lines.append(
             f"| {label} | {d['input_tokens']} | {d.get('prefix_cache', '-')} |"
-            f" {cpu if cpu is None else f'{cpu:.3f}'} | {against} | {own_ms:.3f} | {shown} |"
+            f" {'-' if cpu is None else f'{cpu:.3f}'} | {against} | {own_ms:.3f} | {shown} |"
             f" <= {target} | {verdict} | {replicas} |"
         )
     classify = by.get(("b", "gateway"))

@@ -60,7 +60,8 @@ async def _wait_ready(url: str, proc: asyncio.subprocess.Process, log: Path) -> 
     with contextlib.suppress(TimeoutError):
         async with aiohttp.ClientSession(timeout=timeout) as http, asyncio.timeout(READY_WAIT_S):
             while proc.returncode is None:
-                with contextlib.suppress(aiohttp.ClientError):
+                # aiohttp's own time-out is a plain TimeoutError: one slow answer is a retry too.
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                     async with http.get(f"{url}/readyz") as resp:
                         if resp.status == 200:
                             return

@@ -260,9 +260,14 @@ SINGLE_POOL_FLAGS = ("pool", "profile", "max_concurrency", "target", "min_replic
 def fleet(args: argparse.Namespace, manifest: hpa.Manifest | None) -> dict[str, Any]:
     """`pools`, `classes` and `routes` for the config: from `--fleet`, or one pool of flags."""
     if args.fleet is not None:
-        given = [f"--{f.replace('_', '-')}" for f in SINGLE_POOL_FLAGS if getattr(args, f)]
-        if given or manifest is not None:
-            raise SystemExit(f"llm-loadtest autoscale: --fleet names its pools; drop {given}")
+        given = [
+            f"--{f.replace('_', '-')}" for f in SINGLE_POOL_FLAGS if getattr(args, f) is not None
+        ]
+        given += ["--hpa"] if manifest is not None else []
+        if given:
+            raise SystemExit(
+                f"llm-loadtest autoscale: --fleet names its pools; drop {' '.join(given)}"
+            )
         return load_fleet(args.fleet)
     pool = PoolConfig(
         name=args.pool or (manifest.pool if manifest else None) or PoolConfig.name,

@@ -279,7 +279,6 @@ def hpa_metrics(
 class Scaled:
     """One pool in the loop: its Deployment and its HPA."""
 
-    config: PoolConfig
     sim: SimPool
     hpa: Hpa
 
@@ -312,7 +311,6 @@ async def run_autoscale(config: AutoscaleConfig) -> AutoscaleRun:
     def build_bodies() -> list[Body]:
         return PromptBuilder(config.tokenizer).bodies(MODEL_ALIAS, planned, True)
 
-    records: list[RequestRecord] = []
     samples: list[Sample] = []
     notes = list(config.notes)
     scaled: dict[str, Scaled] = {}
@@ -350,7 +348,7 @@ async def run_autoscale(config: AutoscaleConfig) -> AutoscaleRun:
                     sync_period_s=config.sync_period_s,
                 )
             )
-            scaled[p.name] = Scaled(p, sims[p.name], hpa)
+            scaled[p.name] = Scaled(sims[p.name], hpa)
         records = await _drive(config, url, http, scaled, planned, bodies, samples, clock_zero)
     access = read_access_log(config.out / "access.jsonl")
     urls = {

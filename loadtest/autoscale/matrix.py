@@ -74,7 +74,7 @@ def compare(runs: dict[str, dict[str, Any]], title: str) -> str:
     if base and "d" in runs:
         d, b = runs["d"], base["all"]["violating_or_refused"]
         fewer = 1 - d["all"]["violating_or_refused"] / b if b else 0.0
-        more = d["replica_hours"] / base["replica_hours"] - 1
+        more = d["replica_hours"] / base["replica_hours"] - 1 if base["replica_hours"] else 0.0
         verdict = (
             "met" if fewer >= 0.5 and round(more, 6) <= 0.10 else "not met"
         )  # 1.1 / 1.0 - 1 > 0.1

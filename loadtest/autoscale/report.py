@@ -98,9 +98,7 @@ def _member(m: Member, url: str | None, served: Counter[str | None]) -> dict[str
 
 def _replica_s(members: list[Member], end: float) -> float:
     """Each replica from when it was asked for until it stopped, within the run."""
-    return sum(
-        min(end, m.gone_s if m.gone_s is not None else end) - max(0.0, m.asked_s) for m in members
-    )
+    return sum(min(end, m.gone_s if m.gone_s is not None else end) - m.asked_s for m in members)
 
 
 def summarise(run: AutoscaleRun, slos: Mapping[str, SLO], window_s: float) -> dict[str, Any]:
