@@ -173,9 +173,10 @@ def _splits_in_place(component: dict[str, Any]) -> bool:
     )
 
 
-def plan(backend: Any) -> Plan:
-    """Whether, and by which argument, cut counts of this `tokenizers.Tokenizer` are exact."""
-    config = json.loads(backend.to_str())
+def plan(backend: Any, config: dict[str, Any] | None = None) -> Plan:
+    """Whether, and by which argument, cut counts of this `tokenizers.Tokenizer` are exact;
+    `config` is its serialized form when the caller parsed it already."""
+    config = json.loads(backend.to_str()) if config is None else config
     model = config.get("model", {})
     if (
         model.get("type") != "BPE"
@@ -221,9 +222,15 @@ class PrefixCounts:
     """
 
     def __init__(
-        self, backend: Any, *, entries: int, block_chars: int = 1024, max_chars: int = 1 << 18
+        self,
+        backend: Any,
+        *,
+        entries: int,
+        block_chars: int = 1024,
+        max_chars: int = 1 << 18,
+        config: dict[str, Any] | None = None,
     ) -> None:
-        self._plan = plan(backend)
+        self._plan = plan(backend, config)
         self.mode = self._plan.mode
         self._encode: Callable[..., Any] = getattr(
             backend, "encode_batch_fast", backend.encode_batch

@@ -92,9 +92,10 @@ class TokenFloor:
         return floor
 
     @classmethod
-    def of(cls, backend: Any) -> TokenFloor | None:
-        """The floor of a `tokenizers.Tokenizer`, or None when none is provable."""
-        config = json.loads(backend.to_str())
+    def of(cls, backend: Any, config: dict[str, Any] | None = None) -> TokenFloor | None:
+        """The floor of a `tokenizers.Tokenizer`, or None when none is provable; `config` is its
+        serialized form when the caller parsed it already (it grows with the vocabulary)."""
+        config = json.loads(backend.to_str()) if config is None else config
         kind = _safe(config)
         if kind is None:
             return None

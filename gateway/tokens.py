@@ -21,6 +21,7 @@ of `large_tokenize_chars` or more runs on threads of its own: small texts never 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 from collections import OrderedDict
@@ -228,7 +229,8 @@ class HFCounter:
         self._encode_batch: Callable[..., Any] = getattr(
             backend, "encode_batch_fast", backend.encode_batch
         )
-        self._prefixes = PrefixCounts(backend, entries=prefix_entries)
+        config = json.loads(backend.to_str())  # parsed once for both of its readers
+        self._prefixes = PrefixCounts(backend, entries=prefix_entries, config=config)
         self._content_counts: OrderedDict[tuple[int, int], int] = OrderedDict()
         self._overheads: dict[tuple[Any, ...], int] = {}
         self._trims = self._template_trims()
@@ -237,7 +239,7 @@ class HFCounter:
         # a string-format template writes none (vLLM adds it, inside the image's cost).
         placeholder = self._image_placeholder() if self.parts else 0
         self.image_cost = max(0, (image_tokens or 0) - placeholder)
-        self.floor = TokenFloor.of(backend)
+        self.floor = TokenFloor.of(backend, config)
 
     def _template_trims(self) -> bool:
         """Whether the chat template trims message content (Gemma's does), probed once."""
