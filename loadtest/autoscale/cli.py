@@ -41,11 +41,6 @@ from loadtest.tiny_tokenizer import build
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TRACE = "step:" + ",".join(f"{k}={v:g}" for k, v in STEP.items())
-# Gemma 3 27B on a v6e 2x2 host, from "pod scheduled" to "serving": pulling the vLLM TPU image
-# (cached on the node), reading ~54 GB of bf16 weights, and XLA-compiling the padded batch
-# shapes, which tpu-inference does before it serves. An estimate of 3 minutes, not measured;
-# a new node (GKE provisioning a TPU VM) would add several more.
-DEFAULT_STARTUP_S = 180.0
 
 
 def _positive(text: str) -> float:
@@ -120,8 +115,9 @@ def parser() -> argparse.ArgumentParser:
                    help="take min/max replicas, behavior and target from an HPA manifest"
                    " (e.g. deploy/base/autoscaling/hpa.yaml#gemma3-27b-gen); flags override")  # fmt: skip
     p.add_argument("--pool", help="default: the --hpa metrics' pool, else generate-27b")
-    p.add_argument("--time-scale", type=_positive, default=12.0, help="simulated s per wall s")
-    p.add_argument("--startup-s", type=_positive, default=DEFAULT_STARTUP_S,
+    p.add_argument("--time-scale", type=_positive, default=AutoscaleConfig.time_scale,
+                   help="simulated s per wall s (default: %(default)s)")  # fmt: skip
+    p.add_argument("--startup-s", type=_positive, default=AutoscaleConfig.startup_s,
                    help="asked for -> serving, per replica (default: %(default)s)")  # fmt: skip
     p.add_argument("--signal", choices=("reactive", "forecast", "max"),
                    help="the metric(s) the HPA reads; max: both, the larger wins (default:"
@@ -161,9 +157,12 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument(f"--scale-{way}-select", choices=("Max", "Min", "Disabled"),
                        help=f"policy selection (default {default.select})")  # fmt: skip
     p.add_argument("--max-concurrency", type=int, help="gateway cap per replica (default 16)")
-    p.add_argument("--queue-wait-s", type=_positive, default=30.0, help="gateway max_wait_s")
-    p.add_argument("--dns-interval-s", type=_positive, default=5.0, help="gateway re-resolves")
-    p.add_argument("--scrape-interval-s", type=_not_negative, default=15.0,
+    p.add_argument("--queue-wait-s", type=_positive, default=AutoscaleConfig.queue_wait_s,
+                   help="gateway max_wait_s")  # fmt: skip
+    p.add_argument("--dns-interval-s", type=_positive, default=AutoscaleConfig.dns_interval_s,
+                   help="gateway re-resolves")  # fmt: skip
+    p.add_argument("--scrape-interval-s", type=_not_negative,
+                   default=AutoscaleConfig.scrape_interval_s,
                    help="Prometheus scrapes the gateway; the HPA reads the newest scrape"
                    " (0: /metrics at each sync)")  # fmt: skip
     p.add_argument("--slo", action="append", default=[], type=_slo, metavar="CLASS:metric=s,...",
@@ -173,7 +172,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-requests",
         type=int,
-        default=20_000,
+        default=AutoscaleConfig.max_requests,
         help="refuse a trace planning more (default %(default)s)",
     )
     p.add_argument("--seed", type=int, default=0, help="arrivals and shapes")
@@ -274,8 +273,12 @@ def fleet(args: argparse.Namespace, manifest: hpa.Manifest | None) -> dict[str, 
         profile=args.profile or PoolConfig.profile,
         max_concurrency=first(args.max_concurrency, PoolConfig.max_concurrency),
         target=first(args.target, manifest_target(manifest, args.metric), PoolConfig.target),
-        min_replicas=first(args.min_replicas, manifest.min_replicas if manifest else None, 1),
-        max_replicas=first(args.max_replicas, manifest.max_replicas if manifest else None, 8),
+        min_replicas=first(
+            args.min_replicas, manifest.min_replicas if manifest else None, PoolConfig.min_replicas
+        ),
+        max_replicas=first(
+            args.max_replicas, manifest.max_replicas if manifest else None, PoolConfig.max_replicas
+        ),
         initial_replicas=first(args.initial_replicas, PoolConfig.initial_replicas),
     )
     return {"pools": (pool,)}

@@ -31,6 +31,8 @@ from loadtest.autoscale.dns import DnsServer
 from loadtest.autoscale.hpa import (
     DEFAULT_SCALE_DOWN,
     DEFAULT_SCALE_UP,
+    DEFAULT_SYNC_PERIOD_S,
+    DEFAULT_TOLERANCE,
     ExternalMetric,
     Hpa,
     HpaSpec,
@@ -46,6 +48,11 @@ from loadtest.loadgen.sweep import session
 from loadtest.loadgen.workloads import Planned, load_workload, plan
 from loadtest.sim import ReplicaOptions, load_profile
 
+# Gemma 3 27B on a v6e 2x2 host, from "pod scheduled" to "serving": pulling the vLLM TPU image
+# (cached on the node), reading ~54 GB of bf16 weights, and XLA-compiling the padded batch
+# shapes, which tpu-inference does before it serves. An estimate of 3 minutes, not measured;
+# a new node (GKE provisioning a TPU VM) would add several more.
+DEFAULT_STARTUP_S = 180.0
 Signal = Literal["reactive", "forecast", "max"]
 REACTIVE = "llm_pool_desired_replicas"
 FORECAST = "llm_pool_desired_replicas_forecast"
@@ -96,14 +103,14 @@ class AutoscaleConfig:
     routes: tuple[dict[str, Any], ...] | None = None
     spill: bool = True  # False: the routes' fallbacks are left out
     time_scale: float = 12.0
-    startup_s: float = 180.0
+    startup_s: float = DEFAULT_STARTUP_S
     signal: Signal = "reactive"
     metric: str = REACTIVE
     forecast_metric: str = FORECAST
     scale_up: ScalingRules | None = None  # None: the API's defaults
     scale_down: ScalingRules | None = None
-    tolerance: float = 0.1
-    sync_period_s: float = 15.0
+    tolerance: float = DEFAULT_TOLERANCE
+    sync_period_s: float = DEFAULT_SYNC_PERIOD_S
     queue_wait_s: float = 30.0  # the gateway's max_wait_s, simulated
     dns_interval_s: float = 5.0  # how often the gateway re-resolves, simulated
     # Prometheus's scrape of the gateway (deploy/base/monitoring/servicemonitor.yaml: 15 s); the
