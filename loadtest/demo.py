@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 import orjson
 import yaml
 
+from gateway.policy.schema import ESTIMATE
 from loadtest import processes
 from loadtest.loadgen import (
     Mark,
@@ -45,7 +46,7 @@ from loadtest.loadgen import (
 )
 from loadtest.loadgen.runner import RequestRecord
 from loadtest.sim import ReplicaOptions, load_profile, start_replica
-from loadtest.tiny_tokenizer import build
+from loadtest.tiny_tokenizer import ensure
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = {
@@ -53,7 +54,6 @@ PROFILES = {
     "gemma-3-12b-it": "gemma-3-12b-tpu-v6e-2x2",
 }
 DEADLINE_S = 150  # wall clock
-ESTIMATE = "estimate"  # a model's tokenizer when it has none: no directory to build or rebase
 REFUSALS = {  # the client's error code: what the gateway did, "{wait}" the queue's max wait
     "queue_wait_too_long": "the gateway predicted a queue wait over {wait} and refused at once",
     "queue_timeout": "each waited the queue's max wait, {wait}, without a free slot",
@@ -70,9 +70,7 @@ def ensure_tokenizers(policy: dict[str, Any], base: Path) -> str | None:
         if m.get("tokenizer", ESTIMATE) != ESTIMATE
     }
     for directory in directories:
-        if not (Path(directory) / "tokenizer.json").exists():
-            print(f"building the demo tokenizer in {os.path.relpath(directory)} ...", flush=True)
-            build(directory)
+        ensure(directory)
     return min(directories, default=None)
 
 

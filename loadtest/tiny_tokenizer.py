@@ -9,6 +9,7 @@ chat template) that `transformers.AutoTokenizer.from_pretrained(dir)` loads like
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from pathlib import Path
@@ -41,6 +42,14 @@ def corpus(lines: int = 3000, seed: int = 7) -> list[str]:
             words.append(str(rng.randint(0, 99999)))
         out.append(" ".join(words) + rng.choice([".", "!", "?", ":", ",", "\n"]))
     return out
+
+
+def ensure(directory: str | Path) -> str:
+    """`directory`, with the tiny tokenizer built in it first if it holds none."""
+    if not (Path(directory) / "tokenizer.json").exists():
+        print(f"building the demo tokenizer in {os.path.relpath(directory)} ...", flush=True)
+        build(directory)
+    return str(directory)
 
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]

@@ -20,7 +20,7 @@ from gateway.estimate import OutputEstimator
 from gateway.pick.weighted import WeightedPicker
 from gateway.policy.load import LoadedSpec, PolicyError, Problem, load_spec
 from gateway.policy.plugins import PluginError, create
-from gateway.policy.schema import ModelSpec, PolicySpec, PoolSpec
+from gateway.policy.schema import ESTIMATE, ModelSpec, PolicySpec, PoolSpec
 from gateway.route import Route, compile_route
 from gateway.tenants import Tenant, compile_tenants
 from gateway.tokens import EstimateCounter, HFCounter, TokenCounter, load_tokenizer
@@ -94,7 +94,7 @@ def tokenizer_dir(spec: ModelSpec, base: Path) -> Path:
 def _counter(
     spec: ModelSpec, policy: PolicySpec, base: Path, threads: TokenizerThreads | None, load: bool
 ) -> Any:
-    if spec.tokenizer == "estimate" or not load:
+    if spec.tokenizer == ESTIMATE or not load:
         return EstimateCounter(spec.chars_per_token, spec.image_tokens)
     server = policy.server
     return HFCounter(
@@ -280,7 +280,7 @@ def compile_policy(
     if (
         executor is None
         and load_tokenizers
-        and any(m.tokenizer != "estimate" for m in spec.models.values())
+        and any(m.tokenizer != ESTIMATE for m in spec.models.values())
     ):
         threads = spec.server.tokenizer_threads
         executor = TokenizerThreads.start(available_cpus() if threads is None else threads)
@@ -373,10 +373,7 @@ def _pool_pickers(
         if kept is not None and kept.spec.pick == pool.pick:
             pickers[name] = kept.picker
             continue
-        if (
-            "precise_prefix" in pool.pick.scorers
-            and spec.models[pool.model].tokenizer == "estimate"
-        ):
+        if "precise_prefix" in pool.pick.scorers and spec.models[pool.model].tokenizer == ESTIMATE:
             problems.append(
                 Problem(
                     ("pools", name, "pick", "scorers", "precise_prefix"),

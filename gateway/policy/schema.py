@@ -43,6 +43,9 @@ class Range(Spec):
         return self
 
 
+ESTIMATE = "estimate"  # a model's `tokenizer` when it is counted by characters, not a tokenizer
+
+
 class ModelSpec(Spec):
     tokenizer: str = Field(
         description="Local Hugging Face tokenizer directory, or `estimate` for characters / token."

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from gateway.policy.schema import ESTIMATE
 from loadtest.autoscale import hpa, report
 from loadtest.autoscale.loop import (
     FORECAST,
@@ -36,7 +37,7 @@ from loadtest.autoscale.loop import (
 from loadtest.autoscale.trace import STEP, from_access_log, load_traces, write_trace
 from loadtest.loadgen.compare import DEFAULT_SLOS, SLO, parse_slo
 from loadtest.loadgen.profile import read_access_log
-from loadtest.tiny_tokenizer import build
+from loadtest.tiny_tokenizer import ensure
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[2]
@@ -241,15 +242,11 @@ def slos(args: argparse.Namespace, classes: Iterable[str]) -> dict[str, SLO]:
 
 def tokenizer(given: str | None) -> str | None:
     """The tokenizer directory; None for `estimate`; the demo's tiny one (built once) if none."""
-    if given == "estimate":
+    if given == ESTIMATE:
         return None
     if given is not None:
         return given
-    path = ROOT / "loadtest" / "out" / "demo" / "tokenizer"
-    if not (path / "tokenizer.json").exists():
-        print(f"building the demo tokenizer in {os.path.relpath(path)} ...", flush=True)
-        build(path)
-    return str(path)
+    return ensure(ROOT / "loadtest" / "out" / "demo" / "tokenizer")
 
 
 SINGLE_POOL_FLAGS = ("pool", "profile", "max_concurrency", "target", "min_replicas",
