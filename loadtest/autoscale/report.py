@@ -60,13 +60,22 @@ def p95_over_time(
     """P95 of a latency (`e2e_s`, `ttft_s`, `tpot_s`) of the completed requests (of one
     workload, or all) that started in each window: (window midpoint, seconds)."""
     k = run.config.time_scale
-    windows = max(1, math.ceil(run.end_s / window_s))
-    buckets: list[list[float]] = [[] for _ in range(windows)]
+    buckets: list[list[float]] = [[] for _ in range(_windows(run, window_s))]
     for r in run.records:
         value = getattr(r, metric)
         if r.ok and value is not None and workload in (None, r.cls):
-            buckets[min(windows - 1, int(r.start_s * k // window_s))].append(value * k)
+            buckets[_window(run, r, window_s)].append(value * k)
     return [((i + 0.5) * window_s, percentile(b, 95)) for i, b in enumerate(buckets)]
+
+
+def _windows(run: AutoscaleRun, window_s: float) -> int:
+    return max(1, math.ceil(run.end_s / window_s))
+
+
+def _window(run: AutoscaleRun, record: RequestRecord, window_s: float) -> int:
+    """The window a request started in (simulated time), the last one for a late start."""
+    start_s = record.start_s * run.config.time_scale
+    return min(_windows(run, window_s) - 1, int(start_s // window_s))
 
 
 def _rules(rules: ScalingRules) -> str:
@@ -273,11 +282,10 @@ def bad_over_time(
 ) -> list[tuple[float, int]]:
     """SLO-violating or refused requests that started in each window: (midpoint, count)."""
     k = run.config.time_scale
-    windows = max(1, math.ceil(run.end_s / window_s))
-    counts = [0] * windows
+    counts = [0] * _windows(run, window_s)
     for r in run.records:
         if r.status in REFUSED or violates(r, slos.get(r.cls), k):
-            counts[min(windows - 1, int(r.start_s * k // window_s))] += 1
+            counts[_window(run, r, window_s)] += 1
     return [((i + 0.5) * window_s, n) for i, n in enumerate(counts)]
 
 
