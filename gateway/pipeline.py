@@ -412,29 +412,36 @@ class Gateway:
         policy = runtime.policy
         charge: Charge | None = None
         try:
-            if self.draining:
-                raise ShuttingDown("the gateway is shutting down", retry_after_s=1)
-            authenticate(ctx, policy.tenants)  # before the body: strangers cost no read
-            check_forwardable(request.raw_headers)
-            raw = await body.read(request, policy.spec.server.max_body_bytes)
-            parse(ctx, body.media_type(request), raw, policy.spec.server)
-            await decide(ctx, policy)
-            spill(ctx, runtime.slots, policy.adapters, self.accountant.metrics.spillover)
-            charge = await self.quotas.reserve(ctx)
-            return await self._admit_and_forward(ctx, request, runtime)
-        except GatewayError as exc:
-            ctx.status, ctx.reason, ctx.code = exc.status, exc.reason, exc.code
-            await self.quotas.describe(ctx)
-            return exc.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
+            try:
+                if self.draining:
+                    raise ShuttingDown("the gateway is shutting down", retry_after_s=1)
+                authenticate(ctx, policy.tenants)  # before the body: strangers cost no read
+                check_forwardable(request.raw_headers)
+                raw = await body.read(request, policy.spec.server.max_body_bytes)
+                parse(ctx, body.media_type(request), raw, policy.spec.server)
+                await decide(ctx, policy)
+                spill(ctx, runtime.slots, policy.adapters, self.accountant.metrics.spillover)
+                charge = await self.quotas.reserve(ctx)
+                resp = await self._admit_and_forward(ctx, request, runtime)
+            except GatewayError as exc:
+                ctx.status, ctx.reason, ctx.code = exc.status, exc.reason, exc.code
+                await self.quotas.describe(ctx)
+                resp = exc.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
+            except ConnectionResetError:
+                raise  # the client left: below, not a failure of the gateway's
+            except Exception:
+                log.exception("request %s failed", ctx.request_id)
+                error = GatewayError("internal gateway error; see the gateway log")
+                ctx.status, ctx.reason, ctx.code = error.status, error.reason, error.code
+                await self.quotas.describe(ctx)
+                resp = error.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
+            if not resp.prepared:  # a whole answer or a refusal: the client gets it before the
+                await resp.prepare(request)  # accounting runs, which then times its sending too
+                await resp.write_eof()
+            return resp
         except (asyncio.CancelledError, ConnectionResetError):
             ctx.status, ctx.reason = CLIENT_CLOSED, "client_disconnect"
             raise
-        except Exception:
-            log.exception("request %s failed", ctx.request_id)
-            error = GatewayError("internal gateway error; see the gateway log")
-            ctx.status, ctx.reason, ctx.code = error.status, error.reason, error.code
-            await self.quotas.describe(ctx)
-            return error.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
         finally:
             self.accountant.account(ctx, policy.estimator)
             if charge is not None:  # after account, which completes the output count

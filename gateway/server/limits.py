@@ -4,12 +4,12 @@ aiohttp parses a request's head before any gateway code runs, so the policy reac
 through the application's `handler_args`. The parser's bounds sit a little above the policy's
 limits: it is the backstop that keeps a hostile client from making the gateway buffer unbounded
 headers (it refuses and closes; gateway/server/protocol.py answers that in the OpenAI shape),
-while `limits_middleware` applies the exact limits.
+while `BodyDeadline` applies the exact limits.
 
 Slow clients. aiohttp's keep-alive timer runs from when a connection opens, or answers its last
 request, until a complete request head has arrived, and partial data does not reset it: as
 `keepalive_timeout` it is also the deadline for headers sent byte by byte. aiohttp has no deadline
-for a body, so the middleware sets one on the request's payload.
+for a body, so `BodyDeadline` sets one on the request's payload.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import asyncio
 from typing import Any
 
 from aiohttp import StreamReader, web
-from aiohttp.typedefs import Handler, Middleware
 
 from gateway.errors import HeadersTooLarge, RequestTimeout
 from gateway.policy.schema import ServerSpec
@@ -31,7 +30,7 @@ def handler_args(server: ServerSpec) -> dict[str, Any]:
         # No single line can be longer than all headers together are allowed to be.
         "max_line_size": server.max_header_bytes,
         "max_field_size": server.max_header_bytes,
-        # Twice the limit: between the two, the middleware refuses with a proper 431.
+        # Twice the limit: between the two, `BodyDeadline` refuses with a proper 431.
         "max_headers": 2 * server.max_headers,
     }
 
@@ -56,30 +55,29 @@ def _expire(payload: StreamReader, timeout_s: float) -> None:
         )
 
 
-def limits_middleware(server: ServerSpec) -> Middleware:
-    """Refuse headers over the policy's limits (431) and bodies slower than `body_timeout_s` (408).
+class BodyDeadline:
+    """The policy's header limits (431) and `body_timeout_s` (408) for one request: checked and
+    started before the handler runs, cancelled after it, by the one wrapper every route runs in
+    (gateway/server/app.py)."""
 
-    It must be the outermost middleware: it renders its own refusal and closes the connection of
-    a timed-out body, whose rest is never read.
-    """
+    __slots__ = ("_payload", "_timer")
 
-    @web.middleware
-    async def limits(request: web.Request, handler: Handler) -> web.StreamResponse:
-        try:
-            _check_headers(request.raw_headers, server)
-        except HeadersTooLarge as exc:
-            return exc.response()
-        payload = request.content
-        if payload.is_eof():  # no body, or it all came with the headers: nothing to wait for
-            return await handler(request)
-        loop = asyncio.get_running_loop()
-        timer = loop.call_later(server.body_timeout_s, _expire, payload, server.body_timeout_s)
-        try:
-            response = await handler(request)
-        finally:
-            timer.cancel()
-        if isinstance(payload.exception(), RequestTimeout):
-            response.force_close()
-        return response
+    def __init__(self, request: web.Request, server: ServerSpec) -> None:
+        _check_headers(request.raw_headers, server)  # raises HeadersTooLarge
+        self._payload = payload = request.content
+        self._timer = (
+            None  # no body, or it all came with the headers: nothing to wait for
+            if payload.is_eof()
+            else asyncio.get_running_loop().call_later(
+                server.body_timeout_s, _expire, payload, server.body_timeout_s
+            )
+        )
 
-    return limits
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    @property
+    def expired(self) -> bool:
+        """Whether the body timed out: its rest is never read, so the connection must close."""
+        return self._timer is not None and isinstance(self._payload.exception(), RequestTimeout)

@@ -1,7 +1,7 @@
 """Requests aiohttp refuses before the application sees them, answered in the OpenAI error shape.
 
 A head its parser refuses (bare-LF line endings, a NUL in a field, a line over the limit) never
-reaches a middleware: aiohttp's `RequestHandler.handle_error` answers it with plain text that
+reaches the application: aiohttp's `RequestHandler.handle_error` answers it with plain text that
 quotes the offending bytes back (a key in `Authorization` included). `GatewayRunner` is an
 `AppRunner` whose connections use `_Protocol`, which answers those in the OpenAI shape instead:
 431 for a line over the limit or too many fields, 400 for the rest, naming the kind of error and
