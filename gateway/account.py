@@ -113,9 +113,7 @@ class Accountant:
 
     @staticmethod
     def record(ctx: Ctx) -> dict[str, Any]:
-        def seconds(t: float | None) -> float | None:
-            return None if t is None else round(t - ctx.arrived, 6)
-
+        arrived, first = ctx.arrived, ctx.first_token
         return {
             "ts": time.time(),
             "request_id": ctx.request_id,
@@ -135,8 +133,8 @@ class Accountant:
             "estimate_source": ctx.estimate_source or None,
             "output_tokens": ctx.output_tokens,
             "queue_wait_s": None if ctx.queue_wait is None else round(ctx.queue_wait, 6),
-            "ttft_s": seconds(ctx.first_token),
-            "e2e_s": seconds(ctx.ended),
+            "ttft_s": None if first is None else round(first - arrived, 6),
+            "e2e_s": round(ctx.ended - arrived, 6),  # set by `_account` before the record
             "status": ctx.status,
             # The code the client saw, so a log line matches its error body; a client that left
             # got none, and is logged `client_disconnect`.
