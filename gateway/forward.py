@@ -24,6 +24,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy, MultiMapping
 
 from gateway.context import Ctx
+from gateway.deadline import Deadline
 from gateway.errors import (
     MalformedRequest,
     ReplicaRefused,
@@ -308,7 +309,7 @@ async def _relay(
     deadline = min(first, total)
     chunks = up.content.iter_any().__aiter__()
     while True:
-        async with asyncio.timeout_at(deadline):
+        with Deadline(deadline):
             try:
                 data = await anext(chunks)
             except StopAsyncIteration:
@@ -363,7 +364,7 @@ async def forward(
     try:
         # A non-stream answer is read under the request's own deadline: one scope serves both
         # (each costs a task lookup and a timer, a few µs of a short request).
-        async with asyncio.timeout_at(min(first, total) if ctx.stream else total):
+        with Deadline(min(first, total) if ctx.stream else total):
             up = await _post(ctx, session, url, headers, client_timeout, replica_url)
             if not ctx.stream:
                 return await _answer(ctx, up, replica_url, max_response_bytes, rename, retry_503)
@@ -372,7 +373,7 @@ async def forward(
         raise _timed_out(ctx, replica_url, reading, exc) from None
     if up.status != 200 or up.content_type != "text/event-stream":
         try:
-            async with asyncio.timeout_at(total):
+            with Deadline(total):
                 return await _answer(ctx, up, replica_url, max_response_bytes, rename, retry_503)
         except TimeoutError as exc:
             raise _timed_out(ctx, replica_url, True, exc) from None

@@ -31,6 +31,7 @@ from gateway.admit.picker import Picker
 from gateway.admit.reconcile import Reconciler
 from gateway.admit.replica import EngineGauges, Grant, Replica
 from gateway.context import Ctx
+from gateway.deadline import Deadline
 from gateway.errors import GatewayError, NoReplica, QueueFull, QueueTimeout, QueueWaitTooLong, Shed
 from gateway.policy.schema import PRIORITIES, PoolSpec
 from gateway.state.base import SlotClaim, SlotLedger
@@ -393,7 +394,7 @@ class PoolSlots:
         future = waiter.future
         granted = False
         try:
-            async with asyncio.timeout_at(place.deadline):
+            with Deadline(place.deadline):
                 grant = await future
             granted = True
             return grant

@@ -14,7 +14,7 @@ sleeping a minute; production never does. Keys expire a window after their last 
 tenant gone idle leaves nothing behind.
 
 Every call is bounded by `socket_timeout` / `socket_connect_timeout` and by an overall
-`asyncio.timeout`: a slow or dead Redis turns into an error within `timeout_s`, which
+deadline (`gateway.deadline`): a slow or dead Redis turns into an error within `timeout_s`, which
 `FailoverState` turns into local limits or a 503. redis-py retries a call once, at once, inside
 that bound: after Redis restarts, every pooled connection is stale and fails its first use.
 """
@@ -37,6 +37,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from gateway.deadline import Deadline
 from gateway.errors import Retryable
 from gateway.policy.schema import StateSpec
 from gateway.state.base import (
@@ -343,7 +344,7 @@ class RedisState:
 
     async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         """One script call, never longer than `timeout_s` however the socket behaves."""
-        async with asyncio.timeout(self.timeout_s):
+        with Deadline(asyncio.get_running_loop().time() + self.timeout_s):
             return await script(keys=keys, args=args)
 
     async def reserve(self, limits: Sequence[Limit]) -> Reservation | Refusal:
