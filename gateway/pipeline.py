@@ -436,8 +436,11 @@ class Gateway:
                 await self.quotas.describe(ctx)
                 resp = error.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
             if not resp.prepared:  # a whole answer or a refusal: the client gets it before the
-                await resp.prepare(request)  # accounting runs, which then times its sending too
-                await resp.write_eof()
+                try:  # accounting runs, which then times its sending too
+                    await resp.prepare(request)
+                    await resp.write_eof()
+                except ConnectionResetError:  # it left as its answer went out: not our error
+                    ctx.status, ctx.reason = CLIENT_CLOSED, "client_disconnect"
             return resp
         except (asyncio.CancelledError, ConnectionResetError):
             ctx.status, ctx.reason = CLIENT_CLOSED, "client_disconnect"

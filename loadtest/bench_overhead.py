@@ -16,11 +16,14 @@ them are the result; the raw numbers only give them a scale.
   small asyncio raw-socket client run as its own process (`--ttfb-client`, internal).
 - What counting costs with a model-sized vocabulary (a 32k byte-level BPE, loadtest.tokenizer32k),
   at 16 connections: (d) a ~4,000-token prompt in one user message, new in every request of every
-  run (wrk draws its words from a seed taken from the clock: no count cache can have seen it);
-  (e) the seed's shape in one message, a fixed ~3,000-token rules block then ~1,000 unique
-  tokens. Beside each, what the tokenizer alone (`encode_batch_fast`, this process, one thread)
-  spends on the same kind of text in the same run, and the replicas of 27B classification one
-  gateway core keeps up with at that cost.
+  run (bodies drawn with a seed from the OS just before each run, and sized from the warm-up's
+  rate: no count cache can have seen them); (e) the seed's shape in one message, a fixed
+  ~3,000-token rules block then ~1,000 unique tokens. Beside each, what the tokenizer alone
+  (`encode_batch_fast`, this process, one thread) spends on the same kind of text in the same
+  run, and the replicas of 27B classification one gateway core keeps up with at that cost.
+- (f) (d) again on a second gateway with one tokenizer thread, against the first (by default as
+  many threads as CPUs): how counting scales with the cores. wrk reads prepared bodies, so the
+  load generator leaves the cores to the gateway.
 
     python -m loadtest.bench_overhead [--duration 5] [--out loadtest/out/overhead.md]
 
@@ -54,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from gateway.cpus import available_cpus
 from loadtest import tokenizer32k
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,6 +68,7 @@ CONNECTIONS = (1, 16, 64)
 TTFB_CONNECTIONS = 16
 STREAM_TOKENS = 20
 TARGETS = ("direct", "pass-through", "gateway")
+ONE_THREAD = "gateway-1t"  # the gateway again with one tokenizer thread, for (f)
 DEFAULT_OUT = ROOT / "loadtest" / "out" / "overhead.md"
 READY_TIMEOUT_S = 90.0  # the gateway imports transformers and loads a tokenizer first
 MAX_TTFB_REQUESTS = 200_000  # per run: a hard bound beside the time limit
@@ -80,10 +85,11 @@ MODEL_32K = "bench-32k"  # the same stub behind a model counted with the 32k tok
 COUNTING_CONNECTIONS = 16
 UNIQUE_WORDS = 2800  # ~4,000 tokens of loadtest.tokenizer32k's pseudo-words
 SHARED_WORDS, SHARED_UNIQUE_WORDS = 2100, 700  # ~3,000 + ~1,000 tokens
-WORD_SAMPLE = 20_000  # words drawn by weight once; wrk picks among them uniformly
+WARM_BODIES = 300  # fresh bodies for a gateway's 1 s warm-up; its rate sizes the measured run's
 OWN_COST_TEXTS = 60  # texts the tokenizer alone counts, per shape
 TARGET_UNIQUE = 1.1  # (d) gateway CPU / the tokenizer's own cost
 TARGET_SHARED = 0.35  # (e) gateway CPU / the tokenizer's cost of the whole prompt
+TARGET_THREADS = 1.6  # (f) (d)'s req/s with 2 tokenizer threads on 2 cores over 1 thread's
 CLASSIFY_RPS_PER_REPLICA = 8.6  # one simulated TPU v6e 2x2 replica of Gemma 3 27B (capacity.md)
 
 
@@ -237,29 +243,34 @@ def varying_lua(prefix: str, variants: Sequence[str], suffix: str) -> str:
     )
 
 
-def counting_lua(prefix: str, words: Sequence[str], count: int, suffix: str) -> str:
-    """`prefix` + `count` words new in every request + `suffix`, as one user message of the 32k
-    model: the words are JSON-safe, lines of 12 joined by an escaped newline. The generator is
-    seeded from the clock and the thread, so no two runs send the same text."""
-    items = ",".join(_lua_string(w) for w in words)
+def bodies_lua(path: Path) -> str:
+    """Bodies read once from `path` (one JSON body a line), sent in order and, if the run
+    outlasts them, again from the top. Building a 33 KB body in Lua per request took a share of
+    the cores the gateway's tokenizer threads need; reading prepared ones costs wrk next to
+    nothing, so a gateway with 2 threads can be shown using 2 cores."""
     return (
         'wrk.method = "POST"\n'
         'wrk.headers["Content-Type"] = "application/json"\n'
-        f"local prefix = {_lua_string(prefix)}\n"
-        f"local suffix = {_lua_string(suffix)}\n"
-        f"local words = {{{items}}}\n"
-        f"local count = {count}\n"
-        "local threads = 0\n"
-        "setup = function(thread) threads = threads + 1; thread:set('id', threads) end\n"
-        "init = function() math.randomseed(os.time() * 1000 + (id or 0)) end\n"
+        "local bodies = {}\n"
+        f"for line in io.lines({_lua_string(str(path))}) do bodies[#bodies + 1] = line end\n"
+        "local sent = 0\n"
         "request = function()\n"
-        "  local out = {}\n"
-        "  for i = 1, count do\n"
-        "    out[i] = words[math.random(#words)] .. ((i % 12 == 0) and '.\\\\n' or ' ')\n"
-        "  end\n"
-        "  return wrk.format(nil, nil, nil, prefix .. table.concat(out) .. suffix)\n"
+        "  sent = sent + 1\n"
+        "  return wrk.format(nil, nil, nil, bodies[(sent - 1) % #bodies + 1])\n"
         "end\n" + _DONE_LUA
     )
+
+
+def write_bodies(
+    path: Path, parts: tuple[str, str], words: int, count: int, rng: random.Random
+) -> Path:
+    """`count` bodies of the 32k model, each `parts` around `words` pseudo-words drawn from
+    `rng` (seeded by the OS: no earlier run sent them), one a line."""
+    head, tail = parts
+    with open(path, "w") as out:
+        for _ in range(count):
+            out.write(head + json.dumps(tokenizer32k.text(rng, words))[1:-1] + tail + "\n")
+    return path
 
 
 def counting_parts(shared: str) -> tuple[str, str]:
@@ -391,6 +402,7 @@ def write_policy(
     replica: str,
     redis_url: str | None,
     tokenizer_threads: int | None,
+    name: str = "policy.yaml",
 ) -> Path:
     """Two models (the tiny tokenizer's and the 32k one's), a pool each of the one replica with
     caps that never queue, access log on; with
@@ -430,7 +442,7 @@ def write_policy(
         policy["server"]["tokenizer_threads"] = tokenizer_threads
     if redis_url is not None:
         policy["state"] = {"backend": "redis", "url": redis_url, "gateways": 3}
-    path = workdir / "policy.yaml"
+    path = workdir / name
     path.write_text(json.dumps(policy, indent=2))  # JSON is YAML
     return path
 
@@ -460,7 +472,7 @@ def check_target(name: str, port: int, bodies: dict[str, str]) -> None:
                 )
         elif not json.loads(data).get("choices"):
             raise RuntimeError(f"{name}: {kind} answer has no choices: {data[:300]!r}")
-        if name == "gateway" and "x-request-id" not in headers:
+        if name.startswith("gateway") and "x-request-id" not in headers:
             raise RuntimeError("gateway: no x-request-id header: is this really the gateway?")
 
 
@@ -733,7 +745,11 @@ def tokenizer_cost(directory: Path, shared: str) -> Counting:
 
 
 def counting_report(
-    runs: list[Run], cost: Counting, decisions: dict[str, dict[str, Any]]
+    runs: list[Run],
+    cost: Counting,
+    decisions: dict[str, dict[str, Any]],
+    threads_label: str,
+    reused: list[str],
 ) -> list[str]:
     """The counting rows against the tokenizer's own cost, and replicas per gateway core."""
     by = {(r.request, r.target): r for r in runs if r.connections == COUNTING_CONNECTIONS}
@@ -775,7 +791,77 @@ def counting_report(
             f" | {decisions['b'].get('prefix_cache', '-')} | {classify.cpu_ms_per_request:.3f} | - | - | - | - | -"
             f" | {1000 / classify.cpu_ms_per_request / CLASSIFY_RPS_PER_REPLICA:.0f} |"
         )
+    many, one = by.get(("d", "gateway")), by.get(("d", ONE_THREAD))
+    if many and one and one.rps:
+        shown, verdict = _ratio(many.rps / one.rps, TARGET_THREADS, True)
+        lines += [
+            "",
+            f"(f) Tokenizer threads: (d) at {COUNTING_CONNECTIONS} connections on the gateway with"
+            f" {threads_label} against the same gateway with one.",
+            "",
+            "| threads | req/s | gateway CPU ms/req | cores the gateway used | other CPU |",
+            "|---|---:|---:|---:|---:|",
+            *(
+                f"| {label} | {r.rps:,.0f} | {r.cpu_ms_per_request or 0:.3f} |"
+                f" {r.rps * (r.cpu_ms_per_request or 0) / 1000:.2f} | {r.other_cores:.2f} |"
+                for label, r in ((threads_label, many), ("1", one))
+            ),
+            "",
+            "| ratio | value | target | result |",
+            "|---|---:|---:|---|",
+            f"| (f) req/s with {threads_label} / with 1 | {shown} | >= {TARGET_THREADS} | {verdict} |",
+        ]
+    if reused:
+        lines += [
+            "",
+            "**Some counting runs outlasted their fresh bodies and sent some again (a count cache"
+            " may have served those): " + "; ".join(reused) + ".**",
+        ]
     return lines
+
+
+def measure_counting(
+    targets: dict[str, Service],
+    services: Sequence[Service],
+    parts: dict[str, tuple[str, str]],
+    workdir: Path,
+    duration: int,
+    reused: list[str],
+) -> list[Run]:
+    """(d) and (e) on every target, and (d) once more on the one-thread gateway (f).
+
+    A gateway's runs send bodies no earlier run sent: a fresh set for its warm-up, then one
+    sized from the warm-up's rate (twice what it would need), so no count cache has seen any of
+    them; a run that still outlasts its set is noted in `reused`. The stub and the pass-through
+    count nothing: they cycle through their warm-up's set."""
+    rng = random.Random()  # seeded by the OS: every run's text is new
+    words = {"d": UNIQUE_WORDS, "e": SHARED_UNIQUE_WORDS}
+    runs = []
+    for request, request_parts in parts.items():
+        names = [*TARGETS, *((ONE_THREAD,) if request == "d" else ())]
+        for name in names:
+            target, script = targets[name], workdir / f"counting-{request}.lua"
+            bodies = write_bodies(
+                workdir / "bodies-warm.txt", request_parts, words[request], WARM_BODIES, rng
+            )
+            script.write_text(bodies_lua(bodies))
+            warm = run_wrk(target.url, script, COUNTING_CONNECTIONS, 1)
+            counted, sized = name in ("gateway", ONE_THREAD), WARM_BODIES
+            if counted:
+                rate = warm["requests"] / (warm["duration_us"] / 1e6)
+                sized = max(WARM_BODIES, math.ceil(2 * rate * duration))
+                bodies = write_bodies(bodies, request_parts, words[request], sized, rng)
+                script.write_text(bodies_lua(bodies))
+            result = measure(request, target, services, script, COUNTING_CONNECTIONS, duration)
+            result.target = name
+            if counted and result.requests > sized:
+                reused.append(f"({request}) {name}: {result.requests:,} requests, {sized:,} bodies")
+            log(
+                f"({request}) c={COUNTING_CONNECTIONS} {name:<12} {result.rps:8,.0f} req/s"
+                f"  CPU {result.cpu_ms_per_request or 0:.3f} ms/req  errors {result.errors}"
+            )
+            runs.append(result)
+    return runs
 
 
 # --- the report ----------------------------------------------------------------------------------
@@ -934,7 +1020,7 @@ def fleet(workdir: Path, shared: bool, threads: int | None) -> Iterator[dict[str
     try:
         py = sys.executable
         redis_url = start_redis(procs) if shared else None
-        stub_port, pt_port, gw_port = free_port(), free_port(), free_port()
+        stub_port, pt_port = free_port(), free_port()
         stub = procs.start(
             "direct",
             [
@@ -955,15 +1041,19 @@ def fleet(workdir: Path, shared: bool, threads: int | None) -> Iterator[dict[str
             pt_port,
         )  # fmt: skip
         policy = write_policy(workdir, tokenizer, tokenizer32k, stub.url, redis_url, threads)
-        gateway = procs.start(
-            "gateway",
-            [py, "-m", "gateway", "serve", "--policy", str(policy), "--host", HOST, "--port", str(gw_port)],
-            gw_port,
-        )  # fmt: skip
+        one_thread = write_policy(
+            workdir, tokenizer, tokenizer32k, stub.url, redis_url, 1, "policy-1t.yaml"
+        )
+        gateways = []
+        for name, file in (("gateway", policy), (ONE_THREAD, one_thread)):
+            port = free_port()
+            argv = [py, "-m", "gateway", "serve", "--policy", str(file), "--host", HOST]
+            gateways.append(procs.start(name, [*argv, "--port", str(port)], port))
         wait_ready(stub, "/health")
         wait_ready(passthrough, None)
-        wait_ready(gateway, "/readyz")
-        yield {s.name: s for s in (stub, passthrough, gateway)}
+        for gateway in gateways:
+            wait_ready(gateway, "/readyz")
+        yield {s.name: s for s in (stub, passthrough, *gateways)}
     finally:
         procs.stop()
 
@@ -988,18 +1078,15 @@ def run(duration: int, out_path: Path, shared: bool, threads: int | None) -> int
         stream_file = workdir / "stream.json"
         stream_file.write_text(stream_body)
         rules32k = tokenizer32k.text(random.Random(9), SHARED_WORDS) + "\n"
-        lexicon_words, weights = tokenizer32k.lexicon()
-        sample = random.Random(1).choices(lexicon_words, weights, k=WORD_SAMPLE)
         counting = {"d": ("", UNIQUE_WORDS), "e": (rules32k, SHARED_UNIQUE_WORDS)}
+        parts = {request: counting_parts(lead) for request, (lead, _) in counting.items()}
         samples: dict[str, str] = {}
-        for request, (lead, count) in counting.items():
-            head, tail = counting_parts(lead)
-            scripts[request] = workdir / f"counting-{request}.lua"
-            scripts[request].write_text(counting_lua(head, sample, count, tail))
-            words = json.dumps(tokenizer32k.text(random.Random(2), count))[1:-1]
+        for request, (head, tail) in parts.items():
+            words = json.dumps(tokenizer32k.text(random.Random(2), counting[request][1]))[1:-1]
             samples[request] = head + words + tail
         runs: list[Run] = []
         ttfb: list[TtfbResult] = []
+        reused: list[str] = []
         with fleet(workdir, shared, threads) as targets:
             services = list(targets.values())
             policy = workdir / "policy.yaml"
@@ -1032,18 +1119,7 @@ def run(duration: int, out_path: Path, shared: bool, threads: int | None) -> int
                             f"  other CPU {result.other_cores:.2f}  errors {result.errors}"
                         )
                         runs.append(result)
-            for request in counting:
-                for name in TARGETS:
-                    run_wrk(targets[name].url, scripts[request], COUNTING_CONNECTIONS, 1)
-                    result = measure(
-                        request, targets[name], services, scripts[request],
-                        COUNTING_CONNECTIONS, duration,
-                    )  # fmt: skip
-                    log(
-                        f"({request}) c={COUNTING_CONNECTIONS} {name:<12} {result.rps:8,.0f} req/s"
-                        f"  CPU {result.cpu_ms_per_request or 0:.3f} ms/req  errors {result.errors}"
-                    )
-                    runs.append(result)
+            runs += measure_counting(targets, services, parts, workdir, duration, reused)
             for name in TARGETS:
                 result_t = measure_ttfb(targets[name], services, stream_file, duration)
                 log(
@@ -1080,7 +1156,8 @@ def run(duration: int, out_path: Path, shared: bool, threads: int | None) -> int
         f" The tokenizer alone: {cost.unique_tokens} and {cost.shared_tokens} tokens.",
     ]
     text, clean = report(runs, ttfb, header, duration)
-    text += "\n".join(counting_report(runs, cost, decisions)) + "\n"
+    threads_label = f"{threads or available_cpus()} threads"
+    text += "\n".join(counting_report(runs, cost, decisions, threads_label, reused)) + "\n"
     print(text)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(text)
