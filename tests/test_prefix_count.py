@@ -235,6 +235,34 @@ def test_the_cache_keeps_at_most_its_entries(tokenizers) -> None:
         assert len(counts._cache) <= 3
 
 
+def test_lookups_are_counted_hit_or_miss_and_entries_held(tokenizers) -> None:
+    """A text with cuts is one lookup: a miss, then a hit for a text sharing its prefix. A text
+    too short to cut is none."""
+    tokenizer = tokenizers["llama3"]
+    counts = PrefixCounts(tokenizer.backend_tokenizer, entries=64, block_chars=256)
+    rules = rules_block()
+    counts.lengths(["short"], False)
+    assert (counts.hits, counts.misses, counts.held) == (0, 0, 0)
+    counts.lengths([rules + "a toy"], False)
+    assert (counts.hits, counts.misses) == (0, 1)
+    held = counts.held
+    assert held >= len(rules) // 256 - 1  # a prefix at each cut, about one per block
+    assert counts.lengths([rules + "medical cure", "short"], False) == [
+        whole(tokenizer, rules + "medical cure"),
+        whole(tokenizer, "short"),
+    ]
+    assert (counts.hits, counts.misses) == (1, 1)
+
+
+def test_no_entries_caches_nothing_and_every_lookup_misses(tokenizers) -> None:
+    tokenizer = tokenizers["llama3"]
+    counts = PrefixCounts(tokenizer.backend_tokenizer, entries=0, block_chars=256)
+    prompt = rules_block() + "a toy"
+    for _ in range(2):
+        assert counts.lengths([prompt], False) == [whole(tokenizer, prompt)]
+    assert (counts.hits, counts.misses, counts.held) == (0, 2, 0)
+
+
 def test_an_unprovable_tokenizer_is_off_and_counts_the_same(tokenizers) -> None:
     """Trained without newlines kept apart, the vocabulary joins a newline to what follows, so a
     cut there could be crossed by a merge: the mode is off and texts are encoded whole."""
