@@ -3,7 +3,9 @@
 Latency histograms and token counters are labelled {model, pool, class} where `model` is the name
 the pool serves (never the client's free text); requests for LoRA adapters are also counted by
 adapter, a name the adapter catalog knows. In-flight and queue gauges are read from the
-admission state at scrape time, so they can never drift from the truth.
+admission state at scrape time, so they can never drift from the truth. So are the token
+counters' prefix-cache lookups: plain ints the tokenizer threads add to under the cache's lock,
+read here, never a Prometheus call per request.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from prometheus_client.registry import Collector
 from gateway.admit import PoolSlots
 from gateway.looplag import LAG_BUCKETS
 from gateway.policy.schema import PRIORITIES
+from gateway.tokens import HFCounter
 
 if TYPE_CHECKING:
     from gateway.policy.compile import Policy
@@ -186,6 +189,26 @@ class _Gauges(Collector):
         for name, pool in self.source.slots.items():
             desired.add_metric([name], round(pool.demand.desired_replicas, 3))
             forecast.add_metric([name], round(pool.demand.desired_replicas_forecast, 3))
+        lookups = CounterMetricFamily(
+            "llm_prefix_cache_lookups",
+            "Long texts counted from the token counter's prefix cache (explain's `prefix_cache`;"
+            " not vLLM's KV cache): `hit`, a cached prefix's count was used; `miss`, the text had"
+            " cuts but none of its prefixes was cached. Texts too short to cut are not counted.",
+            labels=["model", "outcome"],
+        )
+        prefixes = GaugeMetricFamily(
+            "llm_prefix_cache_entries",
+            "Prefix token counts the model's counter caches, at most server.prefix_cache_entries.",
+            labels=["model"],
+        )
+        for name, model in self.source.policy.models.items():
+            counter = model.counter
+            cache = counter.prefixes if isinstance(counter, HFCounter) else None
+            if cache is None:  # estimated counts, or the cache is off
+                continue
+            lookups.add_metric([name, "hit"], cache.hits)
+            lookups.add_metric([name, "miss"], cache.misses)
+            prefixes.add_metric([name], cache.held)
         info = GaugeMetricFamily(
             "llm_policy_info", "The running policy, by the hash of its file.", labels=["hash"]
         )
@@ -195,7 +218,8 @@ class _Gauges(Collector):
         )
         errors.add_metric([], self.source.reload_errors)
         return [requests, tokens, depth, leases, capacity, up, ejections, drift, observed, shed, index,
-                blocks, held, events, precise_blocks, desired, forecast, info, errors]  # fmt: skip
+                blocks, held, events, precise_blocks, desired, forecast, lookups, prefixes, info,
+                errors]  # fmt: skip
 
 
 MAX_ADAPTER_LABELS = 512

@@ -219,6 +219,11 @@ class PrefixCounts:
     Thread-safe: counting runs on the tokenizer's threads; the cache is guarded by a lock that is
     never held while encoding. `block_chars` spaces the cuts; texts longer than `max_chars` are
     encoded whole, so the Python-level work (finding cuts, hashing) stays bounded per text.
+    `entries=0` caches nothing: each text with cuts is still cut, and is a miss.
+
+    Lookups are counted, under the lock, for `/metrics`: a text with at least one cut is a `hit`
+    when a cached prefix of it was used, a `miss` when none was cached; `held` is the entries
+    now cached. Plain ints, read without the lock (each read is one attribute or `len`).
     """
 
     def __init__(
@@ -243,6 +248,13 @@ class PrefixCounts:
         self.max_chars = max_chars
         self._cache: OrderedDict[bytes, int] = OrderedDict()
         self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def held(self) -> int:
+        """Prefix counts cached now, at most `entries`."""
+        return len(self._cache)
 
     def _cuts(self, text: str) -> list[int]:
         """The first safe cut at or after each multiple of `block_chars`, deduplicated."""
@@ -303,7 +315,9 @@ class PrefixCounts:
                 count = self._cache.get(keys[n - 1])
                 if count is not None:
                     self._cache.move_to_end(keys[n - 1])
+                    self.hits += 1
                     return count, n
+            self.misses += 1
         return 0, 0
 
     def _remember(self, fresh: list[tuple[bytes, int]]) -> None:

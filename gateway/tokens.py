@@ -30,7 +30,7 @@ from concurrent.futures import Executor
 from typing import Any, Protocol, TypeVar
 
 from gateway.errors import BadRequest
-from gateway.prefixcount import PrefixCounts
+from gateway.prefixcount import OFF, PrefixCounts
 from gateway.tokenfloor import TokenFloor
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -217,6 +217,7 @@ class HFCounter:
         large_min_chars: int = 0,
         image_tokens: int | None = None,
         prefix_entries: int = 65536,
+        prefix_block_chars: int = 1024,
     ) -> None:
         self.tokenizer = tokenizer
         self.memoized = memoized
@@ -230,7 +231,13 @@ class HFCounter:
             backend, "encode_batch_fast", backend.encode_batch
         )
         config = json.loads(backend.to_str())  # parsed once for both of its readers
-        self._prefixes = PrefixCounts(backend, entries=prefix_entries, config=config)
+        self._prefixes = PrefixCounts(
+            backend, entries=prefix_entries, block_chars=prefix_block_chars, config=config
+        )
+        # No entries: the prefix cache is off, every text encoded whole (cut, each would be a miss).
+        self._count: Callable[[list[str], bool], list[int]] = (
+            self._prefixes.lengths if prefix_entries else self._lengths
+        )
         self._content_counts: OrderedDict[tuple[int, int], int] = OrderedDict()
         self._overheads: dict[tuple[Any, ...], int] = {}
         self._trims = self._template_trims()
@@ -287,7 +294,7 @@ class HFCounter:
             floor = sum(floors) if summed else max(floors, default=0)
             if floor >= refuse_at:
                 raise TooManyTokens(floor)
-        return await self._run(sum(map(len, texts)), self._prefixes.lengths, texts, special)
+        return await self._run(sum(map(len, texts)), self._count, texts, special)
 
     async def _run(self, size: int, work: Callable[..., T], *args: Any) -> T:
         """`work(*args)`, on the tokenizer's threads when `size` (characters, or token ids) is
@@ -411,8 +418,13 @@ class HFCounter:
     @property
     def prefix_mode(self) -> str:
         """Which argument makes counting from cached prefixes exact (gateway/prefixcount.py), or
-        "off": every text encoded whole."""
-        return self._prefixes.mode
+        "off" (not provable for this tokenizer, or no entries): every text encoded whole."""
+        return self._prefixes.mode if self._prefixes.entries else OFF
+
+    @property
+    def prefixes(self) -> PrefixCounts | None:
+        """The prefix cache while it is on, for its counters (`/metrics`); else None."""
+        return self._prefixes if self.prefix_mode != OFF else None
 
     @property
     def vocab_size(self) -> int:

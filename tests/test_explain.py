@@ -243,3 +243,13 @@ def test_an_assumed_load_names_a_pool_of_the_policy(capsys) -> None:
     assert code == 1 and "no pool classify-99b" in err
     with pytest.raises(SystemExit):
         shipped(capsys, "--predicted-wait", "classify-27b=soon")
+
+
+def test_prefix_cache_says_the_tokenizers_mode_or_off_when_0_entries(
+    capsys, tmp_path, tokenizer_dir
+) -> None:
+    policy = basic_policy(tokenizer_dir, ["http://127.0.0.1:1"])
+    for server, mode in (({}, "pre-tokenizer split"), ({"prefix_cache_entries": 0}, "off")):
+        path = str(write_policy(tmp_path, {**policy, "server": server}))
+        code, out, _ = explain(capsys, "--json", "--policy", path, chat(tmp_path))
+        assert (code, json.loads(out)["prefix_cache"]) == (0, mode)

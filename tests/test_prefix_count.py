@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import unicodedata
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
+from gateway.policy.compile import Policy, load_policy
 from gateway.prefixcount import (
     LLAMA3_PATTERN,
     NO_MERGE,
@@ -31,6 +33,7 @@ from gateway.prefixcount import (
 from gateway.tokens import HFCounter, load_tokenizer
 from loadtest.tiny_tokenizer import WORDS, save
 from loadtest.tiny_tokenizer import corpus as tiny_corpus
+from tests.conftest import basic_policy, write_policy
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 # What the texts are made of: words, whitespace of every kind around newlines, contractions,
@@ -235,6 +238,34 @@ def test_the_cache_keeps_at_most_its_entries(tokenizers) -> None:
         assert len(counts._cache) <= 3
 
 
+def test_lookups_are_counted_hit_or_miss_and_entries_held(tokenizers) -> None:
+    """A text with cuts is one lookup: a miss, then a hit for a text sharing its prefix. A text
+    too short to cut is none."""
+    tokenizer = tokenizers["llama3"]
+    counts = PrefixCounts(tokenizer.backend_tokenizer, entries=64, block_chars=256)
+    rules = rules_block()
+    counts.lengths(["short"], False)
+    assert (counts.hits, counts.misses, counts.held) == (0, 0, 0)
+    counts.lengths([rules + "a toy"], False)
+    assert (counts.hits, counts.misses) == (0, 1)
+    held = counts.held
+    assert held >= len(rules) // 256 - 1  # a prefix at each cut, about one per block
+    assert counts.lengths([rules + "medical cure", "short"], False) == [
+        whole(tokenizer, rules + "medical cure"),
+        whole(tokenizer, "short"),
+    ]
+    assert (counts.hits, counts.misses) == (1, 1)
+
+
+def test_no_entries_caches_nothing_and_every_lookup_misses(tokenizers) -> None:
+    tokenizer = tokenizers["llama3"]
+    counts = PrefixCounts(tokenizer.backend_tokenizer, entries=0, block_chars=256)
+    prompt = rules_block() + "a toy"
+    for _ in range(2):
+        assert counts.lengths([prompt], False) == [whole(tokenizer, prompt)]
+    assert (counts.hits, counts.misses, counts.held) == (0, 2, 0)
+
+
 def test_an_unprovable_tokenizer_is_off_and_counts_the_same(tokenizers) -> None:
     """Trained without newlines kept apart, the vocabulary joins a newline to what follows, so a
     cut there could be crossed by a merge: the mode is off and texts are encoded whole."""
@@ -279,6 +310,48 @@ async def test_hf_counter_counts_long_chats_and_prompts_exactly(tokenizers, name
                 expected = len(rendered["input_ids"])
             assert await counter.count_chat({"messages": messages}) == expected, product
             assert await counter.count_prompts(content) == [whole(loaded, content, True)]
+
+
+@pytest.fixture
+def policy_counter(tmp_path, tokenizer_dir) -> Iterator[Callable[..., HFCounter]]:
+    """The tiny model's counter as the gateway compiles it from a policy with `server` fields."""
+    policies: list[Policy] = []
+
+    def load(**server: Any) -> HFCounter:
+        policy = basic_policy(tokenizer_dir, ["http://127.0.0.1:1"])
+        policies.append(load_policy(write_policy(tmp_path, {**policy, "server": server})))
+        counter = policies[-1].models["tiny"].counter
+        assert isinstance(counter, HFCounter)
+        return counter
+
+    yield load
+    for policy in policies:
+        policy.close()
+
+
+async def test_the_policys_block_size_sets_where_long_texts_are_cut(policy_counter) -> None:
+    """A cut just after the first newline past each multiple of the block: a prefix cached at each
+    (the rules' lines are shorter than either block, so each block has its own)."""
+    text = rules_block() + "a toy"
+    assert len(text) == 4130
+    for block, cuts in ((256, 16), (1024, 4)):
+        counter = policy_counter(prefix_cache_block_chars=block)
+        assert counter.prefix_mode == PRE_TOKENIZER_SPLIT
+        assert await counter.count_prompts(text) == [whole(counter.tokenizer, text, True)]
+        assert counter.prefixes is not None and counter.prefixes.held == cuts, block
+
+
+async def test_the_policys_entries_bound_the_cache_and_0_turns_it_off(policy_counter) -> None:
+    text = rules_block() + "a toy"
+    small = policy_counter(prefix_cache_entries=3, prefix_cache_block_chars=256)
+    assert await small.count_prompts(text) == [whole(small.tokenizer, text, True)]
+    assert small.prefixes is not None and small.prefixes.held == 3
+    off = policy_counter(prefix_cache_entries=0)
+    assert (off.prefix_mode, off.prefixes) == (OFF, None)
+    for rest in ("a toy", "a toy", "medical cure"):
+        assert await off.count_prompts(rules_block() + rest) == [
+            whole(off.tokenizer, rules_block() + rest, True)
+        ]
 
 
 def test_nfc_starts_no_non_whitespace_character_with_whitespace() -> None:

@@ -106,6 +106,8 @@ def _counter(
         large_executor=threads.large if threads is not None else None,
         large_min_chars=server.large_tokenize_chars,
         image_tokens=spec.image_tokens,
+        prefix_entries=server.prefix_cache_entries,
+        prefix_block_chars=server.prefix_cache_block_chars,
     )
 
 
