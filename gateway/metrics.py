@@ -190,14 +190,14 @@ class _Gauges(Collector):
             desired.add_metric([name], round(pool.demand.desired_replicas, 3))
             forecast.add_metric([name], round(pool.demand.desired_replicas_forecast, 3))
         lookups = CounterMetricFamily(
-            "llm_prefix_cache_lookups",
+            "llm_token_count_prefix_lookups",
             "Long texts counted from the token counter's prefix cache (explain's `prefix_cache`;"
             " not vLLM's KV cache): `hit`, a cached prefix's count was used; `miss`, the text had"
             " cuts but none of its prefixes was cached. Texts too short to cut are not counted.",
             labels=["model", "outcome"],
         )
         prefixes = GaugeMetricFamily(
-            "llm_prefix_cache_entries",
+            "llm_token_count_prefix_entries",
             "Prefix token counts the model's counter caches, at most server.prefix_cache_entries.",
             labels=["model"],
         )

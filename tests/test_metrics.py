@@ -8,7 +8,7 @@ from loadtest.tiny_tokenizer import WORDS
 from tests.conftest import basic_policy
 
 WORKLOAD = {"model": "tiny", "pool": "main", "class": "any"}
-LOOKUPS = "llm_prefix_cache_lookups_total"
+LOOKUPS = "llm_token_count_prefix_lookups_total"
 
 
 def samples(text: str) -> dict[str, list]:
@@ -140,7 +140,7 @@ async def test_prefix_cache_lookups_show_a_miss_then_a_hit(
     assert await lookups_after(rules + "a toy") == {("tiny", "hit"): 0.0, ("tiny", "miss"): 1.0}
     assert await lookups_after("hello") == {("tiny", "hit"): 0.0, ("tiny", "miss"): 1.0}
     assert await lookups_after(rules + "a lamp") == {("tiny", "hit"): 1.0, ("tiny", "miss"): 1.0}
-    [entries] = samples(await scrape(http, gw))["llm_prefix_cache_entries"]
+    [entries] = samples(await scrape(http, gw))["llm_token_count_prefix_entries"]
     assert entries.labels == {"model": "tiny"} and entries.value >= 3
 
 
@@ -150,4 +150,4 @@ async def test_no_prefix_cache_series_while_it_is_off(
     policy = {**basic_policy(tokenizer_dir, [stub.url]), "server": {"prefix_cache_entries": 0}}
     gw = await gateway_factory(policy)
     found = samples(await scrape(http, gw))
-    assert LOOKUPS not in found and "llm_prefix_cache_entries" not in found
+    assert LOOKUPS not in found and "llm_token_count_prefix_entries" not in found
