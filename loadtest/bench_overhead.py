@@ -25,7 +25,7 @@ them are the result; the raw numbers only give them a scale.
   many threads as CPUs): how counting scales with the cores. wrk reads prepared bodies, so the
   load generator leaves the cores to the gateway.
 
-    python -m loadtest.bench_overhead [--duration 5] [--out loadtest/out/overhead.md]
+    python -m loadtest.bench_overhead [--duration 5] [--rounds 1] [--out loadtest/out/overhead.md]
 
 Everything listens and connects on 127.0.0.1 only; every child runs in its own process group and is
 killed in a `finally`; every load loop is bounded in time and in requests.
@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import datetime
 import http.client
+import itertools
 import json
 import math
 import os
@@ -48,12 +49,14 @@ import resource
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -491,6 +494,7 @@ class Run:
     errors: int
     cpu_ms_per_request: float | None
     other_cores: float
+    round: int = 0  # (a) and (b) run `--rounds` times; each round's ratios are its own pairs
 
 
 _BENCH_LINE = re.compile(r"^BENCH (.*)$", re.M)
@@ -722,8 +726,6 @@ class Counting:
 def tokenizer_cost(directory: Path, shared: str) -> Counting:
     """Median CPU ms of `encode_batch_fast([text])` (the gateway's entry point) on fresh texts
     of each shape, one thread; measured before the load, on a quiet machine."""
-    import statistics
-
     from gateway.tokens import load_tokenizer  # and the environment the gateway counts in
 
     backend = load_tokenizer(str(directory)).backend_tokenizer
@@ -899,28 +901,29 @@ def _ratio(value: float | None, target: float, at_least: bool) -> tuple[str, str
 
 
 def report(
-    runs: list[Run], ttfb: list[TtfbResult], header: list[str], duration: int
+    runs: list[Run], ttfb: list[TtfbResult], header: list[str], duration: int, rounds: int
 ) -> tuple[str, bool]:
     """The Markdown report and whether every run was free of errors."""
-    by = {(r.request, r.connections, r.target): r for r in runs}
+    by = {(r.request, r.connections, r.target, r.round): r for r in runs}
     lines = [*header, ""]
     lines += [
-        f"Throughput and latency: wrk -t1 -cN -d{duration}s, one run per cell, targets measured"
-        " back to back per row group. CPU ms/req: user+system CPU of the target's own process"
-        " (the stub for direct, the proxy otherwise) per request served. Other CPU: cores busy"
-        " with anything but this benchmark during the run (other work on the machine, and"
-        " kernel time no process is charged for).",
+        f"Throughput and latency: wrk -t1 -cN -d{duration}s, targets measured back to back per"
+        f" row group, in {rounds} round(s). CPU ms/req: user+system CPU of the target's own"
+        " process (the stub for direct, the proxy otherwise) per request served. Other CPU:"
+        " cores busy with anything but this benchmark during the run (other work on the"
+        " machine, and kernel time no process is charged for).",
         "",
-        "| request | conns | target | req/s | p50 ms | p99 ms | CPU ms/req | req/s vs pass-through | other CPU | errors |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| request | conns | round | target | req/s | p50 ms | p99 ms | CPU ms/req | req/s vs pass-through | other CPU | errors |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
-        base = by.get((r.request, r.connections, "pass-through"))
+        base = by.get((r.request, r.connections, "pass-through", r.round))
         vs = f"{r.rps / base.rps:.2f}x" if base and base.rps else "-"
         cpu = f"{r.cpu_ms_per_request:.3f}" if r.cpu_ms_per_request is not None else "-"
         lines.append(
-            f"| {r.request} | {r.connections} | {r.target} | {r.rps:,.0f} | {r.p50_ms:.2f} |"
-            f" {r.p99_ms:.2f} | {cpu} | {vs} | {r.other_cores:.2f} | {r.errors} |"
+            f"| {r.request} | {r.connections} | {r.round + 1 if r.request in 'ab' else '-'} |"
+            f" {r.target} | {r.rps:,.0f} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | {cpu} | {vs} |"
+            f" {r.other_cores:.2f} | {r.errors} |"
         )
     lines += [
         "",
@@ -939,30 +942,45 @@ def report(
             f" {t.rps:,.0f} | {cpu} | {t.other_cores:.2f} | {t.errors} |"
         )
 
-    def rps_ratio(request: str) -> float | None:
-        gw, pt = by.get((request, 64, "gateway")), by.get((request, 64, "pass-through"))
+    def rps_ratio(request: str, n: int) -> float | None:
+        gw, pt = by.get((request, 64, "gateway", n)), by.get((request, 64, "pass-through", n))
         return gw.rps / pt.rps if gw and pt and pt.rps else None
 
-    added: float | None = None
-    d, pt, gw = (by.get(("a", 1, t)) for t in TARGETS)
-    if d and pt and gw and pt.p50_ms > d.p50_ms:
-        added = (gw.p50_ms - d.p50_ms) / (pt.p50_ms - d.p50_ms)
-    gw64, pt64 = by.get(("a", 64, "gateway")), by.get(("a", 64, "pass-through"))
-    cpu = None
-    if gw64 and pt64 and gw64.cpu_ms_per_request and pt64.cpu_ms_per_request:
-        cpu = gw64.cpu_ms_per_request / pt64.cpu_ms_per_request
+    def added(n: int) -> float | None:
+        d, pt, gw = (by.get(("a", 1, t, n)) for t in TARGETS)
+        if d and pt and gw and pt.p50_ms > d.p50_ms:
+            return (gw.p50_ms - d.p50_ms) / (pt.p50_ms - d.p50_ms)
+        return None
+
+    def cpu(n: int) -> float | None:
+        gw, pt = by.get(("a", 64, "gateway", n)), by.get(("a", 64, "pass-through", n))
+        if gw and pt and gw.cpu_ms_per_request and pt.cpu_ms_per_request:
+            return gw.cpu_ms_per_request / pt.cpu_ms_per_request
+        return None
+
+    def median(ratio: Callable[[int], float | None]) -> tuple[float | None, str]:
+        """The median of the rounds' ratios, each of one round's back-to-back pair, and their
+        range: a single 5 s pair on a shared machine moves by a third."""
+        values = sorted(v for v in map(ratio, range(rounds)) if v is not None)
+        if not values:
+            return None, ""
+        spread = f" ({values[0]:.3f}-{values[-1]:.3f})" if len(values) > 1 else ""
+        return statistics.median(values), spread
+
     rows = [
-        ("(a) short: gateway / pass-through req/s at 64 conns", rps_ratio("a"), TARGET_RPS_SHORT, True),
-        ("(b) classify: gateway / pass-through req/s at 64 conns", rps_ratio("b"), TARGET_RPS_CLASSIFY, True),
-        ("(a) short, 1 conn: (gateway p50 - direct p50) / (pass-through p50 - direct p50)", added, TARGET_ADDED_P50, False),
-        ("issue 15: (a) short, gateway / pass-through CPU per request at 64 conns", cpu, TARGET_CPU_SHORT_15, False),
-        ("issue 15: (a) short, gateway / pass-through req/s at 64 conns", rps_ratio("a"), TARGET_RPS_SHORT_15, True),
-        ("issue 15: (a) short, 1 conn: added p50 over the pass-through's", added, TARGET_ADDED_P50_15, False),
+        ("(a) short: gateway / pass-through req/s at 64 conns", median(partial(rps_ratio, "a")), TARGET_RPS_SHORT, True),
+        ("(b) classify: gateway / pass-through req/s at 64 conns", median(partial(rps_ratio, "b")), TARGET_RPS_CLASSIFY, True),
+        ("(a) short, 1 conn: (gateway p50 - direct p50) / (pass-through p50 - direct p50)", median(added), TARGET_ADDED_P50, False),
+        ("issue 15: (a) short, gateway / pass-through CPU per request at 64 conns", median(cpu), TARGET_CPU_SHORT_15, False),
+        ("issue 15: (a) short, gateway / pass-through req/s at 64 conns", median(partial(rps_ratio, "a")), TARGET_RPS_SHORT_15, True),
+        ("issue 15: (a) short, 1 conn: added p50 over the pass-through's", median(added), TARGET_ADDED_P50_15, False),
     ]  # fmt: skip
-    lines += ["", "| ratio | value | target | result |", "|---|---:|---:|---|"]
-    for label, value, target, at_least in rows:
+    kind = f"median of {rounds} rounds (range)" if rounds > 1 else "value"
+    lines += ["", f"| ratio | {kind} | target | result |", "|---|---:|---:|---|"]
+    for label, (value, spread), target, at_least in rows:
         shown, verdict = _ratio(value, target, at_least)
-        lines.append(f"| {label} | {shown} | {'>=' if at_least else '<='} {target} | {verdict} |")
+        sign = ">=" if at_least else "<="
+        lines.append(f"| {label} | {shown}{spread} | {sign} {target} | {verdict} |")
     clean = all(r.errors == 0 for r in runs) and all(t.errors == 0 for t in ttfb)
     disturbed = max([r.other_cores for r in runs] + [t.other_cores for t in ttfb], default=0.0)
     if disturbed > OTHER_CPU_WARN:
@@ -1058,7 +1076,7 @@ def fleet(workdir: Path, shared: bool, threads: int | None) -> Iterator[dict[str
         procs.stop()
 
 
-def run(duration: int, out_path: Path, shared: bool, threads: int | None) -> int:
+def run(duration: int, out_path: Path, shared: bool, threads: int | None, rounds: int) -> int:
     if shutil.which("wrk") is None:
         log("wrk is not installed (apt-get install -y wrk)")
         return 2
@@ -1107,12 +1125,13 @@ def run(duration: int, out_path: Path, shared: bool, threads: int | None) -> int
             for request in ("a", "b"):
                 for name in TARGETS:  # warm up: connections, caches, the estimator's window
                     run_wrk(targets[name].url, scripts[request], 16, 1)
-                for connections in CONNECTIONS:
+                for n, connections in itertools.product(range(rounds), CONNECTIONS):
                     for name in TARGETS:
                         result = measure(
                             request, targets[name], services, scripts[request], connections,
                             duration,
                         )  # fmt: skip
+                        result.round = n
                         log(
                             f"({request}) c={connections:<2} {name:<12} {result.rps:8,.0f} req/s"
                             f"  p50 {result.p50_ms:6.2f} ms  p99 {result.p99_ms:6.2f} ms"
@@ -1155,7 +1174,7 @@ def run(duration: int, out_path: Path, shared: bool, threads: int | None) -> int
         f" {decisions['e']['input_tokens']} input tokens; both on the 32k tokenizer, memoized."
         f" The tokenizer alone: {cost.unique_tokens} and {cost.shared_tokens} tokens.",
     ]
-    text, clean = report(runs, ttfb, header, duration)
+    text, clean = report(runs, ttfb, header, duration, rounds)
     threads_label = f"{threads or available_cpus()} threads"
     text += "\n".join(counting_report(runs, cost, decisions, threads_label, reused)) + "\n"
     print(text)
@@ -1171,6 +1190,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--duration", type=int, default=5, help="seconds per measured run (>= 1)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="Markdown report file")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure (a) and (b) this many times, targets back to back in each; the verdicts"
+        " are the medians of the rounds' ratios (>= 1)",
+    )
     parser.add_argument(
         "--state",
         choices=("memory", "redis"),
@@ -1188,12 +1214,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.duration < 1:
         parser.error("--duration must be at least 1 second")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.ttfb_client is not None:
         return ttfb_client(args.ttfb_client, args.ttfb_body, args.duration)
     # SIGTERM's default would end this process without its `finally`, leaving the children
     # running: turn it into SystemExit so the fleet is stopped either way.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    return run(args.duration, args.out, args.state == "redis", args.tokenizer_threads)
+    return run(args.duration, args.out, args.state == "redis", args.tokenizer_threads, args.rounds)
 
 
 if __name__ == "__main__":
