@@ -55,6 +55,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -713,42 +714,42 @@ def ttfb_client(port: int, body_file: Path, duration: float) -> int:
     return 0
 
 
-@dataclass
-class Counting:
-    """What the 32k tokenizer alone spends on (d)'s and (e)'s texts, measured in this process."""
+class TokenizerAlone:
+    """What the 32k tokenizer alone spends on a kind of text (`encode_batch_fast`, the gateway's
+    entry point), in this process with the gateway's environment.
 
-    unique_ms: float  # a ~4,000-token unique prompt, whole
-    shared_whole_ms: float  # (e)'s prompt, rules block and unique part, whole
-    unique_tokens: int
-    shared_tokens: int
+    Measured just before each gateway run it is compared with, on as many threads at once as
+    that gateway counts on: the machine's speed moves by a third within minutes here, and two
+    busy cores make each one slower, so a figure taken once, single-threaded, before the load
+    flattered or wronged the gateway by as much as the ratio it was meant to check."""
 
+    def __init__(self, directory: Path) -> None:
+        from gateway.tokens import load_tokenizer
 
-def tokenizer_cost(directory: Path, shared: str) -> Counting:
-    """Median CPU ms of `encode_batch_fast([text])` (the gateway's entry point) on fresh texts
-    of each shape, one thread; measured before the load, on a quiet machine."""
-    from gateway.tokens import load_tokenizer  # and the environment the gateway counts in
+        self.backend = load_tokenizer(str(directory)).backend_tokenizer
+        self.backend.encode_batch_fast(["warm up"])
 
-    backend = load_tokenizer(str(directory)).backend_tokenizer
-    rng = random.Random()  # seeded from the OS: fresh text every run, as wrk's
+    def cost_ms(self, texts: list[str], threads: int) -> tuple[float, int]:
+        """The median thread-CPU ms per text, and the last text's token count."""
+        times: list[float] = []
+        tokens = 0
 
-    def cpu_ms(texts: list[str]) -> tuple[float, int]:
-        backend.encode_batch_fast(texts[:1])  # warm
-        times, tokens = [], 0
-        for text in texts:
-            started = time.thread_time()
-            tokens = len(backend.encode_batch_fast([text], add_special_tokens=False)[0].ids)
-            times.append(time.thread_time() - started)
+        def count(share: list[str]) -> None:
+            nonlocal tokens
+            for text in share:
+                started = time.thread_time()
+                encoded = self.backend.encode_batch_fast([text], add_special_tokens=False)
+                times.append(time.thread_time() - started)
+                tokens = len(encoded[0].ids)
+
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(count, [texts[i::threads] for i in range(threads)]))
         return 1000 * statistics.median(times), tokens
-
-    unique = [tokenizer32k.text(rng, UNIQUE_WORDS) for _ in range(OWN_COST_TEXTS)]
-    whole = [shared + tokenizer32k.text(rng, SHARED_UNIQUE_WORDS) for _ in range(OWN_COST_TEXTS)]
-    (unique_ms, unique_tokens), (whole_ms, whole_tokens) = cpu_ms(unique), cpu_ms(whole)
-    return Counting(unique_ms, whole_ms, unique_tokens, whole_tokens)
 
 
 def counting_report(
     runs: list[Run],
-    cost: Counting,
+    own: dict[str, tuple[float, int]],
     decisions: dict[str, dict[str, Any]],
     threads_label: str,
     reused: list[str],
@@ -756,25 +757,26 @@ def counting_report(
     """The counting rows against the tokenizer's own cost, and replicas per gateway core."""
     by = {(r.request, r.target): r for r in runs if r.connections == COUNTING_CONNECTIONS}
     rows = [
-        ("(d) unique ~4,000 tokens, one message", "d", cost.unique_ms, TARGET_UNIQUE,
+        ("(d) unique ~4,000 tokens, one message", "d", TARGET_UNIQUE,
          "the tokenizer alone, the same kind of text"),
-        ("(e) 3,000 shared + 1,000 unique, one message", "e", cost.shared_whole_ms,
-         TARGET_SHARED, "the tokenizer alone, the whole prompt"),
+        ("(e) 3,000 shared + 1,000 unique, one message", "e", TARGET_SHARED,
+         "the tokenizer alone, the whole prompt"),
     ]  # fmt: skip
     lines = [
         "",
-        f"Counting with a 32k vocabulary, {COUNTING_CONNECTIONS}"
-        " connections: the gateway's CPU per request (all its threads) against what the 32k"
-        " tokenizer alone spends (`encode_batch_fast`, one thread, median of"
-        f" {OWN_COST_TEXTS} fresh texts, this process, before the load). Replicas per core:"
-        f" 1,000 / (gateway CPU ms) / {CLASSIFY_RPS_PER_REPLICA} classification req/s of a"
-        " simulated 27B replica.",
+        f"Counting with a 32k vocabulary, {COUNTING_CONNECTIONS} connections: the gateway's CPU"
+        " per request (all its threads) against what the 32k tokenizer alone spends"
+        f" (`encode_batch_fast`, the median thread-CPU of {OWN_COST_TEXTS} fresh texts of the"
+        f" kind, on {threads_label} at once as the gateway counts, in this process just before"
+        " the gateway's run). Replicas per core: 1,000 / (gateway CPU ms) /"
+        f" {CLASSIFY_RPS_PER_REPLICA} classification req/s of a simulated 27B replica.",
         "",
         "| request | gateway input tokens | prefix cache | gateway CPU ms/req | against | its ms"
         " | ratio | target | result | 27B replicas per gateway core |",
         "|---|---:|---|---:|---|---:|---:|---:|---|---:|",
     ]
-    for label, key, own_ms, target, against in rows:
+    for label, key, target, against in rows:
+        own_ms = own[key][0] if key in own else None
         gw = by.get((key, "gateway"))
         cpu = gw.cpu_ms_per_request if gw else None
         ratio = cpu / own_ms if cpu and own_ms else None
@@ -783,7 +785,8 @@ def counting_report(
         d = decisions[key]
         lines.append(
             f"| {label} | {d['input_tokens']} | {d.get('prefix_cache', '-')} |"
-            f" {'-' if cpu is None else f'{cpu:.3f}'} | {against} | {own_ms:.3f} | {shown} |"
+            f" {'-' if cpu is None else f'{cpu:.3f}'} | {against} |"
+            f" {'-' if own_ms is None else f'{own_ms:.3f}'} | {shown} |"
             f" <= {target} | {verdict} | {replicas} |"
         )
     classify = by.get(("b", "gateway"))
@@ -825,26 +828,30 @@ def counting_report(
 def measure_counting(
     targets: dict[str, Service],
     services: Sequence[Service],
-    parts: dict[str, tuple[str, str]],
+    counting: dict[str, tuple[str, int]],
+    alone: TokenizerAlone,
+    threads: int,
     workdir: Path,
     duration: int,
     reused: list[str],
+    own: dict[str, tuple[float, int]],
 ) -> list[Run]:
     """(d) and (e) on every target, and (d) once more on the one-thread gateway (f).
 
     A gateway's runs send bodies no earlier run sent: a fresh set for its warm-up, then one
     sized from the warm-up's rate (twice what it would need), so no count cache has seen any of
     them; a run that still outlasts its set is noted in `reused`. The stub and the pass-through
-    count nothing: they cycle through their warm-up's set."""
+    count nothing: they cycle through their warm-up's set. Before the gateway's run, `own[request]`
+    gets what the tokenizer alone spends on the same kind of text, on the gateway's `threads`."""
     rng = random.Random()  # seeded by the OS: every run's text is new
-    words = {"d": UNIQUE_WORDS, "e": SHARED_UNIQUE_WORDS}
     runs = []
-    for request, request_parts in parts.items():
+    for request, (lead, words) in counting.items():
+        request_parts = counting_parts(lead)
         names = [*TARGETS, *((ONE_THREAD,) if request == "d" else ())]
         for name in names:
             target, script = targets[name], workdir / f"counting-{request}.lua"
             bodies = write_bodies(
-                workdir / "bodies-warm.txt", request_parts, words[request], WARM_BODIES, rng
+                workdir / "bodies-warm.txt", request_parts, words, WARM_BODIES, rng
             )
             script.write_text(bodies_lua(bodies))
             warm = run_wrk(target.url, script, COUNTING_CONNECTIONS, 1)
@@ -852,10 +859,12 @@ def measure_counting(
             if counted:
                 rate = warm["requests"] / (warm["duration_us"] / 1e6)
                 sized = max(WARM_BODIES, math.ceil(2 * rate * duration))
-                bodies = write_bodies(bodies, request_parts, words[request], sized, rng)
+                bodies = write_bodies(bodies, request_parts, words, sized, rng)
                 script.write_text(bodies_lua(bodies))
+            if name == "gateway":
+                texts = [lead + tokenizer32k.text(rng, words) for _ in range(OWN_COST_TEXTS)]
+                own[request] = alone.cost_ms(texts, threads)
             result = measure(request, target, services, script, COUNTING_CONNECTIONS, duration)
-            result.target = name
             if counted and result.requests > sized:
                 reused.append(f"({request}) {name}: {result.requests:,} requests, {sized:,} bodies")
             log(
@@ -1097,14 +1106,16 @@ def run(duration: int, out_path: Path, shared: bool, threads: int | None, rounds
         stream_file.write_text(stream_body)
         rules32k = tokenizer32k.text(random.Random(9), SHARED_WORDS) + "\n"
         counting = {"d": ("", UNIQUE_WORDS), "e": (rules32k, SHARED_UNIQUE_WORDS)}
-        parts = {request: counting_parts(lead) for request, (lead, _) in counting.items()}
         samples: dict[str, str] = {}
-        for request, (head, tail) in parts.items():
-            words = json.dumps(tokenizer32k.text(random.Random(2), counting[request][1]))[1:-1]
+        for request, (lead, count) in counting.items():
+            head, tail = counting_parts(lead)
+            words = json.dumps(tokenizer32k.text(random.Random(2), count))[1:-1]
             samples[request] = head + words + tail
         runs: list[Run] = []
         ttfb: list[TtfbResult] = []
         reused: list[str] = []
+        own: dict[str, tuple[float, int]] = {}
+        gateway_threads = threads or available_cpus()
         with fleet(workdir, shared, threads) as targets:
             services = list(targets.values())
             policy = workdir / "policy.yaml"
@@ -1113,7 +1124,7 @@ def run(duration: int, out_path: Path, shared: bool, threads: int | None, rounds
             decisions = {"b": decision} | {
                 r: explain(policy, b, workdir) for r, b in samples.items()
             }
-            cost = tokenizer_cost(workdir / "tokenizer32k", rules32k)
+            alone = TokenizerAlone(workdir / "tokenizer32k")
             bodies = {"short": short_body, "classify": sample_classify, "stream": stream_body}
             bodies |= {f"counting ({r})": body for r, body in samples.items()}
             for name, service in targets.items():
@@ -1138,7 +1149,9 @@ def run(duration: int, out_path: Path, shared: bool, threads: int | None, rounds
                             f"  other CPU {result.other_cores:.2f}  errors {result.errors}"
                         )
                         runs.append(result)
-            runs += measure_counting(targets, services, parts, workdir, duration, reused)
+            runs += measure_counting(
+                targets, services, counting, alone, gateway_threads, workdir, duration, reused, own
+            )
             for name in TARGETS:
                 result_t = measure_ttfb(targets[name], services, stream_file, duration)
                 log(
@@ -1172,11 +1185,13 @@ def run(duration: int, out_path: Path, shared: bool, threads: int | None, rounds
         f" {decisions['d']['input_tokens']} input tokens (the sample's); (e) one message of a"
         f" fixed {SHARED_WORDS}-word block and {SHARED_UNIQUE_WORDS} new words,"
         f" {decisions['e']['input_tokens']} input tokens; both on the 32k tokenizer, memoized."
-        f" The tokenizer alone: {cost.unique_tokens} and {cost.shared_tokens} tokens.",
+        " The tokenizer alone, on texts of the same kind: "
+        + " and ".join(f"{tokens} tokens" for _, tokens in own.values())
+        + ".",
     ]
     text, clean = report(runs, ttfb, header, duration, rounds)
-    threads_label = f"{threads or available_cpus()} threads"
-    text += "\n".join(counting_report(runs, cost, decisions, threads_label, reused)) + "\n"
+    threads_label = f"{gateway_threads} threads"
+    text += "\n".join(counting_report(runs, own, decisions, threads_label, reused)) + "\n"
     print(text)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(text)
