@@ -2,8 +2,9 @@
 
 `bench-overhead` compares the gateway with a pass-through; run twice, for two commits, its ratios
 move more between runs than between most commits (docs/benchmarks.md). This runs both versions at
-once, beside the stub replica and the pass-through, and measures them in turn in every round, so
-each round is a fair pair; it prints each round and the medians.
+once, beside the stub replica and the pass-through, and measures them in turn in every round,
+which goes first alternating, so each round is a fair pair; it prints each round and the
+medians.
 
     git worktree add /tmp/base <commit>
     python -m loadtest.bench_ab --base /tmp/base --candidate . [--rounds 5] [--connections 1,64]
@@ -76,9 +77,12 @@ def compare(trees: dict[str, Path], rounds: int, connections: list[int], duratio
             ratios: dict[tuple[int, str], list[tuple[float, float, float | None]]] = {}
             for n in range(rounds):
                 for c in connections:
+                    # The order alternates: a run measured right after another at full load
+                    # was slower than the same code measured first (docs/benchmarks.md).
+                    order = list(sides.values())[:: -1 if n % 2 else 1]
                     runs = {
                         s.name: bench.measure("a", s, services, script, c, duration)
-                        for s in ([stub] if c == 1 else []) + [passthrough, *sides.values()]
+                        for s in ([stub] if c == 1 else []) + [passthrough, *order]
                     }
                     pt, line = runs["pass-through"], [f"round {n + 1} c={c}"]
                     for name in sides:
