@@ -148,6 +148,14 @@ async def test_not_an_open_proxy(gw, stub, http, method, path, status) -> None:
     assert stub.stats.requests == 0
 
 
+async def test_a_wrong_method_is_told_the_allowed_ones(gw, http) -> None:
+    async with http.delete(f"{gw.url}/v1/models") as resp:
+        assert (resp.status, resp.headers["Allow"]) == (405, "GET,HEAD")
+        assert (await resp.json())["error"]["code"] == "method_not_allowed"
+    async with http.get(f"{gw.url}/v1/chat/completions") as resp:
+        assert (resp.status, resp.headers["Allow"]) == (405, "POST")
+
+
 async def test_replica_errors_reach_the_client_intact(
     stub_factory, gateway_factory, tokenizer_dir, http
 ) -> None:
