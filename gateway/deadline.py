@@ -1,10 +1,10 @@
-"""A deadline for the current task: `asyncio.timeout_at`'s semantics at less than half its cost.
+"""A deadline for the current task: `asyncio.timeout_at`'s semantics at about half its cost.
 
 Every request runs under one or two deadlines (its answer's, a stream's next chunk's, a queue
 wait's, each Redis call's), so their cost is paid per request and per streamed chunk.
-`asyncio.timeout_at` costs ~6 µs a scope under uvloop: an async context manager (two coroutine
+`asyncio.timeout_at` costs 5.2 µs a scope under uvloop (an empty block, timed in a loop): an async context manager (two coroutine
 calls), a state machine and a reschedulable timer. This is a plain `with` around one timer
-handle, ~2.5 µs, with the same contract: when the deadline passes, the task is cancelled, and
+handle, 2.7 µs, with the same contract: when the deadline passes, the task is cancelled, and
 the `CancelledError` leaving the block becomes a `TimeoutError` unless someone else also
 cancelled the task meanwhile (`Task.cancelling`/`uncancel` tell them apart, as in asyncio).
 """
@@ -46,10 +46,6 @@ class Deadline:
             and exc_type is asyncio.CancelledError
         ):
             raise TimeoutError from exc
-
-    @property
-    def expired(self) -> bool:
-        return self._expired
 
     def _expire(self) -> None:
         self._task.cancel()

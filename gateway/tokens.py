@@ -234,9 +234,9 @@ class HFCounter:
         self._prefixes = PrefixCounts(
             backend, entries=prefix_entries, block_chars=prefix_block_chars, config=config
         )
-        # No entries: the prefix cache is off, every text encoded whole (cut, each would be a miss).
+        # Off (not provable, or no entries): every text encoded whole, with no cutting or hashing.
         self._count: Callable[[list[str], bool], list[int]] = (
-            self._prefixes.lengths if prefix_entries else self._lengths
+            self._prefixes.lengths if self.prefix_mode != OFF else self._lengths
         )
         self._content_counts: OrderedDict[tuple[int, int], int] = OrderedDict()
         self._overheads: dict[tuple[Any, ...], int] = {}

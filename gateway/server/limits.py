@@ -4,12 +4,12 @@ aiohttp parses a request's head before any gateway code runs, so the policy reac
 through the application's `handler_args`. The parser's bounds sit a little above the policy's
 limits: it is the backstop that keeps a hostile client from making the gateway buffer unbounded
 headers (it refuses and closes; gateway/server/protocol.py answers that in the OpenAI shape),
-while `BodyDeadline` applies the exact limits.
+while `RequestLimits` applies the exact limits.
 
 Slow clients. aiohttp's keep-alive timer runs from when a connection opens, or answers its last
 request, until a complete request head has arrived, and partial data does not reset it: as
 `keepalive_timeout` it is also the deadline for headers sent byte by byte. aiohttp has no deadline
-for a body, so `BodyDeadline` sets one on the request's payload.
+for a body, so `RequestLimits` sets one on the request's payload.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def handler_args(server: ServerSpec) -> dict[str, Any]:
         # No single line can be longer than all headers together are allowed to be.
         "max_line_size": server.max_header_bytes,
         "max_field_size": server.max_header_bytes,
-        # Twice the limit: between the two, `BodyDeadline` refuses with a proper 431.
+        # Twice the limit: between the two, `RequestLimits` refuses with a proper 431.
         "max_headers": 2 * server.max_headers,
     }
 
@@ -56,10 +56,10 @@ def _expire(payload: StreamReader, timeout_s: float) -> None:
         )
 
 
-class BodyDeadline:
-    """The policy's header limits (431) and `body_timeout_s` (408) for one request: checked and
-    started before the handler runs, cancelled after it, by the one wrapper every route runs in
-    (gateway/server/app.py)."""
+class RequestLimits:
+    """The policy's header limits (431, checked when made) and `body_timeout_s` (408, a timer on
+    the body) for one request: made before the handler runs and cancelled after it, by the one
+    wrapper every route runs in (gateway/server/app.py)."""
 
     __slots__ = ("_payload", "_timer")
 
