@@ -19,27 +19,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from loadtest import bench_overhead as bench
-
-
-def _gateway(procs: bench.Fleet, name: str, tree: Path, policy: Path) -> bench.Service:
-    port = bench.free_port()
-    log = procs.workdir / f"{name}.log"
-    argv = [sys.executable, "-m", "gateway", "serve", "--policy", str(policy)]
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(
-            [*argv, "--host", bench.HOST, "--port", str(port)], cwd=tree,
-            stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )  # fmt: skip
-    service = bench.Service(name, port, proc, log)
-    procs.services.append(service)
-    return service
 
 
 def compare(trees: dict[str, Path], rounds: int, connections: list[int], duration: int) -> int:
@@ -49,25 +32,12 @@ def compare(trees: dict[str, Path], rounds: int, connections: list[int], duratio
         tokenizer32k = bench.build_tokenizer(workdir, "loadtest.tokenizer32k")
         procs = bench.Fleet(workdir)
         try:
-            stub_port, pt_port = bench.free_port(), bench.free_port()
-            stub = procs.start(
-                "direct",
-                [sys.executable, "-m", "loadtest.stub_backend", "--host", bench.HOST,
-                 "--port", str(stub_port), "--no-record"],
-                stub_port,
-            )  # fmt: skip
-            passthrough = procs.start(
-                "pass-through",
-                [sys.executable, "-m", "loadtest.passthrough", "--host", bench.HOST,
-                 "--port", str(pt_port), "--upstream", stub.url],
-                pt_port,
-            )  # fmt: skip
+            stub, passthrough = bench.start_backends(procs)
             policy = bench.write_policy(workdir, tokenizer, tokenizer32k, stub.url, None, None)
-            sides = {name: _gateway(procs, name, tree, policy) for name, tree in trees.items()}
-            bench.wait_ready(stub, "/health")
-            bench.wait_ready(passthrough, None)
-            for side in sides.values():
-                bench.wait_ready(side, "/readyz")
+            sides = {
+                name: bench.start_gateway(procs, name, policy, tree) for name, tree in trees.items()
+            }
+            bench.wait_started(stub, passthrough, list(sides.values()))
             script = workdir / "short.lua"
             script.write_text(bench.static_lua(bench.dumps(bench.short_chat())))
             services = [stub, passthrough, *sides.values()]

@@ -338,12 +338,13 @@ class Fleet:
     workdir: Path
     services: list[Service] = field(default_factory=list)
 
-    def start(self, name: str, argv: list[str], port: int) -> Service:
-        """Stdout goes to /dev/null: for the gateway that is its access log, on and written."""
+    def start(self, name: str, argv: list[str], port: int, cwd: Path = ROOT) -> Service:
+        """Stdout goes to /dev/null: for the gateway that is its access log, on and written.
+        `cwd` is the checkout whose `gateway` package a gateway runs (`loadtest.bench_ab`)."""
         log = self.workdir / f"{name}.log"
         with open(log, "wb") as err, open(os.devnull, "wb") as out:
             proc = subprocess.Popen(
-                argv, cwd=ROOT, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                argv, cwd=cwd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )  # fmt: skip
         service = Service(name, port, proc, log)
@@ -1037,6 +1038,46 @@ def start_redis(procs: Fleet) -> str:
     return f"redis://{HOST}:{port}/0"
 
 
+def start_backends(procs: Fleet) -> tuple[Service, Service]:
+    """The zero-delay stub replica and the minimal pass-through in front of it."""
+    py, stub_port, pt_port = sys.executable, free_port(), free_port()
+    stub = procs.start(
+        "direct",
+        [
+            py,
+            "-m",
+            "loadtest.stub_backend",
+            "--host",
+            HOST,
+            "--port",
+            str(stub_port),
+            "--no-record",
+        ],
+        stub_port,
+    )
+    passthrough = procs.start(
+        "pass-through",
+        [py, "-m", "loadtest.passthrough", "--host", HOST, "--port", str(pt_port), "--upstream", stub.url],
+        pt_port,
+    )  # fmt: skip
+    return stub, passthrough
+
+
+def start_gateway(procs: Fleet, name: str, policy: Path, checkout: Path = ROOT) -> Service:
+    """`python -m gateway serve` of `checkout`'s gateway package on a free port."""
+    port = free_port()
+    argv = [sys.executable, "-m", "gateway", "serve", "--policy", str(policy), "--host", HOST]
+    return procs.start(name, [*argv, "--port", str(port)], port, cwd=checkout)
+
+
+def wait_started(stub: Service, passthrough: Service, gateways: Sequence[Service]) -> None:
+    """Started together, so their start-ups overlap; each must answer before anything runs."""
+    wait_ready(stub, "/health")
+    wait_ready(passthrough, None)
+    for gateway in gateways:
+        wait_ready(gateway, "/readyz")
+
+
 @contextlib.contextmanager
 def fleet(workdir: Path, shared: bool, threads: int | None) -> Iterator[dict[str, Service]]:
     """Start stub, pass-through and gateway (and, `shared`, the Redis the gateway shares its
@@ -1045,41 +1086,17 @@ def fleet(workdir: Path, shared: bool, threads: int | None) -> Iterator[dict[str
     tokenizer32k = build_tokenizer(workdir, "loadtest.tokenizer32k")
     procs = Fleet(workdir)
     try:
-        py = sys.executable
         redis_url = start_redis(procs) if shared else None
-        stub_port, pt_port = free_port(), free_port()
-        stub = procs.start(
-            "direct",
-            [
-                py,
-                "-m",
-                "loadtest.stub_backend",
-                "--host",
-                HOST,
-                "--port",
-                str(stub_port),
-                "--no-record",
-            ],
-            stub_port,
-        )
-        passthrough = procs.start(
-            "pass-through",
-            [py, "-m", "loadtest.passthrough", "--host", HOST, "--port", str(pt_port), "--upstream", stub.url],
-            pt_port,
-        )  # fmt: skip
+        stub, passthrough = start_backends(procs)
         policy = write_policy(workdir, tokenizer, tokenizer32k, stub.url, redis_url, threads)
         one_thread = write_policy(
             workdir, tokenizer, tokenizer32k, stub.url, redis_url, 1, "policy-1t.yaml"
         )
-        gateways = []
-        for name, file in (("gateway", policy), (ONE_THREAD, one_thread)):
-            port = free_port()
-            argv = [py, "-m", "gateway", "serve", "--policy", str(file), "--host", HOST]
-            gateways.append(procs.start(name, [*argv, "--port", str(port)], port))
-        wait_ready(stub, "/health")
-        wait_ready(passthrough, None)
-        for gateway in gateways:
-            wait_ready(gateway, "/readyz")
+        gateways = [
+            start_gateway(procs, name, file)
+            for name, file in (("gateway", policy), (ONE_THREAD, one_thread))
+        ]
+        wait_started(stub, passthrough, gateways)
         yield {s.name: s for s in (stub, passthrough, *gateways)}
     finally:
         procs.stop()
