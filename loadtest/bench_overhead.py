@@ -620,6 +620,45 @@ def measure_ttfb(
     )
 
 
+@dataclass
+class Paired:
+    """One `loadtest.paired_latency` run: each target's one-connection p50, side by side."""
+
+    shape: str  # how `loadtest.paired_latency` measured, in words
+    p50_ms: dict[str, float | None]
+    requests: int
+    errors: int
+    other_cores: float
+
+    def added(self) -> float | None:
+        """The gateway's added p50 over the pass-through's (both over direct)."""
+        direct, base, gateway = (self.p50_ms.get(name) for name in TARGETS)
+        if direct is None or base is None or gateway is None or base <= direct:
+            return None
+        return (gateway - direct) / (base - direct)
+
+
+def measure_paired(targets: dict[str, Service], services: Sequence[Service], body: Path) -> Paired:
+    """The short request at one connection, the three targets in alternating blocks."""
+    argv = [sys.executable, "-m", "loadtest.paired_latency", "--body", str(body)]
+    argv += [f"{name}={targets[name].port}" for name in TARGETS]
+    with CpuMeter(targets["gateway"], services) as cpu:
+        out = subprocess.run(
+            argv, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False
+        )
+    if out.returncode != 0:
+        raise RuntimeError(f"paired latency client failed: {out.stderr[-2000:]}")
+    result = json.loads(out.stdout)
+    data = result["targets"]
+    return Paired(
+        shape=result["shape"],
+        p50_ms={name: data[name]["p50_ms"] for name in TARGETS},
+        requests=min(data[name]["requests"] for name in TARGETS),
+        errors=sum(data[name]["errors"] for name in TARGETS),
+        other_cores=cpu.other_cores,
+    )
+
+
 def percentile(ordered: Sequence[float], q: float) -> float:
     """Nearest-rank percentile of a sorted sequence."""
     if not ordered:
@@ -911,7 +950,12 @@ def _ratio(value: float | None, target: float, at_least: bool) -> tuple[str, str
 
 
 def report(
-    runs: list[Run], ttfb: list[TtfbResult], header: list[str], duration: int, rounds: int
+    runs: list[Run],
+    paired: list[Paired],
+    ttfb: list[TtfbResult],
+    header: list[str],
+    duration: int,
+    rounds: int,
 ) -> tuple[str, bool]:
     """The Markdown report and whether every run was free of errors."""
     by = {(r.request, r.connections, r.target, r.round): r for r in runs}
@@ -952,6 +996,23 @@ def report(
             f" {t.rps:,.0f} | {cpu} | {t.other_cores:.2f} | {t.errors} |"
         )
 
+    lines += [
+        "",
+        "(a) at one connection again, the three targets side by side (`loadtest.paired_latency`:"
+        f" {paired[0].shape if paired else '-'}), once a round: wrk's one-connection runs above come one after another"
+        " while the machine's speed drifts.",
+        "",
+        "| round | direct p50 ms | pass-through p50 ms | gateway p50 ms | requests each | added p50 ratio | other CPU | errors |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n, p in enumerate(paired):
+        ms = [f"{p.p50_ms[t]:.3f}" if p.p50_ms[t] is not None else "-" for t in TARGETS]
+        ratio = p.added()
+        lines.append(
+            f"| {n + 1} | {' | '.join(ms)} | {p.requests:,} |"
+            f" {f'{ratio:.3f}' if ratio is not None else '-'} | {p.other_cores:.2f} | {p.errors} |"
+        )
+
     def rps_ratio(request: str, n: int) -> float | None:
         gw, pt = by.get((request, 64, "gateway", n)), by.get((request, 64, "pass-through", n))
         return gw.rps / pt.rps if gw and pt and pt.rps else None
@@ -961,6 +1022,9 @@ def report(
         if d and pt and gw and pt.p50_ms > d.p50_ms:
             return (gw.p50_ms - d.p50_ms) / (pt.p50_ms - d.p50_ms)
         return None
+
+    def paired_added(n: int) -> float | None:
+        return paired[n].added() if n < len(paired) else None
 
     def cpu(n: int) -> float | None:
         gw, pt = by.get(("a", 64, "gateway", n)), by.get(("a", 64, "pass-through", n))
@@ -983,7 +1047,7 @@ def report(
         ("(a) short, 1 conn: (gateway p50 - direct p50) / (pass-through p50 - direct p50)", median(added), TARGET_ADDED_P50, False),
         ("issue 15: (a) short, gateway / pass-through CPU per request at 64 conns", median(cpu), TARGET_CPU_SHORT_15, False),
         ("issue 15: (a) short, gateway / pass-through req/s at 64 conns", median(partial(rps_ratio, "a")), TARGET_RPS_SHORT_15, True),
-        ("issue 15: (a) short, 1 conn: added p50 over the pass-through's", median(added), TARGET_ADDED_P50_15, False),
+        ("issue 15: (a) short, 1 conn, side by side: added p50 over the pass-through's", median(paired_added), TARGET_ADDED_P50_15, False),
     ]  # fmt: skip
     kind = f"median of {rounds} rounds (range)" if rounds > 1 else "value"
     lines += ["", f"| ratio | {kind} | target | result |", "|---|---:|---:|---|"]
@@ -991,8 +1055,9 @@ def report(
         shown, verdict = _ratio(value, target, at_least)
         sign = ">=" if at_least else "<="
         lines.append(f"| {label} | {shown}{spread} | {sign} {target} | {verdict} |")
-    clean = all(r.errors == 0 for r in runs) and all(t.errors == 0 for t in ttfb)
-    disturbed = max([r.other_cores for r in runs] + [t.other_cores for t in ttfb], default=0.0)
+    every: list[Run | Paired | TtfbResult] = [*runs, *paired, *ttfb]
+    clean = all(r.errors == 0 for r in every)
+    disturbed = max((r.other_cores for r in every), default=0.0)
     if disturbed > OTHER_CPU_WARN:
         lines += [
             "",
@@ -1121,6 +1186,8 @@ def run(duration: int, out_path: Path, shared: bool, threads: int | None, rounds
         scripts["b"].write_text(varying_lua(prefix, variants, suffix))
         stream_file = workdir / "stream.json"
         stream_file.write_text(stream_body)
+        short_file = workdir / "short.json"
+        short_file.write_text(short_body)
         rules32k = tokenizer32k.text(random.Random(9), SHARED_WORDS) + "\n"
         counting = {"d": ("", UNIQUE_WORDS), "e": (rules32k, SHARED_UNIQUE_WORDS)}
         samples: dict[str, str] = {}
@@ -1129,6 +1196,7 @@ def run(duration: int, out_path: Path, shared: bool, threads: int | None, rounds
             words = json.dumps(tokenizer32k.text(random.Random(2), count))[1:-1]
             samples[request] = head + words + tail
         runs: list[Run] = []
+        paired: list[Paired] = []
         ttfb: list[TtfbResult] = []
         reused: list[str] = []
         own: dict[str, tuple[float, int]] = {}
@@ -1166,6 +1234,13 @@ def run(duration: int, out_path: Path, shared: bool, threads: int | None, rounds
                             f"  other CPU {result.other_cores:.2f}  errors {result.errors}"
                         )
                         runs.append(result)
+            for _ in range(rounds):
+                paired.append(measure_paired(targets, services, short_file))
+                log(
+                    "(a) c=1 paired blocks, p50 ms: "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in paired[-1].p50_ms.items() if v)
+                    + f"  other CPU {paired[-1].other_cores:.2f}"
+                )
             runs += measure_counting(
                 targets, services, counting, alone, gateway_threads, workdir, duration, reused, own
             )
@@ -1206,7 +1281,7 @@ def run(duration: int, out_path: Path, shared: bool, threads: int | None, rounds
         + " and ".join(f"{tokens} tokens" for _, tokens in own.values())
         + ".",
     ]
-    text, clean = report(runs, ttfb, header, duration, rounds)
+    text, clean = report(runs, paired, ttfb, header, duration, rounds)
     threads_label = f"{gateway_threads} threads"
     text += "\n".join(counting_report(runs, own, decisions, threads_label, reused)) + "\n"
     print(text)
