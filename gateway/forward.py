@@ -131,12 +131,16 @@ class ModelRename:
             return run.replace(self.sent, self.renamed)
         return _MODEL.sub(self._value, run)
 
-    def answer(self, body: bytearray) -> None:
+    def answer(self, body: bytearray) -> tuple[int, int]:
         """A JSON answer's `model`, in place: the top-level key leads the object, so the search
-        stops at the first rather than scanning megabytes of choices, and nothing is copied."""
+        stops at the first rather than scanning megabytes of choices, and nothing is copied.
+        Returns where the body changed and by how many bytes it grew (or shrank)."""
         key = _MODEL.search(body)
-        if key is not None:
-            body[key.end(1) : key.end()] = self.wanted
+        if key is None:
+            return 0, 0
+        start, end = key.end(1), key.end()
+        body[start:end] = self.wanted
+        return start, len(self.wanted) - (end - start)
 
 
 def _hop_by_hop(headers: MultiMapping[str], always: frozenset[str]) -> frozenset[str]:
@@ -488,11 +492,21 @@ async def _whole(
         raise UpstreamError(
             _failed(ctx, replica_url, "the replica broke its answer", exc)
         ) from None
-    if up.status == 200 and usage_at >= 0:
-        _read_usage(ctx, _usage_object(data, usage_at))
     if up.status == 200 and rename is not None:
-        rename.answer(data)
+        changed_at, grown = rename.answer(data)
+        if usage_at > changed_at:
+            usage_at += grown
+    if up.status == 200 and usage_at >= 0:
+        ctx.unread_usage = (data, usage_at)
     return web.Response(status=up.status, body=data, headers=_response_headers(up.headers, ctx))
+
+
+def read_usage(ctx: Ctx) -> None:
+    """The output tokens of a whole answer, once it was sent: only the accounting needs them."""
+    if ctx.unread_usage is not None:
+        data, at = ctx.unread_usage
+        ctx.unread_usage = None
+        _read_usage(ctx, _usage_object(data, at))
 
 
 def _usage_object(data: bytearray, at: int) -> Any:
@@ -505,7 +519,7 @@ def _usage_object(data: bytearray, at: int) -> Any:
             span = bytes(data[key.end() : key.end() + _USAGE_SPAN]).decode("utf-8", "replace")
             try:
                 return _DECODER.raw_decode(span)[0]
-            except ValueError:
+            except (ValueError, RecursionError):  # nested thousands deep: not vLLM's usage
                 return None
         at = data.rfind(_USAGE, 0, at)
     return None

@@ -189,6 +189,23 @@ async def test_a_large_whole_answer_is_relayed_and_its_usage_read_without_stalli
     assert worst < 0.5, worst  # generous: a whole parse held it for seconds
 
 
+async def test_a_usage_nested_thousands_deep_is_not_counted_and_the_answer_still_served(
+    replica_app, gateway_factory, tokenizer_dir, http, caplog
+) -> None:
+    # JSON's decoder recurses per level: this raised RecursionError, a 500 for a good answer.
+    answer = b'{"choices": [], "usage": ' + b"[" * 4000 + b"]" * 4000 + b"}"
+
+    async def deep(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=answer, content_type="application/json")
+
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [await replica_app(deep)]))
+    async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+        assert resp.status == 200 and await resp.read() == answer
+    assert access(gw)[-1]["output_tokens"] is None
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
 async def test_a_stream_without_event_separators_is_relayed_in_bounded_memory(
     replica_app, gateway_factory, tokenizer_dir, http
 ) -> None:

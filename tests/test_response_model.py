@@ -171,15 +171,18 @@ async def test_a_replica_naming_another_served_name_in_spaced_json_is_renamed(
         assert got[1]["choices"][0]["delta"]["content"] == TRICKY
 
 
+@pytest.mark.parametrize("usage_first", [False, True])
 async def test_a_json_answer_is_renamed_at_its_key_only(
-    replica_app, gateway_factory, tokenizer_dir, http
+    replica_app, gateway_factory, tokenizer_dir, http, usage_first
 ) -> None:
+    usage = {"usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
     answer = {
+        **(usage if usage_first else {}),
         "id": "chatcmpl-1",
         "object": "chat.completion",
         "model": "tiny",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": TRICKY}}],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+        **usage,
     }
 
     async def handler(request: web.Request) -> web.Response:
@@ -193,6 +196,8 @@ async def test_a_json_answer_is_renamed_at_its_key_only(
         got = await resp.json()
         assert int(resp.headers["Content-Length"]) == len(orjson.dumps(got))
     assert got == {**answer, "model": ALIAS}
+    # The usage is read after the rename moved it (by the names' difference), or did not.
+    assert json.loads(gw.access_log.getvalue().splitlines()[-1])["output_tokens"] == 2
 
 
 async def test_an_error_answer_is_passed_on_untouched(
