@@ -4,7 +4,8 @@
 move more between runs than between most commits (docs/benchmarks.md). This runs both versions at
 once, beside the stub replica and the pass-through, and measures them in turn in every round,
 which goes first alternating, so each round is a fair pair; it prints each round and the
-medians.
+medians. At one connection the added p50 comes from `loadtest.paired_latency`: direct, the
+pass-through and both gateways side by side in alternating blocks.
 
     git worktree add /tmp/base <commit>
     python -m loadtest.bench_ab --base /tmp/base --candidate . [--rounds 5] [--connections 1,64]
@@ -38,8 +39,9 @@ def compare(trees: dict[str, Path], rounds: int, connections: list[int], duratio
                 name: bench.start_gateway(procs, name, policy, tree) for name, tree in trees.items()
             }
             bench.wait_started(stub, passthrough, list(sides.values()))
-            script = workdir / "short.lua"
+            script, body = workdir / "short.lua", workdir / "short.json"
             script.write_text(bench.static_lua(bench.dumps(bench.short_chat())))
+            body.write_text(bench.dumps(bench.short_chat()))
             services = [stub, passthrough, *sides.values()]
             for c in connections:  # warm up: connections, caches, the estimator's window
                 for service in services:
@@ -55,19 +57,27 @@ def compare(trees: dict[str, Path], rounds: int, connections: list[int], duratio
                         for s in ([stub] if c == 1 else []) + [passthrough, *order]
                     }
                     pt, line = runs["pass-through"], [f"round {n + 1} c={c}"]
+                    # The latency at one connection: all of them side by side, in blocks.
+                    paired = (
+                        bench.measure_paired(
+                            {"direct": stub, "pass-through": passthrough, **sides}, services, body
+                        )
+                        if c == 1
+                        else None
+                    )
                     for name in sides:
                         gw = runs[name]
                         cpu = (gw.cpu_ms_per_request or 0) / (pt.cpu_ms_per_request or 1)
-                        added = None
-                        if c == 1 and pt.p50_ms > runs["direct"].p50_ms:
-                            direct = runs["direct"].p50_ms
-                            added = (gw.p50_ms - direct) / (pt.p50_ms - direct)
+                        added = paired.added(name) if paired is not None else None
                         ratios.setdefault((c, name), []).append((gw.rps / pt.rps, cpu, added))
                         line.append(
                             f"{name}: req/s {gw.rps / pt.rps:.3f}x, CPU {cpu:.3f}x"
                             + ("" if added is None else f", added p50 {added:.3f}x")
                         )
-                    other = max(r.other_cores for r in runs.values())
+                    other = max(
+                        [r.other_cores for r in runs.values()]
+                        + ([paired.other_cores] if paired is not None else [])
+                    )
                     print(" | ".join(line) + f" | other CPU {other:.2f}", flush=True)
             print(f"\nmedians of {rounds} rounds, against the pass-through of the same round:")
             for (c, name), values in sorted(ratios.items()):

@@ -54,7 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -630,19 +630,22 @@ class Paired:
     errors: int
     other_cores: float
 
-    def added(self) -> float | None:
-        """The gateway's added p50 over the pass-through's (both over direct)."""
-        direct, base, gateway = (self.p50_ms.get(name) for name in TARGETS)
+    def added(self, name: str = "gateway") -> float | None:
+        """What `name` adds to direct's p50, over what the pass-through adds."""
+        direct, base, gateway = (self.p50_ms.get(t) for t in ("direct", "pass-through", name))
         if direct is None or base is None or gateway is None or base <= direct:
             return None
         return (gateway - direct) / (base - direct)
 
 
-def measure_paired(targets: dict[str, Service], services: Sequence[Service], body: Path) -> Paired:
-    """The short request at one connection, the three targets in alternating blocks."""
+def measure_paired(
+    targets: Mapping[str, Service], services: Sequence[Service], body: Path
+) -> Paired:
+    """The short request at one connection, `targets` (direct, the pass-through and one or more
+    gateways) in alternating blocks; "other CPU" is what nothing of `services` used."""
     argv = [sys.executable, "-m", "loadtest.paired_latency", "--body", str(body)]
-    argv += [f"{name}={targets[name].port}" for name in TARGETS]
-    with CpuMeter(targets["gateway"], services) as cpu:
+    argv += [f"{name}={service.port}" for name, service in targets.items()]
+    with CpuMeter(targets["direct"], services) as cpu:
         out = subprocess.run(
             argv, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False
         )
@@ -652,9 +655,9 @@ def measure_paired(targets: dict[str, Service], services: Sequence[Service], bod
     data = result["targets"]
     return Paired(
         shape=result["shape"],
-        p50_ms={name: data[name]["p50_ms"] for name in TARGETS},
-        requests=min(data[name]["requests"] for name in TARGETS),
-        errors=sum(data[name]["errors"] for name in TARGETS),
+        p50_ms={name: data[name]["p50_ms"] for name in targets},
+        requests=min(data[name]["requests"] for name in targets),
+        errors=sum(data[name]["errors"] for name in targets),
         other_cores=cpu.other_cores,
     )
 
@@ -973,10 +976,10 @@ def report(
     for r in runs:
         base = by.get((r.request, r.connections, "pass-through", r.round))
         vs = f"{r.rps / base.rps:.2f}x" if base and base.rps else "-"
-        cpu = f"{r.cpu_ms_per_request:.3f}" if r.cpu_ms_per_request is not None else "-"
+        cpu_ms = f"{r.cpu_ms_per_request:.3f}" if r.cpu_ms_per_request is not None else "-"
         lines.append(
             f"| {r.request} | {r.connections} | {r.round + 1 if r.request in 'ab' else '-'} |"
-            f" {r.target} | {r.rps:,.0f} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | {cpu} | {vs} |"
+            f" {r.target} | {r.rps:,.0f} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | {cpu_ms} | {vs} |"
             f" {r.other_cores:.2f} | {r.errors} |"
         )
     lines += [
@@ -990,10 +993,10 @@ def report(
     direct = next((t for t in ttfb if t.target == "direct"), None)
     for t in ttfb:
         extra = f"{t.p50_ms - direct.p50_ms:+.2f} ms" if direct else "-"
-        cpu = f"{t.cpu_ms_per_request:.3f}" if t.cpu_ms_per_request is not None else "-"
+        cpu_ms = f"{t.cpu_ms_per_request:.3f}" if t.cpu_ms_per_request is not None else "-"
         lines.append(
             f"| {t.target} | {t.p50_ms:.2f} | {t.p99_ms:.2f} | {extra} | {t.total_p50_ms:.2f} |"
-            f" {t.rps:,.0f} | {cpu} | {t.other_cores:.2f} | {t.errors} |"
+            f" {t.rps:,.0f} | {cpu_ms} | {t.other_cores:.2f} | {t.errors} |"
         )
 
     lines += [
