@@ -27,7 +27,7 @@ from gateway.admit.drain import Demand, HoldTimes
 from gateway.admit.ejection import Ejector
 from gateway.admit.fairqueue import Place, Queue
 from gateway.admit.leases import Leases
-from gateway.admit.picker import Picker
+from gateway.admit.picker import Picker, StatelessPicker
 from gateway.admit.reconcile import Reconciler
 from gateway.admit.replica import EngineGauges, Grant, Replica
 from gateway.context import Ctx
@@ -239,15 +239,14 @@ class PoolSlots:
                 replicas = having
         return self.picker.pick(replicas, claim)
 
-    async def _take_any(self, claim: Claim, replicas: Sequence[Replica]) -> Grant | None:
-        """A slot at once on one of `replicas`, or None."""
-        if self.leases is None:
-            replica = self._pick(replicas, claim)
-            if replica is None:
-                return None
-            replica.take(claim)
-            return Grant(replica, claim)
-        return await self.leases.take(self._pick, self._ask, claim, replicas)
+    def _take_here(self, claim: Claim) -> Grant | None:
+        """Without a shared ledger: a slot at once on one of the replicas, or None. Not a
+        coroutine, so a request admitted at once pays for no await it does not need."""
+        replica = self._pick(self.replicas, claim)
+        if replica is None:
+            return None
+        replica.take(claim)
+        return Grant(replica, claim)
 
     def _ask(self, replica: Replica, claim: Claim) -> SlotClaim:
         """The lease `claim` takes on `replica`: against its class's reservation, if it has one."""
@@ -374,7 +373,11 @@ class PoolSlots:
         if self.queue.waiting_by_group[self.queue.group(claim.workload)] == 0 and (
             self.leases is None or not self.leases.outranked(claim.priority)
         ):  # else it queues behind them
-            grant = await self._take_any(claim, self.replicas)
+            grant = (
+                self._take_here(claim)
+                if self.leases is None
+                else await self.leases.take(self._pick, self._ask, claim, self.replicas)
+            )
             if grant is not None:
                 self.queue.stand(claim, place)
                 return grant
@@ -437,7 +440,8 @@ class Held:
 
     async def __aenter__(self) -> Grant:
         pool, ctx, place = self._pool, self._ctx, self._place
-        if ctx.affinity is None:  # a retry weighs what the first attempt worked out
+        # A retry weighs what the first attempt worked out; a stateless picker weighs nothing.
+        if ctx.affinity is None and not isinstance(pool.picker, StatelessPicker):
             ctx.affinity = await pool.picker.affinity(ctx)
         claim = Claim.of(ctx, ctx.affinity)
         pool.demand.arrivals += place.tag is None
