@@ -8,7 +8,12 @@ medians. At one connection the added p50 comes from `loadtest.paired_latency`: d
 pass-through and both gateways side by side in alternating blocks.
 
     git worktree add /tmp/base <commit>
-    python -m loadtest.bench_ab --base /tmp/base --candidate . [--rounds 5] [--connections 1,64]
+    git worktree add /tmp/candidate HEAD   # or a copy of /tmp/base with the change applied
+    python -m loadtest.bench_ab --base /tmp/base --candidate /tmp/candidate [--rounds 5]
+
+Both trees in the same place: the same code run from this checkout measured 3-4% slower at one
+connection than from a worktree in /tmp, in 7 of 8 rounds (docs/benchmarks.md), a bias as large
+as the changes this is for.
 
 Each tree's gateway runs from that tree (`python -m gateway serve` with it as the working
 directory) with the same policy (bench-overhead's). Loopback only; every load run is bounded by
