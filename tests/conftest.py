@@ -134,6 +134,15 @@ async def eventually(predicate: Callable[[], bool], within_s: float = 5.0) -> No
             await asyncio.sleep(0.02)
 
 
+async def accounted(gw: RunningGateway, logged: int) -> None:
+    """Wait until the access log has more than `logged` lines and every quota correction is
+    applied. The accounting (the log line, then scheduling the correction) can run after the
+    client has its answer, so `quotas.pending == 0` alone may hold before it was scheduled."""
+    await eventually(
+        lambda: gw.access_log.getvalue().count(b"\n") > logged and gw.gateway.quotas.pending == 0
+    )
+
+
 @contextlib.asynccontextmanager
 async def serving(
     policy_path: Path, stdout: int = asyncio.subprocess.PIPE

@@ -14,7 +14,7 @@ import aiohttp
 import orjson
 
 from gateway.estimate import RollingQuantileEstimator
-from tests.conftest import RunningGateway, basic_policy, eventually
+from tests.conftest import RunningGateway, accounted, basic_policy
 from tests.test_tenants import hashed
 
 A_KEY, B_KEY = "sk-tenant-a-0123456789", "sk-tenant-b-0123456789"
@@ -39,10 +39,11 @@ async def send(
     http: aiohttp.ClientSession, gw: RunningGateway, key: str, body: dict[str, Any]
 ) -> tuple[int, dict[str, Any]]:
     headers = {"Authorization": f"Bearer {key}"}
+    logged = gw.access_log.getvalue().count(b"\n")
     async with http.post(f"{gw.url}/v1/chat/completions", json=body, headers=headers) as resp:
         answer = await resp.json()
         status = resp.status
-    await eventually(lambda: gw.gateway.quotas.pending == 0)
+    await accounted(gw, logged)
     return status, answer
 
 
@@ -104,13 +105,14 @@ async def test_a_reservation_cut_to_the_window_is_settled_to_what_was_used(
 ) -> None:
     gw = await gateway_factory(two_tenants(tokenizer_dir, stub.url, tpm=300))
     headers = {"Authorization": f"Bearer {B_KEY}"}
+    logged = gw.access_log.getvalue().count(b"\n")
     async with http.post(
         f"{gw.url}/v1/chat/completions", json=review("short"), headers=headers
     ) as resp:
         assert resp.status == 200
         assert resp.headers["x-ratelimit-remaining-tokens"] == "0"  # the whole window, no more
         await resp.read()
-    await eventually(lambda: gw.gateway.quotas.pending == 0)
+    await accounted(gw, logged)
     first = last_record(gw)
     used = first["input_tokens"] + first["output_tokens"]
     small = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from gateway.policy.compile import load_policy
 from gateway.policy.load import PolicyError
 from gateway.state import WINDOW_S, Limit, MemoryState, Refusal, Reservation
-from tests.conftest import RunningGateway, basic_policy, eventually, write_policy
+from tests.conftest import RunningGateway, accounted, basic_policy, eventually, write_policy
 from tests.test_tenants import ACME_KEY, hashed
 
 AUTH = {"Authorization": f"Bearer {ACME_KEY}"}
@@ -48,10 +48,11 @@ async def with_clock(gw: RunningGateway) -> Clock:
 async def chat(
     http: aiohttp.ClientSession, gw: RunningGateway, body: dict[str, Any]
 ) -> tuple[int, dict[str, Any], dict[str, str]]:
+    logged = gw.access_log.getvalue().count(b"\n")
     async with http.post(f"{gw.url}/v1/chat/completions", json=body, headers=AUTH) as resp:
         answer = await resp.json() if resp.content_type == "application/json" else {}
         result = resp.status, answer, dict(resp.headers)
-    await eventually(lambda: gw.gateway.quotas.pending == 0)  # its charge is corrected
+    await accounted(gw, logged)  # its charge is corrected
     return result
 
 
