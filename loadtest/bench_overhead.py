@@ -12,6 +12,9 @@ them are the result; the raw numbers only give them a scale.
 - (a) a short chat request, (b) a ~4,000-token classification request whose system message (a
   rules block) is identical in every request and whose user message varies per request — the case
   `token_counting: memoized` exists for — at 1, 16 and 64 connections.
+- (a) at one connection again, once a round, the three targets side by side in alternating
+  blocks (`loadtest.paired_latency`): wrk's runs come one after another while the machine's
+  speed drifts, and issue 15's one-connection verdict is a quotient of differences of p50s.
 - (c) time to first body byte of a 20-chunk stream at 16 connections, which wrk cannot see, from a
   small asyncio raw-socket client run as its own process (`--ttfb-client`, internal).
 - What counting costs with a model-sized vocabulary (a 32k byte-level BPE, loadtest.tokenizer32k),
@@ -19,7 +22,7 @@ them are the result; the raw numbers only give them a scale.
   run (bodies drawn with a seed from the OS just before each run, and sized from the warm-up's
   rate: no count cache can have seen them); (e) the seed's shape in one message, a fixed
   ~3,000-token rules block then ~1,000 unique tokens. Beside each, what the tokenizer alone
-  (`encode_batch_fast`, this process, one thread) spends on the same kind of text in the same
+  (`encode_batch_fast`, this process, on as many threads as the gateway counts on) spends on the same kind of text in the same
   run, and the replicas of 27B classification one gateway core keeps up with at that cost.
 - (f) (d) again on a second gateway with one tokenizer thread, against the first (by default as
   many threads as CPUs): how counting scales with the cores. wrk reads prepared bodies, so the
