@@ -15,7 +15,7 @@ import orjson
 
 from gateway.context import Ctx
 from gateway.estimate import OutputEstimator, estimator_key
-from gateway.forward import CLIENT_CLOSED
+from gateway.forward import CLIENT_CLOSED, read_usage
 from gateway.metrics import NONE, Metrics
 from gateway.policy.schema import PRIORITIES
 
@@ -65,6 +65,7 @@ class Accountant:
 
     def _account(self, ctx: Ctx, estimator: OutputEstimator | None) -> None:
         ctx.ended = time.perf_counter()
+        read_usage(ctx)  # a whole answer's, decoded here: after the client has the answer
         labels = self._labels(ctx)
         outcome = self._outcomes.get((*labels, ctx.status))
         if outcome is None:  # statuses come from a small set: the children are kept

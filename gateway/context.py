@@ -63,8 +63,8 @@ class Ctx:
     first_token: float | None = None
     output_tokens: int | None = None
     prompt_tokens: int | None = None  # the replica's own count, when its usage reports one
-    # A whole answer and where its `"usage"` is: decoded after the client has the answer
-    # (`forward.read_usage`), so its few µs are not on the client's path.
+    # A whole answer and where its `"usage"` is: decoded by the accounting, after the client
+    # has the answer (`forward.read_usage`), so its few µs are not on the client's path.
     unread_usage: tuple[bytearray, int] | None = None
     chunks: int = 0
     ratelimit_headers: dict[str, str] = field(default_factory=dict)  # the tenant's windows

@@ -502,7 +502,8 @@ async def _whole(
 
 
 def read_usage(ctx: Ctx) -> None:
-    """The output tokens of a whole answer, once it was sent: only the accounting needs them."""
+    """The output tokens of a whole answer, once it was sent: only the accounting needs them
+    (`Accountant.account` calls this, inside its guard)."""
     if ctx.unread_usage is not None:
         data, at = ctx.unread_usage
         ctx.unread_usage = None

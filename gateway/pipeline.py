@@ -36,7 +36,7 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.estimate import estimate_output
-from gateway.forward import CLIENT_CLOSED, check_forwardable, forward, read_usage
+from gateway.forward import CLIENT_CLOSED, check_forwardable, forward
 from gateway.health import HealthChecker
 from gateway.looplag import watch_lag
 from gateway.metrics import Metrics
@@ -446,7 +446,6 @@ class Gateway:
             ctx.status, ctx.reason = CLIENT_CLOSED, "client_disconnect"
             raise
         finally:
-            read_usage(ctx)
             self.accountant.account(ctx, policy.estimator)
             if charge is not None:  # after account, which completes the output count
                 self.quotas.settle(ctx, charge)

@@ -27,7 +27,7 @@ from gateway.admit.drain import Demand, HoldTimes
 from gateway.admit.ejection import Ejector
 from gateway.admit.fairqueue import Place, Queue
 from gateway.admit.leases import Leases
-from gateway.admit.picker import Picker, StatelessPicker
+from gateway.admit.picker import Picker
 from gateway.admit.reconcile import Reconciler
 from gateway.admit.replica import EngineGauges, Grant, Replica
 from gateway.context import Ctx
@@ -440,8 +440,7 @@ class Held:
 
     async def __aenter__(self) -> Grant:
         pool, ctx, place = self._pool, self._ctx, self._place
-        # A retry weighs what the first attempt worked out; a stateless picker weighs nothing.
-        if ctx.affinity is None and not isinstance(pool.picker, StatelessPicker):
+        if ctx.affinity is None:  # a retry weighs what the first attempt worked out
             ctx.affinity = await pool.picker.affinity(ctx)
         claim = Claim.of(ctx, ctx.affinity)
         pool.demand.arrivals += place.tag is None
