@@ -635,10 +635,15 @@ class Paired:
 
     def added(self, name: str = "gateway") -> float | None:
         """What `name` adds to direct's p50, over what the pass-through adds."""
-        direct, base, gateway = (self.p50_ms.get(t) for t in ("direct", "pass-through", name))
-        if direct is None or base is None or gateway is None or base <= direct:
-            return None
-        return (gateway - direct) / (base - direct)
+        return added_ratio(*(self.p50_ms.get(t) for t in ("direct", "pass-through", name)))
+
+
+def added_ratio(direct: float | None, base: float | None, other: float | None) -> float | None:
+    """(other - direct) / (base - direct): the latency `other` adds in units of what `base` adds;
+    None when a figure is missing or `base` adds nothing."""
+    if direct is None or base is None or other is None or base <= direct:
+        return None
+    return (other - direct) / (base - direct)
 
 
 def measure_paired(
@@ -675,7 +680,7 @@ def percentile(ordered: Sequence[float], q: float) -> float:
 # --- the TTFB client (runs in its own process) ---------------------------------------------------
 
 
-async def _read_response(reader: asyncio.StreamReader, started: float) -> tuple[int, float, bytes]:
+async def read_response(reader: asyncio.StreamReader, started: float) -> tuple[int, float, bytes]:
     """Read one HTTP/1.1 response; return status, seconds to its first body byte, and the body."""
     head = await reader.readuntil(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
@@ -714,7 +719,7 @@ async def _ttfb_connection(
             started = time.perf_counter()
             writer.write(request)
             async with asyncio.timeout(10):
-                status, ttfb, body = await _read_response(reader, started)
+                status, ttfb, body = await read_response(reader, started)
             total = time.perf_counter() - started
             if started < measure_from:
                 out["warmup"].append(1.0)
@@ -729,11 +734,16 @@ async def _ttfb_connection(
         writer.close()
 
 
-async def _ttfb_main(port: int, body: bytes, duration: float, connections: int) -> dict[str, Any]:
-    request = (
+def chat_request(body: bytes, port: int) -> bytes:
+    """A whole HTTP/1.1 chat-completions request with `body`, as the raw-socket clients send it."""
+    return (
         f"POST {CHAT_PATH} HTTP/1.1\r\nHost: {HOST}:{port}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode() + body
+
+
+async def _ttfb_main(port: int, body: bytes, duration: float, connections: int) -> dict[str, Any]:
+    request = chat_request(body, port)
     out: dict[str, list[float]] = {"ttfb": [], "total": [], "errors": [], "warmup": []}
     now = time.perf_counter()
     measure_from, stop_at = now + 1.0, now + 1.0 + duration
@@ -1024,10 +1034,8 @@ def report(
         return gw.rps / pt.rps if gw and pt and pt.rps else None
 
     def added(n: int) -> float | None:
-        d, pt, gw = (by.get(("a", 1, t, n)) for t in TARGETS)
-        if d and pt and gw and pt.p50_ms > d.p50_ms:
-            return (gw.p50_ms - d.p50_ms) / (pt.p50_ms - d.p50_ms)
-        return None
+        runs = (by.get(("a", 1, t, n)) for t in TARGETS)
+        return added_ratio(*(r.p50_ms if r else None for r in runs))
 
     def paired_added(n: int) -> float | None:
         return paired[n].added() if n < len(paired) else None

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.bench_overhead import CHAT_PATH, HOST, _read_response
+from loadtest.bench_overhead import HOST, chat_request, read_response
 
 ROTATIONS, BLOCK, SKIP = 60, 50, 5
 LIMIT_S = 60.0
@@ -46,10 +46,7 @@ async def measure(
     limit_s: float = LIMIT_S,
 ) -> dict[str, dict[str, Any]]:
     """Per target: seconds of each counted request, and how many failed."""
-    request = (
-        f"POST {CHAT_PATH} HTTP/1.1\r\nHost: {HOST}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    ).encode() + body
+    requests = {name: chat_request(body, port) for name, port in ports.items()}
     streams = {name: await asyncio.open_connection(HOST, port) for name, port in ports.items()}
     times: dict[str, list[float]] = {name: [] for name in ports}
     errors = dict.fromkeys(ports, 0)
@@ -64,9 +61,9 @@ async def measure(
                 reader, writer = streams[name]
                 for i in range(block):
                     started = time.perf_counter()
-                    writer.write(request)
+                    writer.write(requests[name])
                     async with asyncio.timeout(10):
-                        status, _, _ = await _read_response(reader, started)
+                        status, _, _ = await read_response(reader, started)
                     took = time.perf_counter() - started
                     if status != 200:
                         errors[name] += 1
