@@ -8,17 +8,16 @@ medians. At one connection the added p50 comes from `loadtest.paired_latency`: d
 pass-through and both gateways side by side in alternating blocks.
 
     git worktree add /tmp/base <commit>
-    git worktree add /tmp/candidate HEAD   # or a copy of /tmp/base with the change applied
-    python -m loadtest.bench_ab --base /tmp/base --candidate /tmp/candidate [--rounds 5]
+    python -m loadtest.bench_ab --base /tmp/base --candidate . [--rounds 5]
 
-Both trees in the same place: the same code run from this checkout measured 3-4% slower at one
-connection than from a worktree in /tmp, in 7 of 8 rounds (docs/benchmarks.md), a bias as large
-as the changes this is for.
+Identical code on both sides agreed within 1% at one connection over 4 rounds, yet one change
+worth ~1 µs measured 4% better in one run and 4% worse in two (docs/benchmarks.md): rerun with
+the sides swapped before believing a small difference.
 
 Each tree's gateway runs from that tree (`python -m gateway serve` with it as the working
 directory) with the same policy (bench-overhead's). Loopback only; every load run is bounded by
-`--duration`; the children are stopped in a `finally`. The noise floor: the same code against
-itself differed by up to 15% in medians of 3 rounds here.
+`--duration`; the children are stopped in a `finally`. The noise floor at 64 connections (CPU
+per request, wrk): the same code against itself differed by up to 15% in medians of 3 rounds.
 """
 
 from __future__ import annotations
