@@ -1,0 +1,167 @@
+"""Instructions per short request: the gateway against the pass-through, counted, not timed.
+
+Every timed ratio on this shared 2-core machine moves by 10-15% between rounds (CPU per request
+at 64 connections; docs/benchmarks.md), which is more than most single changes to the short path
+are worth. `valgrind --tool=callgrind` counts the instructions a process executes, and that count
+does not depend on what else the machine is doing: the same code gives the same figure to well
+under 1%. So this runs the pass-through and one gateway per tree under callgrind, with counting
+off through start-up and a warm-up, on only for a fixed number of short chat requests sent one
+after another on one keep-alive connection, and reports instructions per request and the ratio
+to the pass-through's.
+
+It is a proxy for CPU time, not CPU time: it does not see cache misses, system-call cost or
+contention between threads, and one connection at a time pays the event loop's wake-up on every
+request (both sides alike). Use it to steer and to compare trees; `bench-overhead` stays the
+verdict in time.
+
+    python -m loadtest.bench_instructions [--requests 1000] [--tree NAME=PATH ...] [--keep DIR]
+
+`--tree` (repeatable; default: this checkout as `gateway`) runs that checkout's `gateway`
+package, as `loadtest.bench_ab` does. `--keep` keeps the callgrind files, for
+`callgrind_annotate`. The stub replica runs natively; loopback only; the request count bounds
+every loop and the children are stopped in a `finally`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from loadtest import bench_overhead as bench
+
+WARM_UP = 300  # requests before counting: connections open, caches and the estimator's window
+# Callgrind runs Python ~5x slower with counting off (start-up: imports, the tokenizers).
+READY_TIMEOUT_S = 600.0
+_TOTALS = re.compile(rb"^totals:\s*(\d+)", re.M)
+
+
+def callgrind(out_file: Path) -> list[str]:
+    """Counting off from the start (`callgrind_control -i on` turns it on) and on every thread:
+    the tokenizer pool's work is the gateway's too."""
+    return [
+        "valgrind",
+        "--tool=callgrind",
+        "--instr-atstart=no",
+        f"--callgrind-out-file={out_file}",
+    ]
+
+
+def send(port: int, body: str, requests: int) -> None:
+    """`requests` short chat requests, one after another on one connection; each must succeed."""
+    conn = http.client.HTTPConnection(bench.HOST, port, timeout=60)
+    try:
+        headers = {"Content-Type": "application/json"}
+        for _ in range(requests):
+            conn.request("POST", bench.CHAT_PATH, body=body, headers=headers)
+            resp = conn.getresponse()
+            answer = resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"port {port} answered {resp.status}: {answer[:300]!r}")
+    finally:
+        conn.close()
+
+
+def control(pid: int, *args: str) -> None:
+    subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True)
+
+
+def count(service: bench.Service, out_file: Path, body: str, requests: int) -> float:
+    """Instructions per request of `service`, over `requests` after the warm-up."""
+    send(service.port, body, WARM_UP)
+    control(service.proc.pid, "--instr=on")
+    send(service.port, body, requests)
+    control(service.proc.pid, "--instr=off")
+    control(service.proc.pid, "--dump")
+    dumps = sorted(out_file.parent.glob(f"{out_file.name}.*"))
+    if not dumps:
+        raise RuntimeError(f"{service.name}: callgrind wrote no dump next to {out_file}")
+    found = _TOTALS.search(dumps[-1].read_bytes())
+    if found is None:
+        raise RuntimeError(f"{service.name}: no totals in {dumps[-1]}")
+    return int(found[1]) / requests
+
+
+def run(trees: dict[str, Path], requests: int, keep: Path | None) -> int:
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        bench.log("valgrind is not installed (apt-get install -y valgrind)")
+        return 2
+    with tempfile.TemporaryDirectory(prefix="bench-instructions-") as tmp:
+        workdir = keep or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        tokenizer = bench.build_tokenizer(workdir, "loadtest.tiny_tokenizer")
+        tokenizer32k = bench.build_tokenizer(workdir, "loadtest.tokenizer32k")
+        procs = bench.Fleet(workdir)
+        outs = {name: workdir / f"{name}.callgrind" for name in ("pass-through", *trees)}
+        try:
+            stub_port, pt_port = bench.free_port(), bench.free_port()
+            stub = procs.start(
+                "direct",
+                [sys.executable, "-m", "loadtest.stub_backend", "--host", bench.HOST,
+                 "--port", str(stub_port), "--no-record"],
+                stub_port,
+            )  # fmt: skip
+            passthrough = procs.start(
+                "pass-through",
+                [*callgrind(outs["pass-through"]), sys.executable, "-m", "loadtest.passthrough",
+                 "--host", bench.HOST, "--port", str(pt_port), "--upstream", stub.url],
+                pt_port,
+            )  # fmt: skip
+            policy = bench.write_policy(workdir, tokenizer, tokenizer32k, stub.url, None, None)
+            gateways = []
+            for name, tree in trees.items():
+                port = bench.free_port()
+                argv = [sys.executable, "-m", "gateway", "serve", "--policy", str(policy)]
+                argv += ["--host", bench.HOST, "--port", str(port)]
+                gateways.append(procs.start(name, [*callgrind(outs[name]), *argv], port, tree))
+            bench.READY_TIMEOUT_S = READY_TIMEOUT_S
+            bench.wait_started(stub, passthrough, gateways)
+            body = bench.dumps(bench.short_chat())
+            per_request = {
+                s.name: count(s, outs[s.name], body, requests) for s in (passthrough, *gateways)
+            }
+        finally:
+            procs.stop()
+        base = per_request["pass-through"]
+        print(f"instructions per short chat request, {requests} counted after {WARM_UP}:")
+        for name, value in per_request.items():
+            print(f"  {name}: {value:,.0f} ({value / base:.3f}x the pass-through)")
+        if keep is not None:
+            print(f"callgrind files in {keep} (callgrind_annotate <file>)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--requests", type=int, default=1000, help="requests counted (>= 1)")
+    parser.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a checkout whose gateway to count, under NAME (repeatable; default: this one)",
+    )
+    parser.add_argument("--keep", type=Path, help="keep the callgrind files in this directory")
+    args = parser.parse_args(argv)
+    if args.requests < 1:
+        parser.error("--requests must be at least 1")
+    trees: dict[str, Path] = {}
+    for spec in args.tree or [f"gateway={bench.ROOT}"]:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or name in ("direct", "pass-through") or name in trees:
+            parser.error(f"--tree {spec!r}: expected a new NAME=PATH")
+        trees[name] = Path(path).resolve()
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    return run(trees, args.requests, args.keep)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
