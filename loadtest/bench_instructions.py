@@ -26,12 +26,17 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from loadtest import bench_overhead as bench
@@ -72,20 +77,39 @@ def control(pid: int, *args: str) -> None:
     subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True)
 
 
-def count(service: bench.Service, out_file: Path, body: str, requests: int) -> float:
-    """Instructions per request of `service`, over `requests` after the warm-up."""
-    send(service.port, body, WARM_UP)
+def counted(service: bench.Service, out_file: Path, work: Callable[[], object]) -> int:
+    """Instructions `service` executes while `work` runs."""
     control(service.proc.pid, "--instr=on")
-    send(service.port, body, requests)
+    work()
     control(service.proc.pid, "--instr=off")
+    before = set(out_file.parent.glob(f"{out_file.name}.*"))
     control(service.proc.pid, "--dump")
-    dumps = sorted(out_file.parent.glob(f"{out_file.name}.*"))
-    if not dumps:
-        raise RuntimeError(f"{service.name}: callgrind wrote no dump next to {out_file}")
-    found = _TOTALS.search(dumps[-1].read_bytes())
+    dumps = set(out_file.parent.glob(f"{out_file.name}.*")) - before
+    if len(dumps) != 1:
+        raise RuntimeError(f"{service.name}: callgrind wrote no new dump next to {out_file}")
+    found = _TOTALS.search(dumps.pop().read_bytes())
     if found is None:
-        raise RuntimeError(f"{service.name}: no totals in {dumps[-1]}")
-    return int(found[1]) / requests
+        raise RuntimeError(f"{service.name}: no totals in its dump")
+    return int(found[1])
+
+
+@dataclass(frozen=True)
+class Count:
+    per_request: float  # instructions per request, the idle rate taken out
+    idle_share: float  # of the busy run's instructions, what the same time idle executed
+
+
+def count(service: bench.Service, out_file: Path, body: str, requests: int) -> Count:
+    """Instructions per request of `service`, over `requests` after the warm-up.
+
+    Timers run whether requests come or not (health checks, the loop-lag probe, the policy
+    watch), and under callgrind a run takes seconds, so the busy count holds some of their work,
+    by how long the run took: the same time idle is counted right after and taken out."""
+    send(service.port, body, WARM_UP)
+    started = time.monotonic()
+    busy = counted(service, out_file, lambda: send(service.port, body, requests))
+    idle = counted(service, out_file, partial(time.sleep, time.monotonic() - started))
+    return Count((busy - idle) / requests, idle / busy)
 
 
 def run(trees: dict[str, Path], requests: int, keep: Path | None) -> int:
@@ -128,10 +152,13 @@ def run(trees: dict[str, Path], requests: int, keep: Path | None) -> int:
             }
         finally:
             procs.stop()
-        base = per_request["pass-through"]
+        base = per_request["pass-through"].per_request
         print(f"instructions per short chat request, {requests} counted after {WARM_UP}:")
         for name, value in per_request.items():
-            print(f"  {name}: {value:,.0f} ({value / base:.3f}x the pass-through)")
+            print(
+                f"  {name}: {value.per_request:,.0f} ({value.per_request / base:.3f}x the"
+                f" pass-through; idle work taken out: {value.idle_share:.1%})"
+            )
         if keep is not None:
             print(f"callgrind files in {keep} (callgrind_annotate <file>)")
     return 0
@@ -160,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--tree {spec!r}: expected a new NAME=PATH")
         trees[name] = Path(path).resolve()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # The children inherit it: the same dict layouts, hence the same work, run after run.
+    os.environ["PYTHONHASHSEED"] = "0"
     return run(trees, args.requests, args.keep)
 
 
