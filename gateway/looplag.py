@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import time
 
-from prometheus_client import Histogram
+from gateway.loopmetrics import HistogramChild
 
 INTERVAL_S = 0.25
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
-async def watch_lag(histogram: Histogram, interval_s: float = INTERVAL_S) -> None:
+async def watch_lag(histogram: HistogramChild, interval_s: float = INTERVAL_S) -> None:
     """Observe the loop's lag every `interval_s` until cancelled."""
     while True:
         started = time.perf_counter()

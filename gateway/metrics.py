@@ -13,12 +13,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.admit import PoolSlots
 from gateway.looplag import LAG_BUCKETS
+from gateway.loopmetrics import Counter, Histogram
 from gateway.policy.schema import PRIORITIES
 from gateway.tokens import HFCounter
 
@@ -282,8 +283,8 @@ class Metrics:
         )  # fmt: skip
         self.loop_lag = Histogram(
             "llm_event_loop_lag_seconds", "How late a periodic timer woke: the loop was held.",
-            buckets=LAG_BUCKETS, registry=r,
-        )  # fmt: skip
+            (), buckets=LAG_BUCKETS, registry=r,
+        ).labels()  # fmt: skip
         r.register(_Gauges(source))
 
     def adapter_label(self, adapter: str) -> str:

@@ -24,9 +24,8 @@ from gateway.context import Ctx
 from gateway.policy.schema import PRIORITIES
 
 if TYPE_CHECKING:
-    from prometheus_client import Counter
-
     from gateway.adapters import Adapters
+    from gateway.loopmetrics import Counter
     from gateway.route import Fallback
 
 
