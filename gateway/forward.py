@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy, MultiMapping
@@ -34,6 +33,7 @@ from gateway.errors import (
     error_body,
 )
 from gateway.policy.schema import PRIORITIES, TimeoutSpec
+from gateway.upstream import Answer, ExchangeError, Refused, Upstream
 
 log = logging.getLogger("gateway.forward")
 
@@ -286,7 +286,7 @@ def _failed(ctx: Ctx, replica_url: str, told: str, exc: BaseException | str) -> 
 
 
 def _stream_error(ctx: Ctx, replica_url: str, exc: BaseException) -> bytes:
-    if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
+    if isinstance(exc, TimeoutError):
         told = _failed(ctx, replica_url, "the replica stopped streaming (time-out)", exc)
         body = error_body(told, "upstream_error", "upstream_timeout")
     else:
@@ -297,7 +297,7 @@ def _stream_error(ctx: Ctx, replica_url: str, exc: BaseException) -> bytes:
 
 async def _relay(
     ctx: Ctx,
-    up: aiohttp.ClientResponse,
+    up: Answer,
     resp: web.StreamResponse,
     first: float,
     total: float,
@@ -311,13 +311,11 @@ async def _relay(
     drop_usage = not ctx.client_wants_usage
     pending = b""
     deadline = min(first, total)
-    chunks = up.content.iter_any().__aiter__()
     while True:
         with Deadline(deadline):
-            try:
-                data = await anext(chunks)
-            except StopAsyncIteration:
-                break
+            data = await up.read_chunk()
+        if not data:
+            break
         deadline = total
         if pending:
             data = pending + data
@@ -341,11 +339,10 @@ async def _relay(
 async def forward(
     ctx: Ctx,
     request: web.Request,
-    session: aiohttp.ClientSession,
+    upstream: Upstream,
     replica_url: str,
     api_key: str | None,
     timeouts: TimeoutSpec,
-    client_timeout: aiohttp.ClientTimeout,
     max_response_bytes: int,
     *,
     retry_503: bool = False,
@@ -359,17 +356,16 @@ async def forward(
     gives the answer the `model` the client sent (`server.response_model`).
     """
     rename = ModelRename.of(ctx) if rename_model else None
-    url = replica_url + ctx.path
     headers = upstream_headers(request.headers, ctx, api_key, request.remote)
     now = asyncio.get_running_loop().time()
     total = now + timeouts.total_s
     first = now + timeouts.first_token_s
-    up: aiohttp.ClientResponse | None = None
+    up: Answer | None = None
     try:
         # A non-stream answer is read under the request's own deadline: one scope serves both
         # (each costs a task lookup and a timer, a few µs of a short request).
         with Deadline(min(first, total) if ctx.stream else total):
-            up = await _post(ctx, session, url, headers, client_timeout, replica_url)
+            up = await _post(ctx, upstream, replica_url, headers, timeouts)
             if not ctx.stream:
                 return await _answer(ctx, up, replica_url, max_response_bytes, rename, retry_503)
     except TimeoutError as exc:
@@ -391,10 +387,10 @@ async def forward(
             up.close()
             ctx.status, ctx.reason = CLIENT_CLOSED, "client_disconnect"
             return resp
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, ExchangeError) as exc:
             up.close()
             ctx.reason = ctx.code = (
-                "upstream_timeout" if isinstance(exc, asyncio.TimeoutError) else "upstream_error"
+                "upstream_timeout" if isinstance(exc, TimeoutError) else "upstream_error"
             )
             with contextlib.suppress(ConnectionResetError):
                 await resp.write(_stream_error(ctx, replica_url, exc))
@@ -414,29 +410,20 @@ def _timed_out(ctx: Ctx, replica_url: str, reading: bool, exc: BaseException) ->
 
 
 async def _post(
-    ctx: Ctx,
-    session: aiohttp.ClientSession,
-    url: str,
-    headers: CIMultiDict[str],
-    client_timeout: aiohttp.ClientTimeout,
-    replica_url: str,
-) -> aiohttp.ClientResponse:
-    """Send the request; what the client library raises before an answer, as a `GatewayError`."""
+    ctx: Ctx, upstream: Upstream, replica_url: str, headers: CIMultiDict[str], timeouts: TimeoutSpec
+) -> Answer:
+    """Send the request; what fails before an answer's head, as a `GatewayError`."""
     try:
-        return await session.post(
-            url, data=upstream_body(ctx), headers=headers, timeout=client_timeout
+        return await upstream.post(
+            replica_url, ctx.path, headers, upstream_body(ctx), timeouts.connect_s, timeouts.read_s
         )
-    except aiohttp.ServerTimeoutError as exc:
+    except TimeoutError as exc:  # connect_s or read_s (the request's own deadline is outside)
         raise _timed_out(ctx, replica_url, False, exc) from None
-    except (
-        aiohttp.ClientConnectorError,
-        aiohttp.ServerDisconnectedError,
-        aiohttp.ClientOSError,
-    ) as exc:
+    except Refused as exc:
         raise ReplicaRefused(
             _failed(ctx, replica_url, "the replica failed before answering", exc)
         ) from None
-    except aiohttp.ClientError as exc:
+    except ExchangeError as exc:
         raise UpstreamError(
             _failed(ctx, replica_url, "the replica failed before answering", exc)
         ) from None
@@ -444,7 +431,7 @@ async def _post(
 
 async def _answer(
     ctx: Ctx,
-    up: aiohttp.ClientResponse,
+    up: Answer,
     replica_url: str,
     limit: int,
     rename: ModelRename | None,
@@ -466,7 +453,7 @@ async def _answer(
 
 async def _whole(
     ctx: Ctx,
-    up: aiohttp.ClientResponse,
+    up: Answer,
     replica_url: str,
     limit: int,
     rename: ModelRename | None,
@@ -478,17 +465,17 @@ async def _whole(
         if (up.content_length or 0) > limit:
             raise _too_large(ctx, replica_url, limit, f"Content-Length {up.content_length}")
         data = bytearray()
-        async for chunk in up.content.iter_any():
+        while chunk := await up.read_chunk():
             start = max(0, len(data) - len(_USAGE) + 1)
             data += chunk
             if len(data) > limit:
                 raise _too_large(ctx, replica_url, limit, "it sent more")
             usage_at = max(usage_at, data.rfind(_USAGE, start))
-    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+    except TimeoutError as exc:  # read_s: the request's own deadline is outside
         raise UpstreamTimeout(
             _failed(ctx, replica_url, "the replica did not finish its answer in time", exc)
         ) from None
-    except aiohttp.ClientError as exc:
+    except ExchangeError as exc:
         raise UpstreamError(
             _failed(ctx, replica_url, "the replica broke its answer", exc)
         ) from None

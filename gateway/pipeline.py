@@ -50,6 +50,7 @@ from gateway.state import SlotLedger, State
 from gateway.state.redis_state import BackendUp, build_state
 from gateway.tenants import authenticate
 from gateway.tokens import TooManyTokens
+from gateway.upstream import Upstream
 
 log = logging.getLogger("gateway.pipeline")
 PASSIVE_WATCH_S = 5.0  # with watching off, how often to look whether a reload turned it on
@@ -147,7 +148,6 @@ class Runtime:
     policy: Policy
     slots: dict[str, PoolSlots]
     api_keys: dict[str, str | None]
-    client_timeouts: dict[str, aiohttp.ClientTimeout]
 
     @classmethod
     def build(
@@ -171,14 +171,6 @@ class Runtime:
                 name: os.environ.get(pool.spec.api_key_env) if pool.spec.api_key_env else None
                 for name, pool in policy.pools.items()
             },
-            client_timeouts={
-                name: aiohttp.ClientTimeout(
-                    total=None,
-                    sock_connect=pool.spec.timeouts.connect_s,
-                    sock_read=pool.spec.timeouts.read_s,
-                )
-                for name, pool in policy.pools.items()
-            },
         )
 
 
@@ -196,7 +188,8 @@ class Gateway:
         self.accountant = Accountant(Metrics(self), access_log)  # reads the above at scrape time
         self.accountant.metrics.registry.register(BackendUp(lambda: self.state))
         self.quotas = Quotas(self.state, self.accountant.metrics)
-        self.sessions: dict[str, aiohttp.ClientSession] = {}
+        self.sessions: dict[str, aiohttp.ClientSession] = {}  # health, /metrics, adapters
+        self.upstreams: dict[str, Upstream] = {}  # forwarding
         self.draining = False
         self._checkers: dict[str, asyncio.Task[None]] = {}
         self._discovery: dict[str, asyncio.Task[None]] = {}
@@ -224,6 +217,7 @@ class Gateway:
                     auto_decompress=False,
                     skip_auto_headers=("Accept-Encoding", "User-Agent"),
                 )
+                self.upstreams[name] = Upstream()
             if name not in self._checkers:
                 checker = HealthChecker(slots, self.sessions[name])
                 self._checkers[name] = asyncio.create_task(checker.run(), name=f"health:{name}")
@@ -336,6 +330,8 @@ class Gateway:
         await asyncio.gather(*(slots.close() for slots in self.runtime.slots.values()))
         for session in self.sessions.values():
             await session.close()
+        for upstream in self.upstreams.values():
+            upstream.close()
         await self.quotas.close()
         await self.state.close()
         self.policy.close()
@@ -348,7 +344,7 @@ class Gateway:
         pool's retry budget and the request's `max_wait_s`; never after a byte was sent."""
         assert ctx.pool is not None
         name = ctx.pool.name
-        slots, session, key = runtime.slots[name], self.sessions[name], runtime.api_keys[name]
+        slots, upstream, key = runtime.slots[name], self.upstreams[name], runtime.api_keys[name]
         timeouts = ctx.pool.spec.timeouts
         max_bytes = runtime.policy.spec.server.max_response_bytes
         rename_model = runtime.policy.spec.server.response_model == "requested"
@@ -365,11 +361,10 @@ class Gateway:
                         resp = await forward(
                             ctx,
                             request,
-                            session,
+                            upstream,
                             replica.url,
                             key,
                             timeouts,
-                            runtime.client_timeouts[name],
                             max_bytes,
                             retry_503=retry_next,
                             rename_model=rename_model,
