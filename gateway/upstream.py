@@ -196,8 +196,11 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def _fail(self, exc: ExchangeError) -> None:
+        """End the exchange with `exc` (unless its answer was whole already) and the connection:
+        whatever the parser still finds in this read goes to no answer."""
         if self._answer is not None:
             self._answer.lost(exc)
+            self._answer = None
         self.close()
 
 
@@ -316,6 +319,11 @@ class Answer:
         if self._buffered < LOW_WATER:
             self._conn.resume()
         return chunk
+
+    @property
+    def buffered(self) -> int:
+        """Body bytes received and not read yet: at most about `HIGH_WATER` plus one read."""
+        return self._buffered
 
     def close(self) -> None:
         """Close the connection: the replica stops working on the request."""

@@ -1,0 +1,272 @@
+"""The forward stage's HTTP client against hand-written replicas on loopback: what it reuses, what
+it refuses, and where a hostile or silent replica stops it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import pytest
+from multidict import CIMultiDict
+
+from gateway.upstream import (
+    HIGH_WATER,
+    MAX_HEAD_BYTES,
+    BrokenAnswer,
+    ExchangeTimeout,
+    Refused,
+    Upstream,
+)
+
+JSON = b'{"ok":true}'
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n" + JSON
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@dataclass
+class Replica:
+    """A raw TCP server: each connection runs `script`; it counts connections and requests."""
+
+    script: Script
+    url: str = ""
+    connections: int = 0
+    requests: list[bytes] = field(default_factory=list)
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.script(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def read_request(self, reader: asyncio.StreamReader) -> bytes:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length")
+        )
+        request = head + await reader.readexactly(length)
+        self.requests.append(request)
+        return request
+
+
+@pytest.fixture
+async def replica() -> AsyncIterator[Callable[[Script], Awaitable[Replica]]]:
+    servers: list[asyncio.Server] = []
+
+    async def start(script: Script) -> Replica:
+        made = Replica(script)
+        server = await asyncio.start_server(made.serve, "127.0.0.1", 0)
+        servers.append(server)
+        made.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        return made
+
+    yield start
+    for server in servers:
+        server.close()
+        await server.wait_closed()
+
+
+async def post(
+    upstream: Upstream, replica: Replica, read_s: float | None = 5.0
+) -> tuple[int, bytes]:
+    answer = await upstream.post(
+        replica.url, "/v1/chat/completions", CIMultiDict(), b"{}", 1.0, read_s
+    )
+    body = b""
+    try:
+        while chunk := await answer.read_chunk():
+            body += chunk
+    except BaseException:
+        answer.close()
+        raise
+    answer.release()
+    return answer.status, body
+
+
+async def test_a_kept_alive_connection_serves_the_next_request() -> None:
+    async def answer_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await made.read_request(reader)
+            writer.write(OK)
+
+    upstream = Upstream()
+    made = Replica(answer_each)
+    server = await asyncio.start_server(made.serve, "127.0.0.1", 0)
+    made.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        for _ in range(3):
+            assert await post(upstream, made) == (200, JSON)
+        assert made.connections == 1
+        request = made.requests[0]
+        assert request.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
+        assert f"Host: {made.url.removeprefix('http://')}".encode() in request
+        assert request.endswith(b"Content-Length: 2\r\n\r\n{}")
+    finally:
+        upstream.close()
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 11\r\n\r\n" + JSON,
+        b"HTTP/1.1 200 OK\r\n\r\n" + JSON,  # delimited by the close
+    ],
+)
+async def test_a_connection_the_replica_closes_is_not_reused(replica, answer: bytes) -> None:
+    async def once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await made.read_request(reader)
+        writer.write(answer)
+        await writer.drain()
+
+    made = await replica(once)
+    upstream = Upstream()
+    assert await post(upstream, made) == (200, JSON)
+    assert await post(upstream, made) == (200, JSON)
+    assert made.connections == 2
+
+
+async def test_a_chunked_answer_is_read_whole(replica) -> None:
+    async def chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await made.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for part in (b'{"ok"', b":true}"):
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        writer.write(b"0\r\n\r\n")
+        await reader.read()
+
+    made = await replica(chunked)
+    assert await post(Upstream(), made) == (200, JSON)
+
+
+async def test_no_answer_at_all_is_refused(replica) -> None:
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await made.read_request(reader)
+
+    made = await replica(hang_up)
+    with pytest.raises(Refused):
+        await post(Upstream(), made)
+    with pytest.raises(Refused, match="cannot connect"):
+        await Upstream().post("http://127.0.0.1:1", "/", CIMultiDict(), b"", 1.0, 1.0)
+
+
+async def test_an_answer_cut_short_is_broken(replica) -> None:
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await made.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + JSON)
+        await writer.drain()
+
+    made = await replica(cut)
+    with pytest.raises(BrokenAnswer, match="mid-answer"):
+        await post(Upstream(), made)
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * (2 * MAX_HEAD_BYTES) + b"\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\n" + b"X-Pad: a\r\n" * 1000 + b"Content-Length: 0\r\n\r\n",
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n",
+        b"HTTP/1.1 100 Continue\r\n\r\n" + OK,
+        b"not http at all\r\n\r\n",
+    ],
+)
+async def test_a_hostile_head_is_refused_and_its_connection_closed(replica, head: bytes) -> None:
+    async def send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await made.read_request(reader)
+        writer.write(head)
+        await writer.drain()
+        await reader.read()  # until the client closes
+
+    made = await replica(send)
+    upstream = Upstream()
+    with pytest.raises(BrokenAnswer):
+        await post(upstream, made)
+    await asyncio.sleep(0.05)
+    assert not any(upstream._idle.values())  # nothing kept to reuse
+
+
+async def test_a_second_answer_to_one_request_costs_the_connection(replica) -> None:
+    async def twice(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await made.read_request(reader)
+        writer.write(OK + OK)
+        await reader.read()
+
+    made = await replica(twice)
+    upstream = Upstream()
+    assert await post(upstream, made) == (200, JSON)  # the first is the answer
+    assert await post(upstream, made) == (200, JSON)
+    assert made.connections == 2  # the one that spoke out of turn was not reused
+
+
+async def test_silence_before_the_head_and_between_chunks_times_out(replica) -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await made.read_request(reader)
+        await reader.read()
+
+    made = await replica(silent)
+    with pytest.raises(ExchangeTimeout):
+        await post(Upstream(), made, read_s=0.2)
+
+    async def stalls(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await stalling.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + JSON)
+        await reader.read()
+
+    stalling = await replica(stalls)
+    with pytest.raises(ExchangeTimeout, match="silent"):
+        await post(Upstream(), stalling, read_s=0.2)
+
+
+async def test_a_head_that_keeps_arriving_is_not_silence(replica) -> None:
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await made.read_request(reader)
+        for byte in OK[:40]:  # 40 bytes over ~0.6 s, each well within read_s
+            writer.write(bytes([byte]))
+            await writer.drain()
+            await asyncio.sleep(0.015)
+        writer.write(OK[40:])
+        await reader.read()
+
+    made = await replica(trickle)
+    assert await post(Upstream(), made, read_s=0.25) == (200, JSON)
+
+
+async def test_a_reader_that_does_not_read_holds_a_bounded_buffer(replica) -> None:
+    size = 16 * HIGH_WATER
+
+    async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await made.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        writer.write(b"x" * size)
+        await writer.drain()
+
+    made = await replica(flood)
+    answer = await Upstream().post(made.url, "/", CIMultiDict(), b"{}", 1.0, 5.0)
+    await asyncio.sleep(0.3)  # the replica writes as fast as it is let
+    assert answer.buffered <= HIGH_WATER + (1 << 18)  # + at most one read of the transport
+    total = 0
+    while chunk := await answer.read_chunk():
+        total += len(chunk)
+    answer.release()
+    assert total == size
+
+
+async def test_a_line_break_in_a_header_is_never_sent(replica) -> None:
+    async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await made.read_request(reader)
+
+    made = await replica(record)
+    headers = CIMultiDict({"Authorization": "Bearer key\r\nX-Injected: yes"})
+    with pytest.raises(ValueError, match="line break"):
+        await Upstream().post(made.url, "/", headers, b"{}", 1.0, 1.0)
+    await asyncio.sleep(0.05)
+    assert made.requests == []
