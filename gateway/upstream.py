@@ -38,6 +38,7 @@ MAX_HEADERS = 256
 HIGH_WATER = 1 << 18  # body bytes buffered before reading from the replica pauses
 LOW_WATER = 1 << 16
 KEEPALIVE_S = 60.0  # an idle connection older than this is closed instead of reused
+MAX_TARGETS = 1024  # replica URLs remembered: past it, those with no kept connection go
 
 
 _NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
@@ -95,8 +96,8 @@ def _request_head(target: _Target, path: str, headers: CIMultiDict[str], length:
 class _Connection(asyncio.Protocol):
     """One connection to a replica and the exchange it is in, if any."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, idle: list[_Connection]) -> None:
-        self.loop = loop
+    def __init__(self, loop: asyncio.AbstractEventLoop, url: str, idle: list[_Connection]) -> None:
+        self.loop, self.url = loop, url
         self.idle = idle  # the list it waits in between requests
         self._parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
@@ -351,11 +352,15 @@ class Upstream:
     def _target(self, url: str) -> _Target:
         target = self._targets.get(url)
         if target is None:
+            if len(self._targets) >= MAX_TARGETS:  # DNS churn: forget replicas with nothing kept
+                for gone in [u for u in self._targets if not self._idle.get(u)]:
+                    del self._targets[gone]
+                    self._idle.pop(gone, None)
             target = self._targets[url] = _Target.of(url)
         return target
 
     async def _connect(
-        self, target: _Target, idle: list[_Connection], connect_s: float
+        self, url: str, target: _Target, idle: list[_Connection], connect_s: float
     ) -> _Connection:
         loop = asyncio.get_running_loop()
         tls = None
@@ -364,7 +369,7 @@ class Upstream:
         try:
             async with asyncio.timeout(connect_s):
                 _, conn = await loop.create_connection(
-                    lambda: _Connection(loop, idle), target.host, target.port, ssl=tls
+                    lambda: _Connection(loop, url, idle), target.host, target.port, ssl=tls
                 )
         except TimeoutError:
             raise ExchangeTimeout(f"no connection within {connect_s}s") from None
@@ -395,7 +400,7 @@ class Upstream:
                 conn = candidate
                 break
         if conn is None:
-            conn = await self._connect(target, idle, connect_s)
+            conn = await self._connect(replica_url, target, idle, connect_s)
         assert conn.transport is not None
         answer = Answer(self, conn, read_s)
         conn.begin(answer)
@@ -409,6 +414,9 @@ class Upstream:
 
     def keep(self, conn: _Connection) -> None:
         idle, now = conn.idle, conn.loop.time()
+        if self._idle.get(conn.url) is not idle:  # its replica was forgotten meanwhile
+            conn.close()
+            return
         conn.idle_since = now
         idle.append(conn)
         if now - idle[0].idle_since > KEEPALIVE_S:  # the oldest has idled long enough

@@ -68,7 +68,7 @@ def test_no_python_at_all_says_what_to_install(tmp_path):
 def test_missing_test_programs_stop_the_run_with_the_one_command_to_run():
     with tempfile.TemporaryDirectory() as tmp:  # not under pytest's tmp_path: nobody reads it
         os.chmod(tmp, 0o755)
-        path = fake_bin(Path(tmp), "redis-server", "prometheus")
+        path = fake_bin(Path(tmp), "redis-server", "prometheus", "openssl")
         out = run("tools.sh", f"{tmp}/venv", path=path, as_root=False)
     assert out.returncode == 1, out.stderr
     # promtool alone is missing: it comes with Debian's prometheus
@@ -76,6 +76,6 @@ def test_missing_test_programs_stop_the_run_with_the_one_command_to_run():
 
 
 def test_nothing_is_installed_when_every_program_is_there(tmp_path):
-    path = fake_bin(tmp_path, "redis-server", "prometheus", "promtool", "kubectl")
+    path = fake_bin(tmp_path, "redis-server", "prometheus", "promtool", "openssl", "kubectl")
     out = run("tools.sh", str(tmp_path / "venv"), path=path)
     assert (out.returncode, out.stdout, out.stderr) == (0, "", "")

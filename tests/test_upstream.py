@@ -4,8 +4,11 @@ it refuses, and where a hostile or silent replica stops it."""
 from __future__ import annotations
 
 import asyncio
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from multidict import CIMultiDict
@@ -270,3 +273,60 @@ async def test_a_line_break_in_a_header_is_never_sent(replica) -> None:
         await Upstream().post(made.url, "/", headers, b"{}", 1.0, 1.0)
     await asyncio.sleep(0.05)
     assert made.requests == []
+
+
+@pytest.fixture
+def self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1, and its key."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return cert, key
+
+
+async def test_an_https_replica_is_verified_and_served(self_signed, monkeypatch) -> None:
+    """TLS with the system's verification: the replica's certificate must be trusted (here a
+    self-signed one, through `SSL_CERT_FILE`) and name the host."""
+    cert, key = self_signed
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await made.read_request(reader)
+        writer.write(OK)
+        await reader.read()
+
+    made = Replica(answer)
+    server = await asyncio.start_server(made.serve, "127.0.0.1", 0, ssl=server_tls)
+    made.url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        with pytest.raises(Refused, match="certificate"):  # not trusted yet
+            await post(Upstream(), made)
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        assert await post(Upstream(), made) == (200, JSON)
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_replicas_dns_no_longer_names_are_forgotten(replica, monkeypatch) -> None:
+    async def answer_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await made.read_request(reader)
+            writer.write(OK)
+
+    made = await replica(answer_each)
+    monkeypatch.setattr("gateway.upstream.MAX_TARGETS", 3)
+    upstream = Upstream()
+    assert await post(upstream, made) == (200, JSON)  # one connection kept for it
+    for n in range(10):  # replicas that came and went, never answering
+        with pytest.raises(Refused):
+            await upstream.post(f"http://127.0.0.{n + 2}:1", "/", CIMultiDict(), b"", 1.0, 1.0)
+    assert len(upstream._targets) <= 3
+    assert made.url in upstream._targets  # its kept connection keeps it
+    assert await post(upstream, made) == (200, JSON)
+    assert made.connections == 1
