@@ -312,8 +312,7 @@ async def _relay(
     pending = b""
     deadline = min(first, total)
     while True:
-        with Deadline(deadline):
-            data = await up.read_chunk()
+        data = await up.read_chunk(deadline)  # no timer per chunk: the answer's watchdog
         if not data:
             break
         deadline = total

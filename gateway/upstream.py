@@ -24,6 +24,7 @@ What it guarantees, as aiohttp did for the forward stage:
 from __future__ import annotations
 
 import asyncio
+import math
 import ssl
 from collections import deque
 from dataclasses import dataclass
@@ -102,6 +103,7 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self.paused = False  # reading, while the answer's reader is behind by HIGH_WATER
         self.idle_since = 0.0
         self._answer: Answer | None = None
         self._head_bytes = 0
@@ -184,11 +186,13 @@ class _Connection(asyncio.Protocol):
         self._answer = None
 
     def pause(self) -> None:
-        if self.transport is not None:
+        if self.transport is not None and not self.paused:
+            self.paused = True
             self.transport.pause_reading()
 
     def resume(self) -> None:
-        if self.transport is not None and not self.closed:
+        if self.transport is not None and self.paused and not self.closed:
+            self.paused = False
             self.transport.resume_reading()
 
     def close(self) -> None:
@@ -208,9 +212,10 @@ class _Connection(asyncio.Protocol):
 class Answer:
     """A replica's answer: its status and head, and its body chunk by chunk as it arrives."""
 
-    __slots__ = ("_body", "_buffered", "_conn", "_ended", "_error", "_head", "_keep", "_loop",
-                 "_read_s", "_timer", "_upstream", "_waiter", "content_length", "content_type",
-                 "head_done", "headers", "heard_at", "status")  # fmt: skip
+    __slots__ = ("_body", "_buffered", "_conn", "_deadline", "_ended", "_error", "_keep",
+                 "_loop", "_read_s", "_upstream", "_waiter", "_watch", "_watch_at",
+                 "content_length", "content_type", "head_done", "headers", "heard_at",
+                 "status")  # fmt: skip
 
     def __init__(self, upstream: Upstream, conn: _Connection, read_s: float | None) -> None:
         self._upstream, self._conn, self._read_s = upstream, conn, read_s
@@ -220,9 +225,10 @@ class Answer:
         self._ended = False  # the whole body arrived
         self._keep = False  # and the replica lets the connection be reused
         self._error: ExchangeError | None = None
-        self._waiter: asyncio.Future[None] | None = None  # the reader's, for the body
-        self._head: asyncio.Future[None] | None = None  # the sender's, for the head
-        self._timer: asyncio.TimerHandle | None = None
+        self._waiter: asyncio.Future[None] | None = None  # for the head, then for the body
+        self._deadline = math.inf  # the reader's own, for the wait at hand (`read_chunk`)
+        self._watch: asyncio.TimerHandle | None = None
+        self._watch_at = math.inf
         self.head_done = False
         self.heard_at = self._loop.time()
         self.status = 0
@@ -241,7 +247,7 @@ class Answer:
         self.content_type = headers.get("Content-Type", "").partition(";")[0].strip().lower()
         length = headers.get("Content-Length")
         self.content_length = int(length) if length is not None and length.isdigit() else None
-        self._wake(self._head)
+        self._wake(self._waiter)
 
     def feed(self, chunk: bytes) -> None:
         self._body.append(chunk)
@@ -269,7 +275,6 @@ class Answer:
             self._ended = True
         else:
             self._error = BrokenAnswer(f"the replica closed the connection mid-answer ({exc})")
-        self._wake(self._head)
         self._wake(self._waiter)
 
     def _wake(self, waiter: asyncio.Future[None] | None) -> None:
@@ -278,46 +283,63 @@ class Answer:
 
     # --- for the forward stage -----------------------------------------------------------------
 
-    async def _wait(self, waiter: asyncio.Future[None]) -> None:
-        """Until the connection wakes `waiter`, within `read_s` of the replica's last bytes."""
-        if self._read_s is not None:
-            self._timer = self._loop.call_at(self.heard_at + self._read_s, self._silent, waiter)
-        try:
-            await waiter
-        finally:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+    # One watchdog timer per answer, not one per wait: a stream of a thousand chunks would
+    # otherwise make and cancel a thousand timers (two, with the reader's deadline). It fires at
+    # the earliest time a wait could have to end, and looks: silence is measured from the
+    # replica's last bytes (`heard_at`, set on every read), so usually it just re-arms.
 
-    def _silent(self, waiter: asyncio.Future[None]) -> None:
-        assert self._read_s is not None
-        if waiter.done():
-            return
-        quiet_since = self.heard_at
-        if self._loop.time() - quiet_since < self._read_s:  # bytes came meanwhile: not silent
-            self._timer = self._loop.call_at(quiet_since + self._read_s, self._silent, waiter)
-            return
-        waiter.set_exception(ExchangeTimeout(f"the replica was silent for {self._read_s}s"))
+    def _due(self) -> float:
+        silence = self.heard_at + self._read_s if self._read_s is not None else math.inf
+        return min(silence, self._deadline)
+
+    def _arm(self) -> None:
+        due = self._due()
+        if due < self._watch_at:  # sooner than the watchdog looks (or none is armed)
+            if self._watch is not None:
+                self._watch.cancel()
+            self._watch_at = due
+            self._watch = self._loop.call_at(due, self._look) if due < math.inf else None
+
+    def _look(self) -> None:
+        self._watch, self._watch_at = None, math.inf
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # nobody waits: the next wait arms it again
+        now = self._loop.time()
+        if now >= self._deadline:
+            waiter.set_exception(TimeoutError())
+        elif self._read_s is not None and now - self.heard_at >= self._read_s:
+            waiter.set_exception(ExchangeTimeout(f"the replica was silent for {self._read_s}s"))
+        else:
+            self._arm()
+
+    async def _wait(self) -> None:
+        """Until the connection has news, within `read_s` of the replica's last bytes and the
+        reader's deadline."""
+        waiter = self._waiter = self._loop.create_future()
+        self._arm()
+        await waiter
 
     async def read_head(self) -> None:
         if not self.head_done and self._error is None:
-            self._head = self._loop.create_future()
-            await self._wait(self._head)
+            await self._wait()
         if self._error is not None:
             raise self._error
 
-    async def read_chunk(self) -> bytes:
-        """The next bytes of the body as they arrived; b"" at its end."""
+    async def read_chunk(self, deadline: float = math.inf) -> bytes:
+        """The next bytes of the body as they arrived; b"" at its end. `deadline` (loop time)
+        bounds this wait as `read_s` does: a `TimeoutError` when it passes."""
         while not self._body:
             if self._error is not None:
                 raise self._error
             if self._ended:
                 return b""
-            self._waiter = self._loop.create_future()
-            await self._wait(self._waiter)
+            self._deadline = deadline
+            await self._wait()
         chunk = self._body.popleft()
         self._buffered -= len(chunk)
-        if self._buffered < LOW_WATER:
+        if self._buffered < LOW_WATER and self._conn.paused:
+            self.heard_at = self._loop.time()  # its silence while paused was ours
             self._conn.resume()
         return chunk
 
@@ -326,13 +348,20 @@ class Answer:
         """Body bytes received and not read yet: at most about `HIGH_WATER` plus one read."""
         return self._buffered
 
+    def _unwatch(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch, self._watch_at = None, math.inf
+
     def close(self) -> None:
         """Close the connection: the replica stops working on the request."""
+        self._unwatch()
         self._conn.end()
         self._conn.close()
 
     def release(self) -> None:
         """Done with the answer: its connection is kept when it can serve another request."""
+        self._unwatch()
         conn = self._conn
         conn.end()
         if self._ended and self._keep and not self._body and not conn.closed:

@@ -5,7 +5,7 @@ at 64 connections; docs/benchmarks.md), which is more than most single changes t
 are worth. `valgrind --tool=callgrind` counts the instructions a process executes, and that count
 does not depend on what else the machine is doing: the same code gives the same figure to well
 under 1%. So this runs the pass-through and one gateway per tree under callgrind, with counting
-off through start-up and a warm-up, on only for a fixed number of short chat requests sent one
+off through start-up and a warm-up, on only for a fixed number of short chat requests (or, `--stream`, streamed ones) sent one
 after another on one keep-alive connection, and reports instructions per request and the ratio
 to the pass-through's.
 
@@ -15,6 +15,7 @@ request (both sides alike). Use it to steer and to compare trees; `bench-overhea
 verdict in time.
 
     python -m loadtest.bench_instructions [--requests 1000] [--tree NAME=PATH ...] [--keep DIR]
+                                          [--stream]
 
 `--tree` (repeatable; default: this checkout as `gateway`) runs that checkout's `gateway`
 package, as `loadtest.bench_ab` does. `--keep` keeps the callgrind files, for
@@ -59,7 +60,7 @@ def callgrind(out_file: Path) -> list[str]:
 
 
 def send(port: int, body: str, requests: int) -> None:
-    """`requests` short chat requests, one after another on one connection; each must succeed."""
+    """`requests` chat requests, one after another on one connection; each must succeed."""
     conn = http.client.HTTPConnection(bench.HOST, port, timeout=60)
     try:
         headers = {"Content-Type": "application/json"}
@@ -112,7 +113,7 @@ def count(service: bench.Service, out_file: Path, body: str, requests: int) -> C
     return Count((busy - idle) / requests, idle / busy)
 
 
-def run(trees: dict[str, Path], requests: int, keep: Path | None) -> int:
+def run(trees: dict[str, Path], requests: int, keep: Path | None, stream: bool) -> int:
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         bench.log("valgrind is not installed (apt-get install -y valgrind)")
         return 2
@@ -146,14 +147,15 @@ def run(trees: dict[str, Path], requests: int, keep: Path | None) -> int:
                 gateways.append(procs.start(name, [*callgrind(outs[name]), *argv], port, tree))
             bench.READY_TIMEOUT_S = READY_TIMEOUT_S
             bench.wait_started(stub, passthrough, gateways)
-            body = bench.dumps(bench.short_chat())
+            body = bench.dumps(bench.stream_chat() if stream else bench.short_chat())
             per_request = {
                 s.name: count(s, outs[s.name], body, requests) for s in (passthrough, *gateways)
             }
         finally:
             procs.stop()
         base = per_request["pass-through"].per_request
-        print(f"instructions per short chat request, {requests} counted after {WARM_UP}:")
+        kind = f"{bench.STREAM_TOKENS}-chunk stream" if stream else "short chat"
+        print(f"instructions per {kind} request, {requests} counted after {WARM_UP}:")
         for name, value in per_request.items():
             print(
                 f"  {name}: {value.per_request:,.0f} ({value.per_request / base:.3f}x the"
@@ -177,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         help="a checkout whose gateway to count, under NAME (repeatable; default: this one)",
     )
     parser.add_argument("--keep", type=Path, help="keep the callgrind files in this directory")
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help=f"a streamed chat of {bench.STREAM_TOKENS} chunks instead of the short request",
+    )
     args = parser.parse_args(argv)
     if args.requests < 1:
         parser.error("--requests must be at least 1")
@@ -189,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     # The children inherit it: the same dict layouts, hence the same work, run after run.
     os.environ["PYTHONHASHSEED"] = "0"
-    return run(trees, args.requests, args.keep)
+    return run(trees, args.requests, args.keep, args.stream)
 
 
 if __name__ == "__main__":
