@@ -5,9 +5,9 @@ at 64 connections; docs/benchmarks.md), which is more than most single changes t
 are worth. `valgrind --tool=callgrind` counts the instructions a process executes, and that count
 does not depend on what else the machine is doing: the same code gives the same figure to well
 under 1%. So this runs the pass-through and one gateway per tree under callgrind, with counting
-off through start-up and a warm-up, on only for a fixed number of short chat requests (or, `--stream`, streamed ones) sent one
-after another on one keep-alive connection, and reports instructions per request and the ratio
-to the pass-through's.
+off through start-up and a warm-up, on only for a fixed number of short chat requests (or, with
+`--stream`, streamed ones) sent one after another on one keep-alive connection, and reports
+instructions per request and the ratio to the pass-through's.
 
 It is a proxy for CPU time, not CPU time: it does not see cache misses, system-call cost or
 contention between threads, and one connection at a time pays the event loop's wake-up on every

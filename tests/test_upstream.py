@@ -330,3 +330,25 @@ async def test_replicas_dns_no_longer_names_are_forgotten(replica, monkeypatch) 
     assert made.url in upstream._targets  # its kept connection keeps it
     assert await post(upstream, made) == (200, JSON)
     assert made.connections == 1
+
+
+async def test_a_stream_that_never_goes_silent_still_ends_at_the_readers_deadline(replica) -> None:
+    async def forever(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await made.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(200):  # ~4 s of a chunk every 20 ms, far past the deadline
+            writer.write(b"6\r\ndata: \r\n")
+            await writer.drain()
+            await asyncio.sleep(0.02)
+
+    made = await replica(forever)
+    answer = await Upstream().post(made.url, "/", CIMultiDict(), b"{}", 1.0, 0.2)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    chunks = 0
+    with pytest.raises(TimeoutError) as caught:
+        while await answer.read_chunk(started + 0.5):
+            chunks += 1
+    answer.close()
+    assert not isinstance(caught.value, ExchangeTimeout)  # the deadline, not silence (read_s)
+    assert chunks > 5 and loop.time() - started < 2.0
