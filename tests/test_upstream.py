@@ -24,7 +24,7 @@ from gateway.upstream import (
 
 JSON = b'{"ok":true}'
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n" + JSON
-Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+Script = Callable[["Replica", asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Replica:
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         try:
-            await self.script(reader, writer)
+            await self.script(self, reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
@@ -74,6 +74,15 @@ async def replica() -> AsyncIterator[Callable[[Script], Awaitable[Replica]]]:
         await server.wait_closed()
 
 
+async def answer_each(
+    made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    """A replica that answers every request on the connection with `OK`."""
+    while True:
+        await made.read_request(reader)
+        writer.write(OK)
+
+
 async def post(
     upstream: Upstream, replica: Replica, read_s: float | None = 5.0
 ) -> tuple[int, bytes]:
@@ -91,28 +100,17 @@ async def post(
     return answer.status, body
 
 
-async def test_a_kept_alive_connection_serves_the_next_request() -> None:
-    async def answer_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            await made.read_request(reader)
-            writer.write(OK)
-
+async def test_a_kept_alive_connection_serves_the_next_request(replica) -> None:
+    made = await replica(answer_each)
     upstream = Upstream()
-    made = Replica(answer_each)
-    server = await asyncio.start_server(made.serve, "127.0.0.1", 0)
-    made.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    try:
-        for _ in range(3):
-            assert await post(upstream, made) == (200, JSON)
-        assert made.connections == 1
-        request = made.requests[0]
-        assert request.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
-        assert f"Host: {made.url.removeprefix('http://')}".encode() in request
-        assert request.endswith(b"Content-Length: 2\r\n\r\n{}")
-    finally:
-        upstream.close()
-        server.close()
-        await server.wait_closed()
+    for _ in range(3):
+        assert await post(upstream, made) == (200, JSON)
+    assert made.connections == 1
+    request = made.requests[0]
+    assert request.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
+    assert f"Host: {made.url.removeprefix('http://')}".encode() in request
+    assert request.endswith(b"Content-Length: 2\r\n\r\n{}")
+    upstream.close()
 
 
 @pytest.mark.parametrize(
@@ -123,7 +121,9 @@ async def test_a_kept_alive_connection_serves_the_next_request() -> None:
     ],
 )
 async def test_a_connection_the_replica_closes_is_not_reused(replica, answer: bytes) -> None:
-    async def once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def once(
+        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         await made.read_request(reader)
         writer.write(answer)
         await writer.drain()
@@ -136,7 +136,9 @@ async def test_a_connection_the_replica_closes_is_not_reused(replica, answer: by
 
 
 async def test_a_chunked_answer_is_read_whole(replica) -> None:
-    async def chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def chunked(
+        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         await made.read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
         for part in (b'{"ok"', b":true}"):
@@ -151,7 +153,9 @@ async def test_a_chunked_answer_is_read_whole(replica) -> None:
 
 
 async def test_no_answer_at_all_is_refused(replica) -> None:
-    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def hang_up(
+        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         await made.read_request(reader)
 
     made = await replica(hang_up)
@@ -162,7 +166,9 @@ async def test_no_answer_at_all_is_refused(replica) -> None:
 
 
 async def test_an_answer_cut_short_is_broken(replica) -> None:
-    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def cut(
+        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         await made.read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + JSON)
         await writer.drain()
@@ -183,7 +189,9 @@ async def test_an_answer_cut_short_is_broken(replica) -> None:
     ],
 )
 async def test_a_hostile_head_is_refused_and_its_connection_closed(replica, head: bytes) -> None:
-    async def send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def send(
+        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         await made.read_request(reader)
         writer.write(head)
         await writer.drain()
@@ -198,7 +206,9 @@ async def test_a_hostile_head_is_refused_and_its_connection_closed(replica, head
 
 
 async def test_a_second_answer_to_one_request_costs_the_connection(replica) -> None:
-    async def twice(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def twice(
+        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         await made.read_request(reader)
         writer.write(OK + OK)
         await reader.read()
@@ -211,7 +221,9 @@ async def test_a_second_answer_to_one_request_costs_the_connection(replica) -> N
 
 
 async def test_silence_before_the_head_and_between_chunks_times_out(replica) -> None:
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def silent(
+        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         await made.read_request(reader)
         await reader.read()
 
@@ -219,8 +231,10 @@ async def test_silence_before_the_head_and_between_chunks_times_out(replica) -> 
     with pytest.raises(ExchangeTimeout):
         await post(Upstream(), made, read_s=0.2)
 
-    async def stalls(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await stalling.read_request(reader)
+    async def stalls(
+        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await made.read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + JSON)
         await reader.read()
 
@@ -230,7 +244,9 @@ async def test_silence_before_the_head_and_between_chunks_times_out(replica) -> 
 
 
 async def test_a_head_that_keeps_arriving_is_not_silence(replica) -> None:
-    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def trickle(
+        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         await made.read_request(reader)
         for byte in OK[:40]:  # 40 bytes over ~0.6 s, each well within read_s
             writer.write(bytes([byte]))
@@ -246,7 +262,9 @@ async def test_a_head_that_keeps_arriving_is_not_silence(replica) -> None:
 async def test_a_reader_that_does_not_read_holds_a_bounded_buffer(replica) -> None:
     size = 16 * HIGH_WATER
 
-    async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def flood(
+        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         await made.read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
         writer.write(b"x" * size)
@@ -264,7 +282,9 @@ async def test_a_reader_that_does_not_read_holds_a_bounded_buffer(replica) -> No
 
 
 async def test_a_line_break_in_a_header_is_never_sent(replica) -> None:
-    async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def record(
+        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         await made.read_request(reader)
 
     made = await replica(record)
@@ -295,7 +315,9 @@ async def test_an_https_replica_is_verified_and_served(self_signed, monkeypatch)
     server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_tls.load_cert_chain(cert, key)
 
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def answer(
+        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         await made.read_request(reader)
         writer.write(OK)
         await reader.read()
@@ -314,11 +336,6 @@ async def test_an_https_replica_is_verified_and_served(self_signed, monkeypatch)
 
 
 async def test_replicas_dns_no_longer_names_are_forgotten(replica, monkeypatch) -> None:
-    async def answer_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            await made.read_request(reader)
-            writer.write(OK)
-
     made = await replica(answer_each)
     monkeypatch.setattr("gateway.upstream.MAX_TARGETS", 3)
     upstream = Upstream()
@@ -333,7 +350,9 @@ async def test_replicas_dns_no_longer_names_are_forgotten(replica, monkeypatch) 
 
 
 async def test_a_stream_that_never_goes_silent_still_ends_at_the_readers_deadline(replica) -> None:
-    async def forever(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def forever(
+        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         await made.read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
         for _ in range(200):  # ~4 s of a chunk every 20 ms, far past the deadline
