@@ -83,6 +83,15 @@ async def answer_each(
         writer.write(OK)
 
 
+async def send_chunked(writer: asyncio.StreamWriter, parts: list[bytes], gap_s: float) -> None:
+    """A chunked answer's head and `parts` as chunks, `gap_s` apart; no final chunk."""
+    writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+    for part in parts:
+        writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+        await writer.drain()
+        await asyncio.sleep(gap_s)
+
+
 async def post(
     upstream: Upstream, replica: Replica, read_s: float | None = 5.0
 ) -> tuple[int, bytes]:
@@ -140,11 +149,7 @@ async def test_a_chunked_answer_is_read_whole(replica) -> None:
         made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         await made.read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        for part in (b'{"ok"', b":true}"):
-            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
-            await writer.drain()
-            await asyncio.sleep(0.01)
+        await send_chunked(writer, [b'{"ok"', b":true}"], 0.01)
         writer.write(b"0\r\n\r\n")
         await reader.read()
 
@@ -354,11 +359,7 @@ async def test_a_stream_that_never_goes_silent_still_ends_at_the_readers_deadlin
         made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         await made.read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        for _ in range(200):  # ~4 s of a chunk every 20 ms, far past the deadline
-            writer.write(b"6\r\ndata: \r\n")
-            await writer.drain()
-            await asyncio.sleep(0.02)
+        await send_chunked(writer, [b"data: "] * 200, 0.02)  # ~4 s, far past the deadline
 
     made = await replica(forever)
     answer = await Upstream().post(made.url, "/", CIMultiDict(), b"{}", 1.0, 0.2)
