@@ -38,7 +38,11 @@ MAX_HEAD_BYTES = 65536  # a replica's status line and headers; vLLM sends a few 
 MAX_HEADERS = 256
 HIGH_WATER = 1 << 18  # body bytes buffered before reading from the replica pauses
 LOW_WATER = 1 << 16
-KEEPALIVE_S = 60.0  # an idle connection older than this is closed instead of reused
+# An idle connection older than this is closed, not reused: vLLM's server (uvicorn) closes
+# its side after 5 s idle (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), and a request sent as it does so
+# would be refused for nothing.
+KEEPALIVE_S = 4.0
+CHUNK_COST = 64  # bytes a buffered chunk costs beyond its payload (object, deque slot)
 MAX_TARGETS = 1024  # replica URLs remembered: past it, those with no kept connection go
 
 
@@ -107,6 +111,8 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self._answer: Answer | None = None
         self._head_bytes = 0
+        self._framing = 0  # after the head: bytes read that were not body (chunk lines, trailers)
+        self._informational = False  # a 1xx head was read: its message is not the answer
         self._fields: list[tuple[bytes, bytes]] = []
         self._field_bytes = 0
 
@@ -125,6 +131,8 @@ class _Connection(asyncio.Protocol):
         before = not answer.head_done
         if before:
             self._head_bytes += len(data)
+        else:
+            self._framing += len(data)  # on_body takes the body's share back
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -134,6 +142,8 @@ class _Connection(asyncio.Protocol):
         else:
             if before and not answer.head_done and self._head_bytes > MAX_HEAD_BYTES:
                 self._fail(BrokenAnswer(f"the replica's head is over {MAX_HEAD_BYTES} bytes"))
+            elif self._framing > MAX_HEAD_BYTES:  # chunk extensions or trailers, not body
+                self._fail(BrokenAnswer(f"the replica's framing is over {MAX_HEAD_BYTES} bytes"))
 
     def eof_received(self) -> bool:
         return False  # close: an exchange is one request and its whole answer
@@ -153,6 +163,8 @@ class _Connection(asyncio.Protocol):
             self._fail(BrokenAnswer("the replica sent a second answer"))
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._answer is not None and self._answer.head_done:
+            return  # a trailer: vLLM sends none, and a proxy passes on no late header
         self._fields.append((name, value))
         self._field_bytes += len(name) + len(value)
 
@@ -163,24 +175,32 @@ class _Connection(asyncio.Protocol):
         status = self._parser.get_status_code()
         if len(self._fields) > MAX_HEADERS or self._field_bytes > MAX_HEAD_BYTES:
             self._fail(BrokenAnswer(f"the replica's head is over {MAX_HEADERS} fields or bounds"))
-        elif status < 200:  # nothing asked for one (no Expect, no Upgrade)
-            self._fail(BrokenAnswer(f"the replica answered with status {status}"))
+        elif status < 200:  # informational (100, 103): the answer follows, as RFC 9110 15.2 says
+            self._informational = True
         else:
             answer.started(status, self._fields)
         self._fields, self._field_bytes = [], 0
 
     def on_body(self, body: bytes) -> None:
+        self._framing -= len(body)
         if self._answer is not None:
             self._answer.feed(body)
 
+    def on_chunk_header(self) -> None:
+        self._framing -= 16  # a chunk's size line and its CRLFs: allowed for each chunk
+
     def on_message_complete(self) -> None:
+        if self._informational:
+            self._informational = False
+            return
         if self._answer is not None:
             self._answer.complete(self._parser.should_keep_alive())
 
     # --- the gateway's side --------------------------------------------------------------------
 
     def begin(self, answer: Answer) -> None:
-        self._answer, self._head_bytes = answer, 0
+        self._answer, self._head_bytes, self._framing = answer, 0, 0
+        self._fields, self._field_bytes = [], 0
 
     def end(self) -> None:
         self._answer = None
@@ -212,7 +232,7 @@ class _Connection(asyncio.Protocol):
 class Answer:
     """A replica's answer: its status and head, and its body chunk by chunk as it arrives."""
 
-    __slots__ = ("_body", "_buffered", "_conn", "_deadline", "_ended", "_error", "_keep",
+    __slots__ = ("_body", "_buffered", "_conn", "_deadline", "_done", "_ended", "_error", "_keep",
                  "_loop", "_read_s", "_upstream", "_waiter", "_watch", "_watch_at",
                  "content_length", "content_type", "head_done", "headers", "heard_at",
                  "status")  # fmt: skip
@@ -222,6 +242,7 @@ class Answer:
         self._loop = conn.loop
         self._body: deque[bytes] = deque()
         self._buffered = 0
+        self._done = False  # released or closed: the connection is no longer this answer's
         self._ended = False  # the whole body arrived
         self._keep = False  # and the replica lets the connection be reused
         self._error: ExchangeError | None = None
@@ -251,7 +272,7 @@ class Answer:
 
     def feed(self, chunk: bytes) -> None:
         self._body.append(chunk)
-        self._buffered += len(chunk)
+        self._buffered += len(chunk) + CHUNK_COST
         if self._buffered > HIGH_WATER:
             self._conn.pause()
         self._wake(self._waiter)
@@ -328,7 +349,10 @@ class Answer:
 
     async def read_chunk(self, deadline: float = math.inf) -> bytes:
         """The next bytes of the body as they arrived; b"" at its end. `deadline` (loop time)
-        bounds this wait as `read_s` does: a `TimeoutError` when it passes."""
+        bounds this read as `read_s` does: a `TimeoutError` when it passes, even with bytes
+        buffered (a replica faster than its client must not outlive `total_s`)."""
+        if deadline < math.inf and self._loop.time() >= deadline:
+            raise TimeoutError
         while not self._body:
             if self._error is not None:
                 raise self._error
@@ -337,7 +361,7 @@ class Answer:
             self._deadline = deadline
             await self._wait()
         chunk = self._body.popleft()
-        self._buffered -= len(chunk)
+        self._buffered -= len(chunk) + CHUNK_COST
         if self._buffered < LOW_WATER and self._conn.paused:
             self.heard_at = self._loop.time()  # its silence while paused was ours
             self._conn.resume()
@@ -345,7 +369,8 @@ class Answer:
 
     @property
     def buffered(self) -> int:
-        """Body bytes received and not read yet: at most about `HIGH_WATER` plus one read."""
+        """Body received and not read yet, in bytes with each chunk's `CHUNK_COST`: at most
+        about `HIGH_WATER` plus one read."""
         return self._buffered
 
     def _unwatch(self) -> None:
@@ -355,12 +380,19 @@ class Answer:
 
     def close(self) -> None:
         """Close the connection: the replica stops working on the request."""
+        if self._done:
+            return
+        self._done = True
         self._unwatch()
         self._conn.end()
         self._conn.close()
 
     def release(self) -> None:
-        """Done with the answer: its connection is kept when it can serve another request."""
+        """Done with the answer: its connection is kept when it can serve another request.
+        After `close` or a first `release`, nothing: the connection may serve another by then."""
+        if self._done:
+            return
+        self._done = True
         self._unwatch()
         conn = self._conn
         conn.end()
@@ -423,13 +455,21 @@ class Upstream:
         if idle is None:
             idle = self._idle[replica_url] = []
         conn = None
-        while idle:  # the newest first: the likeliest to be open still
-            candidate = idle.pop()
-            if not candidate.closed:
+        if idle:
+            now = idle[-1].loop.time()
+            while idle:  # the newest first: the likeliest to be open still
+                candidate = idle.pop()
+                if candidate.closed:
+                    continue
+                if now - candidate.idle_since > KEEPALIVE_S:  # and so are all older ones
+                    candidate.close()
+                    continue
                 conn = candidate
                 break
         if conn is None:
             conn = await self._connect(replica_url, target, idle, connect_s)
+            if conn.closed:  # lost before it could be used: nothing will wake its answer
+                raise Refused("the replica closed the connection before the request")
         assert conn.transport is not None
         answer = Answer(self, conn, read_s)
         conn.begin(answer)

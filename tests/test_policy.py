@@ -186,3 +186,15 @@ def test_prefix_cache_sizes_out_of_range_are_refused_at_load(tmp_path, server, p
     )
     with pytest.raises(PolicyError, match=re.escape(f"x.yaml:7: {problem}")):
         load_policy(path)
+
+
+def test_a_replica_url_with_credentials_is_refused_without_echoing_them(tmp_path) -> None:
+    path = tmp_path / "x.yaml"
+    path.write_text(BROKEN.replace("ftp://nowhere", "http://user:s3cret@10.0.0.1:8000"))
+    result = check(path)
+    assert result.returncode == 1
+    assert (
+        f"{path}:13: pools.classify.replicas: a replica URL carries no credentials: give the key"
+        " in `api_key_env`" in result.stderr.splitlines()
+    )
+    assert "s3cret" not in result.stderr + result.stdout

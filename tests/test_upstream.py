@@ -189,7 +189,6 @@ async def test_an_answer_cut_short_is_broken(replica) -> None:
         b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * (2 * MAX_HEAD_BYTES) + b"\r\n\r\n",
         b"HTTP/1.1 200 OK\r\n" + b"X-Pad: a\r\n" * 1000 + b"Content-Length: 0\r\n\r\n",
         b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n",
-        b"HTTP/1.1 100 Continue\r\n\r\n" + OK,
         b"not http at all\r\n\r\n",
     ],
 )
@@ -372,3 +371,89 @@ async def test_a_stream_that_never_goes_silent_still_ends_at_the_readers_deadlin
     answer.close()
     assert not isinstance(caught.value, ExchangeTimeout)  # the deadline, not silence (read_s)
     assert chunks > 5 and loop.time() - started < 2.0
+
+
+@pytest.mark.parametrize(
+    "informational",
+    [b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"],
+)
+async def test_an_informational_head_is_skipped_for_the_answer(replica, informational) -> None:
+    async def hint_first(made: Replica, reader: asyncio.StreamReader, writer) -> None:
+        while True:
+            await made.read_request(reader)
+            writer.write(informational + OK)
+
+    made = await replica(hint_first)
+    upstream = Upstream()
+    answer = await upstream.post(made.url, "/", CIMultiDict(), b"{}", 1.0, 1.0)
+    assert (answer.status, answer.headers.get("Link")) == (200, None)
+    assert await answer.read_chunk() == JSON
+    answer.release()
+    assert await post(upstream, made) == (200, JSON)
+    assert made.connections == 1
+
+
+async def test_trailers_reach_no_answer_and_are_bounded(replica) -> None:
+    async def trailers(made: Replica, reader: asyncio.StreamReader, writer) -> None:
+        await made.read_request(reader)
+        await send_chunked(writer, [JSON], 0)
+        writer.write(b"0\r\nX-Trailer: evil\r\nContent-Type: text/evil\r\n\r\n")
+        await made.read_request(reader)  # the same connection, kept
+        writer.write(OK)
+        await made.read_request(reader)
+        await send_chunked(writer, [JSON], 0)
+        writer.write(b"0\r\nX-Pad: " + b"a" * (4 * MAX_HEAD_BYTES))  # a trailer without end
+        await reader.read()
+
+    made = await replica(trailers)
+    upstream = Upstream()
+    assert await post(upstream, made) == (200, JSON)
+    answer = await upstream.post(made.url, "/", CIMultiDict(), b"{}", 1.0, 1.0)
+    assert "X-Trailer" not in answer.headers and answer.content_type == "application/json"
+    assert await answer.read_chunk() == JSON
+    answer.release()
+    with pytest.raises(BrokenAnswer, match="framing"):
+        await post(upstream, made)
+    assert made.connections == 1
+
+
+async def test_an_idle_connection_past_keepalive_is_not_reused(replica, monkeypatch) -> None:
+    monkeypatch.setattr("gateway.upstream.KEEPALIVE_S", 0.1)
+    made = await replica(answer_each)
+    upstream = Upstream()
+    assert await post(upstream, made) == (200, JSON)
+    await asyncio.sleep(0.2)
+    assert await post(upstream, made) == (200, JSON)
+    assert made.connections == 2
+
+
+async def test_a_fast_replica_does_not_outlive_the_readers_deadline(replica) -> None:
+    async def fast(made: Replica, reader: asyncio.StreamReader, writer) -> None:
+        await made.read_request(reader)
+        await send_chunked(writer, [b"data: x\n\n"] * 2000, 0.001)
+
+    made = await replica(fast)
+    answer = await Upstream().post(made.url, "/", CIMultiDict(), b"{}", 1.0, 1.0)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 0.3
+    with pytest.raises(TimeoutError):
+        for _ in range(100):  # 5 s at most
+            assert await answer.read_chunk(deadline)
+            await asyncio.sleep(0.05)  # a slow client: bytes are always buffered by now
+    answer.close()
+    assert loop.time() - deadline < 0.2
+
+
+async def test_an_answer_released_twice_leaves_the_next_exchange_alone(replica) -> None:
+    made = await replica(answer_each)
+    upstream = Upstream()
+    first = await upstream.post(made.url, "/", CIMultiDict(), b"{}", 1.0, 1.0)
+    assert await first.read_chunk() == JSON
+    first.release()
+    second = await upstream.post(made.url, "/", CIMultiDict(), b"{}", 1.0, 1.0)  # same conn
+    first.release()
+    first.close()
+    assert await second.read_chunk() == JSON
+    second.release()
+    assert await post(upstream, made) == (200, JSON)  # the connection the first had: still open
+    assert made.connections == 1

@@ -7,6 +7,7 @@ These models only describe and validate what the operator wrote. `compile.py` tu
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -390,6 +391,10 @@ class PoolSpec(Spec):
         for url in replicas:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"{url!r} must be an http:// or https:// URL")
+            if "@" in urlsplit(url).netloc:  # and never echo the credentials it carries
+                raise ValueError(
+                    "a replica URL carries no credentials: give the key in `api_key_env`"
+                )
         if len(set(replicas)) != len(replicas):
             raise ValueError("replicas must be distinct")
         return [url.rstrip("/") for url in replicas]
