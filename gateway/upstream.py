@@ -37,7 +37,6 @@ from multidict import CIMultiDict, CIMultiDictProxy
 MAX_HEAD_BYTES = 65536  # a replica's status line and headers; vLLM sends a few hundred bytes
 MAX_HEADERS = 256
 HIGH_WATER = 1 << 18  # body bytes buffered before reading from the replica pauses
-LOW_WATER = 1 << 16
 # An idle connection older than this is closed, not reused: vLLM's server (uvicorn) closes
 # its side after 5 s idle (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), and a request sent as it does so
 # would be refused for nothing.
@@ -347,10 +346,12 @@ class Answer:
             raise self._error
 
     async def read_chunk(self, deadline: float = math.inf) -> bytes:
-        """The next bytes of the body as they arrived; b"" at its end. `deadline` (loop time)
-        bounds this read as `read_s` does: a `TimeoutError` when it passes, also while bytes
-        are buffered, once the replica sent any after it (a replica faster than its client
-        must not outlive `total_s`; one that had finished by then has nothing left to do)."""
+        """The body's bytes that arrived since the last call, waiting for some; b"" at its end.
+
+        `deadline` (loop time) bounds this read as `read_s` does: a `TimeoutError` when it
+        passes, also while bytes are buffered, once the replica sent any after it (a replica
+        faster than its client must not outlive `total_s`; one that had finished by then has
+        nothing left to do)."""
         if self.heard_at >= deadline:  # no clock read per chunk: the last read's time will do
             raise TimeoutError
         while not self._body:
@@ -360,9 +361,14 @@ class Answer:
                 return b""
             self._deadline = deadline
             await self._wait()
-        chunk = self._body.popleft()
-        self._buffered -= len(chunk) + CHUNK_COST
-        if self._buffered < LOW_WATER and self._conn.paused:
+        # All that arrived, as one: the parser hands each chunk of a chunked body over on its
+        # own (a stream's every event), and a write to the client per event is a system call
+        # per event, where aiohttp's `iter_any` coalesced them.
+        body = self._body
+        chunk = body.popleft() if len(body) == 1 else b"".join(body)
+        body.clear()
+        self._buffered = 0
+        if self._conn.paused:
             self.heard_at = self._loop.time()  # its silence while paused was ours
             self._conn.resume()
         return chunk
