@@ -13,6 +13,7 @@ under their own lock, read at scrape time (`metrics._Gauges`).
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from bisect import bisect_left
 from collections.abc import Sequence
 from itertools import accumulate
@@ -71,14 +72,15 @@ class _Family(Collector, Generic[Child, Family]):
             child = self._children[values] = self._new_child()
         return child
 
-    def _new_child(self) -> Child:
-        raise NotImplementedError
+    # What a kind of metric says for itself: its child, its empty family, a child's samples.
+    @abstractmethod
+    def _new_child(self) -> Child: ...
 
-    def _family(self) -> Family:
-        raise NotImplementedError
+    @abstractmethod
+    def _family(self) -> Family: ...
 
-    def _add(self, family: Family, values: tuple[str, ...], child: Child) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _add(self, family: Family, values: tuple[str, ...], child: Child) -> None: ...
 
     def collect(self) -> list[Metric]:
         family = self._family()
