@@ -125,28 +125,13 @@ def run(trees: dict[str, Path], requests: int, keep: Path | None, stream: bool) 
         procs = bench.Fleet(workdir)
         outs = {name: workdir / f"{name}.callgrind" for name in ("pass-through", *trees)}
         try:
-            stub_port, pt_port = bench.free_port(), bench.free_port()
-            stub = procs.start(
-                "direct",
-                [sys.executable, "-m", "loadtest.stub_backend", "--host", bench.HOST,
-                 "--port", str(stub_port), "--no-record"],
-                stub_port,
-            )  # fmt: skip
-            passthrough = procs.start(
-                "pass-through",
-                [*callgrind(outs["pass-through"]), sys.executable, "-m", "loadtest.passthrough",
-                 "--host", bench.HOST, "--port", str(pt_port), "--upstream", stub.url],
-                pt_port,
-            )  # fmt: skip
+            stub, passthrough = bench.start_backends(procs, callgrind(outs["pass-through"]))
             policy = bench.write_policy(workdir, tokenizer, tokenizer32k, stub.url, None, None)
-            gateways = []
-            for name, tree in trees.items():
-                port = bench.free_port()
-                argv = [sys.executable, "-m", "gateway", "serve", "--policy", str(policy)]
-                argv += ["--host", bench.HOST, "--port", str(port)]
-                gateways.append(procs.start(name, [*callgrind(outs[name]), *argv], port, tree))
-            bench.READY_TIMEOUT_S = READY_TIMEOUT_S
-            bench.wait_started(stub, passthrough, gateways)
+            gateways = [
+                bench.start_gateway(procs, name, policy, tree, callgrind(outs[name]))
+                for name, tree in trees.items()
+            ]
+            bench.wait_started(stub, passthrough, gateways, READY_TIMEOUT_S)
             body = bench.dumps(bench.stream_chat() if stream else bench.short_chat())
             per_request = {
                 s.name: count(s, outs[s.name], body, requests) for s in (passthrough, *gateways)

@@ -381,9 +381,9 @@ def http_request(
         conn.close()
 
 
-def wait_ready(service: Service, path: str | None) -> None:
+def wait_ready(service: Service, path: str | None, timeout_s: float = READY_TIMEOUT_S) -> None:
     """Poll until the service answers `path` with 200 (or accepts a connection when None)."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if service.proc.poll() is not None:
             raise RuntimeError(
@@ -398,9 +398,7 @@ def wait_ready(service: Service, path: str | None) -> None:
         except OSError:
             pass
         time.sleep(0.1)
-    raise RuntimeError(
-        f"{service.name} not ready after {READY_TIMEOUT_S:.0f}s:\n{service.log_tail()}"
-    )
+    raise RuntimeError(f"{service.name} not ready after {timeout_s:.0f}s:\n{service.log_tail()}")
 
 
 def write_policy(
@@ -1117,8 +1115,9 @@ def start_redis(procs: Fleet) -> str:
     return f"redis://{HOST}:{port}/0"
 
 
-def start_backends(procs: Fleet) -> tuple[Service, Service]:
-    """The zero-delay stub replica and the minimal pass-through in front of it."""
+def start_backends(procs: Fleet, wrap: Sequence[str] = ()) -> tuple[Service, Service]:
+    """The zero-delay stub replica and the minimal pass-through in front of it; `wrap` runs
+    the pass-through under another program (`loadtest.bench_instructions`: callgrind)."""
     py, stub_port, pt_port = sys.executable, free_port(), free_port()
     stub = procs.start(
         "direct",
@@ -1136,25 +1135,35 @@ def start_backends(procs: Fleet) -> tuple[Service, Service]:
     )
     passthrough = procs.start(
         "pass-through",
-        [py, "-m", "loadtest.passthrough", "--host", HOST, "--port", str(pt_port), "--upstream", stub.url],
+        [*wrap, py, "-m", "loadtest.passthrough", "--host", HOST, "--port", str(pt_port),
+         "--upstream", stub.url],
         pt_port,
     )  # fmt: skip
     return stub, passthrough
 
 
-def start_gateway(procs: Fleet, name: str, policy: Path, checkout: Path = ROOT) -> Service:
-    """`python -m gateway serve` of `checkout`'s gateway package on a free port."""
+def start_gateway(
+    procs: Fleet, name: str, policy: Path, checkout: Path = ROOT, wrap: Sequence[str] = ()
+) -> Service:
+    """`python -m gateway serve` of `checkout`'s gateway package on a free port (under `wrap`,
+    as `start_backends` runs the pass-through)."""
     port = free_port()
-    argv = [sys.executable, "-m", "gateway", "serve", "--policy", str(policy), "--host", HOST]
+    argv = [*wrap, sys.executable, "-m", "gateway", "serve", "--policy", str(policy)]
+    argv += ["--host", HOST]
     return procs.start(name, [*argv, "--port", str(port)], port, cwd=checkout)
 
 
-def wait_started(stub: Service, passthrough: Service, gateways: Sequence[Service]) -> None:
+def wait_started(
+    stub: Service,
+    passthrough: Service,
+    gateways: Sequence[Service],
+    timeout_s: float = READY_TIMEOUT_S,
+) -> None:
     """Started together, so their start-ups overlap; each must answer before anything runs."""
-    wait_ready(stub, "/health")
-    wait_ready(passthrough, None)
+    wait_ready(stub, "/health", timeout_s)
+    wait_ready(passthrough, None, timeout_s)
     for gateway in gateways:
-        wait_ready(gateway, "/readyz")
+        wait_ready(gateway, "/readyz", timeout_s)
 
 
 @contextlib.contextmanager
