@@ -76,8 +76,7 @@ class _Target:
     def of(cls, url: str) -> _Target:
         parts = urlsplit(url)
         tls = parts.scheme == "https"
-        if parts.hostname is None:
-            raise ValueError(f"replica URL {url!r} has no host")
+        assert parts.hostname, url  # the policy refuses a replica URL without one
         port = parts.port or (443 if tls else 80)
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
         default = port == (443 if tls else 80)

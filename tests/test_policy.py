@@ -198,3 +198,13 @@ def test_a_replica_url_with_credentials_is_refused_without_echoing_them(tmp_path
         " in `api_key_env`" in result.stderr.splitlines()
     )
     assert "s3cret" not in result.stderr + result.stdout
+
+
+def test_a_replica_url_without_a_host_is_refused_at_load(tmp_path) -> None:
+    path = tmp_path / "x.yaml"
+    path.write_text(BROKEN.replace("ftp://nowhere", "http://:8000"))
+    result = check(path)
+    assert (
+        f"{path}:13: pools.classify.replicas: 'http://:8000' names no host"
+        in result.stderr.splitlines()
+    )

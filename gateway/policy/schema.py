@@ -391,10 +391,13 @@ class PoolSpec(Spec):
         for url in replicas:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"{url!r} must be an http:// or https:// URL")
-            if "@" in urlsplit(url).netloc:  # and never echo the credentials it carries
+            parts = urlsplit(url)
+            if "@" in parts.netloc:  # and never echo the credentials it carries
                 raise ValueError(
                     "a replica URL carries no credentials: give the key in `api_key_env`"
                 )
+            if not parts.hostname:  # else the forward stage finds out, request by request
+                raise ValueError(f"{url!r} names no host")
         if len(set(replicas)) != len(replicas):
             raise ValueError("replicas must be distinct")
         return [url.rstrip("/") for url in replicas]
