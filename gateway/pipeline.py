@@ -148,6 +148,8 @@ class Runtime:
     policy: Policy
     slots: dict[str, PoolSlots]
     api_keys: dict[str, str | None]
+    max_response_bytes: int  # server.max_response_bytes
+    rename_model: bool  # server.response_model: requested
 
     @classmethod
     def build(
@@ -167,6 +169,8 @@ class Runtime:
         return cls(
             policy=policy,
             slots=slots,
+            max_response_bytes=policy.spec.server.max_response_bytes,
+            rename_model=policy.spec.server.response_model == "requested",
             api_keys={
                 name: os.environ.get(pool.spec.api_key_env) if pool.spec.api_key_env else None
                 for name, pool in policy.pools.items()
@@ -346,8 +350,6 @@ class Gateway:
         name = ctx.pool.name
         slots, upstream, key = runtime.slots[name], self.upstreams[name], runtime.api_keys[name]
         timeouts = ctx.pool.spec.timeouts
-        max_bytes = runtime.policy.spec.server.max_response_bytes
-        rename_model = runtime.policy.spec.server.response_model == "requested"
         place = Place()
         while True:
             retrying = bool(place.avoid)
@@ -365,9 +367,9 @@ class Gateway:
                             replica.url,
                             key,
                             timeouts,
-                            max_bytes,
+                            runtime.max_response_bytes,
                             retry_503=retry_next,
-                            rename_model=rename_model,
+                            rename_model=runtime.rename_model,
                         )
                     except ReplicaRefused:
                         slots.failed(replica, "refused")
