@@ -1,7 +1,8 @@
 """A deadline for the current task: `asyncio.timeout_at`'s semantics at about half its cost.
 
-Every request runs under one or two deadlines (its answer's, a stream's next chunk's, a queue
-wait's, each Redis call's), so their cost is paid per request and per streamed chunk.
+A request that queues runs under one (its wait's), and with shared state each Redis call does,
+so the cost is paid per request. (The answer's own deadlines are the forward client's watchdog's:
+gateway/upstream.py.)
 `asyncio.timeout_at` costs 5.2 µs a scope under uvloop (an empty block, timed in a loop): an async context manager (two coroutine
 calls), a state machine and a reschedulable timer. This is a plain `with` around one timer
 handle, 2.7 µs, with the same contract: when the deadline passes, the task is cancelled, and

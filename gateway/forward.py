@@ -23,7 +23,6 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy, MultiMapping
 
 from gateway.context import Ctx
-from gateway.deadline import Deadline
 from gateway.errors import (
     MalformedRequest,
     ReplicaRefused,
@@ -359,23 +358,11 @@ async def forward(
     now = asyncio.get_running_loop().time()
     total = now + timeouts.total_s
     first = now + timeouts.first_token_s
-    up: Answer | None = None
-    try:
-        # A non-stream answer is read under the request's own deadline: one scope serves both
-        # (each costs a task lookup and a timer, a few µs of a short request).
-        with Deadline(min(first, total) if ctx.stream else total):
-            up = await _post(ctx, upstream, replica_url, headers, timeouts)
-            if not ctx.stream:
-                return await _answer(ctx, up, replica_url, max_response_bytes, rename, retry_503)
-    except TimeoutError as exc:
-        reading = up is not None and not ctx.stream
-        raise _timed_out(ctx, replica_url, reading, exc) from None
-    if up.status != 200 or up.content_type != "text/event-stream":
-        try:
-            with Deadline(total):
-                return await _answer(ctx, up, replica_url, max_response_bytes, rename, retry_503)
-        except TimeoutError as exc:
-            raise _timed_out(ctx, replica_url, True, exc) from None
+    # The deadlines are the answer's watchdog's to keep, with `read_s`: one timer per request.
+    head_by = min(first, total) if ctx.stream else total
+    up = await _post(ctx, upstream, replica_url, headers, timeouts, head_by)
+    if not ctx.stream or up.status != 200 or up.content_type != "text/event-stream":
+        return await _answer(ctx, up, replica_url, max_response_bytes, rename, retry_503, total)
     try:
         ctx.status = up.status
         resp = web.StreamResponse(status=200, headers=_response_headers(up.headers, ctx))
@@ -409,14 +396,26 @@ def _timed_out(ctx: Ctx, replica_url: str, reading: bool, exc: BaseException) ->
 
 
 async def _post(
-    ctx: Ctx, upstream: Upstream, replica_url: str, headers: CIMultiDict[str], timeouts: TimeoutSpec
+    ctx: Ctx,
+    upstream: Upstream,
+    replica_url: str,
+    headers: CIMultiDict[str],
+    timeouts: TimeoutSpec,
+    deadline: float,
 ) -> Answer:
-    """Send the request; what fails before an answer's head, as a `GatewayError`."""
+    """Send the request; what fails before an answer's head (by `deadline`, loop time), as a
+    `GatewayError`."""
     try:
         return await upstream.post(
-            replica_url, ctx.path, headers, upstream_body(ctx), timeouts.connect_s, timeouts.read_s
+            replica_url,
+            ctx.path,
+            headers,
+            upstream_body(ctx),
+            timeouts.connect_s,
+            timeouts.read_s,
+            deadline,
         )
-    except TimeoutError as exc:  # connect_s or read_s (the request's own deadline is outside)
+    except TimeoutError as exc:  # connect_s, read_s or the deadline
         raise _timed_out(ctx, replica_url, False, exc) from None
     except Refused as exc:
         raise ReplicaRefused(
@@ -435,14 +434,15 @@ async def _answer(
     limit: int,
     rename: ModelRename | None,
     retry_503: bool,
+    deadline: float,
 ) -> web.Response:
-    """An answer that is not an event stream, read whole; the connection is closed on a failure
-    or a refusal, so the replica stops working on it."""
+    """An answer that is not an event stream, read whole by `deadline` (loop time); the
+    connection is closed on a failure or a refusal, so the replica stops working on it."""
     try:
         if up.status == 503 and retry_503:
             raise ReplicaRefused(_failed(ctx, replica_url, "the replica is unavailable", "503"))
         ctx.status = up.status
-        return await _whole(ctx, up, replica_url, limit, rename)
+        return await _whole(ctx, up, replica_url, limit, rename, deadline)
     except BaseException:
         up.close()
         raise
@@ -456,6 +456,7 @@ async def _whole(
     replica_url: str,
     limit: int,
     rename: ModelRename | None,
+    deadline: float,
 ) -> web.Response:
     """Read the answer whole, but no more than `limit` bytes: past it, the request ends and the
     caller closes the connection, so a huge answer costs the gateway `limit` at most."""
@@ -464,16 +465,14 @@ async def _whole(
         if (up.content_length or 0) > limit:
             raise _too_large(ctx, replica_url, limit, f"Content-Length {up.content_length}")
         data = bytearray()
-        while chunk := await up.read_chunk():
+        while chunk := await up.read_chunk(deadline):
             start = max(0, len(data) - len(_USAGE) + 1)
             data += chunk
             if len(data) > limit:
                 raise _too_large(ctx, replica_url, limit, "it sent more")
             usage_at = max(usage_at, data.rfind(_USAGE, start))
-    except TimeoutError as exc:  # read_s: the request's own deadline is outside
-        raise UpstreamTimeout(
-            _failed(ctx, replica_url, "the replica did not finish its answer in time", exc)
-        ) from None
+    except TimeoutError as exc:  # read_s or the deadline
+        raise _timed_out(ctx, replica_url, True, exc) from None
     except ExchangeError as exc:
         raise UpstreamError(
             _failed(ctx, replica_url, "the replica broke its answer", exc)

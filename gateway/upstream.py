@@ -338,8 +338,9 @@ class Answer:
         self._arm()
         await waiter
 
-    async def read_head(self) -> None:
+    async def read_head(self, deadline: float = math.inf) -> None:
         if not self.head_done and self._error is None:
+            self._deadline = deadline
             await self._wait()
         if self._error is not None:
             raise self._error
@@ -451,9 +452,10 @@ class Upstream:
         body: bytes,
         connect_s: float,
         read_s: float | None,
+        deadline: float = math.inf,
     ) -> Answer:
-        """Send one POST and wait for the answer's head; the caller reads the body, then
-        `release`s or `close`s the answer."""
+        """Send one POST and wait for the answer's head, by `deadline` (loop time) and within
+        `read_s` of silence; the caller reads the body, then `release`s or `close`s the answer."""
         target = self._target(replica_url)
         head = _request_head(target, path, headers, len(body))
         idle = self._idle.get(replica_url)
@@ -480,7 +482,7 @@ class Upstream:
         conn.begin(answer)
         try:
             conn.transport.write(head + body)
-            await answer.read_head()
+            await answer.read_head(deadline)
         except BaseException:
             answer.close()
             raise
