@@ -12,7 +12,8 @@ What it guarantees, as aiohttp did for the forward stage:
 - Time-outs: `connect_s` for a new connection; `read_s` for any silence from the replica,
   before the head or between chunks (`ExchangeTimeout`, a `TimeoutError`).
 - Failures before the response head (cannot connect, closed or reset before answering) are
-  `Refused`: the replica never answered, the caller may try another. After the head, a broken
+  `Refused`: the replica never answered, the caller may try another. A kept connection that
+  fails so is first replaced by a new one, once (the keep-alive race). After the head, a broken
   answer is a `BrokenAnswer`.
 - Bounds a hostile replica cannot move: the head at most `MAX_HEAD_BYTES` and `MAX_HEADERS`
   fields, the body buffered at most `HIGH_WATER` bytes ahead of its reader (reading pauses).
@@ -455,33 +456,37 @@ class Upstream:
         deadline: float = math.inf,
     ) -> Answer:
         """Send one POST and wait for the answer's head, by `deadline` (loop time) and within
-        `read_s` of silence; the caller reads the body, then `release`s or `close`s the answer."""
+        `read_s` of silence; the caller reads the body, then `release`s or `close`s the answer.
+
+        A kept-alive connection the replica closes just as the request goes out (its idle
+        time-out ran out first, or it restarted) answers nothing: the request goes once more, on
+        a new connection, so a one-replica pool does not turn that race into a 502. A new
+        connection refused is the replica's answer, and is not tried again."""
         target = self._target(replica_url)
         head = _request_head(target, path, headers, len(body))
         idle = self._idle.get(replica_url)
         if idle is None:
             idle = self._idle[replica_url] = []
-        conn = None
-        if idle:
-            now = idle[-1].loop.time()
-            while idle:  # the newest first: the likeliest to be open still
-                candidate = idle.pop()
-                if candidate.closed:
-                    continue
-                if now - candidate.idle_since > KEEPALIVE_S:  # and so are all older ones
-                    candidate.close()
-                    continue
-                conn = candidate
-                break
-        if conn is None:
-            conn = await self._connect(replica_url, target, idle, connect_s)
-            if conn.closed:  # lost before it could be used: nothing will wake its answer
-                raise Refused("the replica closed the connection before the request")
+        request = head + body
+        conn = _reusable(idle)
+        if conn is not None:
+            try:
+                return await self._exchange(conn, request, read_s, deadline)
+            except Refused:
+                pass
+        conn = await self._connect(replica_url, target, idle, connect_s)
+        if conn.closed:  # lost before it could be used: nothing will wake its answer
+            raise Refused("the replica closed the connection before the request")
+        return await self._exchange(conn, request, read_s, deadline)
+
+    async def _exchange(
+        self, conn: _Connection, request: bytes, read_s: float | None, deadline: float
+    ) -> Answer:
         assert conn.transport is not None
         answer = Answer(self, conn, read_s)
         conn.begin(answer)
         try:
-            conn.transport.write(head + body)
+            conn.transport.write(request)
             await answer.read_head(deadline)
         except BaseException:
             answer.close()
@@ -503,3 +508,20 @@ class Upstream:
             for conn in idle:
                 conn.close()
             idle.clear()
+
+
+def _reusable(idle: list[_Connection]) -> _Connection | None:
+    """The newest idle connection still open and younger than `KEEPALIVE_S`; the rest it passes
+    over are closed (all older than a stale one are stale too)."""
+    if not idle:
+        return None
+    now = idle[-1].loop.time()
+    while idle:
+        conn = idle.pop()
+        if conn.closed:
+            continue
+        if now - conn.idle_since > KEEPALIVE_S:
+            conn.close()
+            continue
+        return conn
+    return None

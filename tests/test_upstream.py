@@ -166,8 +166,32 @@ async def test_no_answer_at_all_is_refused(replica) -> None:
     made = await replica(hang_up)
     with pytest.raises(Refused):
         await post(Upstream(), made)
+    assert made.connections == 1  # a new connection refused is the answer: not tried again
     with pytest.raises(Refused, match="cannot connect"):
         await Upstream().post("http://127.0.0.1:1", "/", CIMultiDict(), b"", 1.0, 1.0)
+
+
+async def test_a_kept_connection_closed_as_the_request_goes_out_is_retried_once_anew(
+    replica,
+) -> None:
+    """The keep-alive race: the replica ends an idle connection just as a request arrives on it
+    (here, deterministically, by hanging up on every connection's second request)."""
+
+    async def one_per_connection(
+        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await made.read_request(reader)
+        writer.write(OK)
+        await writer.drain()
+        await made.read_request(reader)  # and no answer: the connection closes
+
+    made = await replica(one_per_connection)
+    upstream = Upstream()
+    for _ in range(3):
+        assert await post(upstream, made) == (200, JSON)
+    # each later request went out on the kept connection, was dropped, and went once more anew
+    assert made.connections == 3
+    assert len(made.requests) == 5
 
 
 async def test_an_answer_cut_short_is_broken(replica) -> None:
