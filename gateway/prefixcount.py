@@ -242,7 +242,7 @@ class PrefixCounts:
         )
         processor = backend.post_processor
         self._special = 0 if processor is None else processor.num_special_tokens_to_add(False)
-        self._anchor = len(self._encode([ANCHOR], add_special_tokens=False)[0].ids)
+        self._anchor = len(self._encode([ANCHOR], add_special_tokens=False)[0])
         self.entries = entries
         self.block_chars = block_chars
         self.max_chars = max_chars
@@ -281,7 +281,8 @@ class PrefixCounts:
             job = self._job(text, len(batch))
             jobs.append(job)
             batch.extend(job.pieces)
-        counts = [len(e.ids) for e in self._encode(batch, add_special_tokens=False)]
+        # len(encoding) counts its ids without building a list of them (under the GIL)
+        counts = [len(e) for e in self._encode(batch, add_special_tokens=False)]
         out = []
         for job in jobs:
             total, fresh = job.base, []

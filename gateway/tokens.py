@@ -279,7 +279,8 @@ class HFCounter:
         return max(0, with_image - without)
 
     def _lengths(self, texts: list[str], special: bool) -> list[int]:
-        return [len(e.ids) for e in self._encode_batch(texts, add_special_tokens=special)]
+        # len(encoding) is its ids' count; `.ids` would build a list of them, holding the GIL
+        return [len(e) for e in self._encode_batch(texts, add_special_tokens=special)]
 
     def _ids(self, text: str, special: bool) -> list[int]:
         return list(self._encode_batch([text], add_special_tokens=special)[0].ids)
