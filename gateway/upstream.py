@@ -12,9 +12,9 @@ What it guarantees, as aiohttp did for the forward stage:
 - Time-outs: `connect_s` for a new connection; `read_s` for any silence from the replica,
   before the head or between chunks (`ExchangeTimeout`, a `TimeoutError`).
 - Failures before the response head (cannot connect, closed or reset before answering) are
-  `Refused`: the replica never answered, the caller may try another. A kept connection that
-  fails so is first replaced by a new one, once (the keep-alive race). After the head, a broken
-  answer is a `BrokenAnswer`.
+  `Refused`: the replica never answered, the caller may try another. A kept connection the
+  replica closed as the request went out (the keep-alive race) is first replaced by a new one,
+  once. After the head, a broken answer is a `BrokenAnswer`.
 - Bounds a hostile replica cannot move: the head at most `MAX_HEAD_BYTES` and `MAX_HEADERS`
   fields, the body buffered at most `HIGH_WATER` bytes ahead of its reader (reading pauses).
 - No header injection: a name or value with CR or LF is refused before anything is sent.
@@ -25,6 +25,7 @@ What it guarantees, as aiohttp did for the forward stage:
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import ssl
 from collections import deque
@@ -35,6 +36,8 @@ from urllib.parse import urlsplit
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
+log = logging.getLogger("gateway.upstream")
+
 MAX_HEAD_BYTES = 65536  # a replica's status line and headers; vLLM sends a few hundred bytes
 MAX_HEADERS = 256
 HIGH_WATER = 1 << 18  # body bytes buffered before reading from the replica pauses
@@ -42,6 +45,9 @@ HIGH_WATER = 1 << 18  # body bytes buffered before reading from the replica paus
 # its side after 5 s idle (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), and a request sent as it does so
 # would be refused for nothing.
 KEEPALIVE_S = 4.0
+# A kept connection lost within this of the request, nothing heard on it, was closed by the
+# replica as the request went out (the close crossed it: it arrives within a round trip).
+RACE_S = 0.1
 CHUNK_COST = 64  # bytes a buffered chunk costs beyond its payload (object, deque slot)
 MAX_TARGETS = 1024  # replica URLs remembered: past it, those with no kept connection go
 
@@ -143,6 +149,11 @@ class _Connection(asyncio.Protocol):
                 self._fail(BrokenAnswer(f"the replica's head is over {MAX_HEAD_BYTES} bytes"))
             elif self._framing > MAX_HEAD_BYTES:  # chunk extensions or trailers, not body
                 self._fail(BrokenAnswer(f"the replica's framing is over {MAX_HEAD_BYTES} bytes"))
+
+    @property
+    def heard(self) -> bool:
+        """Whether the replica sent anything in this exchange before its answer's head."""
+        return self._head_bytes > 0
 
     def eof_received(self) -> bool:
         return False  # close: an exchange is one request and its whole answer
@@ -460,33 +471,43 @@ class Upstream:
 
         A kept-alive connection the replica closes just as the request goes out (its idle
         time-out ran out first, or it restarted) answers nothing: the request goes once more, on
-        a new connection, so a one-replica pool does not turn that race into a 502. A new
-        connection refused is the replica's answer, and is not tried again."""
+        a new connection, so a one-replica pool does not turn that race into a 502. Only that
+        race: nothing heard on the connection, and its loss within `RACE_S` of the request (a
+        replica that dropped a request it worked on is the pool's to retry elsewhere), with
+        time left. A new connection refused, or not made in time, is the replica's answer."""
         target = self._target(replica_url)
         head = _request_head(target, path, headers, len(body))
         idle = self._idle.get(replica_url)
         if idle is None:
             idle = self._idle[replica_url] = []
-        request = head + body
         conn = _reusable(idle)
         if conn is not None:
+            sent = conn.loop.time()
             try:
-                return await self._exchange(conn, request, read_s, deadline)
-            except Refused:
-                pass
-        conn = await self._connect(replica_url, target, idle, connect_s)
+                return await self._exchange(conn, head, body, read_s, deadline)
+            except Refused as refused:
+                now = conn.loop.time()
+                if conn.heard or now - sent > RACE_S or now >= deadline:
+                    raise
+                log.debug("%s closed a kept connection as a request went out on it", replica_url)
+                try:
+                    conn = await self._connect(replica_url, target, idle, connect_s)
+                except ExchangeTimeout:  # nothing sent on a new connection either: still refused
+                    raise refused from None
+        else:
+            conn = await self._connect(replica_url, target, idle, connect_s)
         if conn.closed:  # lost before it could be used: nothing will wake its answer
             raise Refused("the replica closed the connection before the request")
-        return await self._exchange(conn, request, read_s, deadline)
+        return await self._exchange(conn, head, body, read_s, deadline)
 
     async def _exchange(
-        self, conn: _Connection, request: bytes, read_s: float | None, deadline: float
+        self, conn: _Connection, head: bytes, body: bytes, read_s: float | None, deadline: float
     ) -> Answer:
         assert conn.transport is not None
         answer = Answer(self, conn, read_s)
         conn.begin(answer)
         try:
-            conn.transport.write(request)
+            conn.transport.write(head + body)
             await answer.read_head(deadline)
         except BaseException:
             answer.close()

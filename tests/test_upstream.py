@@ -4,6 +4,8 @@ it refuses, and where a hostile or silent replica stops it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import ssl
 import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,6 +18,7 @@ from multidict import CIMultiDict
 from gateway.upstream import (
     HIGH_WATER,
     MAX_HEAD_BYTES,
+    RACE_S,
     BrokenAnswer,
     ExchangeTimeout,
     Refused,
@@ -192,6 +195,83 @@ async def test_a_kept_connection_closed_as_the_request_goes_out_is_retried_once_
     # each later request went out on the kept connection, was dropped, and went once more anew
     assert made.connections == 3
     assert len(made.requests) == 5
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        "worked on",  # read it, worked past the race's window, then hung up
+        "heard from",  # began an answer, then hung up
+    ],
+)
+async def test_a_kept_connection_lost_otherwise_is_refused_without_a_second_send(
+    replica, second: str
+) -> None:
+    """Not the race: the pool may move such a request to another replica; this client does not
+    send it to the same one again."""
+
+    async def then_hang_up(
+        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await made.read_request(reader)
+        writer.write(OK)
+        await made.read_request(reader)
+        if second == "worked on":
+            await asyncio.sleep(RACE_S * 3)
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-")
+            await writer.drain()
+
+    made = await replica(then_hang_up)
+    upstream = Upstream()
+    assert await post(upstream, made) == (200, JSON)
+    with pytest.raises(Refused):
+        await post(upstream, made)
+    assert made.connections == 1 and len(made.requests) == 2
+
+
+async def test_no_new_connection_in_time_after_the_race_is_still_a_refusal() -> None:
+    """The replica hangs up on the kept connection and takes no new one (its accept queue is
+    full: a pod gone, a backlog overflowing): nothing was sent anew, so the pool may try
+    another replica, as before the retry existed, not a time-out."""
+    loop = asyncio.get_running_loop()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    url, waiting = f"http://127.0.0.1:{port}", []
+    upstream = Upstream()
+    try:
+        first = asyncio.create_task(upstream.post(url, "/", CIMultiDict(), b"{}", 0.2, 5.0))
+        accepted, _ = await loop.sock_accept(listener)
+        reader, writer = await asyncio.open_connection(sock=accepted)
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        writer.write(OK)
+        answer = await first
+        assert await answer.read_chunk() == JSON
+        answer.release()
+        for _ in range(3):  # fill the accept queue: later connection attempts go unanswered
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect(("127.0.0.1", port))
+            waiting.append(sock)
+
+        async def hang_up() -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.close()
+
+        closer = asyncio.create_task(hang_up())
+        with pytest.raises(Refused, match="before answering"):
+            await upstream.post(url, "/", CIMultiDict(), b"{}", 0.2, 5.0)
+        await closer
+    finally:
+        for sock in waiting:
+            sock.close()
+        listener.close()
+        upstream.close()
 
 
 async def test_an_answer_cut_short_is_broken(replica) -> None:
