@@ -210,6 +210,7 @@ class _Gauges(Collector):
             lookups.add_metric([name, "hit"], cache.hits)
             lookups.add_metric([name, "miss"], cache.misses)
             prefixes.add_metric([name], cache.held)
+        tokenizer = self._tokenizer_threads()
         info = GaugeMetricFamily(
             "llm_policy_info", "The running policy, by the hash of its file.", labels=["hash"]
         )
@@ -219,8 +220,41 @@ class _Gauges(Collector):
         )
         errors.add_metric([], self.source.reload_errors)
         return [requests, tokens, depth, leases, capacity, up, ejections, drift, observed, shed, index,
-                blocks, held, events, precise_blocks, desired, forecast, lookups, prefixes, info,
-                errors]  # fmt: skip
+                blocks, held, events, precise_blocks, desired, forecast, lookups, prefixes,
+                *tokenizer, info, errors]  # fmt: skip
+
+    def _tokenizer_threads(self) -> list[Metric]:
+        """The tokenizer pools' size, jobs, CPU and waits; none while no model tokenizes."""
+        pools = self.source.policy.tokenizer_threads
+        if pools is None:
+            return []
+        threads = GaugeMetricFamily(
+            "llm_tokenizer_threads",
+            "Threads of each tokenizer pool (`size`: `small` texts, or `large` ones of"
+            " server.large_tokenize_chars or more); texts up to server.inline_tokenize_max_chars"
+            " are counted on the event loop instead.",
+            labels=["size"],
+        )
+        jobs = CounterMetricFamily(
+            "llm_tokenizer_jobs", "Tokenizer jobs run on the pool's threads.", labels=["size"]
+        )
+        cpu = CounterMetricFamily(
+            "llm_tokenizer_cpu_seconds",
+            "Thread CPU the pool's jobs ran for: over llm_tokenizer_threads, how busy it is.",
+            labels=["size"],
+        )
+        wait = CounterMetricFamily(
+            "llm_tokenizer_wait_seconds",
+            "Time jobs waited for one of the pool's threads: over jobs, the mean wait a request"
+            " spent before its count could start.",
+            labels=["size"],
+        )
+        for size, pool in (("small", pools.small), ("large", pools.large)):
+            threads.add_metric([size], pool.threads)
+            jobs.add_metric([size], pool.jobs)
+            cpu.add_metric([size], pool.cpu_s)
+            wait.add_metric([size], pool.wait_s)
+        return [threads, jobs, cpu, wait]
 
 
 MAX_ADAPTER_LABELS = 512

@@ -20,18 +20,17 @@ of `large_tokenize_chars` or more runs on threads of its own: small texts never 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
 from typing import Any, Protocol, TypeVar
 
 from gateway.errors import BadRequest
 from gateway.prefixcount import OFF, PrefixCounts
 from gateway.tokenfloor import TokenFloor
+from gateway.tokenizer_threads import CountingThreads
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -210,10 +209,10 @@ class HFCounter:
         tokenizer: Any,
         *,
         memoized: bool,
-        executor: Executor | None,
+        threads: CountingThreads | None,
         inline_max_chars: int,
         cache_entries: int,
-        large_executor: Executor | None = None,
+        large_threads: CountingThreads | None = None,
         large_min_chars: int = 0,
         image_tokens: int | None = None,
         prefix_entries: int = 65536,
@@ -221,9 +220,9 @@ class HFCounter:
     ) -> None:
         self.tokenizer = tokenizer
         self.memoized = memoized
-        self.executor = executor
+        self.threads = threads
         self.inline_max_chars = inline_max_chars
-        self.large_executor = large_executor or executor
+        self.large_threads = large_threads or threads
         self.large_min_chars = large_min_chars
         self.cache_entries = cache_entries
         backend = tokenizer.backend_tokenizer
@@ -300,11 +299,11 @@ class HFCounter:
     async def _run(self, size: int, work: Callable[..., T], *args: Any) -> T:
         """`work(*args)`, on the tokenizer's threads when `size` (characters, or token ids) is
         long."""
-        if self.executor is not None and size > self.inline_max_chars:
-            large = self.large_min_chars and size >= self.large_min_chars
-            executor = self.large_executor if large else self.executor
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(executor, work, *args)
+        if self.threads is not None and size > self.inline_max_chars:
+            threads = self.threads
+            if self.large_min_chars and size >= self.large_min_chars and self.large_threads:
+                threads = self.large_threads
+            return await threads.run(work, *args)
         return work(*args)
 
     def _render(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> str:

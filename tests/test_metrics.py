@@ -151,3 +151,48 @@ async def test_no_prefix_cache_series_while_it_is_off(
     gw = await gateway_factory(policy)
     found = samples(await scrape(http, gw))
     assert LOOKUPS not in found and "llm_token_count_prefix_entries" not in found
+
+
+async def test_the_tokenizer_threads_say_how_busy_they_are(
+    stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    """A text over `inline_tokenize_max_chars` is counted on the small pool's threads: its job,
+    CPU and wait show there; a short one stays on the event loop and is no job."""
+    policy = {
+        **basic_policy(tokenizer_dir, [stub.url]),
+        "server": {"tokenizer_threads": 3, "inline_tokenize_max_chars": 256},
+    }
+    gw = await gateway_factory(policy)
+
+    async def send(text: str) -> dict[str, dict[str, float]]:
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+        async with http.post(f"{gw.url}/v1/chat/completions", json=chat) as resp:
+            assert resp.status == 200
+        found = samples(await scrape(http, gw))
+        return {
+            name: {s.labels["size"]: s.value for s in found[name]}
+            for name in (
+                "llm_tokenizer_threads",
+                "llm_tokenizer_jobs_total",
+                "llm_tokenizer_cpu_seconds_total",
+                "llm_tokenizer_wait_seconds_total",
+            )
+        }
+
+    short = await send("hello")
+    assert short["llm_tokenizer_threads"] == {"small": 3.0, "large": 3.0}
+    assert short["llm_tokenizer_jobs_total"] == {"small": 0.0, "large": 0.0}
+    long = await send(" ".join(WORDS[n % len(WORDS)] for n in range(200)))
+    assert long["llm_tokenizer_jobs_total"] == {"small": 1.0, "large": 0.0}
+    assert long["llm_tokenizer_cpu_seconds_total"]["small"] > 0
+    assert long["llm_tokenizer_wait_seconds_total"]["small"] >= 0
+    assert long["llm_tokenizer_cpu_seconds_total"]["large"] == 0
+
+
+async def test_no_tokenizer_thread_series_when_every_count_is_estimated(
+    stub, gateway_factory, http
+) -> None:
+    policy = basic_policy("estimate", [stub.url])
+    gw = await gateway_factory(policy)
+    found = samples(await scrape(http, gw))
+    assert not [name for name in found if name.startswith("llm_tokenizer_")]

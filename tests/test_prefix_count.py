@@ -11,7 +11,6 @@ import json
 import sys
 import unicodedata
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from gateway.prefixcount import (
     QWEN2_PATTERN,
     PrefixCounts,
 )
+from gateway.tokenizer_threads import CountingThreads
 from gateway.tokens import HFCounter, load_tokenizer
 from loadtest.tiny_tokenizer import WORDS, save
 from loadtest.tiny_tokenizer import corpus as tiny_corpus
@@ -293,7 +293,7 @@ async def test_hf_counter_counts_long_chats_and_prompts_exactly(tokenizers, name
         counter = HFCounter(
             loaded,
             memoized=memoized,
-            executor=ThreadPoolExecutor(2),
+            threads=CountingThreads(2, "tokenize"),
             inline_max_chars=512,
             cache_entries=64,
         )

@@ -116,5 +116,5 @@ async def test_reloading_keeps_what_was_learned_and_loaded(
     assert (await reload(http, gw.url))[0] == 200
     new = gw.gateway.policy
     assert new is not old and new.models["tiny"] is old.models["tiny"]  # tokenizer not reloaded
-    assert new.estimator is old.estimator and new.executor is old.executor
+    assert new.estimator is old.estimator and new.tokenizer_threads is old.tokenizer_threads
     assert [r.max_concurrency for r in gw.gateway.slots["main"].replicas] == [3]

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import random
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from transformers import AutoTokenizer
 
+from gateway.tokenizer_threads import CountingThreads
 from gateway.tokens import HFCounter, load_tokenizer
 from loadtest.tiny_tokenizer import WORDS
 
@@ -47,7 +47,7 @@ def counter(tokenizer_dir, *, memoized: bool, inline_max_chars: int = 2048) -> H
     return HFCounter(
         load_tokenizer(str(tokenizer_dir)),
         memoized=memoized,
-        executor=ThreadPoolExecutor(2),
+        threads=CountingThreads(2, "tokenize"),
         inline_max_chars=inline_max_chars,
         cache_entries=1024,
     )

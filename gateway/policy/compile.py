@@ -7,7 +7,6 @@ and swaps one reference.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from gateway.policy.plugins import PluginError, create
 from gateway.policy.schema import ESTIMATE, ModelSpec, PolicySpec, PoolSpec
 from gateway.route import Route, compile_route
 from gateway.tenants import Tenant, compile_tenants
+from gateway.tokenizer_threads import TokenizerThreads
 from gateway.tokens import EstimateCounter, HFCounter, TokenCounter, load_tokenizer
 
 
@@ -57,33 +57,13 @@ class Policy:
     """LoRA adapters and the pools serving them: the policy's lists, and what replicas report."""
     tenants: dict[bytes, Tenant]
     """SHA-256 digest of each API key -> its tenant; empty: the gateway is open."""
-    executor: TokenizerThreads | None
+    tokenizer_threads: TokenizerThreads | None
     """Threads for long tokenizations; a reloaded policy inherits them with its models."""
     digest: str
 
     def close(self) -> None:
-        if self.executor is not None:
-            self.executor.shutdown()
-
-
-@dataclass(frozen=True, slots=True)
-class TokenizerThreads:
-    """Two pools of tokenizer threads: `large` for texts of `server.large_tokenize_chars` or more,
-    `small` for the rest, so huge prompts queue only behind each other."""
-
-    small: ThreadPoolExecutor
-    large: ThreadPoolExecutor
-
-    @classmethod
-    def start(cls, threads: int) -> TokenizerThreads:
-        return cls(
-            ThreadPoolExecutor(threads, thread_name_prefix="tokenize"),
-            ThreadPoolExecutor(threads, thread_name_prefix="tokenize-large"),
-        )
-
-    def shutdown(self) -> None:
-        for pool in (self.small, self.large):
-            pool.shutdown(wait=False, cancel_futures=True)
+        if self.tokenizer_threads is not None:
+            self.tokenizer_threads.shutdown()
 
 
 def tokenizer_dir(spec: ModelSpec, base: Path) -> Path:
@@ -100,10 +80,10 @@ def _counter(
     return HFCounter(
         load_tokenizer(str(tokenizer_dir(spec, base))),
         memoized=spec.token_counting == "memoized",
-        executor=threads.small if threads is not None else None,
+        threads=threads.small if threads is not None else None,
         inline_max_chars=server.inline_tokenize_max_chars,
         cache_entries=server.token_cache_entries,
-        large_executor=threads.large if threads is not None else None,
+        large_threads=threads.large if threads is not None else None,
         large_min_chars=server.large_tokenize_chars,
         image_tokens=spec.image_tokens,
         prefix_entries=server.prefix_cache_entries,
@@ -278,14 +258,14 @@ def compile_policy(
     problems += plugin_problems
     pickers, picker_problems = _pool_pickers(spec, previous)
     problems += picker_problems
-    executor = previous.executor if previous is not None else None
+    threads = previous.tokenizer_threads if previous is not None else None
     if (
-        executor is None
+        threads is None
         and load_tokenizers
         and any(m.tokenizer != ESTIMATE for m in spec.models.values())
     ):
-        threads = spec.server.tokenizer_threads
-        executor = TokenizerThreads.start(available_cpus() if threads is None else threads)
+        wanted = spec.server.tokenizer_threads
+        threads = TokenizerThreads.start(available_cpus() if wanted is None else wanted)
     base = Path(loaded.path).parent
     tenants, tenant_problems = compile_tenants(spec.tenants, base)
     problems += tenant_problems
@@ -299,14 +279,14 @@ def compile_policy(
             models[name] = kept
             continue
         try:
-            counter = _counter(model_spec, spec, base, executor, load_tokenizers)
+            counter = _counter(model_spec, spec, base, threads, load_tokenizers)
         except (OSError, ValueError) as exc:
             problems.append(Problem(("models", name, "tokenizer"), f"cannot load: {exc}"))
             continue
         models[name] = Model(name, model_spec, counter)
     if problems:
-        if executor is not None and (previous is None or executor is not previous.executor):
-            executor.shutdown()
+        if threads is not None and (previous is None or threads is not previous.tokenizer_threads):
+            threads.shutdown()
         raise loaded.error(problems)
     pools = {
         name: Pool(name, pool_spec, models[pool_spec.model], pickers.get(name, plugins["picker"]))
@@ -331,7 +311,7 @@ def compile_policy(
             previous.adapters.carried(bases) if previous is not None else None,
         ),
         tenants=tenants,
-        executor=executor,
+        tokenizer_threads=threads,
         digest=loaded.digest,
     )
 
