@@ -226,6 +226,11 @@ class HFCounter:
         self.large_min_chars = large_min_chars
         self.cache_entries = cache_entries
         backend = tokenizer.backend_tokenizer
+        # A tokenizer.json may keep truncation or padding from training. vLLM counts through
+        # transformers, which turns both off for each of its calls; the counts here call the
+        # backend directly, so they are turned off once, here.
+        backend.no_truncation()
+        backend.no_padding()
         self._encode_batch: Callable[..., Any] = getattr(
             backend, "encode_batch_fast", backend.encode_batch
         )

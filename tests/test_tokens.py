@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 
 import pytest
 from transformers import AutoTokenizer
@@ -100,6 +102,37 @@ async def test_completions_count_with_special_tokens(tokenizer_dir, hf) -> None:
     ]
     assert await exact.count_prompts([1, 2, 3]) == [3]
     assert await exact.count_prompts([[1, 2], [3]]) == [2, 1]
+
+
+async def test_truncation_or_padding_in_tokenizer_json_does_not_change_a_count(
+    tokenizer_dir, hf, tmp_path
+) -> None:
+    """Some models' tokenizer.json keeps a truncation or padding setting from training; vLLM
+    counts through transformers, which turns both off for its calls, so the count does too,
+    from the first request on (not only after some transformers call happened to reset them)."""
+    shutil.copytree(tokenizer_dir, tmp_path / "tok")
+    config_file = tmp_path / "tok" / "tokenizer.json"
+    config = json.loads(config_file.read_text())
+    config["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst",
+                            "stride": 0}  # fmt: skip
+    config["padding"] = {"strategy": {"Fixed": 8}, "direction": "Right", "pad_to_multiple_of": None,
+                         "pad_id": 0, "pad_type_id": 0, "pad_token": "<pad>"}  # fmt: skip
+    config_file.write_text(json.dumps(config))
+    long, short = " ".join(WORDS[:60]), "a"
+    messages = [{"role": "user", "content": long}]
+    for memoized, threads in ((False, None), (True, CountingThreads(2, "tokenize"))):
+        counted = HFCounter(
+            load_tokenizer(str(tmp_path / "tok")),
+            memoized=memoized,
+            threads=threads,
+            inline_max_chars=64,
+            cache_entries=64,
+        )
+        assert await counted.count_prompts([long, short]) == [
+            len(hf(long)["input_ids"]),
+            len(hf(short)["input_ids"]),
+        ]
+        assert await counted.count_chat({"messages": messages}) == reference(hf, messages)
 
 
 def test_missing_tokenizer_directory_is_a_clear_error(tmp_path) -> None:
