@@ -805,7 +805,7 @@ class TokenizerAlone:
                 started = time.thread_time()
                 encoded = self.backend.encode_batch_fast([text], add_special_tokens=False)
                 times.append(time.thread_time() - started)
-                tokens = len(encoded[0].ids)
+                tokens = len(encoded[0])
 
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(count, [texts[i::threads] for i in range(threads)]))
@@ -831,7 +831,8 @@ def counting_report(
         "",
         f"Counting with a 32k vocabulary, {COUNTING_CONNECTIONS} connections: the gateway's CPU"
         " per request (all its threads; of it, the main thread's: the event loop, serving HTTP and"
-        " everything but the count) against what the 32k tokenizer alone spends"
+        " everything but counting these long texts, which runs on the tokenizer threads) against"
+        " what the 32k tokenizer alone spends"
         f" (`encode_batch_fast`, the median thread-CPU of {OWN_COST_TEXTS} fresh texts of the"
         f" kind, on {threads_label} at once as the gateway counts, in this process just before"
         " the gateway's run). Replicas per core: 1,000 / (gateway CPU ms) /"
@@ -862,11 +863,11 @@ def counting_report(
         lines.append(
             f"| (b) as before: tiny tokenizer, rules in their own message | {decisions['b']['input_tokens']}"
             f" | {decisions['b'].get('prefix_cache', '-')} | {classify.cpu_ms_per_request:.3f}"
-            f" | {classify.loop_ms_per_request or 0:.3f} | - | - | - | - | -"
+            " | - | - | - | - | - | -"
             f" | {1000 / classify.cpu_ms_per_request / CLASSIFY_RPS_PER_REPLICA:.0f} |"
         )
     floor, whole, shared = own.get("e unique part"), own.get("e"), by.get(("e", "gateway"))
-    if floor and whole and shared and shared.cpu_ms_per_request:
+    if floor and whole and floor[0] > 0 and shared and shared.cpu_ms_per_request:
         counting = shared.cpu_ms_per_request - (shared.loop_ms_per_request or 0)
         lines += [
             "",
@@ -1329,7 +1330,7 @@ def run(duration: int, out_path: Path, shared: bool, threads: int | None, rounds
         f" fixed {SHARED_WORDS}-word block and {SHARED_UNIQUE_WORDS} new words,"
         f" {decisions['e']['input_tokens']} input tokens; both on the 32k tokenizer, memoized."
         " The tokenizer alone, on texts of the same kind: "
-        + " and ".join(f"{tokens} tokens" for _, tokens in own.values())
+        + ", ".join(f"({key}) {own[key][1]} tokens" for key in ("d", "e") if key in own)
         + ".",
     ]
     text, clean = report(runs, paired, ttfb, header, duration, rounds)
