@@ -54,6 +54,9 @@ from gateway.upstream import Upstream
 
 log = logging.getLogger("gateway.pipeline")
 PASSIVE_WATCH_S = 5.0  # with watching off, how often to look whether a reload turned it on
+RETIRE_WAIT_S = (
+    1.0  # for a removed pool's health and adapter tasks to stop, before its session closes
+)
 _BROKEN_STREAM = frozenset({"upstream_error", "upstream_timeout"})  # failed after the first byte
 
 
@@ -150,13 +153,17 @@ class Runtime:
     api_keys: dict[str, str | None]
     max_response_bytes: int  # server.max_response_bytes
     rename_model: bool  # server.response_model: requested
+    upstreams: dict[str, Upstream]  # each pool's forwarding connections, kept while it is
 
     @classmethod
     def build(
         cls, policy: Policy, previous: Runtime | None, ledger: SlotLedger | None = None
     ) -> Runtime:
         slots = {}
+        upstreams = {}
         for name, pool in policy.pools.items():
+            carried = previous.upstreams.get(name) if previous is not None else None
+            upstreams[name] = carried if carried is not None else Upstream()
             kept = previous.slots.get(name) if previous is not None else None
             if kept is None:
                 slots[name] = PoolSlots(name, pool.spec, pool.picker, ledger)
@@ -171,6 +178,7 @@ class Runtime:
             slots=slots,
             max_response_bytes=policy.spec.server.max_response_bytes,
             rename_model=policy.spec.server.response_model == "requested",
+            upstreams=upstreams,
             api_keys={
                 name: os.environ.get(pool.spec.api_key_env) if pool.spec.api_key_env else None
                 for name, pool in policy.pools.items()
@@ -193,7 +201,6 @@ class Gateway:
         self.accountant.metrics.registry.register(BackendUp(lambda: self.state))
         self.quotas = Quotas(self.state, self.accountant.metrics)
         self.sessions: dict[str, aiohttp.ClientSession] = {}  # health, /metrics, adapters
-        self.upstreams: dict[str, Upstream] = {}  # forwarding
         self.draining = False
         self._checkers: dict[str, asyncio.Task[None]] = {}
         self._discovery: dict[str, asyncio.Task[None]] = {}
@@ -212,8 +219,9 @@ class Gateway:
     def slots(self) -> dict[str, PoolSlots]:
         return self.runtime.slots
 
-    def _serve_pools(self) -> None:
-        """Sessions and health checks for every pool of the runtime; stop those of pools gone."""
+    def _serve_pools(self) -> list[asyncio.Task[None]]:
+        """Sessions and health checks for every pool of the runtime; stop those of pools gone,
+        and return their tasks."""
         for name, slots in self.runtime.slots.items():
             if name not in self.sessions:
                 self.sessions[name] = aiohttp.ClientSession(
@@ -221,7 +229,6 @@ class Gateway:
                     auto_decompress=False,
                     skip_auto_headers=("Accept-Encoding", "User-Agent"),
                 )
-                self.upstreams[name] = Upstream()
             if name not in self._checkers:
                 checker = HealthChecker(slots, self.sessions[name])
                 self._checkers[name] = asyncio.create_task(checker.run(), name=f"health:{name}")
@@ -238,14 +245,26 @@ class Gateway:
                 )
             if self.ledger is not None and name not in self._sharers:
                 self._sharers[name] = asyncio.create_task(self._share(slots), name=f"share:{name}")
-        for name in [n for n in self._sharers if n not in self.runtime.slots]:
-            self._sharers.pop(name).cancel()
-        for name in [n for n in self._checkers if n not in self.runtime.slots]:
-            self._checkers.pop(name).cancel()
-        for name in [n for n in self._discovery if n not in self.runtime.slots]:
-            self._discovery.pop(name).cancel()
-        for name in [n for n in self._adapters if n not in self.runtime.slots]:
-            self._adapters.pop(name).cancel()
+        stopped = []
+        for tasks in (self._sharers, self._checkers, self._discovery, self._adapters):
+            for name in [n for n in tasks if n not in self.runtime.slots]:
+                stopped.append(tasks.pop(name))
+                stopped[-1].cancel()
+        return stopped
+
+    async def _retire(self, previous: Runtime, stopped: list[asyncio.Task[None]]) -> None:
+        """Close what only the pools a reload removed used: their forwarding connections (a
+        request still in flight keeps its own until it ends) and, once the tasks using them have
+        stopped, their sessions."""
+        gone = [name for name in previous.slots if name not in self.runtime.slots]
+        for name in gone:
+            previous.upstreams[name].close()
+        if stopped:
+            await asyncio.wait(stopped, timeout=RETIRE_WAIT_S)
+        for name in gone:
+            session = self.sessions.pop(name, None)
+            if session is not None:
+                await session.close()
 
     async def _share(self, slots: PoolSlots) -> None:
         """Renew the pool's leases three times per lease life (at least every second, so
@@ -309,8 +328,9 @@ class Gateway:
                 log.error("policy reload refused, the running policy stays:\n%s", exc)
                 raise
             if policy.digest != current.digest:
-                self.runtime = Runtime.build(policy, self.runtime, self.ledger)
-                self._serve_pools()
+                previous = self.runtime
+                self.runtime = Runtime.build(policy, previous, self.ledger)
+                await self._retire(previous, self._serve_pools())
                 kept = {id(pool.picker) for pool in policy.pools.values()}
                 retired = {id(p.picker): p.picker for p in current.pools.values()}
                 await asyncio.gather(*(p.close() for key, p in retired.items() if key not in kept))
@@ -334,7 +354,7 @@ class Gateway:
         await asyncio.gather(*(slots.close() for slots in self.runtime.slots.values()))
         for session in self.sessions.values():
             await session.close()
-        for upstream in self.upstreams.values():
+        for upstream in self.runtime.upstreams.values():
             upstream.close()
         await self.quotas.close()
         await self.state.close()
@@ -348,7 +368,7 @@ class Gateway:
         pool's retry budget and the request's `max_wait_s`; never after a byte was sent."""
         assert ctx.pool is not None
         name = ctx.pool.name
-        slots, upstream, key = runtime.slots[name], self.upstreams[name], runtime.api_keys[name]
+        slots, upstream, key = runtime.slots[name], runtime.upstreams[name], runtime.api_keys[name]
         timeouts = ctx.pool.spec.timeouts
         place = Place()
         while True:

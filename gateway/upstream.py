@@ -427,6 +427,7 @@ class Upstream:
         self._targets: dict[str, _Target] = {}
         self._idle: dict[str, list[_Connection]] = {}
         self._tls: ssl.SSLContext | None = None
+        self._closed = False
 
     def _target(self, url: str) -> _Target:
         target = self._targets.get(url)
@@ -516,7 +517,7 @@ class Upstream:
 
     def keep(self, conn: _Connection) -> None:
         idle, now = conn.idle, conn.loop.time()
-        if self._idle.get(conn.url) is not idle:  # its replica was forgotten meanwhile
+        if self._closed or self._idle.get(conn.url) is not idle:  # or its replica forgotten
             conn.close()
             return
         conn.idle_since = now
@@ -525,6 +526,9 @@ class Upstream:
             idle.pop(0).close()
 
     def close(self) -> None:
+        """Close the idle connections now, and each busy one when its exchange ends: its pool
+        (or the gateway) is gone, and its requests in flight finish on theirs."""
+        self._closed = True
         for idle in self._idle.values():
             for conn in idle:
                 conn.close()

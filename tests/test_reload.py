@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import aiohttp
 import pytest
 import yaml
@@ -118,3 +120,45 @@ async def test_reloading_keeps_what_was_learned_and_loaded(
     assert new is not old and new.models["tiny"] is old.models["tiny"]  # tokenizer not reloaded
     assert new.estimator is old.estimator and new.tokenizer_threads is old.tokenizer_threads
     assert [r.max_concurrency for r in gw.gateway.slots["main"].replicas] == [3]
+
+
+def connections_to(url: str) -> int:
+    """Open TCP connections from this process's side to `url`'s port (IPv4 loopback)."""
+    port = int(url.rsplit(":", 1)[1])
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    established = "01"
+    return sum(
+        1
+        for row in rows
+        if (fields := row.split())[3] == established and int(fields[2].split(":")[1], 16) == port
+    )
+
+
+async def test_a_pool_a_reload_removes_lets_go_of_its_replica(
+    stub_factory, gateway_factory, tokenizer_dir, tmp_path, http, admin_token
+) -> None:
+    """Its kept connection and its health checks' close at the reload; a stream still in flight
+    on it ends normally, and its connection closes after it."""
+    gone, kept = await stub_factory(chunk_delay_s=0.02), await stub_factory()
+    policy = basic_policy(tokenizer_dir, [gone.url])
+    gw = await gateway_factory(policy)
+    async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+        assert resp.status == 200  # its connection is kept for the next request
+    stream = await http.post(
+        f"{gw.url}/v1/chat/completions", json={**CHAT, "max_tokens": 40, "stream": True}
+    )
+    await stream.content.readline()
+    assert connections_to(gone.url) >= 2
+    policy["pools"] = {"next": {"model": "tiny", "replicas": [kept.url], "max_concurrency": 8}}
+    policy["routes"] = [{"match": {"model": ["tiny"]}, "pool": "next"}]
+    (tmp_path / "policy.yaml").write_text(yaml.safe_dump(policy))
+    assert (await reload(http, gw.url))[0] == 200
+    assert connections_to(gone.url) == 1  # the stream's
+    async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+        assert resp.status == 200
+    assert kept.stats.completed == 1
+    rest = await stream.read()
+    assert stream.status == 200 and rest.endswith(b"data: [DONE]\n\n")
+    stream.release()
+    await eventually(lambda: connections_to(gone.url) == 0)
+    assert gone.stats.completed == 2 and gone.stats.disconnects == 0
