@@ -236,11 +236,9 @@ class _Gauges(Collector):
             labels=["size"],
         )
         jobs = CounterMetricFamily(
-            "llm_tokenizer_jobs", "Tokenizer jobs run on the pool's threads.", labels=["size"]
-        )
-        cpu = CounterMetricFamily(
-            "llm_tokenizer_cpu_seconds",
-            "Thread CPU the pool's jobs ran for: over llm_tokenizer_threads, how busy it is.",
+            "llm_tokenizer_jobs",
+            "Tokenizer jobs the pool ran, and those dropped before a thread took them (their"
+            " request was cancelled).",
             labels=["size"],
         )
         wait = CounterMetricFamily(
@@ -249,12 +247,25 @@ class _Gauges(Collector):
             " spent before its count could start.",
             labels=["size"],
         )
+        busy = CounterMetricFamily(
+            "llm_tokenizer_busy_seconds",
+            "Time the pool's threads were on a job: over llm_tokenizer_threads, how occupied the"
+            " pool is (1: every thread always on a job).",
+            labels=["size"],
+        )
+        cpu = CounterMetricFamily(
+            "llm_tokenizer_cpu_seconds",
+            "CPU the pool's threads spent on jobs: what counting long texts costs (texts up to"
+            " server.inline_tokenize_max_chars are counted on the event loop, not here).",
+            labels=["size"],
+        )
         for size, pool in (("small", pools.small), ("large", pools.large)):
             threads.add_metric([size], pool.threads)
             jobs.add_metric([size], pool.jobs)
-            cpu.add_metric([size], pool.cpu_s)
             wait.add_metric([size], pool.wait_s)
-        return [threads, jobs, cpu, wait]
+            busy.add_metric([size], pool.busy_s)
+            cpu.add_metric([size], pool.cpu_s)
+        return [threads, jobs, wait, busy, cpu]
 
 
 MAX_ADAPTER_LABELS = 512

@@ -2,11 +2,13 @@
 
 Counting is most of the gateway's CPU (docs/operations.md, "Sizing the gateway"), and when its
 threads are all busy a request waits for one before it is admitted anywhere: latency grows with
-no replica to blame. So each pool keeps the thread CPU its jobs spent and how long they waited
-for a thread; `rate(cpu) / threads` is how busy the pool is, `rate(wait) / rate(jobs)` the mean
-wait. The totals are plain numbers the worker threads add to under a lock, at the end of every
-job, whether or not anyone still awaits its result (a client that left does not un-spend its
-thread's CPU); the scrape reads them without the lock.
+no replica to blame. So each pool keeps, per job, the time it waited for a thread, the time a
+thread was on it and that thread's CPU: `rate(busy) / threads` is how occupied the pool is (its
+CPU can be lower: the threads share the pod's cores with the other pool and the event loop),
+`rate(wait) / rate(jobs)` the mean wait. A job is counted when it ends, whether or not anyone
+still awaits it (a client that left does not un-spend its thread), and a job dropped before it
+started (its request was cancelled) with the wait it had, so the longest waits are not the ones
+left out. The totals are plain numbers added under a lock; the scrape reads them without it.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -30,26 +33,35 @@ class CountingThreads:
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix=name)
         self._lock = threading.Lock()
         self.jobs = 0
-        self.cpu_s = 0.0  # thread CPU the jobs ran for
-        self.wait_s = 0.0  # from submission to a thread starting the job
+        self.wait_s = 0.0  # from submission to a thread starting the job (or to its drop)
+        self.busy_s = 0.0  # a thread on the job, start to end
+        self.cpu_s = 0.0  # that thread's CPU meanwhile
 
     async def run(self, work: Callable[..., T], *args: Any) -> T:
         """`work(*args)` on one of the threads."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor, self._timed, time.perf_counter(), work, args
-        )
+        submitted = time.perf_counter()
+        job = self._executor.submit(self._timed, submitted, work, args)
+        job.add_done_callback(partial(self._dropped, submitted))
+        return await asyncio.wrap_future(job)
 
     def _timed(self, submitted: float, work: Callable[..., T], args: tuple[Any, ...]) -> T:
         started, cpu = time.perf_counter(), time.thread_time()
         try:
             return work(*args)
         finally:
-            spent = time.thread_time() - cpu
+            spent, ended = time.thread_time() - cpu, time.perf_counter()
             with self._lock:
                 self.jobs += 1
-                self.cpu_s += spent
                 self.wait_s += started - submitted
+                self.busy_s += ended - started
+                self.cpu_s += spent
+
+    def _dropped(self, submitted: float, job: Future[Any]) -> None:
+        if job.cancelled():  # never started: `_timed` counted nothing
+            waited = time.perf_counter() - submitted
+            with self._lock:
+                self.jobs += 1
+                self.wait_s += waited
 
     def shutdown(self) -> None:
         """Stop taking jobs; those not started are dropped, running ones end on their own."""

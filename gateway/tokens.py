@@ -227,8 +227,8 @@ class HFCounter:
         self.cache_entries = cache_entries
         backend = tokenizer.backend_tokenizer
         # A tokenizer.json may keep truncation or padding from training. vLLM counts through
-        # transformers, which turns both off for each of its calls; the counts here call the
-        # backend directly, so they are turned off once, here.
+        # transformers, whose calls set both as they ask (off, unless a prompt is to be
+        # truncated); the counts here call the backend directly, so both are turned off here.
         backend.no_truncation()
         backend.no_padding()
         self._encode_batch: Callable[..., Any] = getattr(

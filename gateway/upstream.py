@@ -46,7 +46,9 @@ HIGH_WATER = 1 << 18  # body bytes buffered before reading from the replica paus
 # would be refused for nothing.
 KEEPALIVE_S = 4.0
 # A kept connection lost within this of the request, nothing heard on it, was closed by the
-# replica as the request went out (the close crossed it: it arrives within a round trip).
+# replica as the request went out (the close crossed it: it arrives within a round trip). Seen
+# later, it is a refusal as any other loss: an event loop held past this (LLMEventLoopLagHigh)
+# makes the race one too.
 RACE_S = 0.1
 CHUNK_COST = 64  # bytes a buffered chunk costs beyond its payload (object, deque slot)
 MAX_TARGETS = 1024  # replica URLs remembered: past it, those with no kept connection go

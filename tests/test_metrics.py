@@ -175,6 +175,7 @@ async def test_the_tokenizer_threads_say_how_busy_they_are(
                 "llm_tokenizer_threads",
                 "llm_tokenizer_jobs_total",
                 "llm_tokenizer_cpu_seconds_total",
+                "llm_tokenizer_busy_seconds_total",
                 "llm_tokenizer_wait_seconds_total",
             )
         }
@@ -185,6 +186,7 @@ async def test_the_tokenizer_threads_say_how_busy_they_are(
     long = await send(" ".join(WORDS[n % len(WORDS)] for n in range(200)))
     assert long["llm_tokenizer_jobs_total"] == {"small": 1.0, "large": 0.0}
     assert long["llm_tokenizer_cpu_seconds_total"]["small"] > 0
+    assert long["llm_tokenizer_busy_seconds_total"]["small"] > 0
     assert long["llm_tokenizer_wait_seconds_total"]["small"] >= 0
     assert long["llm_tokenizer_cpu_seconds_total"]["large"] == 0
 

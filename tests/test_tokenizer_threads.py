@@ -24,6 +24,7 @@ async def test_a_job_that_waits_for_the_only_thread_is_counted_with_its_wait() -
         pool.shutdown()
     assert pool.threads == 1 and pool.jobs == 2
     assert pool.wait_s >= 0.05  # the second job could not start before the first ended
+    assert pool.busy_s >= 0.05  # the first job held its thread that long
     assert pool.cpu_s > 0
 
 
@@ -35,3 +36,23 @@ async def test_a_job_that_fails_still_spent_its_thread() -> None:
     finally:
         pool.shutdown()
     assert pool.jobs == 1
+
+
+async def test_a_job_dropped_before_a_thread_took_it_is_counted_with_its_wait() -> None:
+    """Its request was cancelled (the client left) while it queued: the longest waits are the
+    ones whose clients give up, so the mean wait must not leave them out."""
+    pool = CountingThreads(1, "tokenize-test")
+    release = threading.Event()
+    try:
+        holding = asyncio.ensure_future(pool.run(release.wait, 5.0))
+        queued = asyncio.ensure_future(pool.run(sum, range(10)))
+        await asyncio.sleep(0.05)
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        release.set()
+        await holding
+    finally:
+        pool.shutdown()
+    assert pool.jobs == 2
+    assert pool.wait_s >= 0.05  # the dropped job's wait, the other's ~0
