@@ -85,6 +85,13 @@ class _Gauges(Collector):
             "llm_replica_up", "1 while a replica is in its pool, 0 while ejected.",
             labels=["pool", "replica"],
         )  # fmt: skip
+        failing = GaugeMetricFamily(
+            "llm_replica_failing",
+            "1 while a replica stays in its pool though its last health.consecutive_failures"
+            " requests or probes failed (a pool ejects at most max_ejection_percent of its"
+            " replicas, never its last one), 0 otherwise.",
+            labels=["pool", "replica"],
+        )
         ejections = CounterMetricFamily(
             "llm_replica_ejections", "Replicas taken out of their pool.",
             labels=["pool", "replica", "reason"],
@@ -94,6 +101,9 @@ class _Gauges(Collector):
                 requests.add_metric([name, replica.url], replica.inflight)
                 tokens.add_metric([name, replica.url], replica.inflight_tokens)
                 up.add_metric([name, replica.url], 1 if replica.up else 0)
+                failing.add_metric(
+                    [name, replica.url], 1 if replica.failing(pool.spec.health) else 0
+                )
             for (url, reason), count in pool.ejections.items():
                 ejections.add_metric([name, url, reason], count)
             for tier, waiting in zip(PRIORITIES, pool.waiting_by_tier, strict=True):
@@ -219,9 +229,9 @@ class _Gauges(Collector):
             "llm_policy_reload_errors", "Policy reloads refused (the running policy stayed)."
         )
         errors.add_metric([], self.source.reload_errors)
-        return [requests, tokens, depth, leases, capacity, up, ejections, drift, observed, shed, index,
-                blocks, held, events, precise_blocks, desired, forecast, lookups, prefixes,
-                *tokenizer, info, errors]  # fmt: skip
+        return [requests, tokens, depth, leases, capacity, up, failing, ejections, drift, observed,
+                shed, index, blocks, held, events, precise_blocks, desired, forecast, lookups,
+                prefixes, *tokenizer, info, errors]  # fmt: skip
 
     def _tokenizer_threads(self) -> list[Metric]:
         """The tokenizer pools' size, jobs, CPU and waits; none while no model tokenizes."""

@@ -107,6 +107,38 @@ async def test_a_failing_replica_is_ejected_then_readmitted(
     assert [s.value for s in found["llm_pool_capacity"]] == [16.0]
 
 
+async def test_a_failing_last_replica_stays_in_and_says_it_is_failing(
+    stub_factory, gateway_factory, tokenizer_dir, http, caplog
+) -> None:
+    """A pool never ejects its last replica (nor more than max_ejection_percent): requests still
+    go to it, so its failures must show somewhere other than `llm_replica_up`, or a dead
+    one-replica pool raises no replica alert at all."""
+    sick = await stub_factory(status=500)
+    policy = basic_policy(tokenizer_dir, [sick.url])
+    # Passive only: requests are the probes, so only they move the count (a probe of the stub's
+    # /health, always 200, would end the spell whenever it ran).
+    policy["pools"]["main"]["health"] = {"interval_s": 0, "consecutive_failures": 2}
+    gw = await gateway_factory(policy)
+
+    async def failing() -> tuple[float, float]:
+        found = await scrape(http, gw)
+        [up], [failing] = found["llm_replica_up"], found["llm_replica_failing"]
+        assert up.labels == failing.labels == {"pool": "main", "replica": sick.url}
+        return up.value, failing.value
+
+    assert await failing() == (1.0, 0.0)
+    for _ in range(2):
+        async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+            assert resp.status == 500
+    assert await failing() == (1.0, 1.0)
+    assert [s.value for s in (await scrape(http, gw))["llm_pool_capacity"]] == [8.0]
+    assert "fails (5xx, 2 in a row) but stays" in caplog.text
+    sick.config.status = 200  # the next request that succeeds ends the spell
+    async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+        assert resp.status == 200
+    assert await failing() == (1.0, 0.0)
+
+
 async def test_first_token_timeout_is_504(
     stub_factory, gateway_factory, tokenizer_dir, http
 ) -> None:

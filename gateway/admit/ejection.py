@@ -43,12 +43,15 @@ class Ejector:
         replica.failures += 1
         if due_for_probe(replica):  # failed its half-open trial: out again, for longer
             self._eject(replica, reason, health)
-        elif (
-            replica.up
-            and replica.failures >= health.consecutive_failures
-            and self._may_eject(replicas, health)
-        ):
-            self._eject(replica, reason, health)
+        elif replica.up and replica.failures >= health.consecutive_failures:
+            if self._may_eject(replicas, health):
+                self._eject(replica, reason, health)
+            elif replica.failures == health.consecutive_failures:  # once per failing spell
+                log.warning(
+                    "pool %s: replica %s fails (%s, %d in a row) but stays: the pool ejects at"
+                    " most max_ejection_percent of its replicas and never its last one",
+                    self.pool, replica.url, reason, replica.failures,
+                )  # fmt: skip
 
     def _eject(self, replica: Replica, reason: str, health: HealthSpec) -> None:
         replica.ejections += 1

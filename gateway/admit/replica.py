@@ -6,6 +6,7 @@ import time
 from typing import NamedTuple
 
 from gateway.admit.claim import Claim
+from gateway.policy.schema import HealthSpec
 
 
 class EngineGauges(NamedTuple):
@@ -82,6 +83,11 @@ class Replica:
     @property
     def up(self) -> bool:
         return self.ejected_until is None
+
+    def failing(self, health: HealthSpec) -> bool:
+        """In its pool though its last `consecutive_failures` requests or probes failed: the
+        pool may eject no more (never its last replica), so requests still go to it."""
+        return self.up and self.failures >= health.consecutive_failures
 
     def fits(self, claim: Claim) -> bool:
         if self.ejected_until is not None or self.inflight >= self.cap:
