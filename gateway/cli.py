@@ -117,7 +117,7 @@ def check(args: argparse.Namespace) -> int:
 def _endpoint(body: dict[str, Any], given: str | None) -> str:
     if given:
         return given
-    return "chat" if "messages" in body else "completions"
+    return "completions" if "prompt" in body else "chat"
 
 
 _NO_TOKENIZER_HINT = (
@@ -370,7 +370,7 @@ def explain(args: argparse.Namespace) -> int:
         decision = asyncio.run(
             _explain(
                 args.policy,
-                Path(args.request).read_bytes(),
+                sys.stdin.buffer.read() if args.request == "-" else Path(args.request).read_bytes(),
                 args.endpoint,
                 headers,
                 args.tokenizer_fallback == "estimate",
@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--endpoint",
         choices=["chat", "completions"],
-        help="default: chat when the body has `messages`, else completions",
+        help="default: completions when the body has `prompt`, else chat",
     )
     p.add_argument(
         "-H",
@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         " default: 0 where saturation is under 1, else unknown)",
     )
     p.add_argument("--json", action="store_true", help="print the decision as JSON")
-    p.add_argument("request", help="a JSON request body")
+    p.add_argument("request", help="a file holding the JSON request body, or - for standard input")
     p.set_defaults(func=explain)
     p = sub.add_parser("schema", help="print the policy JSON Schema (policies/schema.json)")
     p.set_defaults(func=schema)

@@ -4,6 +4,7 @@ real policy files, the real tiny tokenizer, the CLI as a user runs it."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -253,3 +254,14 @@ def test_prefix_cache_says_the_tokenizers_mode_or_off_when_0_entries(
         path = str(write_policy(tmp_path, {**policy, "server": server}))
         code, out, _ = explain(capsys, "--json", "--policy", path, chat(tmp_path))
         assert (code, json.loads(out)["prefix_cache"]) == (0, mode)
+
+
+def test_a_body_from_standard_input_without_messages_is_explained_as_chat(
+    capsys, monkeypatch, tmp_path, tokenizer_dir
+) -> None:
+    """No `prompt` means a chat body, as the server's chat endpoint would answer it."""
+    path = str(write_policy(tmp_path, basic_policy(tokenizer_dir, ["http://127.0.0.1:1"])))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b'{"model": "tiny"}')))
+    code, _, err = explain(capsys, "--policy", path, "-")
+    assert code == 2
+    assert "refused: 400 invalid_request: 'messages' must be a non-empty array" in err
