@@ -186,6 +186,21 @@ class Runtime:
         )
 
 
+def _pool_changes(before: Policy, after: Policy) -> str:
+    """What a reload did to the pools, for its log line: the rest is in the file's diff."""
+    old, new = before.pools, after.pools
+    parts = [
+        f"{word} {', '.join(sorted(names))}"
+        for word, names in (
+            ("added", new.keys() - old.keys()),
+            ("removed", old.keys() - new.keys()),
+            ("changed", {n for n in old.keys() & new.keys() if old[n].spec != new[n].spec}),
+        )
+        if names
+    ]
+    return "; ".join(parts) or "pools unchanged"
+
+
 class Gateway:
     """The running gateway: the current `Runtime`, upstream sessions, health checks, accounting."""
 
@@ -334,7 +349,10 @@ class Gateway:
                 kept = {id(pool.picker) for pool in policy.pools.values()}
                 retired = {id(p.picker): p.picker for p in current.pools.values()}
                 await asyncio.gather(*(p.close() for key, p in retired.items() if key not in kept))
-                log.info("policy %s reloaded: %s -> %s", policy.path, current.digest, policy.digest)
+                log.info("policy %s reloaded: %s -> %s (%s)", policy.path, current.digest,
+                         policy.digest, _pool_changes(current, policy))  # fmt: skip
+            else:
+                log.info("policy %s reloaded: unchanged (%s)", policy.path, policy.digest)
             return policy
 
     async def close(self) -> None:

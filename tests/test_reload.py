@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import aiohttp
@@ -135,7 +136,7 @@ def connections_to(url: str) -> int:
 
 
 async def test_a_pool_a_reload_removes_lets_go_of_its_replica(
-    stub_factory, gateway_factory, tokenizer_dir, tmp_path, http, admin_token
+    stub_factory, gateway_factory, tokenizer_dir, tmp_path, http, admin_token, caplog
 ) -> None:
     """Its kept connection and its health checks' close at the reload; a stream still in flight
     on it ends normally, and its connection closes after it."""
@@ -152,8 +153,12 @@ async def test_a_pool_a_reload_removes_lets_go_of_its_replica(
     policy["pools"] = {"next": {"model": "tiny", "replicas": [kept.url], "max_concurrency": 8}}
     policy["routes"] = [{"match": {"model": ["tiny"]}, "pool": "next"}]
     (tmp_path / "policy.yaml").write_text(yaml.safe_dump(policy))
+    caplog.set_level(logging.INFO, logger="gateway")
     assert (await reload(http, gw.url))[0] == 200
+    assert "(added next; removed main)" in caplog.text
     assert connections_to(gone.url) == 1  # the stream's
+    assert (await reload(http, gw.url))[0] == 200  # the same file again
+    assert "reloaded: unchanged" in caplog.text
     async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
         assert resp.status == 200
     assert kept.stats.completed == 1
