@@ -223,6 +223,7 @@ class Gateway:
         self._adapters: dict[str, asyncio.Task[None]] = {}
         self._reload_lock = asyncio.Lock()
         self._closing = False
+        self._stopping: set[asyncio.Task[None]] = set()  # a removed pool's, not yet stopped
         self._watcher: asyncio.Task[None] | None = None
         self._lag: asyncio.Task[None] | None = None
 
@@ -275,7 +276,10 @@ class Gateway:
         for name in gone:
             previous.upstreams[name].close()
         if stopped:
-            await asyncio.wait(stopped, timeout=RETIRE_WAIT_S)
+            _, pending = await asyncio.wait(stopped, timeout=RETIRE_WAIT_S)
+            self._stopping |= pending  # one that swallowed its cancellation: `close` waits on it
+            for task in pending:
+                task.add_done_callback(self._stopping.discard)
         for name in gone:
             session = self.sessions.pop(name, None)
             if session is not None:
@@ -287,8 +291,9 @@ class Gateway:
         every_s = min(1.0, self.policy.spec.state.lease_ttl_s / 3)
         # Not `while True`: a cancellation can be lost inside the Redis calls (seen in the test
         # suite: the loop went on renewing after `close` cancelled it, and `close` waited on it
-        # for ever); the flag ends it within one period whatever the libraries did.
-        while not self._closing:
+        # for ever); the flag, or its pool leaving the runtime, ends it within one period
+        # whatever the libraries did.
+        while not self._closing and self.runtime.slots.get(slots.name) is slots:
             await asyncio.sleep(every_s)
             try:
                 await slots.share()
@@ -332,6 +337,8 @@ class Gateway:
         """
         async with self._reload_lock:
             current = self.runtime.policy
+            if self._closing:  # `close` holds the lock next: nothing new may start
+                return current
             try:
                 policy = await asyncio.to_thread(
                     lambda: compile_policy(
@@ -357,7 +364,12 @@ class Gateway:
 
     async def close(self) -> None:
         self._closing = True
+        async with self._reload_lock:  # a reload under way ends first; later ones do nothing
+            await self._close()
+
+    async def _close(self) -> None:
         tasks = [
+            *self._stopping,
             *self._checkers.values(),
             *self._discovery.values(),
             *self._sharers.values(),
@@ -370,7 +382,7 @@ class Gateway:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._checkers.clear()
         await asyncio.gather(*(slots.close() for slots in self.runtime.slots.values()))
-        for session in self.sessions.values():
+        for session in list(self.sessions.values()):
             await session.close()
         for upstream in self.runtime.upstreams.values():
             upstream.close()

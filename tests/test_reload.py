@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 from pathlib import Path
 
 import aiohttp
 import pytest
 import yaml
 
+import gateway.pipeline as pipeline
 from tests.conftest import basic_policy, eventually
 
 TOKEN = "s3cret-admin"
@@ -167,3 +170,33 @@ async def test_a_pool_a_reload_removes_lets_go_of_its_replica(
     stream.release()
     await eventually(lambda: connections_to(gone.url) == 0)
     assert gone.stats.completed == 2 and gone.stats.disconnects == 0
+
+
+async def test_a_reload_under_way_when_the_gateway_closes_ends_first_and_leaves_nothing(
+    stub_factory, gateway_factory, tokenizer_dir, tmp_path, monkeypatch
+) -> None:
+    """SIGHUP just before SIGTERM: the reload's compile is still running when `close` starts.
+    `close` waits for it, then stops what it started too; a reload after `close` does nothing."""
+    first, second = await stub_factory(), await stub_factory()
+    policy = basic_policy(tokenizer_dir, [first.url])
+    gw = await gateway_factory(policy)
+    compiled, real = threading.Event(), pipeline.compile_policy
+
+    def held(*args: object, **kwargs: object) -> object:
+        compiled.wait(5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "compile_policy", held)
+    policy["pools"] = {"next": {"model": "tiny", "replicas": [second.url], "max_concurrency": 8}}
+    policy["routes"] = [{"match": {"model": ["tiny"]}, "pool": "next"}]
+    (tmp_path / "policy.yaml").write_text(yaml.safe_dump(policy))
+    reloading = asyncio.create_task(gw.gateway.reload())
+    await asyncio.sleep(0.05)
+    closing = asyncio.create_task(gw.gateway.close())
+    await asyncio.sleep(0.05)
+    compiled.set()
+    await asyncio.gather(reloading, closing)
+    assert set(gw.gateway.sessions) == {"next"}  # the reload ended first: main retired
+    assert all(session.closed for session in gw.gateway.sessions.values())
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith(("health:", "adapters:"))]
+    assert (await gw.gateway.reload()).pools.keys() == {"next"}  # the running one, unchanged

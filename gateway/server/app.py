@@ -3,6 +3,7 @@ lifespan."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -177,7 +178,9 @@ async def admin_reload(request: web.Request) -> web.Response:
     if not (scheme.lower() == "bearer" and hmac.compare_digest(given_bytes, token.encode())):
         raise Unauthorized("admin calls need `Authorization: Bearer <admin token>`")
     try:
-        policy = await gateway.reload()
+        # Shielded: a client that leaves mid-reload must not cancel it halfway (after the
+        # swap, before the removed pools' connections and sessions are closed).
+        policy = await asyncio.shield(gateway.reload())
     except PolicyError as exc:
         raise InvalidPolicy(str(exc)) from None
     return _json({"reloaded": True, "hash": policy.digest, "pools": sorted(policy.pools)})
