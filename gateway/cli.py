@@ -114,10 +114,18 @@ def check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _request_bytes(name: str) -> bytes:
+    if name != "-":
+        return Path(name).read_bytes()
+    if sys.stdin is None:  # closed (`<&-`): said as a file that cannot be read
+        raise OSError("standard input is closed")
+    return sys.stdin.buffer.read()
+
+
 def _endpoint(body: dict[str, Any], given: str | None) -> str:
     if given:
         return given
-    return "completions" if "prompt" in body else "chat"
+    return "completions" if "prompt" in body and "messages" not in body else "chat"
 
 
 _NO_TOKENIZER_HINT = (
@@ -370,7 +378,7 @@ def explain(args: argparse.Namespace) -> int:
         decision = asyncio.run(
             _explain(
                 args.policy,
-                sys.stdin.buffer.read() if args.request == "-" else Path(args.request).read_bytes(),
+                _request_bytes(args.request),
                 args.endpoint,
                 headers,
                 args.tokenizer_fallback == "estimate",
@@ -429,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--endpoint",
         choices=["chat", "completions"],
-        help="default: completions when the body has `prompt`, else chat",
+        help="default: completions when the body has `prompt` and no `messages`, else chat",
     )
     p.add_argument(
         "-H",

@@ -127,7 +127,8 @@ async def test_reloading_keeps_what_was_learned_and_loaded(
 
 
 def connections_to(url: str) -> int:
-    """Open TCP connections from this process's side to `url`'s port (IPv4 loopback)."""
+    """Established TCP connections to `url`'s port (IPv4) from this network namespace: the
+    gateway's, as the tests run it in this process and nothing else here connects there."""
     port = int(url.rsplit(":", 1)[1])
     rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
     established = "01"

@@ -137,6 +137,12 @@ async def test_a_failing_last_replica_stays_in_and_says_it_is_failing(
     async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
         assert resp.status == 200
     assert await failing() == (1.0, 0.0)
+    sick.config.status = 500  # a second spell soon after is not told again
+    for _ in range(2):
+        async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+            assert resp.status == 500
+    assert await failing() == (1.0, 1.0)
+    assert caplog.text.count("but stays") == 1
 
 
 async def test_first_token_timeout_is_504(

@@ -16,11 +16,22 @@ from gateway.policy.schema import HealthSpec
 log = logging.getLogger("gateway.admit")  # one logger for the whole stage: operators grep it
 
 TPOT_SMOOTHING = 0.1
+# A replica kept in while failing is told at most this often: one whose /health passes while its
+# requests fail starts a new spell after every probe.
+KEPT_WARNING_EVERY_S = 300.0
 
 
 def due_for_probe(replica: Replica) -> bool:
     """Ejected long enough to be tried again (half-open)."""
     return replica.ejected_until is not None and time.monotonic() >= replica.ejected_until
+
+
+def _warn_again(replica: Replica) -> bool:
+    now = time.monotonic()
+    if replica.kept_warned_at is not None and now - replica.kept_warned_at < KEPT_WARNING_EVERY_S:
+        return False
+    replica.kept_warned_at = now
+    return True
 
 
 def observe_tpot(replica: Replica, tpot_s: float) -> None:
@@ -46,7 +57,7 @@ class Ejector:
         elif replica.up and replica.failures >= health.consecutive_failures:
             if self._may_eject(replicas, health):
                 self._eject(replica, reason, health)
-            elif replica.failures == health.consecutive_failures:  # once per failing spell
+            elif replica.failures == health.consecutive_failures and _warn_again(replica):
                 log.warning(
                     "pool %s: replica %s fails (%s, %d in a row) but stays: the pool ejects at"
                     " most max_ejection_percent of its replicas and never its last one",

@@ -34,6 +34,7 @@ class Replica:
         "gauges",
         "inflight",
         "inflight_tokens",
+        "kept_warned_at",
         "key",
         "lease_ids",
         "leases",
@@ -70,6 +71,7 @@ class Replica:
         self.drift_strikes = 0  # scrapes in a row that found this gateway's count too high
         self.tpot: float | None = None  # moving average of its streams' time per output token
         self.slow_since: float | None = None  # since when it decodes slower than its peers
+        self.kept_warned_at: float | None = None  # last logged as failing but kept in
         self.gauges: EngineGauges | None = None  # its vLLM gauges, when a scorer reads them
         self.adapters: frozenset[str] = frozenset()  # LoRA adapters loaded, as last listed
 
