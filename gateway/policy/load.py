@@ -6,6 +6,7 @@ locations (`pools.generate-12b.max_concurrency`) can be pointed at a line of the
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -182,6 +183,41 @@ def _dependent(problem: Problem, errors: Sequence[Loc]) -> bool:
     return any(problem.loc[: len(loc)] == loc for loc in errors)
 
 
+def _model_in(kind: Any) -> type[BaseModel] | None:
+    """The model a field's type holds, directly or as the items or values of a container, or
+    in a union with None; None when it holds none or several."""
+    if isinstance(kind, type) and issubclass(kind, BaseModel):
+        return kind
+    models = {m for arg in get_args(kind) if (m := _model_in(arg)) is not None}
+    return models.pop() if len(models) == 1 else None
+
+
+def _field_names(loc: Loc) -> list[str]:
+    """The field names of the model at `loc` in a policy (entries' keys and indexes skipped),
+    as the file spells them; none where that is not one model."""
+    model: type[BaseModel] | None = PolicySpec
+    for step in loc:
+        if model is None:
+            return []
+        field = next((f for name, f in model.model_fields.items() if step in (name, f.alias)), None)
+        if field is not None:
+            model = _model_in(field.annotation)
+        # else: a dict key or a list index, inside the same field's model
+    if model is None:
+        return []
+    return [f.alias or name for name, f in model.model_fields.items()]
+
+
+def _with_suggestion(problem: Problem, lines: dict[Loc, int]) -> Problem:
+    """An unknown field that is a near miss of a real one says which: a typo is the usual
+    cause, and pydantic's own message does not say what the field should have been."""
+    loc = _clean(problem.loc, lines)
+    if problem.message != "unknown field" or not loc or not isinstance(loc[-1], str):
+        return problem
+    close = difflib.get_close_matches(loc[-1], _field_names(loc[:-1]), n=1, cutoff=0.75)
+    return Problem(problem.loc, f"unknown field; did you mean `{close[0]}`?") if close else problem
+
+
 def load_spec(path: str | Path, checks: Checks | None = None) -> LoadedSpec:
     """Parse and validate a policy file; raise `PolicyError` listing every problem.
 
@@ -208,6 +244,7 @@ def load_spec(path: str | Path, checks: Checks | None = None) -> LoadedSpec:
         spec = PolicySpec.model_validate(data)
     except ValidationError as exc:
         problems = [Problem(tuple(err["loc"]), _message(err)) for err in exc.errors()]
+        problems = [_with_suggestion(p, lines) for p in problems]
         # An entry's fields are its first three steps: deeper ones name a field's own parts.
         failed = [_clean(p.loc, lines)[:3] for p in problems]
         if checks is not None and (partial := _salvage(data, failed)) is not None:
