@@ -50,6 +50,9 @@ class Source(Protocol):
     def slots(self) -> Mapping[str, PoolSlots]: ...
 
     @property
+    def retiring(self) -> Mapping[str, PoolSlots]: ...
+
+    @property
     def policy(self) -> Policy: ...
 
     reload_errors: int
@@ -112,6 +115,12 @@ class _Gauges(Collector):
                 if replica.shared is not None:
                     leases.add_metric([name, replica.url], replica.shared)
             capacity.add_metric([name], pool.capacity)
+        for name, pool in self.source.retiring.items():  # removed, its requests not all done
+            for replica in pool.replicas:
+                requests.add_metric([name, replica.url], replica.inflight)
+                tokens.add_metric([name, replica.url], replica.inflight_tokens)
+            for tier, waiting in zip(PRIORITIES, pool.waiting_by_tier, strict=True):
+                depth.add_metric([name, tier], waiting)
         drift = CounterMetricFamily(
             "llm_slot_drift",
             "Reconciliations that found this gateway counting more in flight than the replica.",

@@ -211,6 +211,7 @@ class Gateway:
         self.ledger: SlotLedger | None
         self.state, self.ledger = build_state(policy.spec.state)
         self.runtime = Runtime.build(policy, None, self.ledger)
+        self._retiring: dict[str, PoolSlots] = {}  # removed pools, for `retiring`
         self.reload_errors = 0
         self.accountant = Accountant(Metrics(self), access_log)  # reads the above at scrape time
         self.accountant.metrics.registry.register(BackendUp(lambda: self.state))
@@ -234,6 +235,16 @@ class Gateway:
     @property
     def slots(self) -> dict[str, PoolSlots]:
         return self.runtime.slots
+
+    @property
+    def retiring(self) -> dict[str, PoolSlots]:
+        """Pools a reload removed while requests were still in flight or queued on them, until
+        those end: `/metrics` keeps their in-flight and queue gauges meanwhile."""
+        for name, slots in list(self._retiring.items()):
+            busy = any(r.inflight for r in slots.replicas) or any(slots.waiting_by_tier)
+            if name in self.runtime.slots or not busy:  # done, or a new pool has the name
+                del self._retiring[name]
+        return self._retiring
 
     def _serve_pools(self) -> list[asyncio.Task[None]]:
         """Sessions and health checks for every pool of the runtime; stop those of pools gone,
@@ -275,6 +286,7 @@ class Gateway:
         gone = [name for name in previous.slots if name not in self.runtime.slots]
         for name in gone:
             previous.upstreams[name].close()
+            self._retiring[name] = previous.slots[name]
         if stopped:
             _, pending = await asyncio.wait(stopped, timeout=RETIRE_WAIT_S)
             self._stopping |= pending  # one that swallowed its cancellation: `close` waits on it

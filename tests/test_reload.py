@@ -10,6 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 import gateway.pipeline as pipeline
 from tests.conftest import basic_policy, eventually
@@ -126,6 +127,18 @@ async def test_reloading_keeps_what_was_learned_and_loaded(
     assert [r.max_concurrency for r in gw.gateway.slots["main"].replicas] == [3]
 
 
+async def inflight(http: aiohttp.ClientSession, url: str) -> dict[tuple[str, str], float]:
+    """`llm_inflight_requests` by (pool, replica), as /metrics says now."""
+    async with http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    return {
+        (s.labels["pool"], s.labels["replica"]): s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "llm_inflight_requests"
+        for s in family.samples
+    }
+
+
 def connections_to(url: str) -> int:
     """Established TCP connections to `url`'s port (IPv4) from this network namespace: the
     gateway's, as the tests run it in this process and nothing else here connects there."""
@@ -163,6 +176,7 @@ async def test_a_pool_a_reload_removes_lets_go_of_its_replica(
     assert connections_to(gone.url) == 1  # the stream's
     assert (await reload(http, gw.url))[0] == 200  # the same file again
     assert "reloaded: unchanged" in caplog.text
+    assert await inflight(http, gw.url) == {("main", gone.url): 1.0, ("next", kept.url): 0.0}
     async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
         assert resp.status == 200
     assert kept.stats.completed == 1
@@ -171,6 +185,7 @@ async def test_a_pool_a_reload_removes_lets_go_of_its_replica(
     stream.release()
     await eventually(lambda: connections_to(gone.url) == 0)
     assert gone.stats.completed == 2 and gone.stats.disconnects == 0
+    assert await inflight(http, gw.url) == {("next", kept.url): 0.0}  # drained: its series go
 
 
 async def test_a_reload_under_way_when_the_gateway_closes_ends_first_and_leaves_nothing(
