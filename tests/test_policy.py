@@ -67,25 +67,26 @@ def test_check_names_line_and_field_of_every_schema_error(tmp_path) -> None:
 
 
 def test_a_misspelt_field_is_named_with_the_one_it_resembles(tmp_path) -> None:
-    """At any depth (a pool's section, a class's condition, a route's match, `server`); a field
+    """At any depth (a pool's section, a class's condition, a route's match, `server`), from the
+    model the file is in there (a pool named `retry` is a pool, not PoolSpec's `retry`); a field
     like no other is only unknown."""
     path = tmp_path / "x.yaml"
     path.write_text(
         "models:\n"
         "  tiny: {tokenizer: estimate, max_model_len: 8192}\n"
         "pools:\n"
-        "  main: {model: tiny, replicas: ['http://127.0.0.1:1'], max_concurency: 8,\n"
+        "  retry: {model: tiny, replicas: ['http://127.0.0.1:1'], max_concurency: 8,\n"
         "         helth: {interval_s: 1}}\n"
         "server: {tokenizer_thread: 2, frobnicate: 1}\n"
         "classes: [{name: any, when: {input_token: {gte: 5}}}]\n"
-        "routes: [{match: {modle: tiny}, pool: main}]\n"
+        "routes: [{match: {modle: tiny}, pool: retry}]\n"
     )
     result = check(path)
     assert result.returncode == 1
     errors = result.stderr.splitlines()
     for line, where, meant in (
-        (4, "pools.main.max_concurency", "max_concurrency"),
-        (5, "pools.main.helth", "health"),
+        (4, "pools.retry.max_concurency", "max_concurrency"),
+        (5, "pools.retry.helth", "health"),
         (6, "server.tokenizer_thread", "tokenizer_threads"),
         (7, "classes.0.when.input_token", "input_tokens"),
         (8, "routes.0.match.modle", "model"),

@@ -11,7 +11,8 @@ import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_args
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -183,29 +184,34 @@ def _dependent(problem: Problem, errors: Sequence[Loc]) -> bool:
     return any(problem.loc[: len(loc)] == loc for loc in errors)
 
 
-def _model_in(kind: Any) -> type[BaseModel] | None:
-    """The model a field's type holds, directly or as the items or values of a container, or
-    in a union with None; None when it holds none or several."""
-    if isinstance(kind, type) and issubclass(kind, BaseModel):
-        return kind
-    models = {m for arg in get_args(kind) if (m := _model_in(arg)) is not None}
-    return models.pop() if len(models) == 1 else None
+def _one(kind: Any) -> Any:
+    """A type without `| None` around it (the other member of a two-member union with None)."""
+    args = [a for a in get_args(kind) if a is not type(None)]
+    return args[0] if get_origin(kind) in (Union, UnionType) and len(args) == 1 else kind
 
 
 def _field_names(loc: Loc) -> list[str]:
-    """The field names of the model at `loc` in a policy (entries' keys and indexes skipped),
-    as the file spells them; none where that is not one model."""
-    model: type[BaseModel] | None = PolicySpec
+    """The field names of the model at `loc` in a policy, as the file spells them; none where
+    the types do not lead to one model. Walked by type: under a mapping or a list, a step is a
+    key or an index (a pool named `retry` is a pool, not PoolSpec's `retry` field)."""
+    kind: Any = PolicySpec
     for step in loc:
-        if model is None:
+        kind = _one(kind)
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            field = next(
+                (f for name, f in kind.model_fields.items() if step in (name, f.alias)), None
+            )
+            if field is None:
+                return []
+            kind = field.annotation
+        elif get_origin(kind) in (dict, list, tuple) and get_args(kind):
+            kind = get_args(kind)[-1 if get_origin(kind) is dict else 0]
+        else:
             return []
-        field = next((f for name, f in model.model_fields.items() if step in (name, f.alias)), None)
-        if field is not None:
-            model = _model_in(field.annotation)
-        # else: a dict key or a list index, inside the same field's model
-    if model is None:
+    kind = _one(kind)
+    if not (isinstance(kind, type) and issubclass(kind, BaseModel)):
         return []
-    return [f.alias or name for name, f in model.model_fields.items()]
+    return [f.alias or name for name, f in kind.model_fields.items()]
 
 
 def _with_suggestion(problem: Problem, lines: dict[Loc, int]) -> Problem:

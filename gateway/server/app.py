@@ -180,7 +180,9 @@ async def admin_reload(request: web.Request) -> web.Response:
     try:
         # Shielded: a client that leaves mid-reload must not cancel it halfway (after the
         # swap, before the removed pools' connections and sessions are closed).
-        policy = await asyncio.shield(gateway.reload())
+        reloading = asyncio.ensure_future(gateway.reload())
+        reloading.add_done_callback(lambda t: t.cancelled() or t.exception())  # logged by reload
+        policy = await asyncio.shield(reloading)
     except PolicyError as exc:
         raise InvalidPolicy(str(exc)) from None
     return _json({"reloaded": True, "hash": policy.digest, "pools": sorted(policy.pools)})
