@@ -86,6 +86,22 @@ async def answer_each(
         writer.write(OK)
 
 
+def writes_once(data: bytes, hold: bool = False) -> Script:
+    """A replica that reads one request and writes `data` (b"": nothing), then hangs up, or with
+    `hold` keeps the connection until the client closes it."""
+
+    async def script(
+        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await made.read_request(reader)
+        writer.write(data)
+        await writer.drain()
+        if hold:
+            await reader.read()
+
+    return script
+
+
 async def send_chunked(writer: asyncio.StreamWriter, parts: list[bytes], gap_s: float) -> None:
     """A chunked answer's head and `parts` as chunks, `gap_s` apart; no final chunk."""
     writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
@@ -133,14 +149,7 @@ async def test_a_kept_alive_connection_serves_the_next_request(replica) -> None:
     ],
 )
 async def test_a_connection_the_replica_closes_is_not_reused(replica, answer: bytes) -> None:
-    async def once(
-        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        await made.read_request(reader)
-        writer.write(answer)
-        await writer.drain()
-
-    made = await replica(once)
+    made = await replica(writes_once(answer))
     upstream = Upstream()
     assert await post(upstream, made) == (200, JSON)
     assert await post(upstream, made) == (200, JSON)
@@ -161,12 +170,7 @@ async def test_a_chunked_answer_is_read_whole(replica) -> None:
 
 
 async def test_no_answer_at_all_is_refused(replica) -> None:
-    async def hang_up(
-        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        await made.read_request(reader)
-
-    made = await replica(hang_up)
+    made = await replica(writes_once(b""))
     with pytest.raises(Refused):
         await post(Upstream(), made)
     assert made.connections == 1  # a new connection refused is the answer: not tried again
@@ -258,14 +262,7 @@ async def test_no_new_connection_in_time_after_the_race_is_still_a_refusal() -> 
 
 
 async def test_an_answer_cut_short_is_broken(replica) -> None:
-    async def cut(
-        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        await made.read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + JSON)
-        await writer.drain()
-
-    made = await replica(cut)
+    made = await replica(writes_once(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + JSON))
     with pytest.raises(BrokenAnswer, match="mid-answer"):
         await post(Upstream(), made)
 
@@ -280,15 +277,7 @@ async def test_an_answer_cut_short_is_broken(replica) -> None:
     ],
 )
 async def test_a_hostile_head_is_refused_and_its_connection_closed(replica, head: bytes) -> None:
-    async def send(
-        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        await made.read_request(reader)
-        writer.write(head)
-        await writer.drain()
-        await reader.read()  # until the client closes
-
-    made = await replica(send)
+    made = await replica(writes_once(head, hold=True))
     upstream = Upstream()
     with pytest.raises(BrokenAnswer):
         await post(upstream, made)
@@ -297,14 +286,7 @@ async def test_a_hostile_head_is_refused_and_its_connection_closed(replica, head
 
 
 async def test_a_second_answer_to_one_request_costs_the_connection(replica) -> None:
-    async def twice(
-        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        await made.read_request(reader)
-        writer.write(OK + OK)
-        await reader.read()
-
-    made = await replica(twice)
+    made = await replica(writes_once(OK + OK, hold=True))
     upstream = Upstream()
     assert await post(upstream, made) == (200, JSON)  # the first is the answer
     assert await post(upstream, made) == (200, JSON)
@@ -312,24 +294,13 @@ async def test_a_second_answer_to_one_request_costs_the_connection(replica) -> N
 
 
 async def test_silence_before_the_head_and_between_chunks_times_out(replica) -> None:
-    async def silent(
-        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        await made.read_request(reader)
-        await reader.read()
-
-    made = await replica(silent)
+    made = await replica(writes_once(b"", hold=True))
     with pytest.raises(ExchangeTimeout):
         await post(Upstream(), made, read_s=0.2)
 
-    async def stalls(
-        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        await made.read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + JSON)
-        await reader.read()
-
-    stalling = await replica(stalls)
+    stalling = await replica(
+        writes_once(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + JSON, hold=True)
+    )
     with pytest.raises(ExchangeTimeout, match="silent"):
         await post(Upstream(), stalling, read_s=0.2)
 
