@@ -11,6 +11,7 @@ read here, never a Prometheus call per request.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from itertools import chain
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, disable_created_metrics
@@ -99,28 +100,25 @@ class _Gauges(Collector):
             "llm_replica_ejections", "Replicas taken out of their pool.",
             labels=["pool", "replica", "reason"],
         )  # fmt: skip
-        for name, pool in self.source.slots.items():
+        # A pool a reload removed keeps its in-flight and queue gauges until its requests end.
+        for name, pool in chain(self.source.slots.items(), self.source.retiring.items()):
             for replica in pool.replicas:
                 requests.add_metric([name, replica.url], replica.inflight)
                 tokens.add_metric([name, replica.url], replica.inflight_tokens)
+            for tier, waiting in zip(PRIORITIES, pool.waiting_by_tier, strict=True):
+                depth.add_metric([name, tier], waiting)
+        for name, pool in self.source.slots.items():
+            for replica in pool.replicas:
                 up.add_metric([name, replica.url], 1 if replica.up else 0)
                 failing.add_metric(
                     [name, replica.url], 1 if replica.failing(pool.spec.health) else 0
                 )
             for (url, reason), count in pool.ejections.items():
                 ejections.add_metric([name, url, reason], count)
-            for tier, waiting in zip(PRIORITIES, pool.waiting_by_tier, strict=True):
-                depth.add_metric([name, tier], waiting)
             for replica in pool.replicas:
                 if replica.shared is not None:
                     leases.add_metric([name, replica.url], replica.shared)
             capacity.add_metric([name], pool.capacity)
-        for name, pool in self.source.retiring.items():  # removed, its requests not all done
-            for replica in pool.replicas:
-                requests.add_metric([name, replica.url], replica.inflight)
-                tokens.add_metric([name, replica.url], replica.inflight_tokens)
-            for tier, waiting in zip(PRIORITIES, pool.waiting_by_tier, strict=True):
-                depth.add_metric([name, tier], waiting)
         drift = CounterMetricFamily(
             "llm_slot_drift",
             "Reconciliations that found this gateway counting more in flight than the replica.",

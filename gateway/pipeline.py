@@ -186,6 +186,11 @@ class Runtime:
         )
 
 
+def _busy(slots: PoolSlots) -> bool:
+    """Requests in flight on the pool or waiting in its queue."""
+    return any(r.inflight for r in slots.replicas) or any(slots.waiting_by_tier)
+
+
 def _pool_changes(before: Policy, after: Policy) -> str:
     """What a reload did to the pools, for its log line: the rest is in the file's diff."""
     old, new = before.pools, after.pools
@@ -239,12 +244,9 @@ class Gateway:
     @property
     def retiring(self) -> dict[str, PoolSlots]:
         """Pools a reload removed while requests were still in flight or queued on them, until
-        those end: `/metrics` keeps their in-flight and queue gauges meanwhile."""
-        for name, slots in list(self._retiring.items()):
-            busy = any(r.inflight for r in slots.replicas) or any(slots.waiting_by_tier)
-            if name in self.runtime.slots or not busy:  # done, or a new pool has the name
-                del self._retiring[name]
-        return self._retiring
+        those end (`_wind_down`): `/metrics` keeps their in-flight and queue gauges meanwhile.
+        A name a later reload gave a new pool is that pool's."""
+        return {n: s for n, s in self._retiring.items() if n not in self.runtime.slots and _busy(s)}
 
     def _serve_pools(self) -> list[asyncio.Task[None]]:
         """Sessions and health checks for every pool of the runtime; stop those of pools gone,
@@ -286,7 +288,10 @@ class Gateway:
         gone = [name for name in previous.slots if name not in self.runtime.slots]
         for name in gone:
             previous.upstreams[name].close()
-            self._retiring[name] = previous.slots[name]
+            self._retiring[name] = slots = previous.slots[name]
+            winding = asyncio.create_task(self._wind_down(slots), name=f"retire:{name}")
+            self._stopping.add(winding)
+            winding.add_done_callback(self._stopping.discard)
         if stopped:
             _, pending = await asyncio.wait(stopped, timeout=RETIRE_WAIT_S)
             self._stopping |= pending  # one that swallowed its cancellation: `close` waits on it
@@ -296,6 +301,21 @@ class Gateway:
             session = self.sessions.pop(name, None)
             if session is not None:
                 await session.close()
+
+    async def _wind_down(self, slots: PoolSlots) -> None:
+        """A removed pool until its last request ends: its leases still renewed (with shared
+        state; a stream outlives a lease), then the pool closed so its releases reach the
+        ledger. `close` closes those still winding down."""
+        every_s = min(1.0, self.policy.spec.state.lease_ttl_s / 3)
+        while _busy(slots):
+            await asyncio.sleep(every_s)
+            try:
+                await slots.share()
+            except Exception:  # as `_share`: never lose the renewals to one bad tick
+                log.exception("pool %s (removed): sharing its slots failed", slots.name)
+        if self._retiring.get(slots.name) is slots:
+            del self._retiring[slots.name]
+        await slots.close()
 
     async def _share(self, slots: PoolSlots) -> None:
         """Renew the pool's leases three times per lease life (at least every second, so
@@ -393,7 +413,8 @@ class Gateway:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._checkers.clear()
-        await asyncio.gather(*(slots.close() for slots in self.runtime.slots.values()))
+        closing = [*self.runtime.slots.values(), *self._retiring.values()]
+        await asyncio.gather(*(slots.close() for slots in closing))
         for session in list(self.sessions.values()):
             await session.close()
         for upstream in self.runtime.upstreams.values():

@@ -290,3 +290,27 @@ async def test_slots_taken_while_redis_was_down_are_leased_again_when_it_returns
     assert replica.stats.running == 2
     assert await asyncio.gather(*running) == [200, 200]
     await eventually(lambda: leases(fresh_redis) == 0)
+
+
+async def test_a_pool_a_reload_removes_keeps_its_running_streams_leases_then_gives_them_back(
+    fresh_redis, stub_factory, gateway_factory, tokenizer_dir, tmp_path, http
+) -> None:
+    """A stream outlives a lease: renewals go on after its pool left the policy, so the other
+    gateways keep counting it, and its lease is given back when it ends, not left to expire."""
+    slow, fresh = await stub_factory(chunk_delay_s=0.05), await stub_factory()
+    policy = shared_policy(tokenizer_dir, slow.url, fresh_redis, cap=4, lease_ttl_s=1.0)
+    gw = await gateway_factory(policy)
+    stream = await http.post(
+        f"{gw.url}/v1/chat/completions", json={**CHAT, "max_tokens": 60, "stream": True}
+    )
+    await stream.content.readline()
+    policy["pools"] = {"next": {"model": "tiny", "replicas": [fresh.url], "max_concurrency": 4}}
+    policy["routes"] = [{"match": {"model": ["tiny"]}, "pool": "next"}]
+    (tmp_path / "policy.yaml").write_text(json.dumps(policy))
+    await gw.gateway.reload()
+    await asyncio.sleep(2.0)  # two lease lives: only renewals keep it
+    assert leases(fresh_redis) == 1
+    assert (await stream.read()).endswith(b"data: [DONE]\n\n")
+    stream.release()
+    await eventually(lambda: leases(fresh_redis) == 0, within_s=0.9)  # given back, not expired
+    assert gw.gateway.retiring == {}
