@@ -222,7 +222,7 @@ class HFCounter:
         self.memoized = memoized
         self.threads = threads
         self.inline_max_chars = inline_max_chars
-        self.large_threads = large_threads or threads
+        self.large_threads = large_threads  # None: the large texts share `threads`
         self.large_min_chars = large_min_chars
         self.cache_entries = cache_entries
         backend = tokenizer.backend_tokenizer
@@ -306,8 +306,8 @@ class HFCounter:
         long."""
         if self.threads is not None and size > self.inline_max_chars:
             threads = self.threads
-            if self.large_min_chars and size >= self.large_min_chars and self.large_threads:
-                threads = self.large_threads
+            if self.large_min_chars and size >= self.large_min_chars:
+                threads = self.large_threads or threads
             return await threads.run(work, *args)
         return work(*args)
 

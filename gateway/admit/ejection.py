@@ -54,7 +54,7 @@ class Ejector:
         replica.failures += 1
         if due_for_probe(replica):  # failed its half-open trial: out again, for longer
             self._eject(replica, reason, health)
-        elif replica.up and replica.failures >= health.consecutive_failures:
+        elif replica.failing(health):
             if self._may_eject(replicas, health):
                 self._eject(replica, reason, health)
             elif replica.failures == health.consecutive_failures and _warn_again(replica):
