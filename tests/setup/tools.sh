@@ -15,6 +15,7 @@ export PATH=$venv/bin:$PATH
 packages=()
 command -v redis-server >/dev/null || packages+=(redis-server)
 command -v openssl >/dev/null || packages+=(openssl)
+command -v npm >/dev/null || packages+=(npm)
 { command -v prometheus >/dev/null && command -v promtool >/dev/null; } || packages+=(prometheus)
 if ((${#packages[@]})); then
     if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
@@ -29,3 +30,4 @@ if ((${#packages[@]})); then
     fi
 fi
 command -v kubectl >/dev/null || "$venv/bin/python" "$(dirname "$0")/install_kubectl.py" "$venv/bin"
+"$venv/bin/python" -m loadtest.real_tokenizers >/dev/null
