@@ -274,7 +274,7 @@ async def _explain(
     from gateway.pipeline import decide
     from gateway.policy.compile import compile_policy, reference_problems
     from gateway.policy.load import load_spec
-    from gateway.policy.schema import PRIORITIES
+    from gateway.policy.schema import ESTIMATE, PRIORITIES
     from gateway.quota import tenant_windows
     from gateway.tenants import authenticate
     from gateway.tokens import HFCounter
@@ -321,9 +321,9 @@ async def _explain(
         charged = tenant_windows(tenant, ctx, ctx.reserved_tokens)
         quota = [f"{w.kind} {w.limit.amount} of {w.limit.limit}/min{w.where}" for w in charged]
         quota = quota or "unlimited"
-    # Whether long texts were counted from cached prefixes, and by which argument of exactness.
+    # Which library encoded the rendered prompt (gateway/encoders.py), or the character estimate.
     counter = model.counter
-    prefix_cache = counter.prefix_mode if isinstance(counter, HFCounter) else "off"
+    backend = counter.backend if isinstance(counter, HFCounter) else ESTIMATE
     return {
         "endpoint": ctx.endpoint,
         "requested_model": ctx.requested_model,
@@ -334,7 +334,7 @@ async def _explain(
         "input_tokens": ctx.input_tokens,
         "tokenizer": missing.get(model.name, model.spec.tokenizer),
         "tokenizer_missing": model.name in missing,
-        "prefix_cache": prefix_cache,
+        "counting_backend": backend,
         "expected_output_tokens": ctx.expected_output,
         "estimate_source": ctx.estimate_source,
         "class": ctx.workload,

@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 from gateway.admit import PoolSlots
 from gateway.looplag import LAG_BUCKETS
 from gateway.loopmetrics import Counter, Histogram
-from gateway.policy.schema import PRIORITIES
+from gateway.policy.schema import ESTIMATE, PRIORITIES
 from gateway.tokens import HFCounter
 
 if TYPE_CHECKING:
@@ -207,26 +207,16 @@ class _Gauges(Collector):
         for name, pool in self.source.slots.items():
             desired.add_metric([name], round(pool.demand.desired_replicas, 3))
             forecast.add_metric([name], round(pool.demand.desired_replicas_forecast, 3))
-        lookups = CounterMetricFamily(
-            "llm_token_count_prefix_lookups",
-            "Long texts counted from the token counter's prefix cache (explain's `prefix_cache`;"
-            " not vLLM's KV cache): `hit`, a cached prefix's count was used; `miss`, the text had"
-            " cuts but none of its prefixes was cached. Texts too short to cut are not counted.",
-            labels=["model", "outcome"],
-        )
-        prefixes = GaugeMetricFamily(
-            "llm_token_count_prefix_entries",
-            "Prefix token counts the model's counter caches, at most server.prefix_cache_entries.",
-            labels=["model"],
+        backends = GaugeMetricFamily(
+            "llm_token_counter_info",
+            "The library that counts each model's prompts (1): fastokens, tokenizers (both exact:"
+            " gateway/encoders.py), or estimate (characters per token).",
+            labels=["model", "backend"],
         )
         for name, model in self.source.policy.models.items():
             counter = model.counter
-            cache = counter.prefixes if isinstance(counter, HFCounter) else None
-            if cache is None:  # estimated counts, or the cache is off
-                continue
-            lookups.add_metric([name, "hit"], cache.hits)
-            lookups.add_metric([name, "miss"], cache.misses)
-            prefixes.add_metric([name], cache.held)
+            backend = counter.backend if isinstance(counter, HFCounter) else ESTIMATE
+            backends.add_metric([name, backend], 1)
         tokenizer = self._tokenizer_threads()
         info = GaugeMetricFamily(
             "llm_policy_info", "The running policy, by the hash of its file.", labels=["hash"]
@@ -237,8 +227,8 @@ class _Gauges(Collector):
         )
         errors.add_metric([], self.source.reload_errors)
         return [requests, tokens, depth, leases, capacity, up, failing, ejections, drift, observed,
-                shed, index, blocks, held, events, precise_blocks, desired, forecast, lookups,
-                prefixes, *tokenizer, info, errors]  # fmt: skip
+                shed, index, blocks, held, events, precise_blocks, desired, forecast, backends,
+                *tokenizer, info, errors]  # fmt: skip
 
     def _tokenizer_threads(self) -> list[Metric]:
         """The tokenizer pools' size, jobs, CPU and waits; none while no model tokenizes."""

@@ -1,53 +1,42 @@
 """Stage 2, tokenize: count input tokens the way vLLM will.
 
-Chat requests are rendered with the model's own chat template (`add_generation_prompt=True`) and
-encoded without extra special tokens; completions encode the prompt with them, as vLLM does.
-Tokenizers load from a local directory only: the hub is never contacted.
+A chat is rendered as vLLM renders it (the model's own chat template, `add_generation_prompt`,
+the request's tools and template variables) and the whole text is encoded once, without special
+tokens; a completion's prompts are encoded with them. Nothing is summed from parts: real
+templates merge tokens across a content's edges (Gemma 3) and rewrite contents (Qwen 3's
+reasoning blocks), so only the rendered prompt's own encoding is exact. Tokenizers load from a
+local directory only: the hub is never contacted. gateway/encoders.py chooses the library that
+encodes (fastokens where proven to agree with the tokenizers library, else the latter).
 
-Counting is the gateway's dominant CPU cost (see docs/benchmarks.md), so two things keep it off the
-hot path. `memoized` counting sums cached per-message counts with the template's overhead for that
-sequence of roles: the 3,000-token rules block that repeats in every classification prompt costs a
-dict lookup. And text longer than `inline_tokenize_max_chars` goes to a small thread pool through
-the batch entry point, which releases the GIL (the single-text `encode` holds it). A long text
-whose start was counted before (a rules block with a unique part after it, in one message or in
-the rendered prompt) costs only its rest, exactly: gateway/prefixcount.py says when that holds.
-
-Tokenizer time is shared, so two more rules keep one client's huge prompts from costing everyone
-else's small ones. Before any encoding, a provable floor on the count (gateway/tokenfloor.py) refuses
-what cannot fit in the context (`TooManyTokens`), so a 4 MB prompt costs no tokenizer time. And text
-of `large_tokenize_chars` or more runs on threads of its own: small texts never queue behind it.
+Tokenizer time is shared, so three rules keep one client's huge prompts from costing everyone
+else's small ones. Before any encoding, a provable floor on the count (gateway/tokenfloor.py)
+refuses what cannot fit in the context (`TooManyTokens`), so a 4 MB prompt costs no tokenizer
+time. Text longer than `inline_tokenize_max_chars` is encoded on the tokenizer threads (both
+encoders release the GIL), so the event loop is never held for long. And text of
+`large_tokenize_chars` or more runs on threads of its own: small texts never queue behind it.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
+from gateway.encoders import AUTO, Backend, Encoder, choose, ids
 from gateway.errors import BadRequest
-from gateway.prefixcount import OFF, PrefixCounts
 from gateway.tokenfloor import TokenFloor
 from gateway.tokenizer_threads import CountingThreads
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-# The gateway spreads counting over its own threads (`server.tokenizer_threads`), one batch
-# each; the tokenizers library's own pool splitting a batch of prefix pieces again adds its
-# threads' wake-ups to every request's CPU (~18% more for a shared-prefix prompt, measured
-# offline: docs/benchmarks.md). Set it to "true" to have one long prompt counted on several
-# cores when the gateway is otherwise idle.
+# The gateway spreads counting over its own threads (`server.tokenizer_threads`), one text
+# each; the tokenizers library's own pool splitting a batch again adds its threads' wake-ups to
+# every request's CPU.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 _EMPTY = ""
 T = TypeVar("T")
-# Role sequences whose template overhead is kept. Roles are client text (vLLM accepts custom ones),
-# so only short sequences of the standard roles are cached: the cache stays small whatever is sent.
-MAX_CACHED_SHAPES = 4096
-MAX_CACHED_TURNS = 64
-STANDARD_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
 # vLLM's image parts (entrypoints/chat_utils.py `MM_PARSER_MAP`): by type, or untyped with the key.
@@ -202,64 +191,62 @@ def load_tokenizer(directory: str) -> Any:
 
 
 class HFCounter:
-    """Counts with a transformers tokenizer; see the module docstring for the two modes."""
+    """Counts with a transformers tokenizer's chat template and the chosen `Encoder`."""
 
     def __init__(
         self,
         tokenizer: Any,
+        encoder: Encoder,
         *,
-        memoized: bool,
         threads: CountingThreads | None,
         inline_max_chars: int,
-        cache_entries: int,
         large_threads: CountingThreads | None = None,
         large_min_chars: int = 0,
         image_tokens: int | None = None,
-        prefix_entries: int = 65536,
-        prefix_block_chars: int = 1024,
     ) -> None:
         self.tokenizer = tokenizer
-        self.memoized = memoized
+        self.encoder = encoder
         self.threads = threads
         self.inline_max_chars = inline_max_chars
         self.large_threads = large_threads  # None: the large texts share `threads`
         self.large_min_chars = large_min_chars
-        self.cache_entries = cache_entries
-        backend = tokenizer.backend_tokenizer
-        # A tokenizer.json may keep truncation or padding from training. vLLM counts through
-        # transformers, whose calls set both as they ask (off, unless a prompt is to be
-        # truncated); the counts here call the backend directly, so both are turned off here.
-        backend.no_truncation()
-        backend.no_padding()
-        self._encode_batch: Callable[..., Any] = getattr(
-            backend, "encode_batch_fast", backend.encode_batch
-        )
-        config = json.loads(backend.to_str())  # parsed once for both of its readers
-        self._prefixes = PrefixCounts(
-            backend, entries=prefix_entries, block_chars=prefix_block_chars, config=config
-        )
-        # Off (not provable, or no entries): every text encoded whole, with no cutting or hashing.
-        self._count: Callable[[list[str], bool], list[int]] = (
-            self._prefixes.lengths if self.prefix_mode != OFF else self._lengths
-        )
-        self._content_counts: OrderedDict[tuple[int, int], int] = OrderedDict()
-        self._overheads: dict[tuple[Any, ...], int] = {}
-        self._trims = self._template_trims()
         self.parts = self._template_takes_parts()
         # The placeholder an "openai"-format template writes per image is already in the count;
         # a string-format template writes none (vLLM adds it, inside the image's cost).
         placeholder = self._image_placeholder() if self.parts else 0
         self.image_cost = max(0, (image_tokens or 0) - placeholder)
-        self.floor = TokenFloor.of(backend, config)
+        self.floor = TokenFloor.of(tokenizer.backend_tokenizer)
 
-    def _template_trims(self) -> bool:
-        """Whether the chat template trims message content (Gemma's does), probed once."""
-        probe = "gateway-probe"
-        try:
-            rendered = self._render([{"role": "user", "content": f"  {probe}  "}], {})
-        except BadRequest:
-            return False
-        return f"  {probe}" not in rendered and probe in rendered
+    @classmethod
+    def load(
+        cls,
+        directory: str,
+        *,
+        backend: Backend = AUTO,
+        model: str = "",
+        threads: CountingThreads | None = None,
+        inline_max_chars: int = 2048,
+        large_threads: CountingThreads | None = None,
+        large_min_chars: int = 0,
+        image_tokens: int | None = None,
+    ) -> HFCounter:
+        """The counter of the tokenizer in `directory`, encoding with `backend`
+        (gateway/encoders.py; `BackendError` when a forced fastokens cannot count it exactly)."""
+        tokenizer = load_tokenizer(directory)
+        return cls(
+            tokenizer,
+            choose(tokenizer, backend, model or directory),
+            threads=threads,
+            inline_max_chars=inline_max_chars,
+            large_threads=large_threads,
+            large_min_chars=large_min_chars,
+            image_tokens=image_tokens,
+        )
+
+    @property
+    def backend(self) -> str:
+        """The library that encodes this model's texts: `fastokens` or `tokenizers`."""
+        return self.encoder.name
 
     def _template_takes_parts(self) -> bool:
         """Whether the template loops over content parts (vLLM's "openai" content format, found
@@ -279,15 +266,8 @@ class HFCounter:
             rendered = [self._render([{"role": "user", "content": c}], {}) for c in ([_IMAGE], [])]
         except BadRequest:
             return 0
-        with_image, without = self._lengths(rendered, False)
+        with_image, without = self.encoder.counts(rendered, False)
         return max(0, with_image - without)
-
-    def _lengths(self, texts: list[str], special: bool) -> list[int]:
-        # len(encoding) is its ids' count; `.ids` would build a list of them, holding the GIL
-        return [len(e) for e in self._encode_batch(texts, add_special_tokens=special)]
-
-    def _ids(self, text: str, special: bool) -> list[int]:
-        return list(self._encode_batch([text], add_special_tokens=special)[0].ids)
 
     async def _count_texts(
         self, texts: list[str], special: bool, refuse_at: int | None = None, summed: bool = True
@@ -299,7 +279,7 @@ class HFCounter:
             floor = sum(floors) if summed else max(floors, default=0)
             if floor >= refuse_at:
                 raise TooManyTokens(floor)
-        return await self._run(sum(map(len, texts)), self._count, texts, special)
+        return await self._run(sum(map(len, texts)), self.encoder.counts, texts, special)
 
     async def _run(self, size: int, work: Callable[..., T], *args: Any) -> T:
         """`work(*args)`, on the tokenizer's threads when `size` (characters, or token ids) is
@@ -317,77 +297,12 @@ class HFCounter:
         except TemplateError as exc:
             raise BadRequest(str(exc), param="messages") from None
 
-    async def count_chat(self, body: dict[str, Any], refuse_at: int | None = None) -> int:
-        """Content arrays for a parts template are rendered whole: `memoized` keys its cache on
-        string contents, so such a request is counted exactly."""
+    def _rendered_chat(self, body: dict[str, Any]) -> str:
         parts = self.parts and any(isinstance(m.get("content"), list) for m in body["messages"])
-        messages = template_messages(body["messages"], parts)
-        plain = not body.get("tools") and not body.get("chat_template_kwargs") and not parts
-        overhead = self._template_overhead(messages, body) if self.memoized and plain else None
-        if overhead is None:
-            rendered = self._render(messages, body)
-            return (await self._count_texts([rendered], False, refuse_at))[0]
-        room = None if refuse_at is None else refuse_at - overhead
-        try:
-            return overhead + await self._content_total(messages, room)
-        except TooManyTokens as exc:
-            raise TooManyTokens(overhead + exc.tokens) from None
+        return self._render(template_messages(body["messages"], parts), body)
 
-    def _template_overhead(
-        self, messages: list[dict[str, Any]], body: dict[str, Any]
-    ) -> int | None:
-        """Tokens the template adds around contents, cached per sequence of roles.
-
-        None when the template refuses empty contents: such a request is counted exactly.
-        """
-        generation = body.get("add_generation_prompt", True)
-        cont = body.get("continue_final_message", False)
-        key = (generation, cont, *(m["role"] for m in messages))
-        overhead = self._overheads.get(key)
-        if overhead is None:
-            skeleton = [{**m, "content": _EMPTY} for m in messages]
-            try:
-                overhead = self._lengths([self._render(skeleton, body)], False)[0]
-            except BadRequest:
-                return None
-            if (
-                len(self._overheads) < MAX_CACHED_SHAPES
-                and len(messages) <= MAX_CACHED_TURNS
-                and STANDARD_ROLES.issuperset(key[2:])
-            ):
-                self._overheads[key] = overhead
-        return overhead
-
-    async def _content_total(self, messages: list[dict[str, Any]], refuse_at: int | None) -> int:
-        cache = self._content_counts
-        total = 0
-        misses: list[tuple[tuple[int, int], str]] = []
-        for message in messages:
-            text: str = message["content"]
-            if self._trims:
-                text = text.strip()
-            if not text:
-                continue
-            key = (hash(text), len(text))
-            count = cache.get(key)
-            if count is None:
-                misses.append((key, text))
-            else:
-                cache.move_to_end(key)
-                total += count
-        if misses:
-            room = None if refuse_at is None else refuse_at - total
-            try:
-                counts = await self._count_texts([text for _, text in misses], False, room)
-            except TooManyTokens as exc:
-                raise TooManyTokens(total + exc.tokens) from None
-            for (key, _), count in zip(misses, counts, strict=True):
-                total += count
-                if self.cache_entries:
-                    cache[key] = count
-            while len(cache) > self.cache_entries:
-                cache.popitem(last=False)
-        return total
+    async def count_chat(self, body: dict[str, Any], refuse_at: int | None = None) -> int:
+        return (await self._count_texts([self._rendered_chat(body)], False, refuse_at))[0]
 
     async def count_prompts(self, prompt: Any, refuse_at: int | None = None) -> list[int]:
         if isinstance(prompt, str):
@@ -406,8 +321,7 @@ class HFCounter:
         that, as `/tokenize`'s `add_special_tokens` does. On the tokenizer's threads when long,
         as counting is."""
         if endpoint == "chat":
-            parts = self.parts and any(isinstance(m.get("content"), list) for m in body["messages"])
-            text = self._render(template_messages(body["messages"], parts), body)
+            text = self._rendered_chat(body)
             special = bool(special)
         else:
             prompt = body.get("prompt")
@@ -418,18 +332,7 @@ class HFCounter:
             if not isinstance(prompt, str):
                 return None
             text, special = prompt, special is not False
-        return await self._run(len(text), self._ids, text, special)
-
-    @property
-    def prefix_mode(self) -> str:
-        """Which argument makes counting from cached prefixes exact (gateway/prefixcount.py), or
-        "off" (not provable for this tokenizer, or no entries): every text encoded whole."""
-        return self._prefixes.mode if self._prefixes.entries else OFF
-
-    @property
-    def prefixes(self) -> PrefixCounts | None:
-        """The prefix cache while it is on, for its counters (`/metrics`); else None."""
-        return self._prefixes if self.prefix_mode != OFF else None
+        return await self._run(len(text), ids, self.encoder, text, special)
 
     @property
     def vocab_size(self) -> int:

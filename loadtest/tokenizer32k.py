@@ -19,6 +19,11 @@ from pathlib import Path
 from loadtest.tiny_tokenizer import SPECIALS, save
 
 VOCAB_SIZE = 32_000
+# Llama 3's pre-tokenizer split regex, exactly as its tokenizer.json writes it.
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 SYLLABLES = (
     "ka lo mi ne su ta ri po an el is or un ex de re pro con tion ment ing er ly bra qui sto"
     " fen gal mor vit zan hul pex"
@@ -43,8 +48,6 @@ def text(rng: random.Random, words: int) -> str:
 
 def build(directory: str | Path) -> Path:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from gateway.prefixcount import LLAMA3_PATTERN
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(

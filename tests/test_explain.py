@@ -246,14 +246,14 @@ def test_an_assumed_load_names_a_pool_of_the_policy(capsys) -> None:
         shipped(capsys, "--predicted-wait", "classify-27b=soon")
 
 
-def test_prefix_cache_says_the_tokenizers_mode_or_off_when_0_entries(
-    capsys, tmp_path, tokenizer_dir
-) -> None:
+def test_explain_says_which_library_counted(capsys, tmp_path, tokenizer_dir) -> None:
     policy = basic_policy(tokenizer_dir, ["http://127.0.0.1:1"])
-    for server, mode in (({}, "pre-tokenizer split"), ({"prefix_cache_entries": 0}, "off")):
-        path = str(write_policy(tmp_path, {**policy, "server": server}))
+    for backend in ("auto", "fastokens", "tokenizers"):
+        policy["models"]["tiny"]["tokenizer_backend"] = backend
+        path = str(write_policy(tmp_path, policy))
         code, out, _ = explain(capsys, "--json", "--policy", path, chat(tmp_path))
-        assert (code, json.loads(out)["prefix_cache"]) == (0, mode)
+        counted = "tokenizers" if backend == "tokenizers" else "fastokens"
+        assert (code, json.loads(out)["counting_backend"]) == (0, counted)
 
 
 def test_a_body_from_standard_input_without_messages_is_explained_as_chat(

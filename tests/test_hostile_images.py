@@ -162,12 +162,12 @@ async def test_the_tenant_is_settled_on_the_replicas_prompt_tokens(
     assert window.remaining == 100_000 - (1234 + 5)
 
 
-@pytest.mark.parametrize("counting", ["exact", "memoized"])
+@pytest.mark.parametrize("backend", ["fastokens", "tokenizers"])
 async def test_a_parts_template_is_counted_as_it_renders_the_parts(
-    counting, gemma_dir, tmp_path
+    backend, gemma_dir, tmp_path
 ) -> None:
     policy = image_policy(
-        gemma_dir, ["http://127.0.0.1:9"], image_tokens=IMAGE_TOKENS, token_counting=counting
+        gemma_dir, ["http://127.0.0.1:9"], image_tokens=IMAGE_TOKENS, tokenizer_backend=backend
     )
     counter = load_policy(write_policy(tmp_path, policy)).models["tiny"].counter
     reference = AutoTokenizer.from_pretrained(str(gemma_dir), local_files_only=True)

@@ -8,7 +8,6 @@ from loadtest.tiny_tokenizer import WORDS
 from tests.conftest import basic_policy
 
 WORKLOAD = {"model": "tiny", "pool": "main", "class": "any"}
-LOOKUPS = "llm_token_count_prefix_lookups_total"
 
 
 def samples(text: str) -> dict[str, list]:
@@ -120,37 +119,17 @@ async def test_state_backend_up_reads_1_in_memory_mode_and_says_so(
     assert "memory" in help_line  # 1 in memory mode is not a claim that Redis is in use
 
 
-async def test_prefix_cache_lookups_show_a_miss_then_a_hit(
+async def test_each_model_says_which_library_counts_it(
     stub, gateway_factory, tokenizer_dir, http
 ) -> None:
-    """Two prompts sharing a long rules block: the first is counted whole and its prefixes cached
-    (a miss), the second from the block's cached count (a hit). A short prompt is no lookup."""
-    gw = await gateway_factory(basic_policy(tokenizer_dir, [stub.url]))
-    lines = [" ".join(WORDS[n : n + 12]) + "." for n in range(60)]
-    rules = "Rules:\n" + "\n".join(lines) + "\n\nProduct:\n"
-    assert len(rules) > 3 * 1024  # cut at each 1,024 characters: a prefix cached at each
-
-    async def lookups_after(text: str) -> dict[tuple[str, str], float]:
-        chat = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 2}
-        async with http.post(f"{gw.url}/v1/chat/completions", json=chat) as resp:
-            assert resp.status == 200
-        found = samples(await scrape(http, gw))
-        return {(s.labels["model"], s.labels["outcome"]): s.value for s in found[LOOKUPS]}
-
-    assert await lookups_after(rules + "a toy") == {("tiny", "hit"): 0.0, ("tiny", "miss"): 1.0}
-    assert await lookups_after("hello") == {("tiny", "hit"): 0.0, ("tiny", "miss"): 1.0}
-    assert await lookups_after(rules + "a lamp") == {("tiny", "hit"): 1.0, ("tiny", "miss"): 1.0}
-    [entries] = samples(await scrape(http, gw))["llm_token_count_prefix_entries"]
-    assert entries.labels == {"model": "tiny"} and entries.value >= 3
-
-
-async def test_no_prefix_cache_series_while_it_is_off(
-    stub, gateway_factory, tokenizer_dir, http
-) -> None:
-    policy = {**basic_policy(tokenizer_dir, [stub.url]), "server": {"prefix_cache_entries": 0}}
+    policy = basic_policy(tokenizer_dir, [stub.url])
+    policy["models"]["rough"] = {"tokenizer": "estimate", "max_model_len": 4096}
     gw = await gateway_factory(policy)
-    found = samples(await scrape(http, gw))
-    assert LOOKUPS not in found and "llm_token_count_prefix_entries" not in found
+    found = samples(await scrape(http, gw))["llm_token_counter_info"]
+    assert {(s.labels["model"], s.labels["backend"], s.value) for s in found} == {
+        ("tiny", "fastokens", 1.0),
+        ("rough", "estimate", 1.0),
+    }
 
 
 async def test_the_tokenizer_threads_say_how_busy_they_are(

@@ -9,9 +9,10 @@ import shutil
 import pytest
 from transformers import AutoTokenizer
 
+from gateway.encoders import BackendError, TokenizersEncoder, disagreement
 from gateway.tokenizer_threads import CountingThreads
 from gateway.tokens import HFCounter, load_tokenizer
-from loadtest.tiny_tokenizer import WORDS
+from loadtest.tiny_tokenizer import SPECIALS, WORDS, save
 
 
 def varied_conversations(count: int, seed: int = 1) -> list[list[dict[str, str]]]:
@@ -45,46 +46,74 @@ def hf(tokenizer_dir):
     return AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
 
-def counter(tokenizer_dir, *, memoized: bool, inline_max_chars: int = 2048) -> HFCounter:
-    return HFCounter(
-        load_tokenizer(str(tokenizer_dir)),
-        memoized=memoized,
+BACKENDS = ["fastokens", "tokenizers"]
+
+
+def counter(tokenizer_dir, backend: str = "auto", *, inline_max_chars: int = 2048) -> HFCounter:
+    return HFCounter.load(
+        str(tokenizer_dir),
+        backend=backend,
         threads=CountingThreads(2, "tokenize"),
         inline_max_chars=inline_max_chars,
-        cache_entries=1024,
     )
 
 
-async def test_exact_chat_counts_equal_apply_chat_template(tokenizer_dir, hf) -> None:
-    exact = counter(tokenizer_dir, memoized=False, inline_max_chars=500)
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_chat_counts_equal_apply_chat_template(tokenizer_dir, hf, backend) -> None:
+    exact = counter(tokenizer_dir, backend, inline_max_chars=500)
+    assert exact.backend == backend
     for messages in varied_conversations(300):
         assert await exact.count_chat({"messages": messages}) == reference(hf, messages)
 
 
-async def test_memoized_chat_counts_stay_within_one_token_per_message(tokenizer_dir, hf) -> None:
-    memo = counter(tokenizer_dir, memoized=True)
-    errors = []
-    for messages in varied_conversations(300):
-        got = await memo.count_chat({"messages": messages})
-        error = got - reference(hf, messages)
-        assert abs(error) <= len(messages), (messages, error)
-        errors.append(error)
-    # Clean content (no edge whitespace for the template to trim) is exact.
-    clean = [[{"role": "user", "content": "product rules prohibit weapons."}]]
-    assert await memo.count_chat({"messages": clean[0]}) == reference(hf, clean[0])
+async def test_auto_counts_with_fastokens_when_it_agrees_with_the_tokenizers_library(
+    tokenizer_dir,
+) -> None:
+    assert counter(tokenizer_dir).backend == "fastokens"
 
 
-async def test_repeated_rules_block_is_counted_once(tokenizer_dir, hf) -> None:
-    memo = counter(tokenizer_dir, memoized=True)
-    rules = " ".join(WORDS * 40)
-    for product in ("a toy", "a battery", "a lithium battery toy"):
-        messages = [{"role": "system", "content": rules}, {"role": "user", "content": product}]
-        assert await memo.count_chat({"messages": messages}) == reference(hf, messages)
-    assert len(memo._content_counts) == 4  # the rules block once, three products
+def whitespace_word_level(directory) -> str:
+    """A word-level tokenizer split on whitespace: a component fastokens does not load."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {word: index for index, word in enumerate([*SPECIALS, *WORDS])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return str(save(tokenizer, directory))
+
+
+def test_a_tokenizer_fastokens_cannot_load_is_counted_by_the_tokenizers_library(tmp_path) -> None:
+    directory = whitespace_word_level(tmp_path / "words")
+    assert counter(directory).backend == "tokenizers"
+    with pytest.raises(BackendError, match="fastokens cannot load it"):
+        counter(directory, "fastokens")
+
+
+class Misreads:
+    """An encoder that reads one added token as plain text, as a faulty native counter might."""
+
+    name = "faulty"
+
+    def __init__(self, reference: TokenizersEncoder, token: str) -> None:
+        self.reference, self.token = reference, token
+
+    def batch_ids(self, texts: list[str], special: bool) -> list[list[int]]:
+        return self.reference.batch_ids([t.replace(self.token, "x") for t in texts], special)
+
+    def counts(self, texts: list[str], special: bool) -> list[int]:
+        return list(map(len, self.batch_ids(texts, special)))
+
+
+def test_the_self_check_finds_an_encoder_that_misreads_one_added_token(hf) -> None:
+    reference = TokenizersEncoder(hf.backend_tokenizer)
+    added = [token.content for token in hf.backend_tokenizer.get_added_tokens_decoder().values()]
+    assert disagreement(reference, reference, added) is None
+    found = disagreement(Misreads(reference, "<end_of_turn>"), reference, added)
+    assert found is not None and "<end_of_turn>" in found
 
 
 async def test_content_parts_are_joined_like_vllm(tokenizer_dir, hf) -> None:
-    exact = counter(tokenizer_dir, memoized=False)
+    exact = counter(tokenizer_dir)
     parts = [{"type": "text", "text": "product rules"}, {"type": "text", "text": "allow review"}]
     joined = [{"role": "user", "content": "product rules\nallow review"}]
     assert await exact.count_chat({"messages": [{"role": "user", "content": parts}]}) == reference(
@@ -92,8 +121,9 @@ async def test_content_parts_are_joined_like_vllm(tokenizer_dir, hf) -> None:
     )
 
 
-async def test_completions_count_with_special_tokens(tokenizer_dir, hf) -> None:
-    exact = counter(tokenizer_dir, memoized=False, inline_max_chars=10)
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_completions_count_with_special_tokens(tokenizer_dir, hf, backend) -> None:
+    exact = counter(tokenizer_dir, backend, inline_max_chars=10)
     prompt = "product rules prohibit weapons and drugs"
     assert await exact.count_prompts(prompt) == [len(hf(prompt)["input_ids"])]
     assert await exact.count_prompts([prompt, "a"]) == [
@@ -104,8 +134,9 @@ async def test_completions_count_with_special_tokens(tokenizer_dir, hf) -> None:
     assert await exact.count_prompts([[1, 2], [3]]) == [2, 1]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_truncation_or_padding_in_tokenizer_json_does_not_change_a_count(
-    tokenizer_dir, hf, tmp_path
+    tokenizer_dir, hf, tmp_path, backend
 ) -> None:
     """Some models' tokenizer.json keeps a truncation or padding setting from training; vLLM
     counts through transformers, which turns both off for its calls, so the count does too,
@@ -120,14 +151,8 @@ async def test_truncation_or_padding_in_tokenizer_json_does_not_change_a_count(
     config_file.write_text(json.dumps(config))
     long, short = " ".join(WORDS[:60]), "a"
     messages = [{"role": "user", "content": long}]
-    for memoized, threads in ((False, None), (True, CountingThreads(2, "tokenize"))):
-        counted = HFCounter(
-            load_tokenizer(str(tmp_path / "tok")),
-            memoized=memoized,
-            threads=threads,
-            inline_max_chars=64,
-            cache_entries=64,
-        )
+    for inline_max_chars in (1_000_000, 64):  # on the event loop, and on the threads
+        counted = counter(tmp_path / "tok", backend, inline_max_chars=inline_max_chars)
         assert await counted.count_prompts([long, short]) == [
             len(hf(long)["input_ids"]),
             len(hf(short)["input_ids"]),

@@ -113,9 +113,9 @@ async def test_input_tokens_equal_vllm_prompt_tokens(vllm, gateway_factory, http
         ("/v1/chat/completions", chat_bodies(rng, PROMPTS)),
         ("/v1/completions", completion_bodies(rng, PROMPTS)),
     ]
-    for counting in ("exact", "memoized"):
+    for counting in ("fastokens", "tokenizers"):
         policy = vllm_policy(vllm)
-        policy["models"]["tiny"]["token_counting"] = counting
+        policy["models"]["tiny"]["tokenizer_backend"] = counting
         gw = await gateway_factory(policy)
         for path, bodies in work:
             tag = f"{counting}{path.replace('/', '-')}"

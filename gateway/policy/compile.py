@@ -23,7 +23,7 @@ from gateway.policy.schema import ESTIMATE, ModelSpec, PolicySpec, PoolSpec
 from gateway.route import Route, compile_route
 from gateway.tenants import Tenant, compile_tenants
 from gateway.tokenizer_threads import TokenizerThreads
-from gateway.tokens import EstimateCounter, HFCounter, TokenCounter, load_tokenizer
+from gateway.tokens import EstimateCounter, HFCounter, TokenCounter
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,22 +72,25 @@ def tokenizer_dir(spec: ModelSpec, base: Path) -> Path:
 
 
 def _counter(
-    spec: ModelSpec, policy: PolicySpec, base: Path, threads: TokenizerThreads | None, load: bool
+    name: str,
+    spec: ModelSpec,
+    policy: PolicySpec,
+    base: Path,
+    threads: TokenizerThreads | None,
+    load: bool,
 ) -> Any:
     if spec.tokenizer == ESTIMATE or not load:
         return EstimateCounter(spec.chars_per_token, spec.image_tokens)
     server = policy.server
-    return HFCounter(
-        load_tokenizer(str(tokenizer_dir(spec, base))),
-        memoized=spec.token_counting == "memoized",
+    return HFCounter.load(
+        str(tokenizer_dir(spec, base)),
+        backend=spec.tokenizer_backend,
+        model=name,
         threads=threads.small if threads is not None else None,
         inline_max_chars=server.inline_tokenize_max_chars,
-        cache_entries=server.token_cache_entries,
         large_threads=threads.large if threads is not None else None,
         large_min_chars=server.large_tokenize_chars,
         image_tokens=spec.image_tokens,
-        prefix_entries=server.prefix_cache_entries,
-        prefix_block_chars=server.prefix_cache_block_chars,
     )
 
 
@@ -249,7 +252,7 @@ def compile_policy(
     `load_tokenizers=False` checks a policy on a machine without the model directories (CI, a
     laptop): token counting then falls back to the character estimate. With `previous` (a
     reload), what did not change is carried over rather than rebuilt: models with their loaded
-    tokenizers and memoized counts, the tokenizer threads, and the output-length estimator with
+    tokenizers, the tokenizer threads, and the output-length estimator with
     what it learned.
     """
     spec = loaded.spec
@@ -279,7 +282,7 @@ def compile_policy(
             models[name] = kept
             continue
         try:
-            counter = _counter(model_spec, spec, base, threads, load_tokenizers)
+            counter = _counter(name, model_spec, spec, base, threads, load_tokenizers)
         except (OSError, ValueError) as exc:
             problems.append(Problem(("models", name, "tokenizer"), f"cannot load: {exc}"))
             continue

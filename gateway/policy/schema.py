@@ -53,11 +53,14 @@ class ModelSpec(Spec):
     )
     chars_per_token: PositiveFloat = Field(4.0, description="Used only with `tokenizer: estimate`.")
     max_model_len: PositiveInt
-    token_counting: Literal["exact", "memoized"] = Field(
-        "memoized",
+    tokenizer_backend: Literal["auto", "fastokens", "tokenizers"] = Field(
+        "auto",
         description=(
-            "`exact` tokenizes the whole rendered chat prompt; `memoized` sums cached per-message"
-            " counts plus the template's overhead (see docs/architecture.md for its error bound)."
+            "The library that encodes this model's prompts; counts are exact either way (the"
+            " chat rendered by its template, then one encode). `auto`: fastokens when a self-check"
+            " at load shows it encodes every probe exactly as the tokenizers library does, else"
+            " the tokenizers library. `fastokens`: refuse the policy when it does not."
+            " `tokenizers`: the tokenizers library (what transformers, and so vLLM, use)."
         ),
     )
     default_output_tokens: PositiveInt = Field(
@@ -625,28 +628,6 @@ class ServerSpec(Spec):
     )
     inline_tokenize_max_chars: int = Field(
         2048, ge=0, description="Text longer than this is tokenized off the event loop."
-    )
-    token_cache_entries: int = Field(8192, ge=0, description="Memoized message counts kept (LRU).")
-    prefix_cache_entries: int = Field(
-        65_536,
-        ge=0,
-        description=(
-            "Token counts of long texts' prefixes kept per model (LRU; `prefix_cache` in"
-            " `explain`): a rules block at the head of a message is counted once, then only the"
-            " rest of each text is encoded. Filled, 65,536 took 8.7 MB (measured). 0 turns it"
-            " off: every text is encoded whole."
-        ),
-    )
-    prefix_cache_block_chars: int = Field(
-        1024,
-        ge=64,
-        le=65_536,
-        description=(
-            "Characters between the prefix cache's cuts: a long text is cut at the first safe"
-            " point (just after a newline) at or after each multiple of this. Smaller: a shared"
-            " block's tail after its last cut, encoded again each time, is shorter, but each"
-            " miss hashes and stores more prefixes. Counts are exact whatever it is."
-        ),
     )
     large_tokenize_chars: PositiveInt = Field(
         65_536,
