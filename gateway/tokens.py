@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from gateway.encoders import AUTO, Backend, Encoder, choose, ids
+from gateway.encoders import AUTO, FASTOKENS, Backend, Encoder, choose, ids
 from gateway.errors import BadRequest
 from gateway.tokenfloor import TokenFloor
 from gateway.tokenizer_threads import CountingThreads
@@ -37,6 +37,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 _EMPTY = ""
 T = TypeVar("T")
+INLINE_SHARE = 8  # of `inline_tokenize_max_chars` the tokenizers library counts inline
 
 
 # vLLM's image parts (entrypoints/chat_utils.py `MM_PARSER_MAP`): by type, or untyped with the key.
@@ -207,7 +208,10 @@ class HFCounter:
         self.tokenizer = tokenizer
         self.encoder = encoder
         self.threads = threads
-        self.inline_max_chars = inline_max_chars
+        # The tokenizers library spends several times fastokens' CPU per character (tens of
+        # times on long whitespace runs), so it holds the loop that long for the same text.
+        slower = encoder.name != FASTOKENS
+        self.inline_max_chars = inline_max_chars // INLINE_SHARE if slower else inline_max_chars
         self.large_threads = large_threads  # None: the large texts share `threads`
         self.large_min_chars = large_min_chars
         self.parts = self._template_takes_parts()
@@ -225,7 +229,7 @@ class HFCounter:
         backend: Backend = AUTO,
         model: str = "",
         threads: CountingThreads | None = None,
-        inline_max_chars: int = 2048,
+        inline_max_chars: int = 16384,
         large_threads: CountingThreads | None = None,
         large_min_chars: int = 0,
         image_tokens: int | None = None,

@@ -112,21 +112,31 @@ def _fitting_prompt(chars: int) -> str:
 async def big_gw(stub, gateway_factory, tokenizer_dir):
     policy = basic_policy(tokenizer_dir, [stub.url])
     policy["models"]["tiny"]["max_model_len"] = 8_000_000  # the huge prompts below fit
+    # The slower library, so that the huge prompts below hold the threads for a while.
+    policy["models"]["tiny"]["tokenizer_backend"] = "tokenizers"
     policy["server"] = {"max_prompt_chars": 4_000_000}
     return await gateway_factory(policy)
 
 
+class RecordingEncoder:
+    """The counter's encoder, recording the characters of each call."""
+
+    def __init__(self, encoder) -> None:
+        self.inner, self.name, self.calls = encoder, encoder.name, list[int]()
+
+    def counts(self, texts, special):
+        self.calls.append(sum(map(len, texts)))
+        return self.inner.counts(texts, special)
+
+    def batch_ids(self, texts, special):
+        self.calls.append(sum(map(len, texts)))
+        return self.inner.batch_ids(texts, special)
+
+
 def _count_encodes(counter) -> list[int]:
-    """Wrap the counter's tokenizer entry point to record the characters of each call."""
-    calls: list[int] = []
-    encode = counter._encode_batch
-
-    def counting(texts, **kwargs):
-        calls.append(sum(map(len, texts)))
-        return encode(texts, **kwargs)
-
-    counter._encode_batch = counting
-    return calls
+    """Record the characters of each call to the counter's encoder."""
+    counter.encoder = RecordingEncoder(counter.encoder)
+    return counter.encoder.calls
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
