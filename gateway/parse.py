@@ -2,8 +2,15 @@
 
 Only what the gateway itself needs is validated; every other field (`ignore_eos`, `stop`,
 `logprobs`, `response_format`, ...) is left for the replica and passes through untouched. The
-policy's size limits (`server.max_json_nodes`, `max_json_depth`, `max_messages`, `max_prompt_chars`) are checked here,
-so no tokenizer ever sees an input larger than the operator allowed.
+policy's size limits (`server.max_json_nodes`, `max_json_depth`, `max_messages`,
+`max_prompt_chars`) are checked here, so no tokenizer ever sees an input larger than the operator
+allowed: `max_prompt_chars` bounds every string a chat template may render (contents, roles,
+names, tool calls, reasoning, tools, documents, template variables), not the contents alone.
+
+A field the gateway reads is read as vLLM reads it (booleans as pydantic's lax mode does, so
+`"false"` is false), and what vLLM refuses before rendering (a client's chat template, both
+`continue_final_message` and `add_generation_prompt`, `stream_options` without `stream`, empty
+`tools`) is refused here in its words, before any tokenizer time.
 """
 
 from __future__ import annotations
@@ -12,15 +19,24 @@ from typing import Any
 
 import orjson
 
+from gateway.chat_template import extra_fields, lax_bool, part_kind
 from gateway.context import Ctx
 from gateway.errors import BadRequest, UnsupportedMediaType
 from gateway.policy.schema import PRIORITIES, ServerSpec
-from gateway.tokens import is_image
 
 _PRIORITY_INDEX = {name: index for index, name in enumerate(PRIORITIES)}
 DEFAULT_PRIORITY = _PRIORITY_INDEX["standard"]
 # Longer than any served name or alias (Hugging Face ids are at most 96 characters).
 MAX_MODEL_CHARS = 256
+# vLLM takes any role, and templates print it in every turn's header: OpenAI's longest is 9
+# characters ("assistant"), custom ones (critic, environment, ipython) stay far below 64.
+MAX_ROLE_CHARS = 64
+# `reasoning_effort` values vLLM's field accepts (a template may read them).
+REASONING_EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh", "max"})
+_UNTRUSTED_TEMPLATE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set."
+    " Refused request with untrusted chat template."
+)
 
 
 def _positive_int(body: dict[str, Any], name: str) -> int | None:
@@ -108,32 +124,44 @@ def _check_depth(raw: bytes, outside: bytes | None, limit: int) -> None:
         raise BadRequest(f"body is nested deeper than {limit} levels", code="json_too_deep")
 
 
+def text_chars(value: Any) -> int:
+    """Characters of every string (keys too) in a JSON value a template may print whole."""
+    total, pending = 0, [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += sum(map(len, item))
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return total
+
+
 def _content_chars(content: Any, index: int) -> tuple[int, int]:
     """Characters and image parts of one message's content; its shape is checked on the way.
 
-    Images are counted here, in the one walk over the parts, and charged at the model's
-    `image_tokens` by tokenize: their bytes (URLs, base64) are no prompt characters."""
+    Every part is classified as vLLM classifies it (gateway/chat_template.py `part_kind`): the
+    text of text-like parts and any field an "openai" template gets counts; images are counted
+    apart and charged at the model's `image_tokens` by tokenize (their URLs are no prompt)."""
+    param = f"messages[{index}].content"
     if content is None:
         return 0, 0
     if isinstance(content, str):
         return len(content), 0
     if not isinstance(content, list):
-        raise BadRequest(
-            f"messages[{index}].content must be a string or an array of parts",
-            param=f"messages[{index}].content",
-        )
+        raise BadRequest(f"{param} must be a string or an array of parts", param=param)
     chars = images = 0
     for part in content:
-        if not isinstance(part, dict):
-            raise BadRequest(
-                f"messages[{index}].content parts must be objects",
-                param=f"messages[{index}].content",
-            )
-        text = part.get("text")
-        if is_image(part):  # first: vLLM goes by the type, whatever else the part carries
-            images += 1
-        elif isinstance(text, str):
-            chars += len(text)
+        try:
+            kind, value = part_kind(part)
+        except BadRequest as exc:
+            raise BadRequest(exc.message, param=param) from None
+        if value is not None and not isinstance(value, str):
+            raise BadRequest(f"{param} parts' text must be a string", param=param)
+        images += kind == "image"
+        chars += len(value or "") + text_chars(extra_fields(part))
     return chars, images
 
 
@@ -146,8 +174,68 @@ def check_prompt_chars(chars: int, limits: ServerSpec, param: str) -> None:
         )
 
 
-def check_messages(messages: Any, limits: ServerSpec) -> int:
-    """Check the messages' shape and size; return their image parts."""
+_TEMPLATE_FLAGS = (("add_generation_prompt", True), ("continue_final_message", False))
+# The fields besides role and content a template may render (gateway/chat_template.py): strings.
+_STRING_FIELDS = ("name", "tool_call_id", "reasoning", "reasoning_content", "task")
+
+
+def _message_chars(message: Any, index: int, limits: ServerSpec) -> tuple[int, int]:
+    """Characters a template may render of one message, and its images; bounded and checked."""
+    param = f"messages[{index}]"
+    role = message.get("role") if isinstance(message, dict) else None
+    if not isinstance(role, str):
+        raise BadRequest(f"{param} must be an object with a string 'role'", param=param)
+    if len(role) > MAX_ROLE_CHARS:
+        raise BadRequest(
+            f"{param}.role is over {MAX_ROLE_CHARS} characters",
+            param=f"{param}.role",
+            code="role_too_long",
+        )
+    chars, images = _content_chars(message.get("content"), index)
+    for field in _STRING_FIELDS:
+        value = message.get(field)
+        if value is not None and not isinstance(value, str):
+            raise BadRequest(f"{param}.{field} must be a string", param=f"{param}.{field}")
+        chars += len(value or "")
+    calls = message.get("tool_calls")
+    if calls is not None and not isinstance(calls, list):
+        raise BadRequest(f"{param}.tool_calls must be an array", param=f"{param}.tool_calls")
+    for call in calls or ():
+        arguments = call.get("function", {}).get("arguments") if isinstance(call, dict) else None
+        if isinstance(arguments, str) and arguments:  # parsed for the template, as a body is
+            _check_depth(arguments.encode(), None, limits.max_json_depth)
+    return len(role) + chars + text_chars(calls) + text_chars(message.get("tools")), images
+
+
+def _check_tools(tools: Any) -> None:
+    """vLLM's refusals of `tools` (`check_tool_usage`, `ChatCompletionToolsParam`)."""
+    if tools is None:
+        return
+    if tools == []:
+        raise BadRequest(
+            "`tools` must not be an empty array. Either provide at least one tool or omit the"
+            " field entirely.",
+            param="tools",
+        )
+    if not isinstance(tools, list) or not all(
+        isinstance(tool, dict)
+        and tool.get("type", "function") == "function"
+        and isinstance(tool.get("function"), dict)
+        and isinstance(tool["function"].get("name"), str)
+        for tool in tools
+    ):
+        raise BadRequest(
+            "'tools' must be an array of function tools, each with a string 'function.name'",
+            param="tools",
+            code="invalid_type",
+        )
+
+
+def check_chat(body: dict[str, Any], limits: ServerSpec) -> int:
+    """Check a chat's shape, vLLM's refusals and the size of everything its template may render
+    (messages, tools, documents, template variables, all in `max_prompt_chars`) before anything
+    is rendered; return its image parts."""
+    messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
     if len(messages) > limits.max_messages:
@@ -156,16 +244,37 @@ def check_messages(messages: Any, limits: ServerSpec) -> int:
             param="messages",
             code="too_many_messages",
         )
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise BadRequest(
+            "'chat_template_kwargs' must be an object",
+            param="chat_template_kwargs",
+            code="invalid_type",
+        )
+    if body.get("chat_template") is not None or (kwargs or {}).get("chat_template") is not None:
+        raise BadRequest(_UNTRUSTED_TEMPLATE, param="chat_template")
+    for name, default in _TEMPLATE_FLAGS:  # pydantic's refusal; the template reads them again
+        lax_bool(body.get(name, default), name, default)
+    if body.get("continue_final_message") and body.get("add_generation_prompt"):  # as sent
+        raise BadRequest(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise BadRequest(
+            f"'reasoning_effort' must be one of {', '.join(sorted(REASONING_EFFORTS))}",
+            param="reasoning_effort",
+        )
+    _check_tools(body.get("tools"))
+    documents = body.get("documents")
+    if documents is not None and not isinstance(documents, list):
+        raise BadRequest("'documents' must be an array", param="documents", code="invalid_type")
     chars = images = 0
     for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise BadRequest(
-                f"messages[{index}] must be an object with a string 'role'",
-                param=f"messages[{index}]",
-            )
-        content_chars, content_images = _content_chars(message.get("content"), index)
-        chars += content_chars
-        images += content_images
+        message_chars, message_images = _message_chars(message, index, limits)
+        chars += message_chars
+        images += message_images
+    chars += text_chars(body.get("tools")) + text_chars(documents) + text_chars(kwargs)
     check_prompt_chars(chars, limits, "messages")
     return images
 
@@ -189,13 +298,6 @@ def _prompt_shape(prompt: Any) -> tuple[int, int]:
         if all(isinstance(p, list) and p and all(map(_is_token, p)) for p in prompt):
             return len(prompt), 0
     raise BadRequest("'prompt' must be a string, an array of strings, or token ids", param="prompt")
-
-
-def check_flags(body: dict[str, Any]) -> None:
-    """The chat template options the token counter keys its caches on must be booleans."""
-    for name in ("add_generation_prompt", "continue_final_message"):
-        if not isinstance(body.get(name, False), bool):
-            raise BadRequest(f"'{name}' must be a boolean", param=name, code="invalid_type")
 
 
 def decode_body(content_type: str, raw: bytes, limits: ServerSpec) -> dict[str, Any]:
@@ -231,8 +333,7 @@ def parse(ctx: Ctx, content_type: str, raw: bytes, limits: ServerSpec) -> None:
     body = decode_body(content_type, raw, limits)
     model = check_model(body.get("model"))
     if ctx.endpoint == "chat":
-        ctx.images = check_messages(body.get("messages"), limits)
-        check_flags(body)
+        ctx.images = check_chat(body, limits)
         prompts = 1
         max_output = _positive_int(body, "max_completion_tokens")
         if max_output is None:
@@ -244,14 +345,16 @@ def parse(ctx: Ctx, content_type: str, raw: bytes, limits: ServerSpec) -> None:
         check_prompt_chars(chars, limits, "prompt")
         max_output = _positive_int(body, "max_tokens")
     n = _positive_int(body, "n") or 1
-    stream = body.get("stream")
-    if stream is None:  # `null` is false to vLLM (pydantic's default), so it is here too
-        stream = False
-    elif not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean", param="stream")
+    stream = lax_bool(body.get("stream"), "stream", False, nullable=True)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", param="stream_options")
+    if options and not body.get("stream"):  # vLLM's check runs on the value as sent
+        raise BadRequest(
+            "Stream options can only be defined when `stream=True`.", param="stream_options"
+        )
+    include_usage = (options or {}).get("include_usage")
+    wants_usage = lax_bool(include_usage, "stream_options.include_usage", False, nullable=True)
     priority = ctx.headers.get("x-priority")
     if priority is not None:
         if priority not in _PRIORITY_INDEX:
@@ -263,6 +366,6 @@ def parse(ctx: Ctx, content_type: str, raw: bytes, limits: ServerSpec) -> None:
     ctx.body = body
     ctx.requested_model = model
     ctx.stream = stream
-    ctx.client_wants_usage = bool(options and options.get("include_usage"))
+    ctx.client_wants_usage = wants_usage
     ctx.max_output = max_output
     ctx.sequences = n * prompts

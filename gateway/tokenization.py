@@ -18,9 +18,10 @@ from typing import Any
 
 from multidict import CIMultiDictProxy
 
+from gateway.chat_template import lax_bool
 from gateway.context import Ctx
 from gateway.errors import BadRequest, ModelNotFound
-from gateway.parse import check_flags, check_messages, check_model, check_prompt_chars
+from gateway.parse import check_chat, check_model, check_prompt_chars
 from gateway.policy.compile import Model, Policy
 from gateway.policy.schema import ServerSpec
 from gateway.route import find_candidates
@@ -30,14 +31,13 @@ MAX_TOKEN_ID = 2**63 - 1  # vLLM's bound on a `tokens` entry, before the vocabul
 
 
 def _flag(body: dict[str, Any], name: str, default: bool, nullable: bool = False) -> bool:
-    """A boolean field, missing: `default`; `null` is the default only where vLLM's field is
-    `bool | None` (`return_token_strs`), a 400 elsewhere, as pydantic answers."""
-    value = body.get(name, default)
-    if value is None and nullable:
-        return default
-    if not isinstance(value, bool):
-        raise BadRequest(f"'{name}' must be a boolean", param=name, code="invalid_type")
-    return value
+    """A boolean field as pydantic reads vLLM's: missing, `default`; `null` is the default only
+    where vLLM's field is `bool | None` (`return_token_strs`), a 400 elsewhere."""
+    return lax_bool(body.get(name, default), name, default, nullable)
+
+
+# Fields of a chat completion only: `TokenizeChatRequest` has none of them, so they render nothing.
+_COMPLETION_ONLY = ("documents", "reasoning_effort")
 
 
 def _default_model(policy: Policy) -> str:
@@ -84,29 +84,17 @@ def _counter(model: Model) -> HFCounter:
     return counter
 
 
-def _check_chat(body: dict[str, Any], limits: ServerSpec) -> None:
-    """The chat form's fields, as vLLM's `TokenizeChatRequest` checks them, and the limits."""
-    if check_messages(body.get("messages"), limits):
+def _check_chat(body: dict[str, Any], limits: ServerSpec) -> dict[str, Any]:
+    """The chat form checked as a chat completion is (vLLM's refusals, the limits, a client's
+    template refused), as `TokenizeChatRequest` sees it."""
+    body = {k: v for k, v in body.items() if k not in _COMPLETION_ONLY}
+    if check_chat(body, limits):
         raise BadRequest(
             "images are not tokenized by the gateway: their tokens are the replica's",
             param="messages",
             code="images_not_supported",
         )
-    check_flags(body)
-    if body.get("add_generation_prompt") and body.get("continue_final_message"):
-        raise BadRequest(
-            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
-        )
-    if body.get("chat_template") is not None:  # vLLM too, without --trust-request-chat-template
-        raise BadRequest("a request's own `chat_template` is not accepted", param="chat_template")
-    if not isinstance(body.get("tools") or [], list):
-        raise BadRequest("'tools' must be an array", param="tools", code="invalid_type")
-    if not isinstance(body.get("chat_template_kwargs") or {}, dict):
-        raise BadRequest(
-            "'chat_template_kwargs' must be an object",
-            param="chat_template_kwargs",
-            code="invalid_type",
-        )
+    return body
 
 
 async def tokenize(
@@ -117,7 +105,7 @@ async def tokenize(
     limits = policy.spec.server
     chat = "messages" in body
     if chat:
-        _check_chat(body, limits)
+        body = _check_chat(body, limits)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):

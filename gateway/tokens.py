@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from gateway.chat_template import ChatTemplate, message_text
 from gateway.encoders import AUTO, FASTOKENS, Backend, Encoder, choose, ids
-from gateway.errors import BadRequest
 from gateway.tokenfloor import TokenFloor
 from gateway.tokenizer_threads import CountingThreads
 
@@ -35,89 +35,11 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 # every request's CPU.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-_EMPTY = ""
 T = TypeVar("T")
 INLINE_SHARE = 8  # of `inline_tokenize_max_chars` the tokenizers library counts inline
 # Rendering costs per message (7-18 us each on real templates, Qwen 3's the slowest): a chat with
 # more is rendered on the tokenizer threads, where the GIL's switch interval lets the loop run.
 INLINE_RENDER_MESSAGES = 128
-
-
-# vLLM's image parts (entrypoints/chat_utils.py `MM_PARSER_MAP`): by type, or untyped with the key.
-IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image_pil", "image_embeds"})
-_UNTYPED_IMAGE_KEYS = ("image_url", "image_pil", "image_embeds")
-_IMAGE = {"type": "image"}  # what vLLM hands an "openai"-format template for each image
-
-
-def is_image(part: dict[str, Any]) -> bool:
-    """Whether a content part is an image vLLM will expand into the prompt."""
-    kind = part.get("type")
-    if kind is None:
-        return any(key in part for key in _UNTYPED_IMAGE_KEYS)
-    return isinstance(kind, str) and kind in IMAGE_PART_TYPES  # a client's type may be any JSON
-
-
-def message_text(content: Any) -> str:
-    """The text of a message's content, joining text parts as vLLM does for string templates."""
-    if content is None:
-        return _EMPTY
-    if isinstance(content, str):
-        return content
-    parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-    return "\n".join(str(p) for p in parts)
-
-
-def template_parts(content: list[Any]) -> list[dict[str, Any]]:
-    """A content array as vLLM hands it to an "openai"-format template: its text parts, and
-    `{"type": "image"}` for each image part; other parts are dropped."""
-    out: list[dict[str, Any]] = []
-    for part in content:
-        if not isinstance(part, dict):
-            continue
-        if part.get("type") == "text":
-            out.append({"type": "text", "text": str(part.get("text", ""))})
-        elif is_image(part):
-            out.append(_IMAGE)
-    return out
-
-
-def template_messages(
-    messages: Sequence[dict[str, Any]], parts: bool = False
-) -> list[dict[str, Any]]:
-    """Messages as the chat template sees them: content flattened to a string, or with `parts`
-    (a template that loops over content parts) content arrays kept as `template_parts`."""
-    out = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, str):
-            out.append(message)
-        elif parts and isinstance(content, list):
-            out.append({**message, "content": template_parts(content)})
-        else:
-            out.append({**message, "content": message_text(content)})
-    return out
-
-
-class TemplateError(ValueError):
-    """Raised when the model's chat template refuses the messages (role order, missing fields)."""
-
-
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], body: dict[str, Any]) -> str:
-    """The prompt text vLLM renders for a chat request: the template, with the request's own
-    `tools`, `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs`."""
-    kwargs = body.get("chat_template_kwargs")
-    try:
-        rendered = tokenizer.apply_chat_template(
-            messages,
-            tools=body.get("tools"),
-            tokenize=False,
-            add_generation_prompt=body.get("add_generation_prompt", True),
-            continue_final_message=body.get("continue_final_message", False),
-            **(kwargs if isinstance(kwargs, dict) else {}),
-        )
-    except Exception as exc:  # templates raise whatever jinja or their own checks raise
-        raise TemplateError(f"the model's chat template rejected the messages: {exc}") from None
-    return str(rendered)
 
 
 class TooManyTokens(Exception):
@@ -217,10 +139,10 @@ class HFCounter:
         self.inline_max_chars = inline_max_chars // INLINE_SHARE if slower else inline_max_chars
         self.large_threads = large_threads  # None: the large texts share `threads`
         self.large_min_chars = large_min_chars
-        self.parts = self._template_takes_parts()
+        self.template = ChatTemplate(tokenizer)
         # The placeholder an "openai"-format template writes per image is already in the count;
         # a string-format template writes none (vLLM adds it, inside the image's cost).
-        placeholder = self._image_placeholder() if self.parts else 0
+        placeholder = self._image_placeholder()
         self.image_cost = max(0, (image_tokens or 0) - placeholder)
         self.floor = TokenFloor.of(tokenizer.backend_tokenizer)
 
@@ -255,26 +177,10 @@ class HFCounter:
         """The library that encodes this model's texts: `fastokens` or `tokenizers`."""
         return self.encoder.name
 
-    def _template_takes_parts(self) -> bool:
-        """Whether the template loops over content parts (vLLM's "openai" content format, found
-        by its jinja AST; here by a render): a string-format one prints the list whole, or fails."""
-        probe = "gateway-probe"
-        try:
-            rendered = self._render(
-                [{"role": "user", "content": [{"type": "text", "text": probe}]}], {}
-            )
-        except BadRequest:
-            return False
-        return probe in rendered and not any(q in rendered for q in ("'type'", '"type"'))
-
     def _image_placeholder(self) -> int:
         """Tokens the template writes for one image (Gemma 3's `<start_of_image>`: 1)."""
-        try:
-            rendered = [self._render([{"role": "user", "content": c}], {}) for c in ([_IMAGE], [])]
-        except BadRequest:
-            return 0
-        with_image, without = self.encoder.counts(rendered, False)
-        return max(0, with_image - without)
+        text = self.template.image_placeholder
+        return self.encoder.counts([text], False)[0] if text else 0
 
     async def _count_texts(
         self, texts: list[str], special: bool, refuse_at: int | None = None, summed: bool = True
@@ -298,15 +204,8 @@ class HFCounter:
             return await threads.run(work, *args)
         return work(*args)
 
-    def _render(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> str:
-        try:
-            return render_chat(self.tokenizer, messages, body)
-        except TemplateError as exc:
-            raise BadRequest(str(exc), param="messages") from None
-
     def _rendered_chat(self, body: dict[str, Any]) -> str:
-        parts = self.parts and any(isinstance(m.get("content"), list) for m in body["messages"])
-        return self._render(template_messages(body["messages"], parts), body)
+        return self.template.render(body)
 
     async def _rendered(self, body: dict[str, Any]) -> str:
         """The chat's prompt text; rendered on the tokenizer threads when it has many messages."""

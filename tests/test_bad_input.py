@@ -95,10 +95,10 @@ CASES = [
     ),
     (
         "chat/completions",
-        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": "maybe"}',
         "application/json",
         400,
-        "invalid_request",
+        "invalid_type",
     ),
 ]
 

@@ -34,7 +34,8 @@ from typing import Any, Protocol
 
 import orjson
 
-from gateway.tokens import TemplateError, render_chat
+from gateway.chat_template import ChatTemplate
+from gateway.errors import BadRequest
 
 log = logging.getLogger("loadtest.sim")
 
@@ -219,15 +220,16 @@ class TokenizerEncoder:
         self._cache: OrderedDict[tuple[int, int], PromptIds] = OrderedDict()
         self._cached_tokens = 0
         self.token_text = _token_text(str(directory))
+        self.template = ChatTemplate(self.tokenizer)
 
     def _encode(self, text: str, special: bool) -> PromptIds:
         return array("q", self._encode_batch([text], add_special_tokens=special)[0].ids)
 
     def _encode_chat(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> PromptIds:
         try:  # the same rendering as the gateway's: both follow vLLM's chat request handling
-            rendered = render_chat(self.tokenizer, messages, body)
-        except TemplateError as exc:  # vLLM answers 400 too
-            raise PromptError(str(exc)) from None
+            rendered = self.template.render({**body, "messages": messages})
+        except BadRequest as exc:  # vLLM answers 400 too
+            raise PromptError(exc.message) from None
         return self._encode(rendered, body.get("add_special_tokens", False))
 
     async def _cached(

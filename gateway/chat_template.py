@@ -1,0 +1,564 @@
+"""A chat request rendered to the exact prompt text vLLM 0.32 renders for it.
+
+Counting a chat means encoding this text once, so every rule that changes a character of it is
+vLLM's own, read from its source (vllm/renderers/chat_utils.py, vllm/renderers/hf.py,
+vllm/entrypoints/openai/chat_completion/protocol.py and renderers/params.py):
+
+- Content parts (chat_utils `_parse_chat_message_content_mm_part`, `MM_PARSER_MAP`,
+  `TEXT_PART_TYPES`): `text`, `input_text`, `output_text` (their `text`), `refusal` (its
+  `refusal`), `thinking` (its `thinking`) and plain strings are text; `tool_reference` is its
+  `name`; image types, or an untyped part (or one with a `uuid`) carrying an image key, are
+  images; other media are the replica's. A part of no known type is refused as vLLM refuses it.
+- Content format (hf `_detect_content_format`): a template whose jinja AST loops over a
+  message's content is "openai": it gets parts, text as `{"type": "text", "text": ...}` and each
+  image as `{"type": "image"}`, with the part's unknown fields (`_collect_extra_fields`); string
+  content becomes one text part. Any other template ("string") gets the non-empty texts joined
+  with newlines and no image (vLLM adds the image's placeholder itself, which the counter charges
+  inside the image's cost).
+- Message fields (`_parse_chat_message_content`): only `role` and `content`, an assistant's
+  `tool_calls` and `reasoning` (or the deprecated `reasoning_content`, renamed by the request's
+  before-validator; handed over under both names), a tool's `tool_call_id`, a string `name` or
+  `task`, and a developer's `tools` reach the template. A system message loses a leading Claude
+  Code billing header line; a tool message's all-text parts are joined to a string.
+- Tool calls (`_postprocess_messages`): an empty list is dropped; the arguments JSON string is
+  parsed into the dict templates expect (invalid JSON, or JSON that is not an object, as `{}`).
+- Developer role (hf `_detect_developer_role_support`): a template that never names
+  "developer" gets developer messages as system ones (their tools dropped), all system messages
+  merged into the first (`_consolidate_system_messages`).
+- Tools (protocol `ChatCompletionToolsParam`/`FunctionDefinition` `model_dump`): exactly
+  `type`, `function` {`name`, `description`, `parameters`, and `strict`/`defer_loading` when
+  set}, with `defer_loading` when set; a client's other fields are dropped.
+- Template variables (protocol `build_chat_params`, params `merge_kwargs`, hf
+  `resolve_chat_template_kwargs`): `chat_template_kwargs` under the request's own
+  `add_generation_prompt`, `continue_final_message`, `documents` and `reasoning_effort` (which also
+  sets `enable_thinking` unless the client did), values `None` or `"auto"` dropped, then only the
+  template's own undeclared variables or `apply_chat_template`'s parameters as vLLM's transformers
+  has them (`_HF_PARAMS`, fixed: a newer transformers adds parameters vLLM would drop). A client
+  never supplies a template: parse refuses one before anything is rendered.
+
+Booleans are read as pydantic reads them for vLLM's fields (`lax_bool`), so `"false"` is false.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.errors import BadRequest
+
+# vLLM's part types (chat_utils `MM_PARSER_MAP`) by what they hand the template.
+_TEXT_KEYS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+_SKIPPED_WHEN_NONE = ("text", "refusal")  # `PART_TYPES_TO_SKIP_NONE_CONTENT`
+IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image_pil", "image_embeds"})
+_MEDIA_PART_TYPES = frozenset(
+    {"audio_url", "input_audio", "video_url", "audio_embeds", "video_embeds", "prompt_embeds"}
+)
+_PART_TYPES = frozenset(_TEXT_KEYS) | IMAGE_PART_TYPES | _MEDIA_PART_TYPES | {"tool_reference"}
+# An untyped part (or one with a `uuid`) is classified by the first of these keys it carries.
+_UNTYPED_KEYS = (
+    ("image_url", "image"),
+    ("image_pil", "image"),
+    ("image_embeds", "image"),
+    ("audio_embeds", "media"),
+    ("video_embeds", "media"),
+    ("prompt_embeds", "media"),
+    ("audio_url", "media"),
+    ("input_audio", "media"),
+    ("video_url", "media"),
+    ("tool_reference", "tool_reference"),
+)
+# `_KNOWN_CONTENT_PART_FIELDS`: any other field of a part reaches an "openai" template.
+_KNOWN_PART_FIELDS = frozenset(
+    {
+        "audio_embeds", "audio_url", "closed", "data", "file", "image_embeds", "image_pil",
+        "image_url", "input_audio", "name", "prompt_cache_breakpoint", "refusal", "text",
+        "thinking", "type", "uuid", "video_embeds", "video_url",
+    }
+)  # fmt: skip
+_BILLING_HEADER = "x-anthropic-billing-header"  # `_strip_claude_code_billing_header`
+# `apply_chat_template`'s parameters under the transformers vLLM 0.32 pins (5.16-5.19), which
+# `resolve_chat_template_kwargs` lets through whether or not the template reads them.
+_HF_PARAMS = frozenset(
+    {
+        "add_generation_prompt", "chat_template", "continue_final_message", "conversation",
+        "documents", "max_length", "padding", "return_assistant_tokens_mask", "return_dict",
+        "return_tensors", "self", "tokenize", "tokenizer_kwargs", "tools", "truncation",
+    }
+)  # fmt: skip
+_SET_HERE = frozenset({"tools", "chat_template", "tokenize"})  # passed by name, never from kwargs
+_UNSET = (None, "auto")  # `merge_kwargs`'s unset values
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+_NO_TEMPLATE = (
+    "As of transformers v4.44, default chat template is no longer allowed, so you must provide"
+    " a chat template if the tokenizer does not define one."
+)
+
+
+def lax_bool(value: Any, name: str, default: bool, nullable: bool = False) -> bool:
+    """`value` as pydantic's lax mode reads a vLLM `bool` field (`bool | None` when `nullable`,
+    `None` then being `default`): booleans, 0 and 1, and the strings true/false, yes/no, on/off,
+    t/f, y/n, 1/0 in any case; anything else is refused as pydantic refuses it."""
+    if value is None and nullable:
+        return default
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    raise BadRequest(f"'{name}' must be a boolean", param=name, code="invalid_type")
+
+
+def part_kind(part: Any) -> tuple[str, Any]:
+    """What vLLM makes of one content part: `("text", text or None)`, `("image", None)`,
+    `("tool_reference", name)` or `("media", None)`; a part vLLM refuses raises `BadRequest`."""
+    if isinstance(part, str):
+        return "text", part
+    if not isinstance(part, dict):
+        raise BadRequest("content parts must be objects or strings", param="messages")
+    kind = part.get("type")
+    if isinstance(kind, str) and kind in _PART_TYPES and part.get("uuid") is None:
+        if kind in _TEXT_KEYS:
+            return "text", part.get(_TEXT_KEYS[kind])
+        if kind == "tool_reference":
+            return kind, part.get("name")
+        return ("image" if kind in IMAGE_PART_TYPES else "media"), None
+    if kind is None or part.get("uuid") is not None:
+        for key, untyped in _UNTYPED_KEYS:
+            if key in part:
+                return untyped, part.get("name") if untyped == "tool_reference" else None
+        raise BadRequest("Missing 'type' field in multimodal part.", param="type")
+    if not isinstance(kind, str):
+        raise BadRequest("Invalid 'type' field in multimodal part.", param="type")
+    supported = ", ".join(sorted(_PART_TYPES))
+    raise BadRequest(
+        f"Unsupported chat content part type: {kind!r}. Supported types: {supported}.",
+        param="type",
+    )
+
+
+def extra_fields(part: Any) -> dict[str, Any]:
+    """A part's fields vLLM does not know, which it hands an "openai" template as they are."""
+    if not isinstance(part, dict):
+        return {}
+    return {k: v for k, v in part.items() if k not in _KNOWN_PART_FIELDS}
+
+
+def message_text(content: Any) -> str:
+    """A message's content as a "string"-format template gets it: its non-empty texts joined
+    with newlines (the parts parse accepted; anything else is skipped, never raised on)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content if isinstance(content, list) else ():
+        try:
+            kind, value = part_kind(part)
+        except BadRequest:
+            continue
+        if kind in ("text", "tool_reference") and isinstance(value, str) and value:
+            texts.append(value)
+    return "\n".join(texts)
+
+
+def _without_billing_header(parts: Iterable[Any]) -> list[Any]:
+    """A system message's parts without Claude Code's per-request attribution line."""
+    out = []
+    for part in parts:
+        text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else part
+        if not (isinstance(text, str) and text.startswith(_BILLING_HEADER)):
+            out.append(part)
+            continue
+        rest = text.partition("\n")[2]
+        if rest:
+            out.append(rest if isinstance(part, str) else {**part, "text": rest})
+    return out
+
+
+def _template_part(part: Any, openai: bool) -> Any:
+    """One part as the template gets it; None (or "") for what vLLM leaves out."""
+    kind, value = part_kind(part)
+    if kind == "text":
+        if value is None and (isinstance(part, str) or part.get("type") in _SKIPPED_WHEN_NONE):
+            return None
+        return {"type": "text", "text": value, **extra_fields(part)} if openai else value
+    if kind == "tool_reference":
+        return {"type": "tool_reference", "name": value} if openai else value
+    if kind == "image" and openai:
+        return {"type": "image", **extra_fields(part)}
+    return None  # media, and images for a "string" template: the replica's placeholders
+
+
+def _content(role: str, content: Any, openai: bool) -> Any:
+    if content is None:
+        parts: list[Any] = []
+    elif isinstance(content, str):
+        parts = [{"type": "text", "text": content}]
+    else:
+        parts = list(content)
+    if role == "system":
+        parts = _without_billing_header(parts)
+    rendered = [r for r in (_template_part(p, openai) for p in parts) if r]
+    if not openai:
+        return "\n".join(rendered)
+    if role == "tool" and all(r.get("type") == "text" for r in rendered):
+        return "\n".join(r["text"] for r in rendered)
+    return rendered
+
+
+def _tool_call(call: Any) -> dict[str, Any]:
+    """A tool call with its arguments as a dict, as `_postprocess_messages` leaves it."""
+    if not isinstance(call, dict):
+        raise BadRequest("assistant tool_calls entries must be objects.", param="tool_calls")
+    function = call.get("function")
+    if call.get("type", "function") != "function" or not isinstance(function, dict):
+        raise BadRequest(
+            "chat completions only support assistant tool_calls of type 'function'.",
+            param="tool_calls",
+        )
+    arguments = function.get("arguments")
+    if arguments and isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            arguments = None
+        except ValueError as exc:  # e.g. an integer of more digits than Python converts
+            raise BadRequest(f"tool call arguments: {exc}", param="tool_calls") from None
+    parsed = arguments if isinstance(arguments, dict) else {}
+    return {**call, "function": {**function, "arguments": parsed}}
+
+
+def _message(message: dict[str, Any], openai: bool) -> dict[str, Any]:
+    role = message["role"]
+    out: dict[str, Any] = {"role": role, "content": _content(role, message.get("content"), openai)}
+    reasoning = message.get("reasoning")
+    if reasoning is None:
+        reasoning = message.get("reasoning_content")
+    if role == "assistant":
+        calls = message.get("tool_calls")
+        if calls:  # parse refused any but a list; an empty one is dropped
+            out["tool_calls"] = [_tool_call(call) for call in calls]
+        if reasoning is not None:
+            out["reasoning"] = out["reasoning_content"] = reasoning
+    elif role == "tool" and "tool_call_id" in message:
+        out["tool_call_id"] = message["tool_call_id"]
+    for key in ("name", "task"):
+        if isinstance(message.get(key), str):
+            out[key] = message[key]
+    if role == "developer":
+        out["tools"] = message.get("tools")
+    return out
+
+
+def _as_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Developer messages as system ones, every system message merged into the first."""
+    texts: list[str] = []
+    others: list[dict[str, Any]] = []
+    merge = False
+    for index, message in enumerate(conversation):
+        if message["role"] not in ("developer", "system"):
+            others.append(message)
+            continue
+        merge = merge or index > 0 or bool(texts)
+        content = message["content"]
+        if isinstance(content, list):
+            content = "\n".join(
+                p["text"] if isinstance(p, dict) else p
+                for p in content
+                if isinstance(p, str) or (isinstance(p, dict) and "text" in p)
+            )
+        if content:
+            texts.append(content)
+    if not merge:
+        return [
+            {k: v for k, v in m.items() if k != "tools"} | {"role": "system"}
+            if m["role"] == "developer"
+            else m
+            for m in conversation
+        ]
+    return [{"role": "system", "content": "\n\n".join(texts)}, *others]
+
+
+def tool_dicts(tools: Any) -> list[dict[str, Any]] | None:
+    """The request's tools as vLLM dumps them for the template (parse checked their shape)."""
+    if tools is None:
+        return None
+    out = []
+    for tool in tools:
+        function = tool["function"]
+        dumped: dict[str, Any] = {
+            "name": function["name"],
+            "description": function.get("description"),
+            "parameters": function.get("parameters"),
+        }
+        defer = tool.get("defer_loading")
+        for key in ("strict", "defer_loading"):
+            value = function.get(key)
+            if key == "defer_loading" and value is None:
+                value = defer
+            if value is not None:
+                dumped[key] = lax_bool(value, f"tools.function.{key}", False)
+        entry: dict[str, Any] = {"type": "function", "function": dumped}
+        if defer is not None:
+            entry["defer_loading"] = lax_bool(defer, "tools.defer_loading", False)
+        out.append(entry)
+    return out
+
+
+def _set(values: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: v for k, v in values.items() if not (v is None or (isinstance(v, str) and v == "auto"))
+    }
+
+
+def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """Every keyword vLLM hands `apply_chat_template` before its filter, `tools` included."""
+    user = body.get("chat_template_kwargs") or {}
+    effort = body.get("reasoning_effort")
+    request = {
+        "add_generation_prompt": lax_bool(
+            body.get("add_generation_prompt", True), "add_generation_prompt", True
+        ),
+        "continue_final_message": lax_bool(
+            body.get("continue_final_message", False), "continue_final_message", False
+        ),
+        "documents": body.get("documents"),
+        "reasoning_effort": effort,
+    }
+    if effort is not None and "enable_thinking" not in user:
+        request["enable_thinking"] = effort != "none"
+    merged = _set({**user, **_set(request)})
+    return {"tools": tool_dicts(body.get("tools")), "tokenize": False} | merged
+
+
+@dataclass(frozen=True)
+class _Source:
+    """What vLLM finds in one template's text at load."""
+
+    text: str
+    takes_parts: bool  # "openai" content format
+    variables: frozenset[str]  # undeclared variables: the kwargs it may read
+    knows_developer: bool
+
+
+def _source(text: str) -> _Source:
+    return _Source(text, _loops_over_content(text), _variables(text), _names_developer(text))
+
+
+def _names_developer(text: str) -> bool:
+    """`_detect_developer_role_support`."""
+    return '"developer"' in text or "'developer'" in text
+
+
+def _variables(text: str) -> frozenset[str]:
+    """`_resolve_chat_template_kwargs`: the template's undeclared variables."""
+    import jinja2.ext
+    import jinja2.meta
+    import jinja2.sandbox
+
+    class Generation(jinja2.ext.Extension):  # transformers' `{% generation %}` tag
+        tags = {"generation"}
+
+        def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_generation_support")
+            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
+    return frozenset(jinja2.meta.find_undeclared_variables(env.parse(text)))
+
+
+def _loops_over_content(text: str) -> bool:
+    """`_detect_content_format`: "openai" when the AST has a loop over a message's content (a
+    template jinja cannot parse is "string", vLLM's default)."""
+    import transformers.utils.chat_template_utils as hf
+
+    try:
+        ast = hf._compile_jinja_template(text).environment.parse(text)
+    except Exception:  # vLLM logs it and falls back to "string"
+        return False
+    return any(True for _ in _content_loops(ast))
+
+
+def _is_var(node: Any, name: str) -> bool:
+    from jinja2 import nodes
+
+    return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
+
+
+def _is_attr(node: Any, name: str, key: str) -> bool:
+    from jinja2 import nodes
+
+    if isinstance(node, nodes.Getitem):
+        return (
+            _is_var(node.node, name) and isinstance(node.arg, nodes.Const) and node.arg.value == key
+        )
+    return isinstance(node, nodes.Getattr) and _is_var(node.node, name) and node.attr == key
+
+
+def _reads(node: Any, name: str, key: str | None = None) -> bool:
+    """`_is_var_or_elems_access`: `name` (or `name[key]`), through filters, tests and slices."""
+    from jinja2 import nodes
+
+    if isinstance(node, nodes.Filter):
+        return node.node is not None and _reads(node.node, name, key)
+    if isinstance(node, nodes.Test):
+        return _reads(node.node, name, key)
+    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+        return _reads(node.node, name, key)
+    return _is_attr(node, name, key) if key else _is_var(node, name)
+
+
+def _aliases(root: Any, name: str) -> list[str]:
+    """`_iter_nodes_assign_var_or_elems`: `name` and the variables assigned from it."""
+    from jinja2 import nodes
+
+    found, pending = [name], [name]
+    while pending:
+        current = pending.pop(0)
+        for assign in root.find_all(nodes.Assign):
+            if _reads(assign.node, current):
+                found.append(assign.target.name)
+                if assign.target.name != current:
+                    pending.append(assign.target.name)
+    return found
+
+
+def _message_names(root: Any) -> list[str]:
+    """`_iter_nodes_assign_messages_item`: the targets of loops over the messages."""
+    from jinja2 import nodes
+
+    names = _aliases(root, "messages")
+    return [
+        loop.target.name
+        for loop in root.find_all(nodes.For)
+        if any(_reads(loop.iter, name) for name in names)
+    ]
+
+
+def _content_loops(root: Any) -> Iterable[Any]:
+    """`_iter_nodes_assign_content_item`: loops over a message's content, directly, through a
+    macro parameter given it, or over a variable named `content` outside macros."""
+    from jinja2 import nodes
+
+    messages = _message_names(root)
+    params_by_loop: dict[int, set[str]] = {}
+    in_macros: set[int] = set()
+    for macro in root.find_all(nodes.Macro):
+        names = {arg.name for arg in macro.args}
+        params: set[str] = set()
+        for call in root.find_all(nodes.Call):
+            if not (isinstance(call.node, nodes.Name) and call.node.name == macro.name):
+                continue
+            for i, arg in enumerate(call.args):
+                if i < len(macro.args) and any(_reads(arg, m, "content") for m in messages):
+                    params.add(macro.args[i].name)
+            for kwarg in call.kwargs:
+                if kwarg.key in names and any(_reads(kwarg.value, m, "content") for m in messages):
+                    params.add(kwarg.key)
+        for loop in macro.find_all(nodes.For):
+            in_macros.add(id(loop))
+            if params:
+                params_by_loop[id(loop)] = params
+    for loop in root.find_all(nodes.For):
+        if any(_reads(loop.iter, m, "content") for m in messages):
+            yield loop
+        elif isinstance(loop.iter, nodes.Name) and (
+            loop.iter.name in params_by_loop.get(id(loop), ())
+            or (id(loop) not in in_macros and loop.iter.name == "content")
+        ):
+            yield loop
+
+
+class ChatTemplate:
+    """One model's chat template, examined once at load as vLLM examines it.
+
+    `render(body)` is the prompt text vLLM 0.32 renders for a chat request (encoded by it
+    without special tokens). `takes_parts` is whether the template gets content parts ("openai"
+    format); `image_placeholder` is the text it writes for each image then ("" otherwise: vLLM
+    adds the placeholder itself, as part of the image).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._sources: dict[str, _Source] = {}
+        for tools in (None, True):  # a tokenizer may keep a "tool_use" template apart
+            text = self._text(tools)
+            if text is not None and text not in self._sources:
+                self._sources[text] = _source(text)
+        default = self._text(None)
+        self.takes_parts = default is not None and self._sources[default].takes_parts
+        self.image_placeholder = self._placeholder() if self.takes_parts else ""
+
+    def _text(self, tools: Any) -> str | None:
+        try:
+            return str(self.tokenizer.get_chat_template(None, tools=tools))
+        except ValueError:  # no template
+            return None
+
+    def _placeholder(self) -> str:
+        """The text the template writes for an image: what it puts between two texts with the
+        image between them, less what it puts there without."""
+        image = {"type": "image_url", "image_url": {"url": "data:,"}}
+        marks = ("\x00image-before\x00", "\x00image-after\x00")
+        between = []
+        for middle in ([image], []):
+            parts = [
+                {"type": "text", "text": marks[0]},
+                *middle,
+                {"type": "text", "text": marks[1]},
+            ]
+            try:
+                rendered = self.render({"messages": [{"role": "user", "content": parts}]})
+            except BadRequest:
+                return ""
+            between.append(rendered.partition(marks[0])[2].partition(marks[1])[0])
+        with_image, without = between
+        return with_image.replace(without, "", 1) if without else with_image
+
+    def render(self, body: dict[str, Any]) -> str:
+        """The prompt vLLM renders for `body` (checked by parse); a template's refusal, or
+        vLLM's of the messages, is a `BadRequest` on `messages`."""
+        kwargs = template_kwargs(body)
+        tools = kwargs.pop("tools")
+        text = self._text(tools)
+        if text is None:
+            raise BadRequest(_NO_TEMPLATE, param="messages")
+        source = self._sources.get(text) or _source(text)
+        conversation = [_message(m, source.takes_parts) for m in body["messages"]]
+        if not source.knows_developer and any(m["role"] == "developer" for m in conversation):
+            conversation = _as_system(conversation)
+        accepted = (source.variables | _HF_PARAMS) - _SET_HERE
+        passed = {k: v for k, v in kwargs.items() if k in accepted} | {"return_dict": False}
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                conversation, tools=tools, chat_template=text, tokenize=False, **passed
+            )
+        except Exception as exc:  # templates raise whatever jinja or their own checks raise
+            raise BadRequest(_reason(exc), param="messages") from None
+        return str(rendered)
+
+
+def _reason(exc: BaseException) -> str:
+    """`_template_error_reason`: the innermost jinja error's text, else the exception's."""
+    import jinja2
+
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, jinja2.TemplateError):
+            return str(current)
+        current = current.__cause__ or current.__context__
+    return str(exc)
