@@ -68,14 +68,21 @@ def test_no_python_at_all_says_what_to_install(tmp_path):
 def test_missing_test_programs_stop_the_run_with_the_one_command_to_run():
     with tempfile.TemporaryDirectory() as tmp:  # not under pytest's tmp_path: nobody reads it
         os.chmod(tmp, 0o755)
-        path = fake_bin(Path(tmp), "redis-server", "prometheus", "openssl")
+        path = fake_bin(Path(tmp), "redis-server", "prometheus", "openssl", "npm")
         out = run("tools.sh", f"{tmp}/venv", path=path, as_root=False)
     assert out.returncode == 1, out.stderr
     # promtool alone is missing: it comes with Debian's prometheus
     assert "sudo apt-get install -y prometheus\n" in out.stderr
 
 
-def test_nothing_is_installed_when_every_program_is_there(tmp_path):
-    path = fake_bin(tmp_path, "redis-server", "prometheus", "promtool", "openssl", "kubectl")
+def test_nothing_is_installed_when_every_program_is_there_and_the_tokenizers_are_fetched(
+    tmp_path,
+):
+    path = fake_bin(tmp_path, "redis-server", "prometheus", "promtool", "openssl", "kubectl", "npm")
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!{shutil.which("bash")}\necho "$@" > {tmp_path}/ran\n')
+    python.chmod(0o755)
     out = run("tools.sh", str(tmp_path / "venv"), path=path)
     assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
+    assert (tmp_path / "ran").read_text() == "-m loadtest.real_tokenizers\n"
