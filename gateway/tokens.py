@@ -204,14 +204,11 @@ class HFCounter:
             return await threads.run(work, *args)
         return work(*args)
 
-    def _rendered_chat(self, body: dict[str, Any]) -> str:
-        return self.template.render(body)
-
     async def _rendered(self, body: dict[str, Any]) -> str:
         """The chat's prompt text; rendered on the tokenizer threads when it has many messages."""
         if self.threads is not None and len(body["messages"]) > INLINE_RENDER_MESSAGES:
-            return await self.threads.run(self._rendered_chat, body)
-        return self._rendered_chat(body)
+            return await self.threads.run(self.template.render, body)
+        return self.template.render(body)
 
     async def count_chat(self, body: dict[str, Any], refuse_at: int | None = None) -> int:
         return (await self._count_texts([await self._rendered(body)], False, refuse_at))[0]
