@@ -1,15 +1,16 @@
-"""What counting one ~4,000-token text costs, by entry point, and what the prefix cache saves.
+"""What counting one ~4,000-token text of real prose costs, by library and entry point.
 
-    python -m loadtest.bench_encode [--repeat 200] [--tokens 4000] [--tokenizer DIR]
+    python -m loadtest.bench_encode [--model gemma3] [--repeat 200] [--tokens 4000] [--seed N]
 
-The tokenizer is loadtest.tokenizer32k's 32k byte-level BPE with Llama 3's split regex, trained
-here in seconds on generated text (nothing is downloaded; `--tokenizer DIR` keeps it), loaded
-through `AutoTokenizer` as the gateway loads one. Prints a Markdown table: the median of
-`--repeat` calls of each way to count the text, wall and CPU time (all threads: the batch entry
-points spread a batch over cores), and the speed of a Python thread spinning while the calls run
-back to back, against the same thread alone just before (100%: the calls hold the GIL for none
-of their time; other load on the machine makes this column the noisiest). Figures are this
-machine's, with a 32k vocabulary: a model's 128k-262k one costs more per token.
+The tokenizer is a real one (loadtest/real_tokenizers.py: Gemma 3, Llama 3.1 or Qwen 3), loaded
+through `AutoTokenizer` as the gateway loads one; each call counts a different text (loadtest/
+prose.py, reseeded per run), so no library's word cache sees a text twice. Prints a Markdown
+table: the median of `--repeat` calls of each way to count, wall and CPU time (all threads: the
+batch entry points may spread a batch over cores), and the speed of a Python thread spinning
+while the calls run back to back, against the same thread alone just before (100%: the calls
+hold the GIL for none of their time; other load on the machine makes this column the noisiest).
+That column is what decides where counting may run: a call that holds the GIL holds the event
+loop wherever it runs.
 """
 
 from __future__ import annotations
@@ -17,23 +18,13 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
-from gateway.prefixcount import PrefixCounts
+from gateway.encoders import FastokensEncoder, TokenizersEncoder
 from gateway.tokens import load_tokenizer
-from loadtest import tokenizer32k
-
-
-def load(directory: Path) -> Any:
-    """The 32k tokenizer saved in `directory`, built there first if there is none."""
-    if not (directory / "tokenizer.json").exists():
-        tokenizer32k.build(directory)
-    return load_tokenizer(str(directory))  # as the gateway loads it, in its environment
+from loadtest import prose, real_tokenizers
 
 
 def spin(stop: threading.Event, done: list[int]) -> None:
@@ -72,39 +63,36 @@ def medians_ms(call: Callable[[], object], repeat: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=sorted(real_tokenizers.PACKAGES), default="gemma3")
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--tokens", type=int, default=4000)
-    parser.add_argument("--tokenizer", type=Path, help="where the trained tokenizer is kept")
+    parser.add_argument("--seed", type=int, default=random.randrange(1 << 32))
     args = parser.parse_args()
-    if args.tokenizer is not None:
-        tokenizer = load(args.tokenizer)
-    else:
-        with tempfile.TemporaryDirectory() as directory:
-            tokenizer = load(Path(directory))
+    tokenizer = load_tokenizer(str(real_tokenizers.directory(args.model)))
     backend = tokenizer.backend_tokenizer
-    rng = random.Random(5)
-    rules = ""
-    while len(backend.encode(rules).ids) < args.tokens:
-        rules += tokenizer32k.text(rng, 12) + "\n"
-    unique = "Product:\n" + tokenizer32k.text(rng, 12)
-    text = rules + unique
-    n_tokens = len(backend.encode(text).ids)
-    cold = PrefixCounts(backend, entries=0)  # caches nothing: every call a miss
-    warm = PrefixCounts(backend, entries=4096)
-    warm.lengths([rules + "warm-up"], False)
-    suffixes = [f"Product:\n{tokenizer32k.text(rng, 12)}" for _ in range(64)]
+    reference = TokenizersEncoder(backend)
+    fast = FastokensEncoder(backend.to_str())
+    rng = random.Random(args.seed)
+    probe = prose.text(rng, args.tokens * 8)
+    chars = len(probe) * args.tokens // len(backend.encode(probe).ids)  # ~`tokens` of this prose
+    texts = [prose.text(rng, chars) for _ in range(64)]
+    turn = iter(range(1 << 62))
+
+    def text() -> str:
+        return texts[next(turn) % len(texts)]
+
     ways: dict[str, Callable[[], object]] = {
-        "tokenizers `encode(text)`": lambda: backend.encode(text),
-        "tokenizers `encode_batch([text])`": lambda: backend.encode_batch([text]),
-        "tokenizers `encode_batch_fast([text])`": lambda: backend.encode_batch_fast([text]),
-        "transformers `tokenizer(text)`": lambda: tokenizer(text),
-        "transformers `tokenizer.encode(text)`": lambda: tokenizer.encode(text),
-        "PrefixCounts, nothing cached (a miss)": lambda: cold.lengths([text], False),
-        "PrefixCounts, rules block cached, a new suffix": lambda: warm.lengths(
-            [rules + rng.choice(suffixes)], False
+        "tokenizers `encode(text)`": lambda: backend.encode(text()),
+        "tokenizers `encode_batch_fast([text])` (the gateway's `tokenizers`)": lambda: (
+            reference.counts([text()], False)
+        ),
+        "transformers `tokenizer(text)`": lambda: tokenizer(text()),
+        "fastokens `encode(text)` (the gateway's `fastokens`)": lambda: fast.counts(
+            [text()], False
         ),
     }
-    print(f"Text: {len(text)} chars, {n_tokens} tokens; vocabulary {backend.get_vocab_size()}.\n")
+    tokens = statistics.median(len(backend.encode(t).ids) for t in texts[:8])
+    print(f"{args.model}, seed {args.seed}: texts of ~{chars} characters, ~{tokens:.0f} tokens.\n")
     print("| way | wall per call | CPU per call | a Python thread beside it runs at |")
     print("|---|---:|---:|---:|")
     for name, call in ways.items():
