@@ -4,7 +4,7 @@
 
 The tokenizer is a real one (loadtest/real_tokenizers.py: Gemma 3, Llama 3.1 or Qwen 3), loaded
 through `AutoTokenizer` as the gateway loads one; each call counts a different text (loadtest/
-prose.py, reseeded per run), so no library's word cache sees a text twice. Prints a Markdown
+prose.py, reseeded per run), so no library's cache sees a timed text twice (words recur, as in any prose). Prints a Markdown
 table: the median of `--repeat` calls of each way to count, wall and CPU time (all threads: the
 batch entry points may spread a batch over cores), and the speed of a Python thread spinning
 while the calls run back to back, against the same thread alone just before (100%: the calls
@@ -75,7 +75,8 @@ def main() -> None:
     rng = random.Random(args.seed)
     probe = prose.text(rng, args.tokens * 8)
     chars = len(probe) * args.tokens // len(backend.encode(probe).ids)  # ~`tokens` of this prose
-    texts = [prose.text(rng, chars) for _ in range(64)]
+    # A new text for every timed call of every way; the GIL column's calls reuse them.
+    texts = [prose.text(rng, chars) for _ in range(4 * (args.repeat + 1))]
     turn = iter(range(1 << 62))
 
     def text() -> str:
