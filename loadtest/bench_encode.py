@@ -2,10 +2,9 @@
 
     python -m loadtest.bench_encode [--model gemma3] [--repeat 200] [--tokens 4000] [--seed N]
 
-The tokenizer is a real one (loadtest/real_tokenizers.py: Gemma 3, Llama 3.1 or Qwen 3), loaded
-through `AutoTokenizer` as the gateway loads one; each call counts a different text (loadtest/
-prose.py, reseeded per run), so no library's cache sees a timed text twice (words recur, as in any prose). Prints a Markdown
-table: the median of `--repeat` calls of each way to count, wall and CPU time (all threads: the
+The tokenizer is a real one (loadtest/real_tokenizers.py: Gemma 3, Llama 3 or Qwen 3), loaded
+through `AutoTokenizer` as the gateway loads one; each timed call counts a new text (loadtest/
+prose.py, reseeded per run; words recur, as in any prose). Prints a Markdown table: the median of `--repeat` calls of each way to count, wall and CPU time (all threads: the
 batch entry points may spread a batch over cores), and the speed of a Python thread spinning
 while the calls run back to back, against the same thread alone just before (100%: the calls
 hold the GIL for none of their time; other load on the machine makes this column the noisiest).
