@@ -34,11 +34,10 @@ def compare(trees: dict[str, Path], rounds: int, connections: list[int], duratio
     with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
         workdir = Path(tmp)
         tokenizer = bench.build_tokenizer(workdir, "loadtest.tiny_tokenizer")
-        tokenizer32k = bench.build_tokenizer(workdir, "loadtest.tokenizer32k")
         procs = bench.Fleet(workdir)
         try:
             stub, passthrough = bench.start_backends(procs)
-            policy = bench.write_policy(workdir, tokenizer, tokenizer32k, stub.url, None, None)
+            policy = bench.write_policy(workdir, tokenizer, stub.url, None, None)
             sides = {
                 name: bench.start_gateway(procs, name, policy, tree) for name, tree in trees.items()
             }

@@ -121,12 +121,11 @@ def run(trees: dict[str, Path], requests: int, keep: Path | None, stream: bool) 
         workdir = keep or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         tokenizer = bench.build_tokenizer(workdir, "loadtest.tiny_tokenizer")
-        tokenizer32k = bench.build_tokenizer(workdir, "loadtest.tokenizer32k")
         procs = bench.Fleet(workdir)
         outs = {name: workdir / f"{name}.callgrind" for name in ("pass-through", *trees)}
         try:
             stub, passthrough = bench.start_backends(procs, callgrind(outs["pass-through"]))
-            policy = bench.write_policy(workdir, tokenizer, tokenizer32k, stub.url, None, None)
+            policy = bench.write_policy(workdir, tokenizer, stub.url, None, None)
             gateways = [
                 bench.start_gateway(procs, name, policy, tree, callgrind(outs[name]))
                 for name, tree in trees.items()

@@ -9,26 +9,33 @@ them are the result; the raw numbers only give them a scale.
 - Throughput and latency come from `wrk` (C, one thread), not from Python: a Python load generator
   costs about as much CPU per request as the proxies it measures, so on two cores it would become
   the bottleneck and blur exactly the differences measured here.
-- (a) a short chat request, (b) a ~4,000-token classification request whose system message (a
-  rules block) is identical in every request and whose user message varies per request — the case
-  `token_counting: memoized` exists for — at 1, 16 and 64 connections.
+- (a) a short chat request, (b) a ~4,000-token classification request (tiny tokenizer) whose
+  system message (a rules block) is identical in every request and whose user message varies per
+  request, at 1, 16 and 64 connections.
 - (a) at one connection again, once a round, the three targets side by side in alternating
   blocks (`loadtest.paired_latency`): wrk's runs come one after another while the machine's
   speed drifts, and issue 15's one-connection verdict is a quotient of differences of p50s.
 - (c) time to first body byte of a 20-chunk stream at 16 connections, which wrk cannot see, from a
   small asyncio raw-socket client run as its own process (`--ttfb-client`, internal).
-- What counting costs with a model-sized vocabulary (a 32k byte-level BPE, loadtest.tokenizer32k),
-  at 16 connections: (d) a ~4,000-token prompt in one user message, new in every request of every
-  run (bodies drawn with a seed from the OS just before each run, and sized from the warm-up's
-  rate: no count cache can have seen them); (e) the seed's shape in one message, a fixed
-  ~3,000-token rules block then ~1,000 unique tokens. Beside each, what the tokenizer alone
-  (`encode_batch_fast`, this process, on as many threads as the gateway counts on) spends on the same kind of text in the same
-  run, and the replicas of 27B classification one gateway core keeps up with at that cost.
-- (f) (d) again on a second gateway with one tokenizer thread, against the first (by default as
-  many threads as CPUs): how counting scales with the cores. wrk reads prepared bodies, so the
-  load generator leaves the cores to the gateway.
+- What counting costs on the tokenizers users serve, at 16 connections: (d) Gemma 3 and (e)
+  Llama 3 (their real tokenizer.json and chat template, `loadtest.real_tokenizers`), each a
+  classification chat of ~4,000 tokens of real English prose (`loadtest.prose`: ~3,000 tokens of
+  rules in the system message, ~1,000 of product text in the user's, max_tokens 10), every one
+  unique: drawn from a seed printed with the report (from the OS unless `--seed`) and sized from
+  the warm-up's rate, so no cache of the gateway's or of a tokenizer's can have seen a whole
+  prompt, and words are as varied as prose's. A vocabulary of a few thousand words would live in
+  the tokenizers' word caches and flatter the count. Beside the gateway's CPU per request, in the
+  same run: what the counting backend the gateway chose for the model (`explain`'s
+  `counting_backend`) spends alone on the same rendered texts, what the tokenizers library alone
+  (`encode_batch_fast`) spends on them, both in this process on the threads the gateway would
+  count them on, and the pass-through's CPU per request for the same bodies: the gateway's
+  target is the sum of the two (counting plus the cheapest proxying). And the simulated 27B
+  classification replicas (8.6 req/s each) one gateway core keeps up with.
+- (f) (d) and (e) again on a second gateway with one tokenizer thread, against the first (by
+  default as many threads as CPUs): how counting scales with the cores. wrk reads prepared
+  bodies, so the load generator leaves the cores to the gateway.
 
-    python -m loadtest.bench_overhead [--duration 5] [--rounds 1] [--out loadtest/out/overhead.md]
+    python -m loadtest.bench_overhead [--duration 5] [--rounds 1] [--seed N] [--out loadtest/out/overhead.md]
 
 Everything listens and connects on 127.0.0.1 only; every child runs in its own process group and is
 killed in a `finally`; every load loop is bounded in time and in requests.
@@ -49,6 +56,7 @@ import platform
 import random
 import re
 import resource
+import secrets
 import shutil
 import signal
 import socket
@@ -65,7 +73,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gateway.cpus import available_cpus
-from loadtest import tokenizer32k
+from loadtest import prose, real_tokenizers
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -77,7 +85,7 @@ STREAM_TOKENS = 20
 TARGETS = ("direct", "pass-through", "gateway")
 ONE_THREAD = "gateway-1t"  # the gateway again with one tokenizer thread, for (f)
 DEFAULT_OUT = ROOT / "loadtest" / "out" / "overhead.md"
-READY_TIMEOUT_S = 90.0  # the gateway imports transformers and loads a tokenizer first
+READY_TIMEOUT_S = 120.0  # the gateway imports transformers and loads three tokenizers first
 MAX_TTFB_REQUESTS = 200_000  # per run: a hard bound beside the time limit
 RULE_COUNT = 65  # with the tiny tokenizer: ~3,850 tokens of rules, ~4,000 with the listing
 
@@ -88,16 +96,31 @@ TARGET_ADDED_P50 = 2.0
 # Issue 15's, for the short path: CPU and req/s at 64 connections, added p50 at one.
 TARGET_CPU_SHORT_15, TARGET_RPS_SHORT_15, TARGET_ADDED_P50_15 = 1.5, 0.7, 1.3
 OTHER_CPU_WARN = 0.15  # cores used by anything else during a run before the report says so
-MODEL_32K = "bench-32k"  # the same stub behind a model counted with the 32k tokenizer
 COUNTING_CONNECTIONS = 16
-UNIQUE_WORDS = 2800  # ~4,000 tokens of loadtest.tokenizer32k's pseudo-words
-SHARED_WORDS, SHARED_UNIQUE_WORDS = 2100, 700  # ~3,000 + ~1,000 tokens
+RULES_TOKENS, LISTING_TOKENS = 3000, 1000  # a counting chat's system and user messages, ~4,000
 WARM_BODIES = 300  # fresh bodies for a gateway's 1 s warm-up; its rate sizes the measured run's
-OWN_COST_TEXTS = 60  # texts the tokenizer alone counts, per shape
-TARGET_UNIQUE = 1.1  # (d) gateway CPU / the tokenizer's own cost
-TARGET_SHARED = 0.35  # (e) gateway CPU / the tokenizer's cost of the whole prompt
-TARGET_THREADS = 1.6  # (f) (d)'s req/s with 2 tokenizer threads on 2 cores over 1 thread's
+MAX_BODIES = 20_000  # ~400 MB of bodies at most per run; a run outlasting them says so
+ALONE_TEXTS = 300  # of the gateway's bodies, rendered and counted by each library alone
+TARGET_OVER_ALONE = 1.3  # gateway CPU / (the counting backend alone + the pass-through's)
+TARGET_THREADS = 1.6  # (f) req/s with 2 tokenizer threads on 2 cores over 1 thread's
 CLASSIFY_RPS_PER_REPLICA = 8.6  # one simulated TPU v6e 2x2 replica of Gemma 3 27B (capacity.md)
+
+
+@dataclass(frozen=True)
+class Counted:
+    """A real model whose counting (d)/(e) measure, and issue 26's target for it."""
+
+    row: str  # the request's letter in the report
+    key: str  # its `loadtest.real_tokenizers` name
+    label: str
+    min_replicas: int  # simulated 27B classification replicas per gateway core
+
+    @property
+    def model(self) -> str:
+        return f"bench-{self.key}"
+
+
+COUNTED = (Counted("d", "gemma3", "Gemma 3", 100), Counted("e", "llama3", "Llama 3", 250))
 
 
 # --- the requests --------------------------------------------------------------------------------
@@ -137,14 +160,16 @@ _LISTINGS = (
 _PLACEHOLDER = "@@LISTING@@"
 
 
+_INSTRUCTIONS = (
+    "You are a marketplace compliance reviewer. Read the rules, then classify the product"
+    " listing the user gives you.\n"
+    "Answer with exactly one label: ALLOW, REVIEW or PROHIBIT. Do not explain.\n"
+)
+
+
 def rules_block() -> str:
     """The system prompt every classification request repeats word for word."""
-    lines = [
-        "You are a marketplace compliance reviewer. Read the rules, then classify the product"
-        " listing the user gives you.",
-        "Answer with exactly one label: ALLOW, REVIEW or PROHIBIT. Do not explain.",
-        "",
-    ]
+    lines = [_INSTRUCTIONS]
     for i in range(RULE_COUNT):
         rule = _RULES[(i * 5) % len(_RULES)]
         lines.append(f"Rule {i + 1}. " + rule.format(s=_SUBJECTS[(i * 7) % len(_SUBJECTS)]))
@@ -167,16 +192,25 @@ def short_chat() -> dict[str, Any]:
     }
 
 
-def classify_chat(listing: str) -> dict[str, Any]:
+def classify_chat(listing: str, rules: str | None = None, model: str = MODEL) -> dict[str, Any]:
+    """A classification request: `rules` (by default the fixed block) and a listing to label."""
     return {
-        "model": MODEL,
+        "model": model,
         "messages": [
-            {"role": "system", "content": rules_block()},
+            {"role": "system", "content": rules_block() if rules is None else rules},
             {"role": "user", "content": f"Classify this listing.\n\n{listing}"},
         ],
         "max_tokens": 10,
         "temperature": 0,
     }
+
+
+def prose_chat(model: str, chars_per_token: float, rng: random.Random) -> dict[str, Any]:
+    """A classification request of ~4,000 tokens of prose, every word of it drawn from `rng`:
+    ~3,000 tokens of rules, ~1,000 of listing, sized by the model's `chars_per_token`."""
+    rules = prose.text(rng, round(RULES_TOKENS * chars_per_token))
+    listing = prose.text(rng, round(LISTING_TOKENS * chars_per_token))
+    return classify_chat(listing, f"{_INSTRUCTIONS}\n{rules}", model)
 
 
 def stream_chat() -> dict[str, Any]:
@@ -269,29 +303,23 @@ def bodies_lua(path: Path) -> str:
 
 
 def write_bodies(
-    path: Path, parts: tuple[str, str], words: int, count: int, rng: random.Random
-) -> Path:
-    """`count` bodies of the 32k model, each `parts` around `words` pseudo-words drawn from
-    `rng` (seeded by the OS: no earlier run sent them), one a line."""
-    head, tail = parts
+    path: Path,
+    counted: Counted,
+    chars_per_token: float,
+    count: int,
+    rng: random.Random,
+    keep: int = 0,
+) -> list[dict[str, Any]]:
+    """`count` prose chats of `counted`'s model drawn from `rng` (seeded once per run: no earlier
+    run sent them), one JSON body a line; the first `keep` of them returned, to be counted alone."""
+    kept = []
     with open(path, "w") as out:
-        for _ in range(count):
-            out.write(head + json.dumps(tokenizer32k.text(rng, words))[1:-1] + tail + "\n")
-    return path
-
-
-def counting_parts(shared: str) -> tuple[str, str]:
-    """A 32k-model body (JSON) split where its unique words go, after the text `shared`."""
-    body = dumps(
-        {
-            "model": MODEL_32K,
-            "messages": [{"role": "user", "content": shared + _PLACEHOLDER}],
-            "max_tokens": 10,
-            "temperature": 0,
-        }
-    )
-    prefix, suffix = body.split(_PLACEHOLDER)
-    return prefix, suffix
+        for n in range(count):
+            chat = prose_chat(counted.model, chars_per_token, rng)
+            out.write(dumps(chat) + "\n")
+            if n < keep:
+                kept.append(chat)
+    return kept
 
 
 def classify_parts() -> tuple[str, list[str], str]:
@@ -325,6 +353,13 @@ class Service:
     def cpu_seconds(self) -> float:
         """User + system CPU of the process, all threads (the gateway tokenizes in a pool)."""
         return _cpu_seconds(Path(f"/proc/{self.proc.pid}/stat"))
+
+    def rss_mb(self) -> float:
+        """The process's resident memory, in MB."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
 
     def loop_cpu_seconds(self) -> float:
         """User + system CPU of the process's main thread: the event loop, without the pool."""
@@ -411,33 +446,24 @@ def wait_ready(service: Service, path: str | None, timeout_s: float = READY_TIME
 def write_policy(
     workdir: Path,
     tokenizer: Path,
-    tokenizer32k: Path,
     replica: str,
     redis_url: str | None,
     tokenizer_threads: int | None,
     name: str = "policy.yaml",
+    counted: Mapping[str, Path] | None = None,
 ) -> Path:
-    """Two models (the tiny tokenizer's and the 32k one's), a pool each of the one replica with
-    caps that never queue, access log on; with
-    `redis_url`, quotas and slots shared through Redis as several gateways would run."""
+    """The tiny tokenizer's model and `counted`'s (model name: tokenizer directory, each counted
+    by the backend `auto` chooses), a pool each of the one replica with caps that never queue,
+    access log on; with `redis_url`, quotas and slots shared through Redis as several gateways
+    would run."""
     pool = {"replicas": [replica], "max_concurrency": 100000, "queue": {"max_depth": 1024}}
+    models = {MODEL: tokenizer, **(counted or {})}
     policy: dict[str, Any] = {
         "models": {
-            MODEL: {
-                "tokenizer": str(tokenizer),
-                "max_model_len": 32768,
-                "token_counting": "memoized",
-            },
-            MODEL_32K: {
-                "tokenizer": str(tokenizer32k),
-                "max_model_len": 32768,
-                "token_counting": "memoized",
-            },
+            model: {"tokenizer": str(directory), "max_model_len": 32768}
+            for model, directory in models.items()
         },
-        "pools": {
-            "bench": {"model": MODEL, **pool},
-            "bench-32k": {"model": MODEL_32K, **pool},
-        },
+        "pools": {model: {"model": model, **pool} for model in models},
         "classes": [
             {
                 "name": "prefill_heavy",
@@ -445,10 +471,7 @@ def write_policy(
             },
             {"name": "decode_heavy", "when": {}},
         ],
-        "routes": [
-            {"match": {"model": MODEL}, "pool": "bench"},
-            {"match": {"model": MODEL_32K}, "pool": "bench-32k"},
-        ],
+        "routes": [{"match": {"model": model}, "pool": model} for model in models],
         "server": {"access_log": True, "drain_grace_s": 2},
     }
     if tokenizer_threads is not None:
@@ -779,177 +802,268 @@ def ttfb_client(port: int, body_file: Path, duration: float) -> int:
     return 0
 
 
-class TokenizerAlone:
-    """What the 32k tokenizer alone spends on a kind of text (`encode_batch_fast`, the gateway's
-    entry point), in this process with the gateway's environment.
+class Alone:
+    """One library encoding one model's `tokenizer.json` alone, in this process: what counting
+    costs without the gateway around it.
 
-    Measured just before each gateway run it is compared with, on as many threads at once as
-    that gateway counts on: the machine's speed moves by a third within minutes here, and two
-    busy cores make each one slower, so a figure taken once, single-threaded, before the load
-    flattered or wronged the gateway by as much as the ratio it was meant to check."""
+    Measured just before the gateway run it is compared with, on texts that run sends and on the
+    threads the gateway would count them on: the machine's speed moves by a third within minutes
+    here, and two busy cores make each one slower, so a figure taken once, single-threaded,
+    before the load flattered or wronged the gateway by as much as the ratio it was meant to
+    check."""
 
-    def __init__(self, directory: Path) -> None:
-        from gateway.tokens import load_tokenizer
+    def __init__(self, library: str, tokenizer_json: Path) -> None:
+        from gateway.policy.schema import ServerSpec
+        from gateway.tokens import INLINE_SHARE  # also sets the gateway's TOKENIZERS_PARALLELISM
 
-        self.backend = load_tokenizer(str(directory)).backend_tokenizer
-        self.backend.encode_batch_fast(["warm up"])
+        self.count: Callable[[str], int] = (
+            _fastokens_count(tokenizer_json)
+            if library == "fastokens"
+            else _tokenizers_count(tokenizer_json)
+        )
+        # Where the gateway counts a text of this library (gateway/tokens.py), at the policy's
+        # default `inline_tokenize_max_chars`: longer ones on its tokenizer threads.
+        limit: int = ServerSpec.model_fields["inline_tokenize_max_chars"].default
+        self.inline_max = limit if library == "fastokens" else limit // INLINE_SHARE
+        self.count("warm up")
 
-    def cost_ms(self, texts: list[str], threads: int) -> tuple[float, int]:
-        """The median thread-CPU ms per text, and the last text's token count."""
-        times: list[float] = []
-        tokens = 0
+    def cost(self, texts: list[str], threads: int) -> tuple[float, float]:
+        """The mean thread-CPU ms and the mean tokens per text; as the gateway counts them, those
+        over its inline limit on `threads` threads at once, the rest one at a time."""
+        spent: list[float] = []
+        tokens: list[int] = []
 
         def count(share: list[str]) -> None:
-            nonlocal tokens
             for text in share:
                 started = time.thread_time()
-                encoded = self.backend.encode_batch_fast([text], add_special_tokens=False)
-                times.append(time.thread_time() - started)
-                tokens = len(encoded[0])
+                tokens.append(self.count(text))
+                spent.append(time.thread_time() - started)
 
+        count([text for text in texts if len(text) <= self.inline_max])
+        threaded = [text for text in texts if len(text) > self.inline_max]
         with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(count, [texts[i::threads] for i in range(threads)]))
-        return 1000 * statistics.median(times), tokens
+            list(pool.map(count, [threaded[i::threads] for i in range(threads)]))
+        return 1000 * statistics.fmean(spent), statistics.fmean(tokens)
+
+
+def _fastokens_count(tokenizer_json: Path) -> Callable[[str], int]:
+    """fastokens' count of a rendered chat (`encode`, no special tokens: the template wrote them)."""
+    import fastokens
+
+    tokenizer = fastokens.Tokenizer.from_file(str(tokenizer_json))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _tokenizers_count(tokenizer_json: Path) -> Callable[[str], int]:
+    """The tokenizers library's (`encode_batch_fast`: the batch entry point releases the GIL)."""
+    import tokenizers
+
+    tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_json))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return lambda text: len(tokenizer.encode_batch_fast([text], add_special_tokens=False)[0])
+
+
+@dataclass
+class Libraries:
+    """One real model's side of (d)/(e): its chat template, and the library the gateway counts it
+    with and the tokenizers library, each alone."""
+
+    counted: Counted
+    backend: str  # the gateway's choice for this model: `explain`'s `counting_backend`
+    alone: dict[str, Alone]  # the backend's and the tokenizers library's (one, if the same)
+    chars_per_token: float  # of prose, by this tokenizer: sizes its ~4,000-token chats
+    template: Any  # the transformers tokenizer whose chat template renders a chat, as vLLM's
+
+    @classmethod
+    def load(cls, counted: Counted, directory: Path, backend: str) -> Libraries:
+        from gateway.tokens import load_tokenizer
+
+        alone = {
+            library: Alone(library, directory / "tokenizer.json")
+            for library in dict.fromkeys((backend, "tokenizers"))
+        }
+        sample = prose.text(random.Random(0), 200_000)
+        chars_per_token = len(sample) / alone[backend].count(sample)
+        return cls(counted, backend, alone, chars_per_token, load_tokenizer(str(directory)))
+
+    def render(self, chat: dict[str, Any]) -> str:
+        """The prompt vLLM encodes for `chat` (transformers' rendering, generation prompt on)."""
+        text: str = self.template.apply_chat_template(
+            chat["messages"], tokenize=False, add_generation_prompt=True
+        )
+        return text
+
+
+@dataclass
+class AloneCost:
+    """What one library alone spent per text on (a sample of) the gateway's texts."""
+
+    ms: float
+    tokens: float
+    chars: float
 
 
 def counting_report(
     runs: list[Run],
-    own: dict[str, tuple[float, int]],
-    decisions: dict[str, dict[str, Any]],
+    own: dict[tuple[str, str], AloneCost],
+    libraries: list[Libraries],
     threads_label: str,
-    reused: list[str],
+    notes: list[str],
 ) -> list[str]:
-    """The counting rows against the tokenizer's own cost, and replicas per gateway core."""
+    """(d)/(e): the gateway's CPU per request against each library alone plus the pass-through's,
+    the verdicts, and (f)."""
     by = {(r.request, r.target): r for r in runs if r.connections == COUNTING_CONNECTIONS}
-    rows = [
-        ("(d) unique ~4,000 tokens, one message", "d", TARGET_UNIQUE,
-         "the tokenizer alone, the same kind of text"),
-        ("(e) 3,000 shared + 1,000 unique, one message", "e", TARGET_SHARED,
-         "the tokenizer alone, the whole prompt"),
-    ]  # fmt: skip
     lines = [
         "",
-        f"Counting with a 32k vocabulary, {COUNTING_CONNECTIONS} connections: the gateway's CPU"
-        " per request (all its threads; of it, the main thread's: the event loop, serving HTTP and"
-        " everything but counting these long texts, which runs on the tokenizer threads) against"
-        " what the 32k tokenizer alone spends"
-        f" (`encode_batch_fast`, the median thread-CPU of {OWN_COST_TEXTS} fresh texts of the"
-        f" kind, on {threads_label} at once as the gateway counts, in this process just before"
-        " the gateway's run). Replicas per core: 1,000 / (gateway CPU ms) /"
-        f" {CLASSIFY_RPS_PER_REPLICA} classification req/s of a simulated 27B replica.",
+        f"Counting on the real tokenizers, {COUNTING_CONNECTIONS} connections, every prompt new:"
+        " CPU per request in ms. Gateway: all its threads (of it, the main thread's: the event"
+        " loop, serving HTTP and rendering, everything but encoding these long texts, which runs"
+        " on the tokenizer threads). Alone: the library's mean thread-CPU per text on"
+        f" {ALONE_TEXTS} of the texts the gateway's run sends, rendered by the model's chat"
+        f" template, on {threads_label} at once as the gateway counts them, in this process just"
+        " before the gateway's run. Pass-through: the same bodies through it. Replicas per core:"
+        f" 1,000 / (gateway CPU ms) / {CLASSIFY_RPS_PER_REPLICA} classification req/s of a"
+        " simulated 27B replica.",
         "",
-        "| request | gateway input tokens | prefix cache | gateway CPU ms/req | of which the event"
-        " loop | against | its ms | ratio | target | result | 27B replicas per gateway core |",
-        "|---|---:|---|---:|---:|---|---:|---:|---:|---|---:|",
+        "| request | counted by | tokens per prompt | characters | gateway | of which the event"
+        " loop | counting backend alone | tokenizers alone | pass-through | gateway req/s |"
+        " other CPU | 27B replicas per gateway core |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for label, key, target, against in rows:
-        own_ms = own[key][0] if key in own else None
-        gw = by.get((key, "gateway"))
-        cpu = gw.cpu_ms_per_request if gw else None
-        ratio = cpu / own_ms if cpu and own_ms else None
-        shown, verdict = _ratio(ratio, target, False)
-        replicas = f"{1000 / cpu / CLASSIFY_RPS_PER_REPLICA:.0f}" if cpu else "-"
-        d = decisions[key]
-        loop = gw.loop_ms_per_request if gw else None
-        lines.append(
-            f"| {label} | {d['input_tokens']} | {d.get('prefix_cache', '-')} |"
-            f" {'-' if cpu is None else f'{cpu:.3f}'} | {'-' if loop is None else f'{loop:.3f}'} |"
-            f" {against} |"
-            f" {'-' if own_ms is None else f'{own_ms:.3f}'} | {shown} |"
-            f" <= {target} | {verdict} | {replicas} |"
+    verdicts = ["", "| ratio | value | target | result |", "|---|---:|---:|---|"]
+    for lib in libraries:
+        counted, backend = lib.counted, lib.backend
+        row = counted.row
+        gw, pt = by.get((row, "gateway")), by.get((row, "pass-through"))
+        mine, theirs = own.get((row, backend)), own.get((row, "tokenizers"))
+        if gw is None or pt is None or mine is None or theirs is None:
+            continue
+        cpu, loop, base = (
+            gw.cpu_ms_per_request or 0,
+            gw.loop_ms_per_request or 0,
+            pt.cpu_ms_per_request or 0,
         )
-    classify = by.get(("b", "gateway"))
-    if classify and classify.cpu_ms_per_request:
+        replicas = 1000 / cpu / CLASSIFY_RPS_PER_REPLICA if cpu else None
         lines.append(
-            f"| (b) as before: tiny tokenizer, rules in their own message | {decisions['b']['input_tokens']}"
-            f" | {decisions['b'].get('prefix_cache', '-')} | {classify.cpu_ms_per_request:.3f}"
-            " | - | - | - | - | - | -"
-            f" | {1000 / classify.cpu_ms_per_request / CLASSIFY_RPS_PER_REPLICA:.0f} |"
+            f"| ({row}) {counted.label} | {backend} | {mine.tokens:,.0f} | {mine.chars:,.0f} |"
+            f" {cpu:.3f} | {loop:.3f} | {mine.ms:.3f} | {theirs.ms:.3f} | {base:.3f} |"
+            f" {gw.rps:,.0f} | {max(gw.other_cores, pt.other_cores):.2f} |"
+            f" {'-' if replicas is None else f'{replicas:.0f}'} |"
         )
-    floor, whole, shared = own.get("e unique part"), own.get("e"), by.get(("e", "gateway"))
-    if floor and whole and floor[0] > 0 and shared and shared.cpu_ms_per_request:
-        counting = shared.cpu_ms_per_request - (shared.loop_ms_per_request or 0)
-        lines += [
-            "",
-            f"(e)'s floor: the tokenizer alone spends {floor[0]:.3f} ms on the unique part of the"
-            f" same texts ({floor[1]} tokens), {floor[0] / whole[0]:.3f} of the whole prompt;"
-            " an exact count cannot cost less than counting what it has not seen. The gateway"
-            f" spends {shared.cpu_ms_per_request / floor[0]:.3f}x that, its threads but the"
-            f" event loop's {counting / floor[0]:.3f}x.",
+        name = f"({row}) {counted.label}"
+        over, verdict = _ratio(cpu / (mine.ms + base), TARGET_OVER_ALONE, False)
+        verdicts.append(
+            f"| {name}: gateway / ({backend} alone + pass-through) | {over} |"
+            f" <= {TARGET_OVER_ALONE} | {verdict} |"
+        )
+        shown, verdict = _ratio(replicas, counted.min_replicas, True)
+        bound = 1000 / counted.min_replicas / CLASSIFY_RPS_PER_REPLICA
+        verdicts.append(
+            f"| {name}: 27B classification replicas per gateway core | {shown} |"
+            f" >= {counted.min_replicas} (<= {bound:.3f} ms) | {verdict} |"
+        )
+        if backend != "tokenizers":
+            verdicts.append(
+                f"| {name}: gateway / (tokenizers alone + pass-through) |"
+                f" {cpu / (theirs.ms + base):.3f} | - | - |"
+            )
+    lines += verdicts
+    threads_rows, threads_verdicts = [], []
+    for lib in libraries:
+        row = lib.counted.row
+        many, one = by.get((row, "gateway")), by.get((row, ONE_THREAD))
+        if not (many and one and one.rps):
+            continue
+        threads_rows += [
+            f"| ({row}) {lib.counted.label} | {label} | {r.rps:,.0f} | {r.cpu_ms_per_request or 0:.3f} |"
+            f" {r.rps * (r.cpu_ms_per_request or 0) / 1000:.2f} | {r.other_cores:.2f} |"
+            for label, r in ((threads_label, many), ("1", one))
         ]
-    many, one = by.get(("d", "gateway")), by.get(("d", ONE_THREAD))
-    if many and one and one.rps:
         shown, verdict = _ratio(many.rps / one.rps, TARGET_THREADS, True)
+        threads_verdicts.append(
+            f"| (f) ({row}) req/s with {threads_label} / with 1 | {shown} | >= {TARGET_THREADS} |"
+            f" {verdict} |"
+        )
+    if threads_rows:
         lines += [
             "",
-            f"(f) Tokenizer threads: (d) at {COUNTING_CONNECTIONS} connections on the gateway with"
-            f" {threads_label} against the same gateway with one.",
+            f"(f) Tokenizer threads: (d) and (e) at {COUNTING_CONNECTIONS} connections on the"
+            f" gateway with {threads_label} against the same gateway with one.",
             "",
-            "| threads | req/s | gateway CPU ms/req | cores the gateway used | other CPU |",
-            "|---|---:|---:|---:|---:|",
-            *(
-                f"| {label} | {r.rps:,.0f} | {r.cpu_ms_per_request or 0:.3f} |"
-                f" {r.rps * (r.cpu_ms_per_request or 0) / 1000:.2f} | {r.other_cores:.2f} |"
-                for label, r in ((threads_label, many), ("1", one))
-            ),
+            "| request | threads | req/s | gateway CPU ms/req | cores the gateway used | other CPU |",
+            "|---|---|---:|---:|---:|---:|",
+            *threads_rows,
             "",
             "| ratio | value | target | result |",
             "|---|---:|---:|---|",
-            f"| (f) req/s with {threads_label} / with 1 | {shown} | >= {TARGET_THREADS} | {verdict} |",
+            *threads_verdicts,
         ]
-    if reused:
-        lines += [
-            "",
-            "**Some counting runs outlasted their fresh bodies and sent some again (a count cache"
-            " may have served those): " + "; ".join(reused) + ".**",
-        ]
+    if notes:
+        lines += ["", *(f"**{note}**" for note in notes)]
     return lines
 
 
 def measure_counting(
     targets: dict[str, Service],
     services: Sequence[Service],
-    counting: dict[str, tuple[str, int]],
-    alone: TokenizerAlone,
+    libraries: list[Libraries],
     threads: int,
     workdir: Path,
     duration: int,
-    reused: list[str],
-    own: dict[str, tuple[float, int]],
+    rng: random.Random,
+    notes: list[str],
+    own: dict[tuple[str, str], AloneCost],
 ) -> list[Run]:
-    """(d) and (e) on every target, and (d) once more on the one-thread gateway (f).
+    """(d) and (e) on the gateway, the pass-through and the one-thread gateway (f).
 
     A gateway's runs send bodies no earlier run sent: a fresh set for its warm-up, then one
-    sized from the warm-up's rate (twice what it would need), so no count cache has seen any of
-    them; a run that still outlasts its set is noted in `reused`. The stub and the pass-through
-    count nothing: they cycle through their warm-up's set. Before the gateway's run, `own[request]`
-    gets what the tokenizer alone spends on the same kind of text, on the gateway's `threads`."""
-    rng = random.Random()  # seeded by the OS: every run's text is new
+    sized from the warm-up's rate (twice what it would need), so no cache has seen any of them;
+    a run that still outlasts its set is noted in `notes`. The pass-through is sent the bodies
+    the gateway just was. Before the gateway's run, `own[(request, library)]` gets what each
+    library alone spends on the first of the bodies it is about to be sent, on its `threads`,
+    once it has counted the gateway's warm-up bodies."""
     runs = []
-    for request, (lead, words) in counting.items():
-        request_parts = counting_parts(lead)
-        names = [*TARGETS, *((ONE_THREAD,) if request == "d" else ())]
-        for name in names:
-            target, script = targets[name], workdir / f"counting-{request}.lua"
-            bodies = write_bodies(
-                workdir / "bodies-warm.txt", request_parts, words, WARM_BODIES, rng
-            )
-            script.write_text(bodies_lua(bodies))
-            warm = run_wrk(target.url, script, COUNTING_CONNECTIONS, 1)
-            counted, sized = name in ("gateway", ONE_THREAD), WARM_BODIES
+    for lib in libraries:
+        request, script = lib.counted.row, workdir / f"counting-{lib.counted.row}.lua"
+        measured = workdir / f"bodies-{request}.txt"
+        for name in ("gateway", "pass-through", ONE_THREAD):
+            target, counted = targets[name], name != "pass-through"
             if counted:
-                rate = warm["requests"] / (warm["duration_us"] / 1e6)
-                sized = max(WARM_BODIES, math.ceil(2 * rate * duration))
-                bodies = write_bodies(bodies, request_parts, words, sized, rng)
-                script.write_text(bodies_lua(bodies))
-            if name == "gateway":
-                unique = [tokenizer32k.text(rng, words) for _ in range(OWN_COST_TEXTS)]
-                own[request] = alone.cost_ms([lead + text for text in unique], threads)
-                if lead:  # no exact count costs less than counting the part never seen before
-                    own[f"{request} unique part"] = alone.cost_ms(unique, threads)
+                warm = workdir / "bodies-warm.txt"
+                warm_chats = write_bodies(
+                    warm, lib.counted, lib.chars_per_token, WARM_BODIES, rng,
+                    WARM_BODIES if name == "gateway" else 0,
+                )  # fmt: skip
+                script.write_text(bodies_lua(warm))
+                warmed = run_wrk(target.url, script, COUNTING_CONNECTIONS, 1)
+                rate = warmed["requests"] / (warmed["duration_us"] / 1e6)
+                sized = min(MAX_BODIES, max(WARM_BODIES, math.ceil(2 * rate * duration)))
+                kept = write_bodies(
+                    measured, lib.counted, lib.chars_per_token, sized, rng,
+                    ALONE_TEXTS if name == "gateway" else 0,
+                )  # fmt: skip
+                script.write_text(bodies_lua(measured))
+                if kept:
+                    # Each library alone first counts what the gateway's warm-up did: both
+                    # tokenizers cache words, fastokens' first texts cost many times its later
+                    # ones, and the gateway is measured warm.
+                    warmed_up = [lib.render(chat) for chat in warm_chats]
+                    texts = [lib.render(chat) for chat in kept]
+                    chars = statistics.fmean(map(len, texts))
+                    for library, alone in lib.alone.items():
+                        alone.cost(warmed_up, threads)
+                        own[(request, library)] = AloneCost(*alone.cost(texts, threads), chars)
+            else:
+                run_wrk(target.url, script, COUNTING_CONNECTIONS, 1)  # warm up its connections
             result = measure(request, target, services, script, COUNTING_CONNECTIONS, duration)
             if counted and result.requests > sized:
-                reused.append(f"({request}) {name}: {result.requests:,} requests, {sized:,} bodies")
+                notes.append(
+                    f"({request}) {name} outlasted its fresh bodies ({result.requests:,} requests,"
+                    f" {sized:,} bodies) and sent some again."
+                )
             log(
                 f"({request}) c={COUNTING_CONNECTIONS} {name:<12} {result.rps:8,.0f} req/s"
                 f"  CPU {result.cpu_ms_per_request or 0:.3f} ms/req  errors {result.errors}"
@@ -1117,8 +1231,8 @@ def report(
 
 
 def build_tokenizer(workdir: Path, module: str) -> Path:
-    """A real tokenizer (`loadtest.tiny_tokenizer` or `loadtest.tokenizer32k`), built in a child
-    process so its import cost stays out of ours."""
+    """A tokenizer built by `module` (`loadtest.tiny_tokenizer`), in a child process so its
+    import cost stays out of ours."""
     log(f"building {module}")
     tokenizer = workdir / module.rsplit(".", 1)[1]
     subprocess.run(
@@ -1196,18 +1310,20 @@ def wait_started(
 
 
 @contextlib.contextmanager
-def fleet(workdir: Path, shared: bool, threads: int | None) -> Iterator[dict[str, Service]]:
-    """Start stub, pass-through and gateway (and, `shared`, the Redis the gateway shares its
-    slots through), wait until each is ready, and yield the three targets by name."""
+def fleet(
+    workdir: Path, shared: bool, threads: int | None, counted: Mapping[str, Path]
+) -> Iterator[dict[str, Service]]:
+    """Start stub, pass-through and the two gateways, counting the tiny tokenizer's model and
+    `counted`'s (and, `shared`, the Redis the gateways share their slots through), wait until
+    each is ready, and yield them by name."""
     tokenizer = build_tokenizer(workdir, "loadtest.tiny_tokenizer")
-    tokenizer32k = build_tokenizer(workdir, "loadtest.tokenizer32k")
     procs = Fleet(workdir)
     try:
         redis_url = start_redis(procs) if shared else None
         stub, passthrough = start_backends(procs)
-        policy = write_policy(workdir, tokenizer, tokenizer32k, stub.url, redis_url, threads)
+        policy = write_policy(workdir, tokenizer, stub.url, redis_url, threads, counted=counted)
         one_thread = write_policy(
-            workdir, tokenizer, tokenizer32k, stub.url, redis_url, 1, "policy-1t.yaml"
+            workdir, tokenizer, stub.url, redis_url, 1, "policy-1t.yaml", counted
         )
         gateways = [
             start_gateway(procs, name, file)
@@ -1219,7 +1335,9 @@ def fleet(workdir: Path, shared: bool, threads: int | None) -> Iterator[dict[str
         procs.stop()
 
 
-def run(duration: int, out_path: Path, shared: bool, threads: int | None, rounds: int) -> int:
+def run(
+    duration: int, out_path: Path, shared: bool, threads: int | None, rounds: int, seed: int
+) -> int:
     if shutil.which("wrk") is None:
         log("wrk is not installed (apt-get install -y wrk)")
         return 2
@@ -1240,30 +1358,38 @@ def run(duration: int, out_path: Path, shared: bool, threads: int | None, rounds
         stream_file.write_text(stream_body)
         short_file = workdir / "short.json"
         short_file.write_text(short_body)
-        rules32k = tokenizer32k.text(random.Random(9), SHARED_WORDS) + "\n"
-        counting = {"d": ("", UNIQUE_WORDS), "e": (rules32k, SHARED_UNIQUE_WORDS)}
-        samples: dict[str, str] = {}
-        for request, (lead, count) in counting.items():
-            head, tail = counting_parts(lead)
-            words = json.dumps(tokenizer32k.text(random.Random(2), count))[1:-1]
-            samples[request] = head + words + tail
+        rng = random.Random(seed)  # every counting prompt of the run is drawn from it
+        directories = {c.model: real_tokenizers.directory(c.key) for c in COUNTED}
         runs: list[Run] = []
         paired: list[Paired] = []
         ttfb: list[TtfbResult] = []
-        reused: list[str] = []
-        own: dict[str, tuple[float, int]] = {}
+        notes: list[str] = []
+        own: dict[tuple[str, str], AloneCost] = {}
         gateway_threads = threads or available_cpus()
-        with fleet(workdir, shared, threads) as targets:
+        with fleet(workdir, shared, threads, directories) as targets:
             services = list(targets.values())
             policy = workdir / "policy.yaml"
             decision = explain(policy, sample_classify, workdir)
             short_decision = explain(policy, short_body, workdir)
-            decisions = {"b": decision} | {
-                r: explain(policy, b, workdir) for r, b in samples.items()
-            }
-            alone = TokenizerAlone(workdir / "tokenizer32k")
             bodies = {"short": short_body, "classify": sample_classify, "stream": stream_body}
-            bodies |= {f"counting ({r})": body for r, body in samples.items()}
+            libraries = []
+            for counted in COUNTED:
+                # A sample (~4.5 characters a token) shows which library the gateway counts the
+                # model with, and that the texts measured alone are counted as the gateway does.
+                chat = prose_chat(counted.model, 4.5, rng)
+                sample = explain(policy, dumps(chat), workdir)
+                lib = Libraries.load(
+                    counted, directories[counted.model], sample["counting_backend"]
+                )
+                alone = lib.alone[lib.backend].count(lib.render(chat))
+                if alone != sample["input_tokens"]:
+                    notes.append(
+                        f"({counted.row}) {counted.label}: the gateway counts the sample"
+                        f" {sample['input_tokens']} tokens, {lib.backend} alone {alone} on its"
+                        " rendering: the texts measured alone are not counted as the gateway's."
+                    )
+                bodies[f"counting ({counted.row})"] = dumps(chat)
+                libraries.append(lib)
             for name, service in targets.items():
                 check_target(name, service.port, bodies)
             log(
@@ -1294,7 +1420,7 @@ def run(duration: int, out_path: Path, shared: bool, threads: int | None, rounds
                     + f"  other CPU {paired[-1].other_cores:.2f}"
                 )
             runs += measure_counting(
-                targets, services, counting, alone, gateway_threads, workdir, duration, reused, own
+                targets, services, libraries, gateway_threads, workdir, duration, rng, notes, own
             )
             for name in TARGETS:
                 result_t = measure_ttfb(targets[name], services, stream_file, duration)
@@ -1302,6 +1428,7 @@ def run(duration: int, out_path: Path, shared: bool, threads: int | None, rounds
                     f"(c) TTFB {name:<12} p50 {result_t.p50_ms:.2f} ms p99 {result_t.p99_ms:.2f} ms"
                 )
                 ttfb.append(result_t)
+            rss = {name: targets[name].rss_mb() for name in ("gateway", ONE_THREAD)}
     import aiohttp
 
     header = [
@@ -1321,21 +1448,19 @@ def run(duration: int, out_path: Path, shared: bool, threads: int | None, rounds
         f" {short_decision['input_tokens']} input tokens, class {short_decision['class']}.",
         f"(b) classification: a fixed {RULE_COUNT}-rule system message + a user message unique per"
         f" request, max_tokens 10, ~{len(sample_classify):,} bytes,"
-        f" {decision['input_tokens']} input tokens (the gateway's count, tiny tokenizer, memoized),"
+        f" {decision['input_tokens']} input tokens (the gateway's count, tiny tokenizer),"
         f" class {decision['class']}.",
-    ]
-    header += [
-        f"(d) unique: one user message of {UNIQUE_WORDS} pseudo-words new in every request,"
-        f" {decisions['d']['input_tokens']} input tokens (the sample's); (e) one message of a"
-        f" fixed {SHARED_WORDS}-word block and {SHARED_UNIQUE_WORDS} new words,"
-        f" {decisions['e']['input_tokens']} input tokens; both on the 32k tokenizer, memoized."
-        " The tokenizer alone, on texts of the same kind: "
-        + ", ".join(f"({key}) {own[key][1]} tokens" for key in ("d", "e") if key in own)
-        + ".",
+        f"(d) Gemma 3, (e) Llama 3: a classification chat of ~{RULES_TOKENS:,} tokens of rules"
+        f" (system) and ~{LISTING_TOKENS:,} of product text (user) drawn from real prose"
+        f" (`loadtest.prose`, {len(prose.paragraphs()):,} paragraphs of stdlib docstrings), every"
+        f" one new, max_tokens 10; seed {seed} (`--seed {seed}` draws the same texts again). Each"
+        " gateway loads the three models (RSS after the runs: "
+        + ", ".join(f"{name} {mb:,.0f} MB" for name, mb in rss.items())
+        + ").",
     ]
     text, clean = report(runs, paired, ttfb, header, duration, rounds)
     threads_label = f"{gateway_threads} threads"
-    text += "\n".join(counting_report(runs, own, decisions, threads_label, reused)) + "\n"
+    text += "\n".join(counting_report(runs, own, libraries, threads_label, notes)) + "\n"
     print(text)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(text)
@@ -1363,6 +1488,11 @@ def main(argv: list[str] | None = None) -> int:
         help="where the gateway keeps slots and quotas: `redis` starts a local redis-server",
     )
     parser.add_argument(
+        "--seed",
+        type=int,
+        help="draw (d) and (e)'s prose from this seed (default: a new one from the OS, printed)",
+    )
+    parser.add_argument(
         "--tokenizer-threads",
         type=int,
         help="the gateway's server.tokenizer_threads (default: its own, the CPUs it may use)",
@@ -1380,7 +1510,11 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM's default would end this process without its `finally`, leaving the children
     # running: turn it into SystemExit so the fleet is stopped either way.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    return run(args.duration, args.out, args.state == "redis", args.tokenizer_threads, args.rounds)
+    seed = secrets.randbits(32) if args.seed is None else args.seed
+    log(f"seed {seed}")
+    return run(
+        args.duration, args.out, args.state == "redis", args.tokenizer_threads, args.rounds, seed
+    )
 
 
 if __name__ == "__main__":

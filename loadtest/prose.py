@@ -4,9 +4,10 @@ A tokenizer's cost depends on what it reads. A small vocabulary of words or pseu
 stays in the tokenizers library's word cache and in any count cache, and flatters both; people's
 prompts are prose, with prose's long tail of rare words, names and punctuation. The standard
 library's docstrings are real English prose written by many people, present wherever Python is,
-and nothing has to be downloaded or committed. The corpus is deterministic for a given Python
-(the same modules, members and paragraphs, in order); only the draws are random, so a seed from
-the OS makes every run's texts new while `random.Random(n)` repeats one.
+and nothing has to be downloaded or committed. The corpus is fixed for a given Python (the same
+modules, members and paragraphs, in order; a module whose members appear lazily, such as
+`concurrent.futures`, adds those another import already loaded); only the draws are random, so a
+seed from the OS makes every run's texts new while `random.Random(n)` repeats one.
 
     text(rng, chars)   # random paragraphs, joined by blank lines, until about `chars` characters
     paragraphs()       # the whole corpus (a tuple, built once)
