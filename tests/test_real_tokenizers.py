@@ -42,12 +42,12 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "i
 # Gemma 3's template loops over a message's content: vLLM hands it parts ("openai" format).
 OPENAI_FORMAT = {"gemma3": True, "llama3": False, "qwen3": False}
 CHATS = settings(
-    max_examples=40,
+    max_examples=60,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-PROMPTS = settings(CHATS, max_examples=25)
+PROMPTS = settings(CHATS, max_examples=100)
 
 
 # ---------------------------------------------------------------- the two sides
@@ -401,9 +401,9 @@ def chats(draw: st.DrawFn, model: str) -> dict[str, Any]:
         messages.append(user)
         if turn == 2 or not draw(st.booleans()):
             continue
-        calls = not openai and draw(st.booleans())
+        calls = draw(st.booleans())
         messages.append(draw(assistant(openai, calls)))
-        if calls:
+        if calls and not openai:  # Gemma 3's template has no tool role: its calls go unanswered
             for call in messages[-1]["tool_calls"]:
                 result = {"role": "tool", "tool_call_id": call["id"], "content": draw(contents())}
                 messages.append(result)
