@@ -473,7 +473,7 @@ def classification_chat(model: str) -> dict[str, Any]:
         "You classify product listings for a marketplace. Answer with one label of ALLOWED,"
         " REVIEW or BLOCKED and one sentence of reason.\n\nRules:\n" + rules + "\n"
     )
-    product = "Title: Hand-made ceramic teapot 🫖 (1.2 L)\n\n" + prose.text(rng, 12000)
+    product = "Title: Hand-made ceramic teapot 🫖 (1.2 L)\n\n" + prose.text(rng, 14500)
     return {
         "model": model,
         "messages": [
@@ -491,6 +491,6 @@ def test_a_4000_token_classification_chat_is_counted_exactly(
     body = classification_chat(model)
     count, tokenizer = counter(policies, model, backend), references[model]
     expected = reference_chat(tokenizer, body, model)
-    assert 3000 < expected < 6000
+    assert 3000 < expected < 5000  # the corpus varies a little with what is imported
     counted = runner.run(gateway_chat(count, body))
     assert counted == expected, difference(count, tokenizer, body, model)
