@@ -812,7 +812,7 @@ class Alone:
     before the load flattered or wronged the gateway by as much as the ratio it was meant to
     check."""
 
-    def __init__(self, library: str, tokenizer_json: Path) -> None:
+    def __init__(self, library: str, tokenizer_json: Path, threads: int) -> None:
         from gateway.policy.schema import ServerSpec
         from gateway.tokens import INLINE_SHARE  # also sets the gateway's TOKENIZERS_PARALLELISM
 
@@ -826,10 +826,15 @@ class Alone:
         limit: int = ServerSpec.model_fields["inline_tokenize_max_chars"].default
         self.inline_max = limit if library == "fastokens" else limit // INLINE_SHARE
         self.count("warm up")
+        # Long-lived, as the gateway's tokenizer threads are: fastokens keeps state per thread
+        # (its regex engine's caches), and a new thread's first few dozen Llama 3 texts cost up
+        # to ten times its later ones.
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"alone-{library}")
 
-    def cost(self, texts: list[str], threads: int) -> tuple[float, float]:
+    def cost(self, texts: list[str]) -> tuple[float, float]:
         """The mean thread-CPU ms and the mean tokens per text; as the gateway counts them, those
-        over its inline limit on `threads` threads at once, the rest one at a time."""
+        over its inline limit on all the threads at once, the rest one at a time on this one."""
         spent: list[float] = []
         tokens: list[int] = []
 
@@ -841,8 +846,7 @@ class Alone:
 
         count([text for text in texts if len(text) <= self.inline_max])
         threaded = [text for text in texts if len(text) > self.inline_max]
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(count, [threaded[i::threads] for i in range(threads)]))
+        list(self._pool.map(count, [threaded[i :: self.threads] for i in range(self.threads)]))
         return 1000 * statistics.fmean(spent), statistics.fmean(tokens)
 
 
@@ -878,11 +882,11 @@ class Libraries:
     template: Any  # the transformers tokenizer whose chat template renders a chat, as vLLM's
 
     @classmethod
-    def load(cls, counted: Counted, directory: Path, backend: str) -> Libraries:
+    def load(cls, counted: Counted, directory: Path, backend: str, threads: int) -> Libraries:
         from gateway.tokens import load_tokenizer
 
         alone = {
-            library: Alone(library, directory / "tokenizer.json")
+            library: Alone(library, directory / "tokenizer.json", threads)
             for library in dict.fromkeys((backend, "tokenizers"))
         }
         sample = prose.text(random.Random(0), 200_000)
@@ -1010,7 +1014,6 @@ def measure_counting(
     targets: dict[str, Service],
     services: Sequence[Service],
     libraries: list[Libraries],
-    threads: int,
     workdir: Path,
     duration: int,
     rng: random.Random,
@@ -1023,8 +1026,8 @@ def measure_counting(
     sized from the warm-up's rate (twice what it would need), so no cache has seen any of them;
     a run that still outlasts its set is noted in `notes`. The pass-through is sent the bodies
     the gateway just was. Before the gateway's run, `own[(request, library)]` gets what each
-    library alone spends on the first of the bodies it is about to be sent, on its `threads`,
-    once it has counted the gateway's warm-up bodies."""
+    library alone spends on the first of the bodies it is about to be sent, on as many threads
+    as the gateway's, once it has counted the gateway's warm-up bodies on them."""
     runs = []
     for lib in libraries:
         request, script = lib.counted.row, workdir / f"counting-{lib.counted.row}.lua"
@@ -1054,8 +1057,8 @@ def measure_counting(
                     texts = [lib.render(chat) for chat in kept]
                     chars = statistics.fmean(map(len, texts))
                     for library, alone in lib.alone.items():
-                        alone.cost(warmed_up, threads)
-                        own[(request, library)] = AloneCost(*alone.cost(texts, threads), chars)
+                        alone.cost(warmed_up)
+                        own[(request, library)] = AloneCost(*alone.cost(texts), chars)
             else:
                 run_wrk(target.url, script, COUNTING_CONNECTIONS, 1)  # warm up its connections
             result = measure(request, target, services, script, COUNTING_CONNECTIONS, duration)
@@ -1379,7 +1382,7 @@ def run(
                 chat = prose_chat(counted.model, 4.5, rng)
                 sample = explain(policy, dumps(chat), workdir)
                 lib = Libraries.load(
-                    counted, directories[counted.model], sample["counting_backend"]
+                    counted, directories[counted.model], sample["counting_backend"], gateway_threads
                 )
                 alone = lib.alone[lib.backend].count(lib.render(chat))
                 if alone != sample["input_tokens"]:
@@ -1420,7 +1423,7 @@ def run(
                     + f"  other CPU {paired[-1].other_cores:.2f}"
                 )
             runs += measure_counting(
-                targets, services, libraries, gateway_threads, workdir, duration, rng, notes, own
+                targets, services, libraries, workdir, duration, rng, notes, own
             )
             for name in TARGETS:
                 result_t = measure_ttfb(targets[name], services, stream_file, duration)
