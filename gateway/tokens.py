@@ -154,7 +154,7 @@ class HFCounter:
         backend: Backend = AUTO,
         model: str = "",
         threads: CountingThreads | None = None,
-        inline_max_chars: int = 16384,
+        inline_max_chars: int = 24576,
         large_threads: CountingThreads | None = None,
         large_min_chars: int = 0,
         image_tokens: int | None = None,
