@@ -1,5 +1,5 @@
-"""The request pipeline: authenticate -> parse -> tokenize -> estimate -> classify -> route ->
-spill -> quota -> admit -> forward -> account.
+"""The request pipeline: authenticate -> parse -> candidates -> estimate -> early quota ->
+tokenize -> classify -> route -> spill -> quota -> admit -> forward -> account.
 
 Each stage is a small function in its own module that fills in its part of the `Ctx` or raises a
 `GatewayError`; this module only calls them in order and owns the `finally` that accounts for
@@ -88,7 +88,7 @@ async def count_input(ctx: Ctx) -> None:
     )  # the first count check_context_length refuses
     images = 0
     if ctx.images:
-        _check_images(ctx)
+        _check_images(ctx)  # `before_count` checked them already; `explain` and tests call here
         images = ctx.images * counter.image_cost
         if images >= refuse_at:
             raise _too_long(ctx, limit, images, "at least ")
@@ -121,15 +121,30 @@ def check_context_length(ctx: Ctx) -> None:
         raise _too_long(ctx, limit, ctx.longest_prompt)
 
 
-async def decide(ctx: Ctx, policy: Policy) -> None:
-    """Everything up to admission; also what `llm-gateway explain` runs."""
+def before_count(ctx: Ctx, policy: Policy) -> None:
+    """What is known of a request before its prompt is counted: its candidate routes (hence its
+    model), its images' validity, and its expected output (the estimator reads the body and
+    the tenant, never the count). Enough for the tenant's windows to refuse it
+    (`Quotas.reserve_early`) before the tokenizer spends time on it."""
     find_candidates(ctx, policy.routes, policy.adapters)
-    await count_input(ctx)
     assert ctx.model is not None
+    if ctx.images:
+        _check_images(ctx)
     estimate_output(ctx, policy.estimator, ctx.model.spec.default_output_tokens)
+
+
+async def count_and_route(ctx: Ctx, policy: Policy) -> None:
+    """Count the prompt, then what depends on the count: the class, the route, the context."""
+    await count_input(ctx)
     classify(ctx, policy.workloads)
     route(ctx)
     check_context_length(ctx)
+
+
+async def decide(ctx: Ctx, policy: Policy) -> None:
+    """Everything up to admission; also what `llm-gateway explain` runs."""
+    before_count(ctx, policy)
+    await count_and_route(ctx, policy)
 
 
 _ID_PREFIX = uuid.uuid4().hex[:16]  # unique per process, so ids from several gateways never clash
@@ -499,9 +514,14 @@ class Gateway:
                 check_forwardable(request.raw_headers)
                 raw = await body.read(request, policy.spec.server.max_body_bytes)
                 parse(ctx, body.media_type(request), raw, policy.spec.server)
-                await decide(ctx, policy)
+                before_count(ctx, policy)
+                # Cheap refusals first: the tenant's windows before the tokenizer (`decide`'s
+                # order, with the early charge between). From here `charge` is what `finally`
+                # settles, whatever ends the request (a refusal, or the client leaving mid-count).
+                charge = await self.quotas.reserve_early(ctx)
+                await count_and_route(ctx, policy)
                 spill(ctx, runtime.slots, policy.adapters, self.accountant.metrics.spillover)
-                charge = await self.quotas.reserve(ctx)
+                charge = await self.quotas.reserve(ctx, charge)
                 resp = await self._admit_and_forward(ctx, request, runtime)
             except GatewayError as exc:
                 ctx.status, ctx.reason, ctx.code = exc.status, exc.reason, exc.code

@@ -1,41 +1,78 @@
-"""Stage 5b, quota: reserve the tenant's TPM and RPM before admission, correct the charge after.
+"""Stage 5b, quota: charge the tenant's TPM and RPM windows before admission, correct them after.
 
-At this point the input tokens are counted and the output estimated, so the request's
-`reserved_tokens` (input + expected output) is charged to the tenant's TPM window and 1 to its
-RPM window, all or nothing; a request that does not fit is refused with the `Retry-After` its
-window computes, before it takes a place in any queue. A request larger than a whole window is
-refused for good (`request_over_limit`) only on its own numbers; see `_charged`. When the response
-ends, however it ended, the token charge is corrected to what was really used: input + output
-tokens if a replica served it (both from the usage chunk, or the chunks counted when the stream
-broke or the client left), 0 if it never reached one. The request itself stays counted against RPM.
+Cheap refusals first. Counting a prompt costs tokenizer time every tenant shares, so a request its
+tenant's windows cannot admit is refused before it is counted. The charge is therefore made in two
+all-or-nothing reservations that together charge each window exactly once:
+
+1. `reserve_early`, once the request's candidates are known and before it is counted: 1 request
+   to each RPM window, and to each TPM window what the request provably costs at least (its
+   expected output, which needs no count, plus a floor on its input: token ids are counted by
+   length, a completion's text by `TokenFloor`, a chat's images at the model's rate; a chat's
+   text has no floor before its template renders it, since templates may drop content). Only
+   the windows every pool the request may end on shares are known then: the tenant's overall
+   ones always, a model's when every candidate route and fallback serves that model, a pool's
+   when there is one pool. A refusal here costs no tokenizer work at all.
+2. `reserve`, once the request is counted and its pool chosen: the rest of each token charge and
+   the windows not charged yet (pool, model). The early charge stays held meanwhile, so a burst
+   cannot slip through between the two: each early reservation is atomic (one Lua script with
+   Redis), and the room it took is the request's until it ends.
+
+Why reserve-then-count rather than a check (peek) then the old reservation: a peek lets every
+request of a burst through to the tokenizer while the window still looks open (a thousand
+concurrent requests against 1 request left are all counted); a reservation lets exactly the ones
+that fit. The residual: the early token charge is a floor, so requests whose floor fits but whose
+full size does not are counted and then refused by step 2 (and a chat's floor is only its
+output). Their tokenizer work is bounded by the room their floors found, and each such request
+still costs the tenant one request of its RPM: a request that reached the tokenizer was served
+as far as that (so a tenant with an RPM cannot buy unbounded counting with refusals). A request
+refused by step 1 charges nothing, as a refusal always did.
+
+A request larger than a whole window is refused for good (`request_over_limit`) only on its own
+numbers; see `_charged`. When the response ends, however it ended, the token charge is corrected
+to what was really used: input + output tokens if a replica served it (both from the usage chunk,
+or the chunks counted when the stream broke or the client left), 0 if it never reached one. The
+request itself stays counted against RPM.
+
+`/tokenize` and `/detokenize` are charged to the tenant's overall RPM (`reserve_request`), before
+their body is read, and never to TPM: they generate no tokens and use no replica of any pool or
+model, so only the tenant's overall request rate applies to them.
 
 Every response for a limited tenant carries OpenAI's `x-ratelimit-{limit,remaining,reset}-
-{tokens,requests}` headers, as the window stood after the reservation (or the refusal).
+{tokens,requests}` headers, as the windows stood after the reservation (or the refusal).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from gateway.context import Ctx
-from gateway.errors import OverQuota, QuotaExceeded
+from gateway.errors import GatewayError, OverQuota, QuotaExceeded
 from gateway.metrics import Metrics
-from gateway.state.base import Limit, Refusal, State, Window
+from gateway.state.base import Limit, Refusal, Reservation, State, Window
 from gateway.tenants import Tenant
+from gateway.tokenfloor import TokenFloor
+from gateway.tokens import HFCounter
 
 log = logging.getLogger("gateway.quota")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Charge:
-    """A reservation to correct when the request ends."""
+    """A request's reservations, to correct when it ends.
 
-    id: str
-    tokens: tuple[
-        tuple[str, int], ...
-    ]  # each TPM window charged (overall, model, pool), and how much
+    `parts` are the token charges, `(reservation id, window key, tokens)`, the early one of a
+    window before its rest: `settle` spreads the real use over them in that order. `charged` is
+    every window charged so far and how much (requests too), so the second reservation charges
+    only what the first did not; `windows` the latest view of each, for the headers.
+    """
+
+    parts: list[tuple[str, str, int]] = field(default_factory=list)
+    charged: dict[str, int] = field(default_factory=dict)
+    windows: dict[str, Window] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +99,10 @@ def duration(seconds: float) -> str:
     return f"{minutes}m{rest}s"
 
 
-def _headers(scoped: list[_Scoped], windows: tuple[Window, ...]) -> dict[str, str]:
+def _headers(pairs: Iterable[tuple[_Scoped, Window]]) -> dict[str, str]:
     """Per kind, the window with the least room left: the one that binds the next request."""
     binding: dict[str, Window] = {}
-    for item, window in zip(scoped, windows, strict=True):
+    for item, window in pairs:
         held = binding.get(item.kind)
         if held is None or window.remaining < held.remaining:
             binding[item.kind] = window
@@ -91,34 +128,104 @@ def _charged(reserved: int, stated: int, tpm: int) -> int:
     A refusal that no wait can lift must rest on the client's own numbers: a reservation larger
     than the whole window only because its output was estimated is cut to the window, so the
     request runs once the window is empty, and its charge is settled to real use afterwards.
+    Non-decreasing in both arguments, so lower bounds of them give a lower bound of the charge
+    (what `reserve_early` relies on).
     """
     if reserved <= tpm:
         return reserved
     return max(stated, tpm)
 
 
-def tenant_windows(tenant: Tenant, ctx: Ctx, tokens: int) -> list[_Scoped]:
-    """The tenant's overall windows, then those of the model and the pool this request uses.
+def _windows(
+    tenant: Tenant, reserved: int, stated: int, model: str | None, pool: str | None
+) -> list[_Scoped]:
+    """The tenant's overall windows, then those of `model` and `pool` (None: not known).
 
     One hash tag per tenant: all its windows share a Redis Cluster slot, so one script can
     charge them together.
     """
-    stated = _stated(ctx) if tokens else 0
     prefix = f"quota:{{{tenant.name}}}:"
     scopes = [("", tenant.spec.tpm, tenant.spec.rpm)]
-    if ctx.pool is not None:
-        model, pool = tenant.spec.models.get(ctx.served_model), tenant.spec.pools.get(ctx.pool.name)
-        if model is not None:
-            scopes.append((f"model:{ctx.served_model}:", model.tpm, model.rpm))
-        if pool is not None:
-            scopes.append((f"pool:{ctx.pool.name}:", pool.tpm, pool.rpm))
+    by_model = tenant.spec.models.get(model) if model is not None else None
+    by_pool = tenant.spec.pools.get(pool) if pool is not None else None
+    if by_model is not None:
+        scopes.append((f"model:{model}:", by_model.tpm, by_model.rpm))
+    if by_pool is not None:
+        scopes.append((f"pool:{pool}:", by_pool.tpm, by_pool.rpm))
     out = []
     for scope, tpm, rpm in scopes:
         if tpm is not None:
-            amount = _charged(tokens, stated, tpm)
+            amount = _charged(reserved, stated, tpm)
             out.append(_Scoped("tokens", scope, Limit(prefix + scope + "tokens", amount, tpm)))
         if rpm is not None:
             out.append(_Scoped("requests", scope, Limit(prefix + scope + "requests", 1, rpm)))
+    return out
+
+
+def tenant_windows(tenant: Tenant, ctx: Ctx, tokens: int) -> list[_Scoped]:
+    """The windows a request charges on the model and pool it was routed to, `tokens` to each
+    TPM window (as `_charged` cuts it)."""
+    stated = _stated(ctx) if tokens else 0
+    pool = ctx.pool.name if ctx.pool is not None else None
+    return _windows(tenant, tokens, stated, ctx.served_model or None, pool)
+
+
+def _shared_scopes(ctx: Ctx) -> tuple[str | None, str | None]:
+    """The model and the pool every place the request may end on shares, before it is counted:
+    its candidate routes' pools and their fallbacks (the class, hence the route, and a spill
+    are decided on the count); None where they differ."""
+    pools = {
+        pool.name: pool.spec.model
+        for route in ctx.candidates
+        for pool in (route.pool, *(fallback.pool for fallback in route.fallbacks))
+    }
+    models = set(pools.values())
+    model = next(iter(models)) if len(models) == 1 else None
+    pool = next(iter(pools)) if len(pools) == 1 else None
+    return model, pool
+
+
+def _prompt_floor(prompt: Any, floor: TokenFloor | None) -> int:
+    """Tokens a completions `prompt` has at least, summed as `count_prompts`' counts are: token
+    ids by their number, a text by its floor (0 without one)."""
+    if isinstance(prompt, str):
+        return floor.tokens(prompt) if floor is not None else 0
+    if not isinstance(prompt, list):
+        return 0
+    if prompt and isinstance(prompt[0], int):
+        return len(prompt)
+    return sum(_prompt_floor(p, floor) if isinstance(p, str) else len(p) for p in prompt)
+
+
+def input_floor(ctx: Ctx) -> int:
+    """Input tokens the request provably has before it is counted.
+
+    A chat's images (each at the model's `image_cost`, which `count_input` adds to the text's
+    count); not its text: a template may drop content (Qwen 3 drops earlier turns' reasoning)
+    and only the rendered prompt's count is exact. A completion's prompts: see `_prompt_floor`.
+    """
+    assert ctx.model is not None
+    counter = ctx.model.counter
+    if ctx.endpoint == "chat":
+        return ctx.images * counter.image_cost
+    floor = counter.floor if isinstance(counter, HFCounter) else None
+    return _prompt_floor(ctx.body.get("prompt"), floor)
+
+
+def _spread(parts: Sequence[tuple[str, str, int]], use: int) -> list[tuple[str, str, int, int]]:
+    """Each token part with what it is corrected to, `use` spread over a window's parts in order:
+    each takes up to what it reserved, the last the rest, so while the charges are in the window
+    their sum becomes `use`, and once they have left only an excess is charged (`State.adjust`)."""
+    by_key: dict[str, list[tuple[str, int]]] = {}
+    for charge_id, key, amount in parts:
+        by_key.setdefault(key, []).append((charge_id, amount))
+    out = []
+    for key, charges in by_key.items():
+        left = use
+        for i, (charge_id, amount) in enumerate(charges):
+            actual = left if i == len(charges) - 1 else min(left, amount)
+            left -= actual
+            out.append((charge_id, key, amount, actual))
     return out
 
 
@@ -129,36 +236,138 @@ class Quotas:
     def __init__(self, state: State, metrics: Metrics) -> None:
         self.state = state
         self.metrics = metrics
-        self._pending: set[asyncio.Task[None]] = set()
+        self._pending: set[asyncio.Task[Any]] = set()
 
-    async def reserve(self, ctx: Ctx) -> Charge | None:
-        """Charge the tenant's windows or raise 429; None when there is nothing to correct."""
+    def _track(self, task: asyncio.Task[Any]) -> None:
+        self._pending.add(task)
+        task.add_done_callback(self._done)
+
+    async def _reserve(self, scoped: Sequence[_Scoped]) -> Reservation | Refusal:
+        """`State.reserve`, never lost to a cancellation: the client leaving while the call runs
+        (with Redis, the script may already have charged) lets the call finish, then gives its
+        tokens back, as `settle` does for a request that never reached a replica."""
+        call = asyncio.ensure_future(self.state.reserve([item.limit for item in scoped]))
+        self._pending.add(call)  # awaited at close; its error is the caller's, not logged here
+        call.add_done_callback(self._pending.discard)
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            tokens = [item.limit for item in scoped if item.kind == "tokens"]
+            call.add_done_callback(lambda done: self._orphaned(done, tokens))
+            raise
+
+    def _orphaned(self, call: asyncio.Task[Reservation | Refusal], tokens: list[Limit]) -> None:
+        if call.cancelled() or call.exception() is not None:
+            return
+        result = call.result()
+        if isinstance(result, Reservation):
+            for limit in tokens:
+                self._correct(limit.key, result.id, limit.amount, 0)
+
+    def _correct(self, key: str, charge_id: str, reserved: int, actual: int) -> asyncio.Task[None]:
+        task = asyncio.create_task(self.state.adjust(key, charge_id, reserved, actual))
+        self._track(task)
+        return task
+
+    def _refuse(self, tenant: Tenant, item: _Scoped, retry_after_s: float | None) -> GatewayError:
+        """The 429 for `item`'s window, counted in `llm_quota_rejections_total`."""
+        self.metrics.quota_rejections.labels(tenant.name, item.kind).inc()
+        per_minute = f"{item.limit.limit} {item.kind} per minute{item.where}"
+        if retry_after_s is None:
+            return OverQuota(
+                f"this request needs {item.limit.amount} {item.kind}, more than tenant"
+                f" {tenant.name!r}'s whole limit of {per_minute}"
+            )
+        return QuotaExceeded(
+            f"tenant {tenant.name!r} is at its limit of {per_minute}; this request needs"
+            f" {item.limit.amount}; try again in {retry_after_s:.1f}s",
+            retry_after_s=retry_after_s,
+        )
+
+    async def reserve_early(self, ctx: Ctx) -> Charge | None:
+        """Before the prompt is counted: charge what the request costs at least (see the module's
+        docstring) or raise 429, the tokenizer untouched; None when nothing was charged.
+
+        Needs `ctx.candidates` and the output estimate (`estimate_output` reads no count)."""
         if ctx.tenant is None:
             return None
-        tenant = ctx.tenant
-        scoped = tenant_windows(tenant, ctx, ctx.reserved_tokens)
+        floor = input_floor(ctx)
+        reserved = floor + ctx.expected_output * ctx.sequences
+        stated = reserved if ctx.estimate_source == "max_tokens" else floor
+        scoped = _windows(ctx.tenant, reserved, stated, *_shared_scopes(ctx))
         if not scoped:
             return None
-        result = await self.state.reserve([item.limit for item in scoped])
-        ctx.ratelimit_headers = _headers(scoped, result.windows)
+        result = await self._reserve(scoped)
+        ctx.ratelimit_headers = _headers(zip(scoped, result.windows, strict=True))
         if isinstance(result, Refusal):
-            item = scoped[result.index]
-            self.metrics.quota_rejections.labels(tenant.name, item.kind).inc()
-            per_minute = f"{item.limit.limit} {item.kind} per minute{item.where}"
-            if result.retry_after_s is None:
-                raise OverQuota(
-                    f"this request needs {item.limit.amount} {item.kind}, more than tenant"
-                    f" {tenant.name!r}'s whole limit of {per_minute}"
-                )
-            raise QuotaExceeded(
-                f"tenant {tenant.name!r} is at its limit of {per_minute}; this request needs"
-                f" {item.limit.amount}; try again in {result.retry_after_s:.1f}s",
-                retry_after_s=result.retry_after_s,
-            )
-        tokens = tuple(
-            (item.limit.key, item.limit.amount) for item in scoped if item.kind == "tokens"
+            raise self._refuse(ctx.tenant, scoped[result.index], result.retry_after_s)
+        charge = Charge()
+        self._record(charge, result, scoped)
+        return charge
+
+    @staticmethod
+    def _record(charge: Charge, result: Reservation, scoped: Sequence[_Scoped]) -> None:
+        for item, window in zip(scoped, result.windows, strict=True):
+            key, amount = item.limit.key, item.limit.amount
+            charge.charged[key] = charge.charged.get(key, 0) + amount
+            charge.windows[key] = window
+            if item.kind == "tokens":
+                charge.parts.append((result.id, key, amount))
+
+    async def reserve(self, ctx: Ctx, early: Charge | None = None) -> Charge | None:
+        """Once counted and routed: charge what `early` did not, or raise 429; None when there is
+        nothing to correct. A refusal gives `early`'s tokens back at once (its request stays
+        counted), so the refusal's headers, read after, show the window as it will stay."""
+        if ctx.tenant is None:
+            return early
+        tenant = ctx.tenant
+        scoped = tenant_windows(tenant, ctx, ctx.reserved_tokens)
+        charge = early if early is not None else Charge()
+        over = next((s for s in scoped if s.limit.amount > s.limit.limit), None)
+        if over is not None:
+            raise await self._refused_late(ctx, charge, over, None)
+        rest = [
+            _Scoped(s.kind, s.scope, Limit(s.limit.key, missing, s.limit.limit))
+            for s in scoped
+            if (missing := s.limit.amount - charge.charged.get(s.limit.key, 0)) > 0
+        ]
+        if rest:
+            result = await self._reserve(rest)
+            if isinstance(result, Refusal):
+                refused = rest[result.index]
+                item = next(s for s in scoped if s.limit.key == refused.limit.key)
+                raise await self._refused_late(ctx, charge, item, result.retry_after_s)
+            self._record(charge, result, rest)
+        ctx.ratelimit_headers = _headers(
+            (s, charge.windows[s.limit.key]) for s in scoped if s.limit.key in charge.windows
         )
-        return Charge(result.id, tokens)
+        return charge if charge.charged else None
+
+    async def _refused_late(
+        self, ctx: Ctx, charge: Charge, item: _Scoped, retry_after_s: float | None
+    ) -> GatewayError:
+        """The refusal of a counted request: its early tokens given back (awaited; tasks kept
+        here, so a client leaving meanwhile loses none) and its headers left to `describe`."""
+        assert ctx.tenant is not None
+        error = self._refuse(ctx.tenant, item, retry_after_s)
+        releases = [self._correct(key, i, amount, 0) for i, key, amount in charge.parts]
+        charge.parts.clear()
+        if releases:
+            await asyncio.wait(releases)
+        ctx.ratelimit_headers = {}
+        return error
+
+    async def reserve_request(self, tenant: Tenant, headers: dict[str, str]) -> None:
+        """Charge one request to `tenant`'s overall RPM, for `/tokenize` or `/detokenize`, or raise
+        429; `headers` gets the window's `x-ratelimit-*-requests` either way. Never TPM: they
+        generate no tokens; never a model's or pool's window: no replica serves them."""
+        scoped = [s for s in _windows(tenant, 0, 0, None, None) if s.kind == "requests"]
+        if not scoped:
+            return
+        result = await self._reserve(scoped)
+        headers.update(_headers(zip(scoped, result.windows, strict=True)))
+        if isinstance(result, Refusal):
+            raise self._refuse(tenant, scoped[result.index], result.retry_after_s)
 
     async def describe(self, ctx: Ctx) -> None:
         """Give a response refused before the quota stage (a 400 of a known tenant) the headers
@@ -174,7 +383,7 @@ class Quotas:
         except Exception:
             log.exception("reading tenant %s's windows failed", ctx.tenant.name)
             return
-        ctx.ratelimit_headers = _headers(scoped, windows)
+        ctx.ratelimit_headers = _headers(zip(scoped, windows, strict=True))
 
     def settle(self, ctx: Ctx, charge: Charge) -> None:
         """Correct the token charges to real usage. Call after `account`, which fills in output
@@ -184,12 +393,11 @@ class Quotas:
         it really prefilled (images expanded by its processor, say) is what the tenant used."""
         prompt = ctx.input_tokens if ctx.prompt_tokens is None else ctx.prompt_tokens
         actual = prompt + (ctx.output_tokens or 0) if ctx.replica else 0
-        for key, reserved in charge.tokens:
-            task = asyncio.create_task(self.state.adjust(key, charge.id, reserved, actual))
-            self._pending.add(task)
-            task.add_done_callback(self._done)
+        for charge_id, key, reserved, corrected in _spread(charge.parts, actual):
+            self._correct(key, charge_id, reserved, corrected)
+        charge.parts.clear()
 
-    def _done(self, task: asyncio.Task[None]) -> None:
+    def _done(self, task: asyncio.Task[Any]) -> None:
         self._pending.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("quota correction failed", exc_info=task.exception())

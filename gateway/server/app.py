@@ -119,23 +119,39 @@ async def list_models(request: web.Request) -> web.Response:
     return _json({"object": "list", "data": model_cards(policy)})
 
 
-async def _tokenizer_body(request: web.Request) -> tuple[Policy, dict[str, Any]]:
-    """The policy and the decoded body of a `/tokenize` or `/detokenize` call: the key checked
-    before the body is read, the body within the limits every request has."""
-    policy = request.app[GATEWAY].policy
-    identify(request.headers, policy.tenants)
-    raw = await body.read(request, policy.spec.server.max_body_bytes)
-    return policy, decode_body(body.media_type(request), raw, policy.spec.server)
+async def _metered(
+    request: web.Request, answer: Callable[[Policy, dict[str, Any]], Awaitable[object]]
+) -> web.Response:
+    """A `/tokenize` or `/detokenize` call: the key checked and one request charged to the
+    tenant's RPM before the body is read (a tenant out of requests costs no read, no decode and
+    no tokenizer time), then the body decoded within the limits every request has and
+    answered. Every answer to a limited tenant carries its `x-ratelimit-*-requests` headers."""
+    gateway = request.app[GATEWAY]
+    policy = gateway.policy
+    tenant = identify(request.headers, policy.tenants)
+    ratelimit: dict[str, str] = {}
+    try:
+        if tenant is not None:
+            await gateway.quotas.reserve_request(tenant, ratelimit)
+        raw = await body.read(request, policy.spec.server.max_body_bytes)
+        decoded = decode_body(body.media_type(request), raw, policy.spec.server)
+        response = _json(await answer(policy, decoded))
+    except GatewayError as exc:
+        response = exc.response()
+    response.headers.update(ratelimit)
+    return response
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    policy, decoded = await _tokenizer_body(request)
-    return _json(await tokenization.tokenize(policy, decoded, request.headers))
+    return await _metered(
+        request, lambda policy, decoded: tokenization.tokenize(policy, decoded, request.headers)
+    )
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    policy, decoded = await _tokenizer_body(request)
-    return _json(await tokenization.detokenize(policy, decoded, request.headers))
+    return await _metered(
+        request, lambda policy, decoded: tokenization.detokenize(policy, decoded, request.headers)
+    )
 
 
 async def version(request: web.Request) -> web.Response:
