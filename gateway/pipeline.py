@@ -88,7 +88,7 @@ async def count_input(ctx: Ctx) -> None:
     )  # the first count check_context_length refuses
     images = 0
     if ctx.images:
-        _check_images(ctx)  # `before_count` checked them already; `explain` and tests call here
+        _check_images(ctx)  # as `before_count` does: a caller may count without it
         images = ctx.images * counter.image_cost
         if images >= refuse_at:
             raise _too_long(ctx, limit, images, "at least ")

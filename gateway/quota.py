@@ -21,11 +21,15 @@ Why reserve-then-count rather than a check (peek) then the old reservation: a pe
 request of a burst through to the tokenizer while the window still looks open (a thousand
 concurrent requests against 1 request left are all counted); a reservation lets exactly the ones
 that fit. The residual: the early token charge is a floor, so requests whose floor fits but whose
-full size does not are counted and then refused by step 2 (and a chat's floor is only its
-output). Their tokenizer work is bounded by the room their floors found, and each such request
-still costs the tenant one request of its RPM: a request that reached the tokenizer was served
-as far as that (so a tenant with an RPM cannot buy unbounded counting with refusals). A request
-refused by step 1 charges nothing, as a refusal always did.
+full size does not are counted and then refused by step 2: a completion's text only as long as
+the room its floor found allows, a chat's (whose floor is only its output) up to the context's
+floor. Each such request still costs the tenant one request of its RPM: a request that reached
+the tokenizer was served as far as that, so a tenant with an RPM cannot buy unbounded counting
+with refusals. With Redis the two steps are two scripts: should Redis fail between them, the
+rest is charged to the local windows `FailoverState` falls back to (each part is corrected where
+it was charged, by its id). A request
+refused by step 1 charges nothing, as a refusal always did; its `Retry-After` (exact for RPM) is
+when its floor fits, so for TPM the whole request may be refused again then, with a later one.
 
 A request larger than a whole window is refused for good (`request_over_limit`) only on its own
 numbers; see `_charged`. When the response ends, however it ended, the token charge is corrected
@@ -257,6 +261,7 @@ class Quotas:
             raise
 
     def _orphaned(self, call: asyncio.Task[Reservation | Refusal], tokens: list[Limit]) -> None:
+        """A reservation whose caller left: its tokens back (its request stays counted)."""
         if call.cancelled() or call.exception() is not None:
             return
         result = call.result()
