@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from gateway.errors import BadRequest
@@ -94,6 +95,10 @@ _HF_PARAMS = frozenset(
     }
 )  # fmt: skip
 _SET_HERE = frozenset({"tools", "chat_template", "tokenize"})  # passed by name, never from kwargs
+# What only `apply_chat_template` itself handles (continuing the final message, the assistant
+# mask, its own argument checks): a request with any of these is rendered through it; any other
+# is rendered by the compiled template directly, with what apply_chat_template would pass it.
+_APPLY_ONLY = _HF_PARAMS - {"add_generation_prompt", "documents"}
 _UNSET = (None, "auto")  # `merge_kwargs`'s unset values
 _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
 _FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
@@ -348,6 +353,11 @@ class _Source:
     variables: frozenset[str]  # undeclared variables: the kwargs it may read
     knows_developer: bool
 
+    @cached_property
+    def accepted(self) -> frozenset[str]:
+        """The keywords `resolve_chat_template_kwargs` lets through for this template."""
+        return (self.variables | _HF_PARAMS) - _SET_HERE
+
 
 def _source(text: str) -> _Source:
     return _Source(text, _loops_over_content(text), _variables(text), _names_developer(text))
@@ -491,14 +501,23 @@ class ChatTemplate:
     """
 
     def __init__(self, tokenizer: Any) -> None:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
         self.tokenizer = tokenizer
-        self._sources: dict[str, _Source] = {}
-        for tools in (None, True):  # a tokenizer may keep a "tool_use" template apart
-            text = self._text(tools)
-            if text is not None and text not in self._sources:
-                self._sources[text] = _source(text)
-        default = self._text(None)
-        self.takes_parts = default is not None and self._sources[default].takes_parts
+        # A tokenizer may keep a "tool_use" template apart: the text depends only on whether
+        # the request has tools. Each is examined and compiled once, as transformers caches it.
+        self._by_tools: dict[bool, _Source | None] = {}
+        for tools in (False, True):
+            text = self._text(True if tools else None)
+            self._by_tools[tools] = None if text is None else _source(text)
+        default = self._by_tools[False]
+        self._compiled = {
+            source.text: _compile_jinja_template(source.text)
+            for source in self._by_tools.values()
+            if source is not None
+        }
+        self._specials = dict(tokenizer.special_tokens_map)  # what transformers adds per call
+        self.takes_parts = default is not None and default.takes_parts
         self.image_placeholder = self._placeholder() if self.takes_parts else ""
 
     def _text(self, tools: Any) -> str | None:
@@ -532,19 +551,32 @@ class ChatTemplate:
         vLLM's of the messages, is a `BadRequest` on `messages`."""
         kwargs = template_kwargs(body)
         tools = kwargs.pop("tools")
-        text = self._text(tools)
-        if text is None:
+        source = self._by_tools[tools is not None]
+        if source is None:
             raise BadRequest(_NO_TEMPLATE, param="messages")
-        source = self._sources.get(text) or _source(text)
         conversation = [_message(m, source.takes_parts) for m in body["messages"]]
         if not source.knows_developer and any(m["role"] == "developer" for m in conversation):
             conversation = _as_system(conversation)
-        accepted = (source.variables | _HF_PARAMS) - _SET_HERE
-        passed = {k: v for k, v in kwargs.items() if k in accepted} | {"return_dict": False}
+        passed = {k: v for k, v in kwargs.items() if k in source.accepted}
+        if not passed.get("continue_final_message"):
+            passed.pop("continue_final_message", None)  # false is apply_chat_template's default
         try:
-            rendered = self.tokenizer.apply_chat_template(
-                conversation, tools=tools, chat_template=text, tokenize=False, **passed
-            )
+            if passed.keys() & _APPLY_ONLY or passed.get("documents") is not None:
+                rendered = self.tokenizer.apply_chat_template(
+                    conversation,
+                    tools=tools,
+                    chat_template=source.text,
+                    tokenize=False,
+                    **passed,
+                    return_dict=False,
+                )
+            else:  # what apply_chat_template renders, without its per-call set-up
+                rendered = self._compiled[source.text].render(
+                    messages=conversation,
+                    tools=tools,
+                    documents=None,
+                    **{"add_generation_prompt": False, **self._specials, **passed},
+                )
         except Exception as exc:  # templates raise whatever jinja or their own checks raise
             raise BadRequest(_reason(exc), param="messages") from None
         return str(rendered)
