@@ -105,7 +105,8 @@ async def test_body_limits_are_400_before_any_tokenizer_work(
 async def test_at_the_limits_is_served(gw, stub, http) -> None:
     body = {
         "model": "tiny",
-        "messages": [{"role": "user", "content": "x" * 25}] * 4,
+        # 100 characters a template may print: four roles of 4 and four contents of 21
+        "messages": [{"role": "user", "content": "x" * 21}] * 4,
         "extra": {"a": [[[[[1]]]]]},  # depth 7 with the body itself
     }
     async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
