@@ -29,6 +29,29 @@ from loadtest.stub_backend import CONFIG, STATS, StubConfig, StubStats, create_s
 from loadtest.tiny_tokenizer import build
 
 
+async def longest_loop_gap(work: Awaitable[Any], tick_s: float) -> tuple[Any, float]:
+    """`work`'s result, and the longest the event loop went without running a ticker that
+    sleeps `tick_s` while it ran: how long anything held the loop meanwhile."""
+    done, worst = asyncio.Event(), 0.0
+
+    async def tick() -> None:
+        nonlocal worst
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(tick_s)
+            now = time.perf_counter()
+            worst, last = max(worst, now - last), now
+
+    ticking = asyncio.create_task(tick())
+    await asyncio.sleep(tick_s)
+    try:
+        result = await work
+    finally:
+        done.set()
+        await ticking
+    return result, worst
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build(tmp_path_factory.mktemp("tokenizer") / "tiny")

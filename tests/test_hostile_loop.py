@@ -8,7 +8,7 @@ import time
 import orjson
 import pytest
 
-from tests.conftest import basic_policy
+from tests.conftest import basic_policy, longest_loop_gap
 
 GENEROUS_S = 0.5  # what the issue allows a probe while bombs land (a kubelet probe gives 1 s)
 BOMB = (
@@ -223,28 +223,6 @@ def test_the_floor_holds_for_byte_fallback_tokenizers():
         assert floor.tokens(text) <= len(sentencepiece.encode(text).ids), text
 
 
-async def _longest_gap(work) -> float:
-    """The longest the event loop went without running a 1 ms ticker while `work` ran."""
-    stop, worst = asyncio.Event(), 0.0
-
-    async def tick() -> None:
-        nonlocal worst
-        last = time.perf_counter()
-        while not stop.is_set():
-            await asyncio.sleep(0.001)
-            now = time.perf_counter()
-            worst, last = max(worst, now - last), now
-
-    ticker = asyncio.create_task(tick())
-    await asyncio.sleep(0.01)
-    try:
-        await work
-    finally:
-        stop.set()
-        await ticker
-    return worst
-
-
 async def test_a_chat_of_thousands_of_tiny_messages_is_rendered_off_the_loop():
     """Rendering costs per message (Qwen 3's template most): 2,048 one-word turns would hold the
     loop tens of milliseconds; on the tokenizer threads the GIL's switch interval lets it run."""
@@ -258,4 +236,5 @@ async def test_a_chat_of_thousands_of_tiny_messages_is_rendered_off_the_loop():
     body = {"messages": messages}
     reference = counter.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     assert await counter.count_chat(body) == len(reference["input_ids"])
-    assert await _longest_gap(counter.count_chat(body)) < 0.02  # inline: ~0.036 s here
+    _, gap = await longest_loop_gap(counter.count_chat(body), tick_s=0.001)
+    assert gap < 0.02  # inline: ~0.036 s here

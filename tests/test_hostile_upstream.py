@@ -11,7 +11,6 @@ import asyncio
 import json
 import logging
 import socket
-import time
 import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -22,7 +21,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import _serve, basic_policy, eventually
+from tests.conftest import _serve, basic_policy, eventually, longest_loop_gap
 
 ChatHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -168,22 +167,12 @@ async def test_a_large_whole_answer_is_relayed_and_its_usage_read_without_stalli
         return web.Response(body=answer, content_type="application/json")
 
     gw = await gateway_factory(basic_policy(tokenizer_dir, [await replica_app(big)]))
-    worst = 0.0
-    done = asyncio.Event()
 
-    async def ticker() -> None:
-        nonlocal worst
-        last = time.perf_counter()
-        while not done.is_set():
-            await asyncio.sleep(0.01)
-            now = time.perf_counter()
-            worst, last = max(worst, now - last), now
+    async def relayed() -> tuple[aiohttp.ClientResponse, bytes]:
+        async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+            return resp, await resp.read()
 
-    ticking = asyncio.create_task(ticker())
-    async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
-        got = await resp.read()
-    done.set()
-    await ticking
+    (resp, got), worst = await longest_loop_gap(relayed(), tick_s=0.01)
     assert resp.status == 200 and got == answer
     assert access(gw)[-1]["output_tokens"] == 7
     assert worst < 0.5, worst  # generous: a whole parse held it for seconds
