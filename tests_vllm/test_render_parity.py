@@ -57,6 +57,7 @@ from gateway.errors import BadRequest
 from gateway.parse import parse
 from gateway.policy.compile import load_policy
 from loadtest.real_tokenizers import directory
+from tests.test_real_tokenizers import SCHEMA, TOOL_NAMES  # the tools both suites send
 
 MODELS = ("gemma3", "llama3", "qwen3")
 # The `--tool-call-parser` each model's deployment names; it changes no prompt (its
@@ -84,16 +85,6 @@ ATOMS = (
 )  # fmt: skip
 EDGES = ("", "", "", " ", "  ", "\n", "\n\n", "\t", " \n\t ", "\r\n", "\n \n", "\u3000")
 SEPARATORS = (" ", " ", "\n", "\n\n", "\t", ", ", "", "  \n")
-TOOL_NAMES = ("get_weather", "search_catalog", "classify_product", "lookup_order")
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "query": {"type": "string", "description": "What to look for."},
-        "limit": {"type": "integer", "minimum": 1},
-        "tags": {"type": "array", "items": {"type": "string"}},
-    },
-    "required": ["query"],
-}
 
 
 def paragraphs() -> list[str]:
