@@ -219,8 +219,8 @@ def _content(role: str, content: Any, openai: bool) -> Any:
     return rendered
 
 
-def _tool_call(call: Any) -> dict[str, Any]:
-    """A tool call with its arguments as a dict, as `_postprocess_messages` leaves it."""
+def tool_call_function(call: Any) -> dict[str, Any]:
+    """A tool call's `function`, or the refusal vLLM gives a call of another shape."""
     if not isinstance(call, dict):
         raise BadRequest("assistant tool_calls entries must be objects.", param="tool_calls")
     function = call.get("function")
@@ -229,6 +229,12 @@ def _tool_call(call: Any) -> dict[str, Any]:
             "chat completions only support assistant tool_calls of type 'function'.",
             param="tool_calls",
         )
+    return function
+
+
+def _tool_call(call: Any) -> dict[str, Any]:
+    """A tool call with its arguments as a dict, as `_postprocess_messages` leaves it."""
+    function = tool_call_function(call)
     arguments = function.get("arguments")
     if arguments and isinstance(arguments, str):
         try:

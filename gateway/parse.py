@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from gateway.chat_template import extra_fields, lax_bool, part_kind
+from gateway.chat_template import extra_fields, lax_bool, part_kind, tool_call_function
 from gateway.context import Ctx
 from gateway.errors import BadRequest, UnsupportedMediaType
 from gateway.policy.schema import PRIORITIES, ServerSpec
@@ -201,7 +201,7 @@ def _message_chars(message: Any, index: int, limits: ServerSpec) -> tuple[int, i
     if calls is not None and not isinstance(calls, list):
         raise BadRequest(f"{param}.tool_calls must be an array", param=f"{param}.tool_calls")
     for call in calls or ():
-        arguments = call.get("function", {}).get("arguments") if isinstance(call, dict) else None
+        arguments = tool_call_function(call).get("arguments")
         if isinstance(arguments, str) and arguments:  # parsed for the template, as a body is
             _check_depth(arguments.encode(), None, limits.max_json_depth)
     return len(role) + chars + text_chars(calls) + text_chars(message.get("tools")), images

@@ -290,6 +290,12 @@ def test_content_parts_vllm_refuses_are_refused(part: dict[str, Any], message: s
     assert message in refused(chat({"role": "user", "content": [part]})).message
 
 
+@pytest.mark.parametrize("call", ["f", {"type": "function", "function": "f"}, {"type": "web"}])
+def test_a_tool_call_of_another_shape_is_a_400_not_an_internal_error(call: Any) -> None:
+    error = refused(chat({"role": "assistant", "content": "", "tool_calls": [call]}))
+    assert error.param == "tool_calls"
+
+
 def test_deeply_nested_tool_call_arguments_are_refused_before_parsing() -> None:
     call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "[" * 5000}}
     error = refused(chat({"role": "assistant", "content": "", "tool_calls": [call]}))
