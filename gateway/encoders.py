@@ -35,6 +35,9 @@ class Encoder(Protocol):
     """Encodes texts for one model; thread-safe (counting runs on the tokenizer threads)."""
 
     name: str
+    inline_share: int
+    """`server.inline_tokenize_max_chars` is divided by this for the texts it counts inline: the
+    CPU per character against fastokens', so a text holds the loop no longer whichever counts."""
 
     def counts(self, texts: list[str], special: bool) -> list[int]:
         """Each text's token count, with the post-processor's special tokens when `special`."""
@@ -53,6 +56,7 @@ class TokenizersEncoder:
     """
 
     name: str = TOKENIZERS
+    inline_share = 8  # several times fastokens' CPU per character, tens on whitespace runs
 
     def __init__(self, backend: Any) -> None:
         backend.no_truncation()
@@ -72,6 +76,7 @@ class FastokensEncoder:
     """fastokens, built from the reference's own serialized form."""
 
     name: str = FASTOKENS
+    inline_share = 1
 
     def __init__(self, serialized: str) -> None:
         import fastokens
@@ -153,16 +158,16 @@ class BackendError(ValueError):
     """`tokenizer_backend: fastokens` was asked for, and it cannot count this tokenizer exactly."""
 
 
-def choose(tokenizer: Any, wanted: Backend, model: str) -> Encoder:
-    """The encoder for a transformers `tokenizer`: fastokens when wanted (or `auto`) and it agrees
-    with the tokenizers library on every probe, else the tokenizers library. Raise
-    `BackendError` when fastokens is forced and cannot be used."""
+def choose(tokenizer: Any, wanted: Backend, model: str, serialized: str) -> Encoder:
+    """The encoder for a transformers `tokenizer` (`serialized`: its backend's JSON): fastokens
+    when wanted (or `auto`) and it agrees with the tokenizers library on every probe, else the
+    tokenizers library. Raise `BackendError` when fastokens is forced and cannot be used."""
     reference = TokenizersEncoder(tokenizer.backend_tokenizer)
     if wanted == TOKENIZERS:
         return reference
     backend = tokenizer.backend_tokenizer
     try:
-        fast: Encoder = FastokensEncoder(backend.to_str())
+        fast: Encoder = FastokensEncoder(serialized)
     except Exception as exc:  # an unsupported model or component: fastokens says which
         problem = f"fastokens cannot load it: {exc}"
     else:

@@ -18,13 +18,15 @@ encoders release the GIL), so the event loop is never held for long. And text of
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from gateway.chat_template import ChatTemplate, message_text
-from gateway.encoders import AUTO, FASTOKENS, Backend, Encoder, choose, ids
+from gateway.encoders import AUTO, Backend, Encoder, choose, ids
+from gateway.policy.schema import ServerSpec
 from gateway.tokenfloor import TokenFloor
 from gateway.tokenizer_threads import CountingThreads
 
@@ -36,7 +38,6 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 T = TypeVar("T")
-INLINE_SHARE = 8  # of `inline_tokenize_max_chars` the tokenizers library counts inline
 # Rendering costs per message (7-18 us each on real templates, Qwen 3's the slowest): a chat with
 # more is rendered on the tokenizer threads, where the GIL's switch interval lets the loop run.
 INLINE_RENDER_MESSAGES = 128
@@ -129,14 +130,12 @@ class HFCounter:
         large_threads: CountingThreads | None = None,
         large_min_chars: int = 0,
         image_tokens: int | None = None,
+        config: dict[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.encoder = encoder
         self.threads = threads
-        # The tokenizers library spends several times fastokens' CPU per character (tens of
-        # times on long whitespace runs), so it holds the loop that long for the same text.
-        slower = encoder.name != FASTOKENS
-        self.inline_max_chars = inline_max_chars // INLINE_SHARE if slower else inline_max_chars
+        self.inline_max_chars = inline_max_chars // encoder.inline_share
         self.large_threads = large_threads  # None: the large texts share `threads`
         self.large_min_chars = large_min_chars
         self.template = ChatTemplate(tokenizer)
@@ -144,7 +143,7 @@ class HFCounter:
         # a string-format template writes none (vLLM adds it, inside the image's cost).
         placeholder = self._image_placeholder()
         self.image_cost = max(0, (image_tokens or 0) - placeholder)
-        self.floor = TokenFloor.of(tokenizer.backend_tokenizer)
+        self.floor = TokenFloor.of(tokenizer.backend_tokenizer, config)
 
     @classmethod
     def load(
@@ -154,7 +153,7 @@ class HFCounter:
         backend: Backend = AUTO,
         model: str = "",
         threads: CountingThreads | None = None,
-        inline_max_chars: int = 24576,
+        inline_max_chars: int = ServerSpec.model_fields["inline_tokenize_max_chars"].default,
         large_threads: CountingThreads | None = None,
         large_min_chars: int = 0,
         image_tokens: int | None = None,
@@ -162,9 +161,11 @@ class HFCounter:
         """The counter of the tokenizer in `directory`, encoding with `backend`
         (gateway/encoders.py; `BackendError` when a forced fastokens cannot count it exactly)."""
         tokenizer = load_tokenizer(directory)
+        serialized = tokenizer.backend_tokenizer.to_str()  # large: made once for both readers
         return cls(
             tokenizer,
-            choose(tokenizer, backend, model or directory),
+            choose(tokenizer, backend, model or directory, serialized),
+            config=json.loads(serialized),
             threads=threads,
             inline_max_chars=inline_max_chars,
             large_threads=large_threads,
