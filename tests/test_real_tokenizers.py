@@ -245,14 +245,19 @@ def difference(count: Any, tokenizer: Any, body: dict[str, Any], model: str) -> 
         add_generation_prompt=True,
         **dict(body.get("chat_template_kwargs") or {}),
     )
+    return first_difference(mine, theirs, "reference")
+
+
+def first_difference(mine: str, theirs: str, other: str) -> str:
+    """Where the gateway's rendered prompt first differs from `other`'s, for a failure report."""
     if mine == theirs:
-        return "same rendered prompt: the encoders differ"
+        return "same rendered prompt: the encodings differ"
     at = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), None)
     at = min(len(mine), len(theirs)) if at is None else at
     return (
         f"rendered prompts differ at character {at}:\n"
-        f"  gateway:   {mine[max(0, at - 60) : at + 60]!r}\n"
-        f"  reference: {theirs[max(0, at - 60) : at + 60]!r}"
+        f"  gateway: {mine[max(0, at - 60) : at + 60]!r}\n"
+        f"  {other}: {theirs[max(0, at - 60) : at + 60]!r}"
     )
 
 

@@ -59,7 +59,7 @@ from gateway.errors import BadRequest
 from gateway.parse import parse
 from gateway.policy.compile import load_policy
 from loadtest.real_tokenizers import directory
-from tests.test_real_tokenizers import SCHEMA, TOOL_NAMES  # the tools both suites send
+from tests.test_real_tokenizers import SCHEMA, TOOL_NAMES, first_difference
 
 MODELS = ("gemma3", "llama3", "qwen3")
 # The `--tool-call-parser` each model's deployment names; it changes no prompt (its
@@ -466,15 +466,7 @@ def rendered_difference(policy: Any, model: str, body: dict[str, Any], theirs: s
         mine = template.render(copy.deepcopy(body))
     except Exception as exc:
         return f"  (gateway render raised {exc!r})"
-    if mine == theirs:
-        return "  same rendered prompt: the encodings differ"
-    at = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), None)
-    at = min(len(mine), len(theirs)) if at is None else at
-    return (
-        f"  rendered prompts differ at character {at}:\n"
-        f"    gateway: {mine[max(0, at - 80) : at + 80]!r}\n"
-        f"    vLLM:    {theirs[max(0, at - 80) : at + 80]!r}"
-    )
+    return "  " + first_difference(mine, theirs, "vLLM").replace("\n", "\n  ")
 
 
 @dataclass(frozen=True)
