@@ -22,6 +22,7 @@ import orjson
 from gateway.chat_template import extra_fields, lax_bool, part_kind, tool_call_function
 from gateway.context import Ctx
 from gateway.errors import BadRequest, UnsupportedMediaType
+from gateway.message_types import check_message_type
 from gateway.policy.schema import PRIORITIES, ServerSpec
 
 _PRIORITY_INDEX = {name: index for index, name in enumerate(PRIORITIES)}
@@ -191,6 +192,7 @@ def _message_chars(message: Any, index: int, limits: ServerSpec) -> tuple[int, i
             param=f"{param}.role",
             code="role_too_long",
         )
+    check_message_type(message, index)
     chars, images = _content_chars(message.get("content"), index)
     for field in _STRING_FIELDS:
         value = message.get(field)
@@ -207,10 +209,39 @@ def _message_chars(message: Any, index: int, limits: ServerSpec) -> tuple[int, i
     return len(role) + chars + text_chars(calls) + text_chars(message.get("tools")), images
 
 
-def _check_tools(tools: Any) -> None:
-    """vLLM's refusals of `tools` (`check_tool_usage`, `ChatCompletionToolsParam`)."""
-    if tools is None:
+def _check_tools(tools: Any, choice: Any) -> None:
+    """vLLM's refusals of `tools` and `tool_choice` (`check_tool_usage`,
+    `ChatCompletionToolsParam`)."""
+    if tools is not None:
+        _check_tool_list(tools)
+    if choice is None or choice == "none":
         return
+    if tools is None:
+        raise BadRequest("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+    if not isinstance(choice, dict):
+        if choice in ("auto", "required"):
+            return
+        raise BadRequest(
+            f"Invalid value for `tool_choice`: {str(choice)[:100]}! Only named tools, "
+            '"none", "auto" or "required" are supported.',
+            param="tool_choice",
+        )
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or not name:
+        raise BadRequest(
+            "`tool_choice` must name a function: "
+            '{"type": "function", "function": {"name": "my_function"}}',
+            param="tool_choice.function.name",
+        )
+    if all(tool["function"]["name"] != name for tool in tools):
+        raise BadRequest(
+            "The tool specified in `tool_choice` does not match any of the specified `tools`",
+            param="tool_choice",
+        )
+
+
+def _check_tool_list(tools: Any) -> None:
     if tools == []:
         raise BadRequest(
             "`tools` must not be an empty array. Either provide at least one tool or omit the"
@@ -265,7 +296,7 @@ def check_chat(body: dict[str, Any], limits: ServerSpec) -> int:
             f"'reasoning_effort' must be one of {', '.join(sorted(REASONING_EFFORTS))}",
             param="reasoning_effort",
         )
-    _check_tools(body.get("tools"))
+    _check_tools(body.get("tools"), body.get("tool_choice"))
     documents = body.get("documents")
     if documents is not None and not isinstance(documents, list):
         raise BadRequest("'documents' must be an array", param="documents", code="invalid_type")

@@ -287,13 +287,15 @@ def test_vllms_refusals_before_rendering(fields: dict[str, Any], message: str) -
     ],
 )
 def test_content_parts_vllm_refuses_are_refused(part: dict[str, Any], message: str) -> None:
-    assert message in refused(chat({"role": "user", "content": [part]})).message
+    # After a text part, the message validates as vLLM's own type, so its parser sees the part.
+    content = [{"type": "text", "text": "a"}, part]
+    assert message in refused(chat({"role": "user", "content": content})).message
 
 
 @pytest.mark.parametrize("call", ["f", {"type": "function", "function": "f"}, {"type": "web"}])
 def test_a_tool_call_of_another_shape_is_a_400_not_an_internal_error(call: Any) -> None:
     error = refused(chat({"role": "assistant", "content": "", "tool_calls": [call]}))
-    assert error.param == "tool_calls"
+    assert error.param is not None and error.param.endswith("tool_calls")
 
 
 def test_deeply_nested_tool_call_arguments_are_refused_before_parsing() -> None:

@@ -21,11 +21,9 @@ edges; then fixed edge cases, several of which vLLM refuses. Texts are stdlib do
 paragraphs of a fixed list of modules (the same for a given Python) mixed with unicode atoms.
 Images are left out: their count needs the model's multimodal processor.
 
-vLLM's request model is part of the path: a standard role's (system, developer, user, assistant,
-tool) content array is typed with OpenAI's part types and validated lazily, when the parser first
-iterates it, so `input_text`, `output_text`, plain-string and empty or null texts are refused
-(400) there although the parser would take them as text; a custom role takes them all. (Checked
-against a live vLLM 0.32 server too.)
+vLLM's request model is part of the path: which of its message types a message validates as
+decides whether a content part its parser would take as text is refused first
+(gateway/message_types.py); `type_cases` walks those decisions for every standard role.
 
 Each mismatch is printed with its request and both outcomes. vLLM is configured as a deployment
 that takes tools is (`--enable-auto-tool-choice --tool-call-parser ...`): without a tool parser
@@ -391,9 +389,60 @@ def edge_cases(model: str, corpus: Corpus) -> list[dict[str, Any]]:
     return [{"model": model, **case} for case in cases]
 
 
+# Content parts and message fields that decide which of vLLM's message types a message
+# validates as (gateway/message_types.py): each alone, and beside a part vLLM's own type takes.
+TYPED_PARTS: tuple[Any, ...] = (
+    {"type": "text", "text": "hi"},
+    {"type": "refusal", "refusal": "no"},
+    {"type": "thinking", "thinking": "hm", "closed": "yes"},
+    {"type": "input_text", "text": "hi"},
+    {"type": "output_text", "text": "hi"},
+    {"type": "input_text", "text": "hi", "uuid": "u1"},
+    "plain",
+    {"type": "text", "text": None},
+    {"type": "text"},
+    {"type": "text", "text": "hi", "extra": 1},
+    {"type": "text", "text": "hi", "prompt_cache_breakpoint": {}},
+    {"type": "tool_reference", "name": "f"},
+    {"type": "tool_reference"},
+    {"type": "refusal", "refusal": None},
+    {"text": "untyped"},
+)
+TYPED_FIELDS: tuple[dict[str, Any], ...] = (
+    {}, {"name": "bob"}, {"name": None}, {"reasoning": "r"}, {"reasoning_content": "r"},
+    {"tool_call_id": "c9"}, {"task": "t"},
+)  # fmt: skip
+
+
+def type_cases(model: str) -> list[dict[str, Any]]:
+    """Each standard role with each of `TYPED_PARTS` (alone, then after a refusal part) and
+    each of `TYPED_FIELDS`; null and absent contents; tool calls of every shape."""
+    hi = {"role": "user", "content": "Hello."}
+    cases = []
+    for role in ("system", "user", "assistant", "tool"):
+        for part in TYPED_PARTS:
+            for content in ([part], [{"type": "refusal", "refusal": "no"}, part]):
+                for fields in TYPED_FIELDS:
+                    message = {"role": role, "content": content, **fields}
+                    if role == "tool":
+                        message.setdefault("tool_call_id", "c0")
+                    cases.append([message, hi] if role == "system" else [hi, message])
+        cases += [[hi, {"role": role, "content": None}], [hi, {"role": role}]]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for odd in (
+        {"id": None}, {"type": None}, {"function": {"name": "f"}},
+        {"function": {"name": "f", "arguments": None}}, {"function": "f"},
+    ):  # fmt: skip
+        shaped = {key: value for key, value in {**call, **odd}.items() if value is not None}
+        cases.append([hi, {"role": "assistant", "content": "ok", "tool_calls": [shaped]}])
+    bodies = [{"model": model, "messages": messages} for messages in cases]
+    return [{**body, "add_generation_prompt": False} for body in bodies]
+
+
 def corpus_for(model: str) -> list[dict[str, Any]]:
     corpus = Corpus(model, random.Random(f"{SEED}-{model}"), paragraphs())
-    return [corpus.body() for _ in range(GENERATED)] + edge_cases(model, corpus)
+    generated = [corpus.body() for _ in range(GENERATED)]
+    return generated + edge_cases(model, corpus) + type_cases(model)
 
 
 # ---------------------------------------------------------------- the two sides
@@ -559,13 +608,8 @@ def test_what_vllm_counts_the_gateway_counts_alike(outcomes: list[Outcome]) -> N
     assert not failures, f"{len(failures)} mismatches:\n" + "\n".join(failures[:40])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vLLM's request model refuses some requests the gateway still counts: text parts"
-    " other than text/refusal/thinking in standard roles, null contents, tool_choice"
-    " without matching tools, tool-call arguments that are objects (issue 26)",
-)
 def test_what_vllm_refuses_the_gateway_refuses(outcomes: list[Outcome]) -> None:
+    """Every request vLLM's own path refuses with a 400, the gateway refuses before counting."""
     failures = mismatches(outcomes, "refusal")
     assert not failures, f"{len(failures)} mismatches:\n" + "\n".join(failures[:40])
 

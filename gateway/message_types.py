@@ -1,0 +1,288 @@
+"""Which of vLLM's message types a chat message validates as, and what that type refuses.
+
+vLLM 0.32 types `messages` as a union of OpenAI's message types (one per standard role) and its
+own `CustomChatCompletionMessageParam`, validated in pydantic's "smart" mode: of the types a
+message validates as, the one with the most fields set wins (nested typed dicts count theirs
+too), a tie going to OpenAI's. The two disagree on content: OpenAI's types an array as an
+`Iterable`, validated lazily, when vLLM's parser first iterates it, against the role's narrow
+part types (system, developer and tool messages: text only; user: text, image, audio, file;
+assistant: text and refusal), while vLLM's is an eager list of every part type its parser
+takes. So whether `[{"type": "input_text", ...}]` is a 400 depends on whether another part or
+field tips the count to vLLM's type. This module replays that choice on the request as sent,
+so the gateway refuses before counting exactly what vLLM's request model would.
+
+Parts are scored by the members of vLLM's `ChatCompletionContentPartParam` (extra keys are
+ignored, so a dict that sets none of a member's optional fields still validates with 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from gateway.errors import BadRequest
+
+Check = Callable[[Any], int | None]  # fields a value sets when valid, None when invalid
+
+
+def _string(value: Any) -> int | None:
+    return 0 if isinstance(value, str) else None
+
+
+def _optional_string(value: Any) -> int | None:
+    return 0 if value is None or isinstance(value, str) else None
+
+
+def _null(value: Any) -> int | None:
+    return 0 if value is None else None  # a PIL image never arrives as JSON
+
+
+def _boolean(value: Any) -> int | None:  # pydantic's lax bool
+    if isinstance(value, bool) or (isinstance(value, int | float) and value in (0, 1)):
+        return 0
+    truthy = ("true", "false", "yes", "no", "on", "off", "t", "f", "y", "n", "1", "0")
+    return 0 if isinstance(value, str) and value.lower() in truthy else None
+
+
+def _literal(*allowed: str) -> Check:
+    return lambda value: 0 if isinstance(value, str) and value in allowed else None
+
+
+def _typed(required: dict[str, Check], optional: dict[str, Check] | None = None) -> Check:
+    """A TypedDict: fields set (its own and nested), or None when the value does not validate."""
+    fields = {**required, **(optional or {})}
+
+    def check(value: Any) -> int | None:
+        if not isinstance(value, dict) or not required.keys() <= value.keys():
+            return None
+        count = 0
+        for name, field in fields.items():
+            if name in value:
+                nested = field(value[name])
+                if nested is None:
+                    return None
+                count += 1 + nested
+        return count
+
+    return check
+
+
+def _embeds(value: Any) -> int | None:
+    if value is None or isinstance(value, str):
+        return 0
+    if isinstance(value, dict) and all(
+        isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, int | float) for x in v))
+        for v in value.values()
+    ):
+        return 0
+    return None
+
+
+_BREAKPOINT = {
+    "prompt_cache_breakpoint": _typed(
+        {"mode": _literal("explicit")}, {"ttl": _literal("30m", "12h")}
+    )
+}
+_TEXT = _typed({"type": _literal("text"), "text": _string}, _BREAKPOINT)
+_IMAGE = _typed(
+    {
+        "type": _literal("image_url"),
+        "image_url": _typed(
+            {"url": _string}, {"detail": _literal("auto", "low", "high", "original")}
+        ),
+    },
+    _BREAKPOINT,
+)
+_INPUT_AUDIO = _typed(
+    {
+        "type": _literal("input_audio"),
+        "input_audio": _typed({"data": _string, "format": _literal("wav", "mp3")}),
+    },
+    _BREAKPOINT,
+)
+_FILE = _typed(
+    {
+        "type": _literal("file"),
+        "file": _typed({}, {"file_data": _string, "file_id": _string, "filename": _string}),
+    },
+    _BREAKPOINT,
+)
+_REFUSAL = _typed({"type": _literal("refusal"), "refusal": _string})
+_UUID = {"uuid": _optional_string}
+
+# vLLM's ChatCompletionContentPartParam (plain strings aside: they set no field).
+_VLLM_PARTS: tuple[Check, ...] = (
+    _TEXT,
+    _IMAGE,
+    _INPUT_AUDIO,
+    _FILE,
+    _typed({"type": _literal("audio_url"), "audio_url": _typed({"url": _string})}),
+    _typed({"type": _literal("video_url"), "video_url": _typed({"url": _string})}),
+    _REFUSAL,
+    _typed({}, {"image_pil": _null, **_UUID}),
+    _typed({}, {"image_url": _optional_string, **_UUID}),
+    *(
+        _typed({"type": _literal(f"{media}_embeds")}, {f"{media}_embeds": _embeds, **_UUID})
+        for media in ("image", "audio", "video")
+    ),
+    _typed({"type": _literal("prompt_embeds"), "data": _string}),
+    _typed({}, {"audio_url": _optional_string}),
+    _typed({}, {"video_url": _optional_string, **_UUID}),
+    _typed({}, {"name": _string, "type": _literal("tool_reference")}),
+    _typed({"type": _literal("thinking"), "thinking": _string}, {"closed": _boolean}),
+)
+# The part types OpenAI's message type for a role checks its content against, lazily.
+_OPENAI_PARTS: dict[str, tuple[Check, ...]] = {
+    "system": (_TEXT,),
+    "developer": (_TEXT,),
+    "tool": (_TEXT,),
+    "user": (_TEXT, _IMAGE, _INPUT_AUDIO, _FILE),
+    "assistant": (_TEXT, _REFUSAL),
+}
+
+
+def _best(part: Any, members: tuple[Check, ...]) -> int | None:
+    """Fields set by the best member a part validates as, or None if it validates as none."""
+    if isinstance(part, str):
+        return 0 if members is _VLLM_PARTS else None
+    scores = [score for member in members if (score := member(part)) is not None]
+    return max(scores) if scores else None
+
+
+def _parts(content: Any) -> int | None:
+    if content is None or isinstance(content, str):
+        return 0 if content is not None else None
+    if not isinstance(content, list):
+        return None
+    total = 0
+    for part in content:
+        score = _best(part, _VLLM_PARTS)
+        if score is None:
+            return None
+        total += score
+    return total
+
+
+_TOOL_CALL = _typed(
+    {
+        "id": _string,
+        "type": _literal("function"),
+        "function": _typed({"name": _string, "arguments": _string}),
+    }
+)
+
+
+def _tool_calls(calls: Any) -> int | None:
+    if calls is None:
+        return 0
+    if not isinstance(calls, list):
+        return None
+    total = 0
+    for call in calls:
+        score = _TOOL_CALL(call)
+        if score is None:
+            return None
+        total += score
+    return total
+
+
+def _vllm_type(message: dict[str, Any]) -> int | None:
+    """Fields set when `message` validates as vLLM's own message type, else None."""
+    score = 0
+    for name, value in message.items():
+        if name == "content":
+            nested = _parts(value)
+        elif name == "tool_calls":
+            nested = _tool_calls(value)
+        elif name in ("role", "name"):
+            nested = _string(value)
+        elif name in ("tool_call_id", "reasoning", "task"):
+            nested = _optional_string(value)
+        elif name == "tools":
+            nested = 0 if value is None or isinstance(value, list) else None
+        else:
+            continue  # an unknown key is ignored
+        if nested is None:
+            return None
+        score += 1 + nested
+    return score
+
+
+_OPENAI_REQUIRED = {"tool": ("content", "tool_call_id"), "function": ("content", "name")}
+_PLAIN_FIELDS: dict[str, Check] = {"role": _string, "name": _string}
+_OPENAI_FIELDS: dict[str, dict[str, Check]] = {
+    "system": _PLAIN_FIELDS,
+    "developer": _PLAIN_FIELDS,
+    "user": _PLAIN_FIELDS,
+    "function": _PLAIN_FIELDS,
+    "assistant": {
+        "role": _string,
+        "name": _string,
+        "refusal": _optional_string,
+        "audio": lambda v: 0 if v is None else _typed({"id": _string})(v),
+        "function_call": lambda v: (
+            0 if v is None else _typed({"arguments": _string, "name": _string})(v)
+        ),
+        "tool_calls": lambda v: 0 if isinstance(v, list) else None,  # lazy
+    },
+    "tool": {"role": _string, "tool_call_id": _string},
+}
+
+
+def _openai_type(role: str, message: dict[str, Any]) -> int | None:
+    """Fields set when `message` validates as OpenAI's type for `role` (its arrays unread)."""
+    fields = _OPENAI_FIELDS.get(role)
+    if fields is None or not all(name in message for name in _OPENAI_REQUIRED.get(role, ())):
+        return None
+    if role not in ("assistant", "function") and "content" not in message:
+        return None
+    content = message.get("content")
+    if role == "function":
+        valid = content is None or isinstance(content, str)
+    else:
+        valid = isinstance(content, str | list) or (content is None and role == "assistant")
+    if not valid:
+        return None
+    score = int("content" in message)
+    for name, check in fields.items():
+        if name in message:
+            nested = check(message[name])
+            if nested is None:
+                return None
+            score += 1 + nested
+    return score
+
+
+def check_message_type(message: dict[str, Any], index: int) -> None:
+    """Refuse `message` (400) as vLLM's request model would; `reasoning_content` is read as
+    vLLM renames it, to `reasoning`."""
+    if len(message) == 2 and isinstance(message.get("content"), str):
+        return  # a role and a string: valid as either type, nothing read lazily
+    if "reasoning_content" in message:
+        message = dict(message)
+        renamed = message.pop("reasoning_content")
+        if renamed is not None and message.get("reasoning") is None:
+            message["reasoning"] = renamed
+    role = message["role"]
+    ours, theirs = _vllm_type(message), _openai_type(role, message)
+    param = f"messages[{index}]"
+    if ours is None and theirs is None:
+        raise BadRequest(
+            f"{param} is not a valid {role} message (its content, name, tool_calls or other"
+            " fields have the wrong type)",
+            param=param,
+        )
+    if ours is not None and (theirs is None or ours > theirs):
+        return
+    content = message.get("content")
+    for number, part in enumerate(content if isinstance(content, list) else ()):
+        if _best(part, _OPENAI_PARTS[role]) is None:
+            raise BadRequest(
+                f"{param}.content[{number}] is not a valid content part of a {role} message",
+                param=f"{param}.content",
+            )
+    if role == "assistant" and _tool_calls(message.get("tool_calls")) is None:
+        raise BadRequest(
+            f"{param}.tool_calls must be function calls with a string id, name and arguments",
+            param=f"{param}.tool_calls",
+        )
