@@ -3,8 +3,8 @@ the tokenizers library on that model's tokenizer, else the tokenizers library it
 
 Counting is the gateway's dominant CPU cost. The tokenizers library (what transformers, and so
 vLLM, encodes with) is the reference; fastokens (Rust, Apache-2.0, loads the same `tokenizer.json`;
-vLLM ships it as a tokenizer mode) encodes the same ids at a fraction of the CPU and releases the
-GIL while it does. It is only trusted per tokenizer, after a self-check at load: every added token
+vLLM ships it as a tokenizer mode) encodes the same ids at a fraction of the CPU; on a thread it lets the
+event loop run while it encodes, though two threads encode no faster than one. It is only trusted per tokenizer, after a self-check at load: every added token
 (alone, between words, doubled, with and without special tokens), long runs of every kind of
 whitespace, digits and punctuation, and text in many scripts with emoji, combining marks and
 control characters are encoded by both, and every id must match. fastokens is built from the

@@ -12,7 +12,7 @@ Tokenizer time is shared, so three rules keep one client's huge prompts from cos
 else's small ones. Before any encoding, a provable floor on the count (gateway/tokenfloor.py)
 refuses what cannot fit in the context (`TooManyTokens`), so a 4 MB prompt costs no tokenizer
 time. Text longer than `inline_tokenize_max_chars` is encoded on the tokenizer threads (both
-encoders release the GIL), so the event loop is never held for long. And text of
+encoders let the loop run meanwhile), so the event loop is never held for long. And text of
 `large_tokenize_chars` or more runs on threads of its own: small texts never queue behind it.
 """
 

