@@ -296,3 +296,14 @@ class UpstreamTimeout(GatewayError):
     type = "upstream_error"
     code = "upstream_timeout"
     reason = "upstream_timeout"
+
+
+class TotalTimeout(GatewayError):
+    """Raised when a request ran out its own time limit, the pool's `total_s`: a long answer, not
+    a replica failing (its silence is `read_s`'s to judge, a stream's start `first_token_s`'s).
+    Not an `UpstreamTimeout`, so not held against the replica."""
+
+    status = 504
+    type = "upstream_error"
+    code = "total_timeout"
+    reason = "total_timeout"

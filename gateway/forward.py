@@ -24,15 +24,16 @@ from multidict import CIMultiDict, CIMultiDictProxy, MultiMapping
 
 from gateway.context import Ctx
 from gateway.errors import (
+    GatewayError,
     MalformedRequest,
     ReplicaRefused,
     ResponseTooLarge,
+    TotalTimeout,
     UpstreamError,
     UpstreamTimeout,
-    error_body,
 )
 from gateway.policy.schema import PRIORITIES, TimeoutSpec
-from gateway.upstream import Answer, ExchangeError, Refused, Upstream
+from gateway.upstream import Answer, ExchangeError, ExchangeTimeout, Refused, Upstream
 
 log = logging.getLogger("gateway.forward")
 
@@ -284,14 +285,10 @@ def _failed(ctx: Ctx, replica_url: str, told: str, exc: BaseException | str) -> 
     return told
 
 
-def _stream_error(ctx: Ctx, replica_url: str, exc: BaseException) -> bytes:
+def _stream_error(ctx: Ctx, replica_url: str, exc: BaseException, total: float) -> GatewayError:
     if isinstance(exc, TimeoutError):
-        told = _failed(ctx, replica_url, "the replica stopped streaming (time-out)", exc)
-        body = error_body(told, "upstream_error", "upstream_timeout")
-    else:
-        told = _failed(ctx, replica_url, "the replica broke the stream", exc)
-        body = error_body(told, "upstream_error", "upstream_error")
-    return b"data: " + body + b"\n\ndata: [DONE]\n\n"
+        return _timed_out(ctx, replica_url, "the replica stopped streaming (time-out)", exc, total)
+    return UpstreamError(_failed(ctx, replica_url, "the replica broke the stream", exc))
 
 
 async def _relay(
@@ -360,7 +357,7 @@ async def forward(
     first = now + timeouts.first_token_s
     # The deadlines are the answer's watchdog's to keep, with `read_s`: one timer per request.
     head_by = min(first, total) if ctx.stream else total
-    up = await _post(ctx, upstream, replica_url, headers, timeouts, head_by)
+    up = await _post(ctx, upstream, replica_url, headers, timeouts, head_by, total)
     if not ctx.stream or up.status != 200 or up.content_type != "text/event-stream":
         return await _answer(ctx, up, replica_url, max_response_bytes, rename, retry_503, total)
     try:
@@ -375,11 +372,10 @@ async def forward(
             return resp
         except (TimeoutError, ExchangeError) as exc:
             up.close()
-            ctx.reason = ctx.code = (
-                "upstream_timeout" if isinstance(exc, TimeoutError) else "upstream_error"
-            )
+            error = _stream_error(ctx, replica_url, exc, total)
+            ctx.reason, ctx.code = error.reason, error.code
             with contextlib.suppress(ConnectionResetError):
-                await resp.write(_stream_error(ctx, replica_url, exc))
+                await resp.write(b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
         with contextlib.suppress(ConnectionResetError):  # it had it all and hung up first
             await resp.write_eof()
         return resp
@@ -390,9 +386,17 @@ async def forward(
         up.release()
 
 
-def _timed_out(ctx: Ctx, replica_url: str, reading: bool, exc: BaseException) -> UpstreamTimeout:
-    told = "did not finish its answer in time" if reading else "did not answer in time"
-    return UpstreamTimeout(_failed(ctx, replica_url, f"the replica {told}", exc))
+def _timed_out(
+    ctx: Ctx, replica_url: str, told: str, exc: BaseException, total: float
+) -> GatewayError:
+    """An `UpstreamTimeout` saying `told`; a `TotalTimeout` when the request ran out its own
+    `total_s` (loop time `total`): a deadline passed, not the replica's silence (`read_s`,
+    `connect_s`: an `ExchangeTimeout`), and it was the whole answer's, not the first bytes'
+    (`first_token_s`, sooner)."""
+    if not isinstance(exc, ExchangeTimeout) and asyncio.get_running_loop().time() >= total:
+        told = "the request reached the gateway's time limit for an answer"
+        return TotalTimeout(_failed(ctx, replica_url, told, exc))
+    return UpstreamTimeout(_failed(ctx, replica_url, told, exc))
 
 
 async def _post(
@@ -402,9 +406,10 @@ async def _post(
     headers: CIMultiDict[str],
     timeouts: TimeoutSpec,
     deadline: float,
+    total: float,
 ) -> Answer:
-    """Send the request; what fails before an answer's head (by `deadline`, loop time), as a
-    `GatewayError`."""
+    """Send the request; what fails before an answer's head (by `deadline`, loop time; the
+    whole answer's is `total`), as a `GatewayError`."""
     try:
         return await upstream.post(
             replica_url,
@@ -416,7 +421,9 @@ async def _post(
             deadline,
         )
     except TimeoutError as exc:  # connect_s, read_s or the deadline
-        raise _timed_out(ctx, replica_url, False, exc) from None
+        raise _timed_out(
+            ctx, replica_url, "the replica did not answer in time", exc, total
+        ) from None
     except Refused as exc:
         raise ReplicaRefused(
             _failed(ctx, replica_url, "the replica failed before answering", exc)
@@ -472,7 +479,8 @@ async def _whole(
                 raise _too_large(ctx, replica_url, limit, "it sent more")
             usage_at = max(usage_at, data.rfind(_USAGE, start))
     except TimeoutError as exc:  # read_s or the deadline
-        raise _timed_out(ctx, replica_url, True, exc) from None
+        told = "the replica did not finish its answer in time"
+        raise _timed_out(ctx, replica_url, told, exc, deadline) from None
     except ExchangeError as exc:
         raise UpstreamError(
             _failed(ctx, replica_url, "the replica broke its answer", exc)

@@ -403,7 +403,7 @@ async def test_a_504_names_no_replica_to_the_client(
 ) -> None:
     slow = await stub_factory(delay_s=2.0)
     policy = basic_policy(tokenizer_dir, [slow.url])
-    policy["pools"]["main"]["timeouts"] = {"total_s": 0.3}
+    policy["pools"]["main"]["timeouts"] = {"read_s": 0.3}
     gw = await gateway_factory(policy)
     with caplog.at_level(logging.WARNING, logger="gateway.forward"):
         status, body = await post(http, gw.url, CHAT)
@@ -485,6 +485,6 @@ async def test_a_stream_of_nothing_but_comments_still_ends_at_total_s(
     gw = await gateway_factory(policy)
     async with http.post(f"{gw.url}/v1/chat/completions", json={**CHAT, "stream": True}) as r:
         text = (await r.read()).decode()
-    assert '"code":"upstream_timeout"' in text and text.endswith("data: [DONE]\n\n")
-    assert access(gw)[-1]["reason"] == "upstream_timeout"
+    assert '"code":"total_timeout"' in text and text.endswith("data: [DONE]\n\n")
+    assert access(gw)[-1]["reason"] == "total_timeout"
     await eventually(lambda: settled(gw))

@@ -291,3 +291,31 @@ async def test_disconnect_while_waiting_for_the_first_token(
     await eventually(lambda: slow.stats.disconnects == 1 and slow.stats.running == 0)
     await eventually(lambda: gw.inflight() == 0 and gw.inflight_tokens() == 0)
     assert access(gw)[-1]["status"] == 499
+
+
+async def test_requests_that_run_out_their_own_total_s_eject_no_replica(
+    stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    """`total_s` is the request's own limit: a long stream it cuts, or a long whole answer, says
+    nothing of the replica that was answering (its silence is `read_s`'s to judge, a stream's
+    start `first_token_s`'s). Held against the replicas, one tenant's long streams ejected
+    healthy ones and left the rest marked failing."""
+    a, b = await stub_factory(chunk_delay_s=0.2), await stub_factory(chunk_delay_s=0.2)
+    policy = basic_policy(tokenizer_dir, [a.url, b.url])
+    policy["pools"]["main"]["health"] = {"interval_s": 0, "consecutive_failures": 2}
+    policy["pools"]["main"]["timeouts"] = {"total_s": 0.3}
+    gw = await gateway_factory(policy)
+    long = {**CHAT, "max_tokens": 100}
+    for _ in range(4):  # cut mid-stream
+        async with http.post(f"{gw.url}/v1/chat/completions", json={**long, "stream": True}) as r:
+            assert r.status == 200 and '"code":"total_timeout"' in await r.text()
+    a.config.delay_s = b.config.delay_s = 5
+    for _ in range(4):  # cut before the whole answer's head
+        async with http.post(f"{gw.url}/v1/chat/completions", json=long) as r:
+            assert (r.status, (await r.json())["error"]["code"]) == (504, "total_timeout")
+    assert [x["reason"] for x in access(gw)] == ["total_timeout"] * 8
+    found = await scrape(http, gw)
+    assert found.get("llm_replica_ejections_total", []) == []
+    assert {s.labels["replica"]: s.value for s in found["llm_replica_up"]} == {a.url: 1, b.url: 1}
+    assert [s.value for s in found["llm_replica_failing"]] == [0, 0]
+    await eventually(lambda: a.stats.running == b.stats.running == 0 and gw.inflight() == 0)
