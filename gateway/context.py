@@ -67,6 +67,9 @@ class Ctx:
     # has the answer (`forward.read_usage`), so its few µs are not on the client's path.
     unread_usage: tuple[bytearray, int] | None = None
     chunks: int = 0
+    # The whole answer went to the client's connection (a stream's `[DONE]`, or its end): a
+    # client that leaves after that was served (`forward.client_left`).
+    answered: bool = False
     ratelimit_headers: dict[str, str] = field(default_factory=dict)  # the tenant's windows
     # outcome
     status: int = 0

@@ -55,6 +55,7 @@ _EVENT_END = b"\n\n"
 _MAX_PENDING = 1 << 16  # an SSE event this long without a separator is passed on unparsed
 _DATA = b"data: "
 _DONE = b"data: [DONE]"
+_DONE_EVENT = _DONE + _EVENT_END
 _USAGE = b'"usage"'
 _USAGE_KEY = re.compile(rb'"usage"\s*:\s*')
 _USAGE_SPAN = 4096  # a usage object is a few hundred bytes
@@ -64,6 +65,14 @@ _DECODER = json.JSONDecoder()
 _MODEL_KEY = b'"model"'
 _MODEL = re.compile(rb'("model"\s*:\s*)"(?:[^"\\]|\\.)*"')
 CLIENT_CLOSED = 499  # nginx's code for "the client went away"; bounded, so fine as a label
+
+
+def client_left(ctx: Ctx) -> None:
+    """The client went away: 499 `client_disconnect`, unless its whole answer was written. A
+    one-shot client (the OpenAI SDK) closes its connection once it has read `[DONE]`, which can
+    be before the replica's stream has ended: it was served, whatever it does after."""
+    if not ctx.answered:
+        ctx.status, ctx.reason = CLIENT_CLOSED, "client_disconnect"
 
 
 def upstream_priority(ctx: Ctx) -> int | None:
@@ -326,9 +335,12 @@ async def _relay(
             out = rename.events(out)
         if out:
             await resp.write(out)
+            if out.endswith(_DONE_EVENT):  # the client has it all: the stream's end may lag
+                ctx.answered = True
     if pending:
         out = _scan(ctx, pending, drop_usage)
         await resp.write(out if rename is None else rename.events(out))
+    ctx.answered = True
 
 
 async def forward(
@@ -368,7 +380,7 @@ async def forward(
             await _relay(ctx, up, resp, first, total, rename)
         except ConnectionResetError:  # the client left mid-stream (before cancellation reached us)
             up.close()
-            ctx.status, ctx.reason = CLIENT_CLOSED, "client_disconnect"
+            client_left(ctx)
             return resp
         except (TimeoutError, ExchangeError) as exc:
             up.close()

@@ -36,7 +36,7 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.estimate import estimate_output
-from gateway.forward import CLIENT_CLOSED, check_forwardable, forward
+from gateway.forward import check_forwardable, client_left, forward
 from gateway.health import HealthChecker
 from gateway.looplag import watch_lag
 from gateway.metrics import Metrics
@@ -540,10 +540,10 @@ class Gateway:
                     await resp.prepare(request)
                     await resp.write_eof()
                 except ConnectionResetError:  # it left as its answer went out: not our error
-                    ctx.status, ctx.reason = CLIENT_CLOSED, "client_disconnect"
+                    client_left(ctx)
             return resp
         except (asyncio.CancelledError, ConnectionResetError):
-            ctx.status, ctx.reason = CLIENT_CLOSED, "client_disconnect"
+            client_left(ctx)
             raise
         finally:
             self.accountant.account(ctx, policy.estimator)

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import openai
 import orjson
 import pytest
 from aiohttp import web
@@ -372,6 +373,35 @@ async def test_a_client_that_leaves_is_not_a_rejection(
     assert "client_disconnect" not in rejections(found)
     codes = {s.labels["code"]: s.value for s in found["llm_requests_total"]}
     assert codes == {"499": 1.0}  # counted as what it is
+
+
+async def test_a_client_that_leaves_after_done_was_served(
+    replica_app, gateway_factory, tokenizer_dir, http
+) -> None:
+    """A one-shot client (the OpenAI SDK) closes its connection once it has read `[DONE]`, which
+    can be before the replica's stream has ended: the body's last chunk is a write of its own. An
+    answer written whole is a success, whatever the client does after; it was logged and counted
+    as 499 `client_disconnect`."""
+
+    async def done_then_lingers(request: web.Request) -> web.StreamResponse:
+        resp = await open_stream(request)
+        await resp.write(_sse({"choices": [{"index": 0, "delta": {"content": "a"}}]}))
+        usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+        await resp.write(_sse({"choices": [], "usage": usage}))
+        await resp.write(b"data: [DONE]\n\n")
+        await asyncio.Event().wait()  # the body never ends: the gateway closing it ends this
+        return resp
+
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [await replica_app(done_then_lingers)]))
+    client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+    stream = await client.chat.completions.create(**CHAT, stream=True)
+    assert [c.choices[0].delta.content async for c in stream if c.choices] == ["a"]
+    await client.close()
+    await eventually(lambda: settled(gw) and bool(access(gw)))
+    [line] = access(gw)
+    assert (line["status"], line["reason"], line["output_tokens"]) == (200, None, 1)
+    found = await scrape(http, gw)
+    assert {s.labels["code"]: s.value for s in found["llm_requests_total"]} == {"200": 1.0}
 
 
 # --- low: what the client is told, `stream: null`, SSE comments ------------------------------
