@@ -366,9 +366,15 @@ async def test_metrics_port_takes_metrics_off_the_public_port(
             assert resp.status == 404 and is_openai_error(await resp.json())
         async with http.get(f"{gw.url}/healthz") as resp:
             assert resp.status == 200
-        async with http.get(f"{gw.url}/readyz") as resp:
+        async with http.get(f"{gw.url}/readyz") as resp:  # how many, not which
             assert resp.status == 200
+            assert (await resp.json())["pools"] == {
+                "main": {"healthy": 1, "failing": 0, "ejected": 0}
+            }
         async with http.get(f"http://127.0.0.1:{metrics_port}/metrics") as resp:
             assert resp.status == 200 and "llm_pool_capacity" in await resp.text()
+        async with http.get(f"http://127.0.0.1:{metrics_port}/readyz") as resp:
+            assert resp.status == 200
+            assert (await resp.json())["pools"]["main"]["replicas"] == {stub.url: "healthy"}
         async with http.get(f"http://127.0.0.1:{metrics_port}/healthz") as resp:
             assert resp.status == 404

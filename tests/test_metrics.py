@@ -81,7 +81,11 @@ async def test_health_and_readiness(stub, gateway_factory, tokenizer_dir, http) 
     async with http.get(f"{gw.url}/healthz") as resp:
         assert resp.status == 200
     async with http.get(f"{gw.url}/readyz") as resp:
-        assert resp.status == 200 and (await resp.json())["replicas"] == {"main": 1}
+        assert resp.status == 200
+        pools = (await resp.json())["pools"]
+    assert pools == {
+        "main": {"healthy": 1, "failing": 0, "ejected": 0, "replicas": {stub.url: "healthy"}}
+    }
     gw.gateway.draining = True
     async with http.get(f"{gw.url}/readyz") as resp:
         assert resp.status == 503

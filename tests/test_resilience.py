@@ -319,3 +319,34 @@ async def test_requests_that_run_out_their_own_total_s_eject_no_replica(
     assert {s.labels["replica"]: s.value for s in found["llm_replica_up"]} == {a.url: 1, b.url: 1}
     assert [s.value for s in found["llm_replica_failing"]] == [0, 0]
     await eventually(lambda: a.stats.running == b.stats.running == 0 and gw.inflight() == 0)
+
+
+async def test_readyz_says_which_replicas_fail(gateway_factory, tokenizer_dir, http) -> None:
+    """A pool keeps its last replica in however it fails (and ejects at most
+    `max_ejection_percent`), so "in the pool" is not "up": `/readyz` said `{"main": 1}` of a pool
+    whose every request got a 502. It stays 200 (docs/operations.md says why) and names the
+    healthy, failing and ejected replicas of each pool."""
+    dead = [dead_url(), dead_url()]
+    policy = basic_policy(tokenizer_dir, dead)
+    policy["pools"]["main"]["health"] = {"interval_s": 0.05, "consecutive_failures": 1}
+    gw = await gateway_factory(policy)
+    replicas = gw.gateway.slots["main"].replicas
+    await eventually(lambda: sorted(r.up for r in replicas) == [False, True])
+    await eventually(lambda: all(r.failures for r in replicas))
+    async with http.get(f"{gw.url}/readyz") as resp:
+        assert resp.status == 200
+        body = await resp.json()
+    [ejected] = [r.url for r in replicas if not r.up]
+    [failing] = [r.url for r in replicas if r.up]
+    assert body == {
+        "ready": True,
+        "draining": False,
+        "pools": {
+            "main": {
+                "healthy": 0,
+                "failing": 1,
+                "ejected": 1,
+                "replicas": {ejected: "ejected", failing: "failing"},
+            }
+        },
+    }

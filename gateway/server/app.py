@@ -17,6 +17,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import body, tokenization
+from gateway.admit import Replica
 from gateway.cards import model_cards
 from gateway.errors import (
     AdminDisabled,
@@ -31,7 +32,7 @@ from gateway.parse import decode_body
 from gateway.pipeline import Gateway
 from gateway.policy.compile import Policy
 from gateway.policy.load import PolicyError
-from gateway.policy.schema import ServerSpec
+from gateway.policy.schema import HealthSpec, ServerSpec
 from gateway.server import logs
 from gateway.server.limits import RequestLimits, handler_args
 from gateway.tenants import identify
@@ -171,12 +172,34 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
-async def readyz(request: web.Request) -> web.Response:
-    """Ready while a policy is loaded, any pool can serve, and no shutdown has begun."""
+def _replica_state(replica: Replica, health: HealthSpec) -> str:
+    if not replica.up:
+        return "ejected"
+    return "failing" if replica.failing(health) else "healthy"
+
+
+async def readyz(request: web.Request, *, named: bool) -> web.Response:
+    """Ready while a policy is loaded, any pool has a replica in it, failing or not, and no
+    shutdown has begun: every gateway sees the same replicas, so a readiness that followed their
+    health would take all of them out of the Service at once (docs/operations.md, Readiness).
+    The body says how many of each pool's replicas are healthy, failing (kept in though they
+    fail: a pool never ejects its last one) and ejected; with `named`, each replica's state by
+    URL: only on a port that serves `/metrics`, whose labels name them already."""
     gateway = request.app[GATEWAY]
-    pools = {name: sum(r.up for r in slots.replicas) for name, slots in gateway.slots.items()}
-    ready = not gateway.draining and any(pools.values())
-    body = {"ready": ready, "draining": gateway.draining, "replicas": pools}
+    pools: dict[str, dict[str, Any]] = {}
+    for name, slots in gateway.slots.items():
+        states = {r.url: _replica_state(r, slots.spec.health) for r in slots.replicas}
+        pool: dict[str, Any] = {
+            state: sum(s == state for s in states.values())
+            for state in ("healthy", "failing", "ejected")
+        }
+        if named:
+            pool["replicas"] = states
+        pools[name] = pool
+    ready = not gateway.draining and any(
+        r.up for slots in gateway.slots.values() for r in slots.replicas
+    )
+    body = {"ready": ready, "draining": gateway.draining, "pools": pools}
     return _json(body, 200 if ready else 503)
 
 
@@ -235,7 +258,7 @@ def create_app(policy: Policy, *, access_log: IO[bytes] | None = None) -> web.Ap
         "/version": {"GET": version},
         "/healthz": {"GET": healthz},
         "/health": {"GET": health},
-        "/readyz": {"GET": readyz},
+        "/readyz": {"GET": partial(readyz, named=server.metrics_port is None)},
         "/admin/reload": {"POST": admin_reload},
     }
     if server.metrics_port is None:
@@ -245,8 +268,13 @@ def create_app(policy: Policy, *, access_log: IO[bytes] | None = None) -> web.Ap
 
 
 def create_metrics_app(app: web.Application) -> web.Application:
-    """`/metrics` alone, for `server.metrics_port`, reading the gateway `app` serves."""
+    """`/metrics` for `server.metrics_port`, reading the gateway `app` serves, and `/readyz` with
+    each replica named: replica URLs stay off the public port."""
     metrics_app = web.Application()
     metrics_app[GATEWAY] = app[GATEWAY]
-    add_routes(metrics_app, None, {"/metrics": {"GET": metrics}})
+    routes: dict[str, dict[str, Handler]] = {
+        "/metrics": {"GET": metrics},
+        "/readyz": {"GET": partial(readyz, named=True)},
+    }
+    add_routes(metrics_app, None, routes)
     return metrics_app
