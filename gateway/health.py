@@ -1,6 +1,7 @@
 """Instance-level circuit breaking: active `/health` probes and the half-open readmission.
 
-Passive outlier detection lives with the slots (`PoolSlots.failed`): every failed request counts.
+Passive outlier detection lives with the slots (`PoolSlots.failed`): every request the replica
+failed counts (not one that ran out its own `total_s`, nor a client that left).
 This task adds what requests cannot see: a replica that is down while nobody sends to it, and the
 probe that lets an ejected replica back in once its ejection time is over and it answers again.
 """
