@@ -181,6 +181,14 @@ class InvalidPolicy(GatewayError):
     reason = "invalid_policy"
 
 
+class ReloadFailed(GatewayError):
+    """Raised when a reload fails for a reason other than the file's content (a bug, or the
+    machine): said in the error shape, so an operator's tooling reads it like any refusal."""
+
+    code = "reload_failed"
+    reason = "reload_failed"
+
+
 class Retryable(GatewayError):
     """A refusal the client should retry after `retry_after_s` seconds."""
 

@@ -30,6 +30,7 @@ from gateway.errors import (
     BadRequest,
     ContextLengthExceeded,
     GatewayError,
+    ReloadFailed,
     ReplicaRefused,
     ShuttingDown,
     UpstreamError,
@@ -374,11 +375,12 @@ class Gateway:
             now = stamp()
             if now is not None and now != seen:
                 seen = now
-                with contextlib.suppress(PolicyError):  # logged and counted by reload
+                with contextlib.suppress(PolicyError, ReloadFailed):  # logged and counted
                     await self.reload()
 
     async def reload(self) -> Policy:
-        """Validate the policy file and swap it in; raise `PolicyError`, keeping the running one.
+        """Validate the policy file and swap it in; raise `PolicyError`, keeping the running one,
+        or `ReloadFailed` for anything else that went wrong. Either is counted and logged.
 
         Compiling (tokenizers, YAML) runs in a thread so requests keep flowing meanwhile.
         """
@@ -387,27 +389,36 @@ class Gateway:
             if self._closing:  # `close` holds the lock next: nothing new may start
                 return current
             try:
-                policy = await asyncio.to_thread(
-                    lambda: compile_policy(
-                        load_spec(current.path, reference_problems), previous=current
-                    )
-                )
+                return await self._reload(current)
             except PolicyError as exc:
                 self.reload_errors += 1
                 log.error("policy reload refused, the running policy stays:\n%s", exc)
                 raise
-            if policy.digest != current.digest:
-                previous = self.runtime
-                self.runtime = Runtime.build(policy, previous, self.ledger)
-                await self._retire(previous, self._serve_pools())
-                kept = {id(pool.picker) for pool in policy.pools.values()}
-                retired = {id(p.picker): p.picker for p in current.pools.values()}
-                await asyncio.gather(*(p.close() for key, p in retired.items() if key not in kept))
-                log.info("policy %s reloaded: %s -> %s (%s)", policy.path, current.digest,
-                         policy.digest, _pool_changes(current, policy))  # fmt: skip
-            else:
-                log.info("policy %s reloaded: unchanged (%s)", policy.path, policy.digest)
-            return policy
+            except Exception as exc:  # whatever it was, the watcher and `/admin/reload` go on
+                self.reload_errors += 1
+                log.exception("policy reload failed")
+                raise ReloadFailed(
+                    f"reloading {current.path} failed ({type(exc).__name__}: {exc});"
+                    " see the gateway log"
+                ) from exc
+
+    async def _reload(self, current: Policy) -> Policy:
+        """`reload` under its lock: compile the file, and swap it in if it changed."""
+        policy = await asyncio.to_thread(
+            lambda: compile_policy(load_spec(current.path, reference_problems), previous=current)
+        )
+        if policy.digest != current.digest:
+            previous = self.runtime
+            self.runtime = Runtime.build(policy, previous, self.ledger)
+            await self._retire(previous, self._serve_pools())
+            kept = {id(pool.picker) for pool in policy.pools.values()}
+            retired = {id(p.picker): p.picker for p in current.pools.values()}
+            await asyncio.gather(*(p.close() for key, p in retired.items() if key not in kept))
+            log.info("policy %s reloaded: %s -> %s (%s)", policy.path, current.digest,
+                     policy.digest, _pool_changes(current, policy))  # fmt: skip
+        else:
+            log.info("policy %s reloaded: unchanged (%s)", policy.path, policy.digest)
+        return policy
 
     async def close(self) -> None:
         self._closing = True

@@ -148,6 +148,15 @@ def test_yaml_syntax_error_has_a_line(tmp_path) -> None:
     assert "<unicode string>" not in result.stderr
 
 
+def test_nesting_past_the_limit_is_refused_at_its_line(tmp_path) -> None:
+    """Deeper than any policy needs, and deep enough to exhaust the YAML composer's recursion."""
+    path = tmp_path / "x.yaml"
+    path.write_text("models:\n  a:\n    " + "[" * 1000 + "]" * 1000 + "\n")
+    result = check(path)
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"{path}:3: (yaml): nested more than 32 levels deep")
+
+
 def test_alias_over_different_tokenizers_is_refused(tmp_path) -> None:
     path = tmp_path / "x.yaml"
     path.write_text(

@@ -216,3 +216,95 @@ async def test_a_reload_under_way_when_the_gateway_closes_ends_first_and_leaves_
     assert all(session.closed for session in gw.gateway.sessions.values())
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith(("health:", "adapters:"))]
     assert (await gw.gateway.reload()).pools.keys() == {"next"}  # the running one, unchanged
+
+
+def laughs(levels: int) -> str:
+    """A "billion laughs" in YAML: each level an anchored list of nine aliases to the one
+    before, so a few hundred bytes stand for 9**levels strings."""
+    lines = [f"laugh0: &laugh0 [{', '.join(['lol'] * 9)}]"]
+    lines += [
+        f"laugh{n}: &laugh{n} [{', '.join([f'*laugh{n - 1}'] * 9)}]" for n in range(1, levels)
+    ]
+    return "\n".join(lines) + "\n"
+
+
+async def reload_errors(http: aiohttp.ClientSession, url: str) -> float:
+    async with http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    return next(
+        s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "llm_policy_reload_errors"
+        for s in family.samples
+    )
+
+
+async def test_a_billion_laughs_is_refused_at_its_first_anchor(
+    stub, gateway_factory, tokenizer_dir, tmp_path, http, admin_token
+) -> None:
+    """9**9 strings from under a kilobyte: refused as the file is read, never expanded (walking it
+    grew the gateway by gigabytes and held SIGTERM until the walk ended)."""
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [stub.url]))
+    before = await policy_hash(http, gw.url)
+    path = tmp_path / "policy.yaml"
+    first = len(path.read_text().splitlines()) + 1
+    bomb = laughs(9)
+    assert len(bomb) < 1024
+    path.write_text(path.read_text() + bomb)
+    status, body = await reload(http, gw.url)
+    assert status == 422 and body["error"]["code"] == "invalid_policy"
+    assert body["error"]["message"].startswith(
+        f"{path}:{first}: (yaml): anchors and aliases (&name, *name) are not allowed"
+    )
+    assert await policy_hash(http, gw.url) == before
+    async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+        assert resp.status == 200
+    assert await reload_errors(http, gw.url) == 1
+
+
+async def test_the_watcher_outlives_a_self_referencing_alias(
+    stub, gateway_factory, tokenizer_dir, tmp_path, http
+) -> None:
+    """An alias inside its own anchor is a cycle (it raised RecursionError, which ended the
+    watcher): refused and counted, and the next valid edit still applies."""
+    policy = basic_policy(tokenizer_dir, [stub.url])
+    policy["admin"] = {"watch_interval_s": 0.05}
+    gw = await gateway_factory(policy)
+    path = tmp_path / "policy.yaml"
+    path.write_text(path.read_text() + "loop: &loop [*loop]\n")
+    await eventually(lambda: gw.gateway.reload_errors == 1)
+    assert await reload_errors(http, gw.url) == 1
+    policy["routes"][0]["match"]["model"] = ["tiny", "watched-alias"]
+    path.write_text(yaml.safe_dump(policy))
+    await eventually(lambda: "watched-alias" in gw.gateway.policy.served_models)
+
+
+async def test_any_failed_reload_is_counted_answered_and_outlived(
+    stub, gateway_factory, tokenizer_dir, tmp_path, http, admin_token, monkeypatch
+) -> None:
+    """A reload that fails other than on the file's content (a bug, memory): 500 in the error
+    shape, counted, the running policy serving; the watcher and the next reload still work."""
+    policy = basic_policy(tokenizer_dir, [stub.url])
+    policy["admin"] = {"watch_interval_s": 0.05}
+    gw = await gateway_factory(policy)
+    before = await policy_hash(http, gw.url)
+    real = pipeline.compile_policy
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(pipeline, "compile_policy", broken)
+    status, body = await reload(http, gw.url)
+    assert status == 500 and body["error"]["code"] == "reload_failed"
+    assert "RecursionError" in body["error"]["message"]
+    policy["routes"][0]["match"]["model"] = ["tiny", "watched-alias"]
+    (tmp_path / "policy.yaml").write_text(yaml.safe_dump(policy))
+    await eventually(lambda: gw.gateway.reload_errors >= 2)  # the watcher's try failed too
+    assert await policy_hash(http, gw.url) == before
+    async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+        assert resp.status == 200
+    assert await reload_errors(http, gw.url) == gw.gateway.reload_errors
+    monkeypatch.setattr(pipeline, "compile_policy", real)
+    policy["routes"][0]["match"]["model"].append("next-alias")
+    (tmp_path / "policy.yaml").write_text(yaml.safe_dump(policy))
+    await eventually(lambda: "next-alias" in gw.gateway.policy.served_models)

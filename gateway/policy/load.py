@@ -109,10 +109,44 @@ class LoadedSpec:
         return PolicyError(format_problems(self.path, problems, self.lines))
 
 
+MAX_DEPTH = 32  # of nested mappings and lists: a policy needs under ten, plug-in parameters a few
+
+
+class _PolicyLoader(yaml.SafeLoader):
+    """YAML without anchors and aliases, nested at most `MAX_DEPTH` deep.
+
+    A policy is configuration, short enough to write out in full, and aliases are what let a
+    small file stand for a huge or cyclic document: each one is a reference, so a few lines of
+    aliases to aliases make a tree that walking (the line map, validation) visits exponentially
+    often, and an alias inside its own anchor makes a cycle that walking never leaves. Deep
+    nesting exhausts the composer's recursion. Both are refused here as YAML errors at their
+    line, before anything is built.
+    """
+
+    depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        event = self.peek_event()  # type: ignore[no-untyped-call]
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise yaml.composer.ComposerError(
+                None, None, "anchors and aliases (&name, *name) are not allowed in a policy;"
+                " write the value out where it is used", event.start_mark,
+            )  # fmt: skip
+        if self.depth >= MAX_DEPTH:
+            raise yaml.composer.ComposerError(
+                None, None, f"nested more than {MAX_DEPTH} levels deep", event.start_mark
+            )
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
 def _parse(text: str, name: str) -> tuple[yaml.Node | None, Any]:
     """The node tree (for lines) and the data from one parse, PyYAML's marks naming the file
     rather than `<unicode string>`."""
-    loader = yaml.SafeLoader(text)
+    loader = _PolicyLoader(text)
     loader.name = name
     try:
         node = loader.get_single_node()

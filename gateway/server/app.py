@@ -204,7 +204,8 @@ async def readyz(request: web.Request, *, named: bool) -> web.Response:
 
 
 async def admin_reload(request: web.Request) -> web.Response:
-    """Reload the policy file now: 200 with the new hash, or 422 listing every problem."""
+    """Reload the policy file now: 200 with the new hash, 422 listing every problem of the file,
+    or 500 `reload_failed` should anything else go wrong (`Gateway.reload`)."""
     gateway = request.app[GATEWAY]
     env = gateway.policy.spec.admin.token_env
     token = os.environ.get(env)
