@@ -285,16 +285,22 @@ def test_the_adapter_serves_the_forecast_summed_over_gateways_as_the_reactive_es
 # --- The Prometheus Operator's objects (CRDs: no schema in kubernetes-validate) -------------------
 
 
-def test_servicemonitor_and_podmonitor_select_real_ports(rendered: list[dict[str, Any]]) -> None:
-    monitor = one(rendered, "ServiceMonitor", "llm-gateway")
-    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+def monitored_service(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """The one Service the gateway's ServiceMonitor selects."""
+    monitor = one(objects, "ServiceMonitor", "llm-gateway")
     selected = [
         s
-        for s in kinds(rendered, "Service")
+        for s in kinds(objects, "Service")
         if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
     ]
     assert [s["metadata"]["name"] for s in selected] == ["llm-gateway-metrics"]
-    (service,) = selected
+    return selected[0]
+
+
+def test_servicemonitor_and_podmonitor_select_real_ports(rendered: list[dict[str, Any]]) -> None:
+    monitor = one(rendered, "ServiceMonitor", "llm-gateway")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    service = monitored_service(rendered)
     assert service["metadata"]["namespace"] in monitor["spec"]["namespaceSelector"]["matchNames"]
     ports = {p["name"] for p in service["spec"]["ports"]}
     for endpoint in monitor["spec"]["endpoints"]:
@@ -429,6 +435,18 @@ def test_promtool_checks_the_rules_and_unit_tests_every_alert(
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+def gateway_down_jobs() -> set[str]:
+    """The jobs tests/deploy/rules_test.yaml expects LLMGatewayDown to fire for."""
+    tests = yaml.safe_load(RULES_TEST.read_text())["tests"]
+    return {
+        alert["exp_labels"]["job"]
+        for case in tests
+        for t in case["alert_rule_test"]
+        if t["alertname"] == "LLMGatewayDown"
+        for alert in t["exp_alerts"]
+    }
+
+
 # --- A real Prometheus scraping a real gateway ----------------------------------------------------
 
 KEY, LIMITED_KEY = "deploy-test-key", "deploy-limited-key"
@@ -462,19 +480,52 @@ class Prometheus:
             )
 
 
+def label_name(name: str) -> str:
+    """A Kubernetes label's name as Prometheus' discovery and the operator spell it in a label
+    (`__meta_kubernetes_service_label_<name>`): what a label name cannot hold becomes `_`."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+def operator_scrape_config(objects: list[dict[str, Any]], target: str) -> dict[str, Any]:
+    """The scrape config the Prometheus Operator generates for the gateway's ServiceMonitor
+    (pkg/prometheus/promcfg.go), Kubernetes discovery replaced by one static target carrying
+    what discovery would say of the Service: its name and labels. `job` is set as the operator
+    sets it: the Service's name, then the value of the Service label `jobLabel` names, where
+    that is set and not empty. So the alerts meet the job name a cluster would give them, not
+    one this test chose."""
+    monitor = one(objects, "ServiceMonitor", "llm-gateway")
+    service = monitored_service(objects)
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert "relabelings" not in endpoint  # the operator runs them after its own: they could rename
+    meta = {"__meta_kubernetes_service_name": service["metadata"]["name"]}
+    for key, value in service["metadata"]["labels"].items():
+        meta[f"__meta_kubernetes_service_label_{label_name(key)}"] = value
+    relabel: list[dict[str, Any]] = [
+        {"source_labels": ["__meta_kubernetes_service_name"], "target_label": "job",
+         "replacement": "${1}"},
+    ]  # fmt: skip
+    if job_label := monitor["spec"].get("jobLabel"):
+        relabel.append(
+            {"source_labels": [f"__meta_kubernetes_service_label_{label_name(job_label)}"],
+             "target_label": "job", "regex": "(.+)", "replacement": "${1}"}
+        )  # fmt: skip
+    name = monitor["metadata"]
+    return {
+        "job_name": f"serviceMonitor/{name['namespace']}/{name['name']}/0",
+        "metrics_path": endpoint["path"],
+        "static_configs": [{"targets": [target], "labels": meta}],
+        "relabel_configs": relabel,
+    }
+
+
 @contextlib.contextmanager
-def prometheus(directory: Path, gateway_url: str, rules: Path) -> Iterator[Prometheus]:
-    """Debian's Prometheus on a free loopback port, scraping the gateway every second."""
+def prometheus(directory: Path, scrape: dict[str, Any], rules: Path) -> Iterator[Prometheus]:
+    """Debian's Prometheus on a free loopback port, running `scrape` every second."""
     port = free_port()
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(rules)],
-        "scrape_configs": [
-            {
-                "job_name": "llm-gateway",
-                "static_configs": [{"targets": [gateway_url.removeprefix("http://")]}],
-            }
-        ],
+        "scrape_configs": [scrape],
     }
     (directory / "prometheus.yml").write_text(yaml.safe_dump(config))
     log_path = directory / "prometheus.log"
@@ -587,13 +638,19 @@ async def test_prometheus_scrapes_the_gateway_and_evaluates_every_expression(
     }
     gw = await gateway_factory(policy)
     exprs = expressions(rendered)
-    with prometheus(tmp_path, gw.url, write_rules(rendered, tmp_path, annotations=True)) as prom:
+    scrape = operator_scrape_config(rendered, gw.url.removeprefix("http://"))
+    with prometheus(tmp_path, scrape, write_rules(rendered, tmp_path, annotations=True)) as prom:
         base = prom.url
         stop = asyncio.Event()
         load = asyncio.create_task(traffic(http, gw.url, stop))
         try:
             async with asyncio.timeout(40):
                 await until_ready(http, prom)
+                while not (up := await query(http, base, "up")):  # noqa: ASYNC110 - in Prometheus
+                    await asyncio.sleep(0.5)
+                assert {s["metric"]["job"] for s in up} == gateway_down_jobs(), (
+                    "the job the operator names is the one LLMGatewayDown's promtool case fires on"
+                )
                 missing = dict(exprs)
                 while True:
                     for where, expr in list(missing.items()):
