@@ -110,53 +110,106 @@ _FILE = _typed(
 _REFUSAL = _typed({"type": _literal("refusal"), "refusal": _string})
 _UUID = {"uuid": _optional_string}
 
-# vLLM's ChatCompletionContentPartParam (plain strings aside: they set no field).
-_VLLM_PARTS: tuple[Check, ...] = (
-    _TEXT,
-    _IMAGE,
-    _INPUT_AUDIO,
-    _FILE,
-    _typed({"type": _literal("audio_url"), "audio_url": _typed({"url": _string})}),
-    _typed({"type": _literal("video_url"), "video_url": _typed({"url": _string})}),
-    _REFUSAL,
+# vLLM's ChatCompletionContentPartParam, plain strings aside (they set no field): the members
+# that need a `type`, by it, and those whose fields are all optional (extra keys ignored).
+_TYPED_PARTS: dict[str, Check] = {
+    "text": _TEXT,
+    "image_url": _IMAGE,
+    "input_audio": _INPUT_AUDIO,
+    "file": _FILE,
+    "audio_url": _typed({"type": _literal("audio_url"), "audio_url": _typed({"url": _string})}),
+    "video_url": _typed({"type": _literal("video_url"), "video_url": _typed({"url": _string})}),
+    "refusal": _REFUSAL,
+    **{
+        f"{media}_embeds": _typed(
+            {"type": _literal(f"{media}_embeds")}, {f"{media}_embeds": _embeds, **_UUID}
+        )
+        for media in ("image", "audio", "video")
+    },
+    "prompt_embeds": _typed({"type": _literal("prompt_embeds"), "data": _string}),
+    "thinking": _typed({"type": _literal("thinking"), "thinking": _string}, {"closed": _boolean}),
+}
+_UNTYPED_PARTS: tuple[Check, ...] = (
     _typed({}, {"image_pil": _null, **_UUID}),
     _typed({}, {"image_url": _optional_string, **_UUID}),
-    *(
-        _typed({"type": _literal(f"{media}_embeds")}, {f"{media}_embeds": _embeds, **_UUID})
-        for media in ("image", "audio", "video")
-    ),
-    _typed({"type": _literal("prompt_embeds"), "data": _string}),
     _typed({}, {"audio_url": _optional_string}),
     _typed({}, {"video_url": _optional_string, **_UUID}),
     _typed({}, {"name": _string, "type": _literal("tool_reference")}),
-    _typed({"type": _literal("thinking"), "thinking": _string}, {"closed": _boolean}),
 )
+_UNTYPED_KEYS = frozenset({"image_pil", "uuid", "image_url", "audio_url", "video_url", "name"})
 # The part types OpenAI's message type for a role checks its content against, lazily.
-_OPENAI_PARTS: dict[str, tuple[Check, ...]] = {
-    "system": (_TEXT,),
-    "developer": (_TEXT,),
-    "tool": (_TEXT,),
-    "user": (_TEXT, _IMAGE, _INPUT_AUDIO, _FILE),
-    "assistant": (_TEXT, _REFUSAL),
+_OPENAI_PARTS: dict[str, frozenset[str]] = {
+    "system": frozenset({"text"}),
+    "developer": frozenset({"text"}),
+    "tool": frozenset({"text"}),
+    "user": frozenset({"text", "image_url", "input_audio", "file"}),
+    "assistant": frozenset({"text", "refusal"}),
 }
 
 
-def _best(part: Any, members: tuple[Check, ...]) -> int | None:
-    """Fields set by the best member a part validates as, or None if it validates as none."""
+def _vllm_part(part: Any) -> int | None:
+    """Fields set by the best member of vLLM's part union `part` validates as, or None."""
     if isinstance(part, str):
-        return 0 if members is _VLLM_PARTS else None
-    scores = [score for member in members if (score := member(part)) is not None]
+        return 0
+    if not isinstance(part, dict):
+        return None
+    kind = part.get("type")
+    typed = _TYPED_PARTS.get(kind) if isinstance(kind, str) else None
+    scores = [] if typed is None or (score := typed(part)) is None else [score]
+    if _UNTYPED_KEYS.isdisjoint(part):  # one dict in a thousand is not: skip the members
+        scores.append(int(kind == "tool_reference"))
+    else:
+        scores += [score for member in _UNTYPED_PARTS if (score := member(part)) is not None]
     return max(scores) if scores else None
 
 
-def _parts(content: Any) -> int | None:
+def _openai_part(part: Any, role: str) -> bool:
+    """Whether OpenAI's message type for `role` takes `part` when its content is iterated."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if not isinstance(kind, str) or kind not in _OPENAI_PARTS[role]:
+        return False
+    return _TYPED_PARTS[kind](part) is not None
+
+
+def _valid_part(part: Any) -> bool:
+    """Whether `part` validates as some member of vLLM's part union, in a few lookups: the
+    members whose fields are all optional, then the one its `type` names."""
+    if isinstance(part, str):
+        return True
+    if not isinstance(part, dict):
+        return False
+    get = part.get
+    uuid_ok = _optional_string(get("uuid")) is not None
+    if (
+        (uuid_ok and (get("image_pil") is None or _optional_string(get("image_url")) == 0))
+        or _optional_string(get("audio_url")) == 0
+        or (uuid_ok and _optional_string(get("video_url")) == 0)
+        or (
+            get("type", "tool_reference") == "tool_reference"
+            and ("name" not in part or isinstance(part["name"], str))
+        )
+    ):
+        return True
+    kind = get("type")
+    typed = _TYPED_PARTS.get(kind) if isinstance(kind, str) else None
+    return typed is not None and typed(part) is not None
+
+
+def _parts(content: Any, beat: int) -> int | None:
+    """Fields the parts set, or None if one validates as no part. Once the total is over `beat`
+    only validity matters, so each part after is checked, not scored (a cap of parts keeps the
+    walk short; scoring is the slow half)."""
     if content is None or isinstance(content, str):
         return 0 if content is not None else None
     if not isinstance(content, list):
         return None
     total = 0
     for part in content:
-        score = _best(part, _VLLM_PARTS)
+        if total > beat:
+            if not _valid_part(part):
+                return None
+            continue
+        score = _vllm_part(part)
         if score is None:
             return None
         total += score
@@ -186,13 +239,14 @@ def _tool_calls(calls: Any) -> int | None:
     return total
 
 
-def _vllm_type(message: dict[str, Any]) -> int | None:
-    """Fields set when `message` validates as vLLM's own message type, else None."""
+def _vllm_type(message: dict[str, Any], beat: int) -> int | None:
+    """Fields set when `message` validates as vLLM's own message type, else None; exact up to
+    `beat`, at least `beat + 1` beyond it."""
     score = 0
     for name, value in message.items():
         if name == "content":
-            nested = _parts(value)
-        elif name == "tool_calls":
+            continue  # last: scored only as far as `beat` needs
+        if name == "tool_calls":
             nested = _tool_calls(value)
         elif name in ("role", "name"):
             nested = _string(value)
@@ -205,7 +259,10 @@ def _vllm_type(message: dict[str, Any]) -> int | None:
         if nested is None:
             return None
         score += 1 + nested
-    return score
+    if "content" not in message:
+        return score
+    parts = _parts(message["content"], beat - score - 1)
+    return None if parts is None else score + 1 + parts
 
 
 _OPENAI_REQUIRED = {"tool": ("content", "tool_call_id"), "function": ("content", "name")}
@@ -264,7 +321,8 @@ def check_message_type(message: dict[str, Any], index: int) -> None:
         if renamed is not None and message.get("reasoning") is None:
             message["reasoning"] = renamed
     role = message["role"]
-    ours, theirs = _vllm_type(message), _openai_type(role, message)
+    theirs = _openai_type(role, message)
+    ours = _vllm_type(message, -1 if theirs is None else theirs)
     param = f"messages[{index}]"
     if ours is None and theirs is None:
         raise BadRequest(
@@ -276,7 +334,7 @@ def check_message_type(message: dict[str, Any], index: int) -> None:
         return
     content = message.get("content")
     for number, part in enumerate(content if isinstance(content, list) else ()):
-        if _best(part, _OPENAI_PARTS[role]) is None:
+        if not _openai_part(part, role):
             raise BadRequest(
                 f"{param}.content[{number}] is not a valid content part of a {role} message",
                 param=f"{param}.content",

@@ -275,6 +275,17 @@ def check_chat(body: dict[str, Any], limits: ServerSpec) -> int:
             param="messages",
             code="too_many_messages",
         )
+    parts = sum(
+        len(content)
+        for message in messages
+        if isinstance(message, dict) and isinstance(content := message.get("content"), list)
+    )
+    if parts > limits.max_content_parts:
+        raise BadRequest(
+            f"{parts} content parts, over the {limits.max_content_parts} limit",
+            param="messages",
+            code="too_many_parts",
+        )
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise BadRequest(

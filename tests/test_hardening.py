@@ -26,6 +26,7 @@ async def gw(stub, gateway_factory, tokenizer_dir):
         "max_header_bytes": 2048,
         "max_json_depth": 8,
         "max_messages": 4,
+        "max_content_parts": 4,
         "max_prompt_chars": 100,
         "idle_timeout_s": 0.5,
         "body_timeout_s": 0.5,
@@ -70,6 +71,12 @@ def _chat(**fields: object) -> bytes:
     [
         ("chat/completions", _chat(extra={"a": [[[[[[[[1]]]]]]]]}), "json_too_deep", None),
         ("chat/completions", _chat(messages=MESSAGES * 5), "too_many_messages", "messages"),
+        (
+            "chat/completions",
+            _chat(messages=[{"role": "user", "content": [{"type": "text", "text": "x"}] * 3}] * 2),
+            "too_many_parts",
+            "messages",
+        ),
         (
             "chat/completions",
             _chat(messages=[{"role": "user", "content": "x" * 60}] * 2),

@@ -7,7 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from gateway.message_types import _valid_part, _vllm_part
 from tests.conftest import basic_policy
 
 HI = {"role": "user", "content": "Hello."}
@@ -73,3 +76,22 @@ async def test_what_it_takes_is_forwarded(gw, stub, http, case: str, body: dict[
     async with http.post(f"{gw.url}/v1/chat/completions", json={"model": "tiny", **body}) as resp:
         assert resp.status == 200, (case, await resp.text())
     assert stub.stats.requests == 1
+
+
+VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-1, 2), st.text(max_size=3),
+    st.sampled_from(["text", "refusal", "thinking", "tool_reference", "image_url", "audio_url"]),
+    st.dictionaries(st.sampled_from(["url", "detail", "mode", "data", "format"]), st.text(max_size=2)),
+)  # fmt: skip
+KEYS = st.sampled_from([
+    "type", "text", "refusal", "thinking", "closed", "name", "uuid", "image_pil", "image_url",
+    "audio_url", "video_url", "input_audio", "file", "data", "image_embeds", "x",
+])  # fmt: skip
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.dictionaries(KEYS, VALUES, max_size=5))
+def test_the_quick_validity_check_agrees_with_scoring_every_part_type(part: dict[str, Any]) -> None:
+    """The walk over a long content array checks its later parts with `_valid_part`, which must
+    say exactly what scoring the part against every member says."""
+    assert _valid_part(part) == (_vllm_part(part) is not None)

@@ -557,6 +557,13 @@ class ServerSpec(Spec):
     max_messages: PositiveInt = Field(
         2048, description="Messages in a chat request; beyond it: 400 `too_many_messages`."
     )
+    max_content_parts: PositiveInt = Field(
+        2048,
+        description=(
+            "Content parts of a chat request's messages together; beyond it: 400"
+            " `too_many_parts`. Each part is checked on the event loop before counting."
+        ),
+    )
     max_prompt_chars: PositiveInt = Field(
         1_000_000,
         description=(
