@@ -171,7 +171,9 @@ class _Gauges(Collector):
             "llm_kv_events",
             "KV-cache events read per replica by kind (BlockStored, BlockRemoved,"
             " AllBlocksCleared; `gap`: sequence numbers skipped, the replica's blocks dropped;"
-            " `unavailable`: no endpoint to follow yet; `undecodable`, `unknown`).",
+            " `unavailable`: no endpoint to follow yet; `disconnected`: the connection lost,"
+            " the replica's blocks dropped; refused: `undecodable` batches, `oversize` and"
+            " `invalid` events; `unknown`).",
             labels=["pool", "replica", "kind"],
         )
         precise_blocks = CounterMetricFamily(

@@ -23,10 +23,23 @@ from transformers import AutoTokenizer
 from gateway.admit import Claim, Replica
 from gateway.pick.affinity import Affinity
 from gateway.pick.kv_events import EngineBlocks, token_blocks
-from gateway.pick.precise import PreciseParams, PrecisePrefixScorer, endpoints_of
+from gateway.pick.precise import (
+    MAX_EVENT_BYTES,
+    MAX_MESSAGE_BYTES,
+    PreciseParams,
+    PrecisePrefixScorer,
+    endpoints_of,
+)
 from gateway.policy.compile import load_policy
 from gateway.policy.load import PolicyError
-from tests.conftest import RunningGateway, Stub, basic_policy, eventually, write_policy
+from tests.conftest import (
+    RunningGateway,
+    Stub,
+    basic_policy,
+    eventually,
+    longest_loop_gap,
+    write_policy,
+)
 from tests.test_pick import RULE_SETS, classify
 
 BLOCK = 16
@@ -126,13 +139,21 @@ class Publisher:
     def __init__(self, context: zmq.asyncio.Context, endpoint: str) -> None:
         self.socket = context.socket(zmq.PUB)
         self.socket.bind(endpoint)
+        self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)  # a `*` port: which
         self.seq = 0
 
     async def publish(self, *events: dict[str, Any], skip: int = 0) -> None:
+        await self.send(batch(list(events)), skip=skip)
+
+    async def send(self, payload: bytes, skip: int = 0) -> None:
+        """An encoded batch, numbered next (after `skip` lost ones)."""
         self.seq += skip
-        payload = msgspec.msgpack.encode([time.time(), list(events), 0])
-        await self.socket.send_multipart([b"", self.seq.to_bytes(8, "big"), payload])
+        await self.socket.send_multipart([b"", self.seq.to_bytes(8, "big"), payload], copy=False)
         self.seq += 1
+
+
+def batch(events: list[dict[str, Any]], rank: int = 0) -> bytes:
+    return msgspec.msgpack.encode([time.time(), events, rank])
 
 
 @pytest.fixture
@@ -222,6 +243,34 @@ async def test_requests_go_where_the_engine_says_their_prefix_is_and_leave_when_
     assert await served_by(http, gateway, stubs, classify(RULE_SETS["B"], "lamp 9")) == 0
 
 
+async def heard(
+    publisher: Publisher, scorer: PrecisePrefixScorer, replica: Replica, n: int
+) -> None:
+    """Publish block `n` (`n` tokens of id `n`) until the scorer holds it: a subscriber joins
+    late, and a PUB socket drops what is sent before it has."""
+    claim = Claim(10, affinity=Affinity(tokens=token_blocks([n] * BLOCK, BLOCK, None, None, 9)))
+    for _ in range(100):
+        await publisher.publish(stored([n], [n] * BLOCK))
+        await asyncio.sleep(0.05)
+        if scorer.score([replica], claim, 0.0) == [1.0]:
+            return
+    raise AssertionError("the scorer never read the events")
+
+
+@pytest.fixture
+async def following(
+    zmq_context: zmq.asyncio.Context,
+) -> AsyncIterator[tuple[Publisher, PrecisePrefixScorer, Replica]]:
+    """A replica's publisher on loopback TCP, and a scorer that has heard from it."""
+    publisher = Publisher(zmq_context, "tcp://127.0.0.1:*")
+    scorer = PrecisePrefixScorer(PreciseParams(endpoint=publisher.endpoint, retry_s=0.1))
+    replica = Replica("http://127.0.0.1:9", 4, None)
+    scorer.follow([replica])
+    await heard(publisher, scorer, replica, 1)
+    yield publisher, scorer, replica
+    await scorer.close()
+
+
 async def test_a_gap_in_the_sequence_drops_what_the_replica_said(
     tmp_path: Path, zmq_context: zmq.asyncio.Context
 ) -> None:
@@ -232,13 +281,7 @@ async def test_a_gap_in_the_sequence_drops_what_the_replica_said(
     claim = Claim(10, affinity=Affinity(tokens=token_blocks([1] * BLOCK, BLOCK, None, None, 9)))
     scorer.follow([replica])
     try:
-        for _ in range(100):
-            await publisher.publish(stored([1], [1] * BLOCK))
-            await asyncio.sleep(0.05)
-            if scorer.score([replica], claim, 0.0) == [1.0]:
-                break
-        else:
-            raise AssertionError("the scorer never read the events")
+        await heard(publisher, scorer, replica, 1)
         await publisher.publish(stored([2], [2] * BLOCK), skip=5)  # five batches lost
         await eventually(lambda: scorer.events[(replica.url, "gap")] == 1)
         assert scorer.score([replica], claim, 0.0) == [0.0]  # block 1 may be gone: not trusted
@@ -247,6 +290,80 @@ async def test_a_gap_in_the_sequence_drops_what_the_replica_said(
         feeds = [f.task for f in scorer.feeds.values()]
         await scorer.close()
     assert all(task is not None and task.done() for task in feeds)
+
+
+def filled(size: int, first_hash: int, oversize: int = 0) -> tuple[bytes, int]:
+    """A batch of about `size` bytes of vLLM-shaped events (64 blocks each, a request's step,
+    each chained to the one before), after one event of `oversize` bytes if asked; and the
+    blocks of the vLLM-shaped ones."""
+    events, n, parent = [], first_hash, None
+    tokens = [70_000 + first_hash + i for i in range(64 * BLOCK)]  # ids of five bytes
+    if oversize:
+        events.append(stored([0], [70_000] * (oversize // 5 + 1)))
+        assert len(batch(events)) > oversize
+    while len(batch(events)) < size - 6_000:
+        events.append(stored(list(range(n, n + 64)), tokens, parent=parent))
+        parent, n = n + 63, n + 64
+    return batch(events), n - first_hash
+
+
+async def test_a_publisher_never_holds_the_event_loop_for_long_whatever_it_sends(
+    following: tuple[Publisher, PrecisePrefixScorer, Replica],
+) -> None:
+    """Batches at the largest ZMQ takes, each with an event over the size one is decoded at:
+    each batch's events are decoded and applied a slice at a time, the oversize one skipped
+    undecoded and counted, so the loop is held a small part of what one batch costs at once
+    (the whole batch decoded, then applied, in one go: as a batch was read before)."""
+    publisher, scorer, replica = following
+    payloads = [
+        filled(MAX_MESSAGE_BYTES, 1000 + i * 100_000, oversize=MAX_EVENT_BYTES + 1)
+        for i in range(4)
+    ]
+    began = time.perf_counter()
+    at_once = EngineBlocks(capacity=1 << 20)
+    for event in msgspec.msgpack.decode(payloads[0][0])[1][1:]:
+        at_once.apply(event)
+    work_s = time.perf_counter() - began
+    want = scorer.events[(replica.url, "BlockStored")] + sum(n // 64 for _, n in payloads)
+
+    async def send_all() -> None:
+        for payload, _ in payloads:
+            await publisher.send(payload)
+        await eventually(lambda: scorer.events[(replica.url, "BlockStored")] >= want, 20)
+
+    _, worst = await longest_loop_gap(send_all(), tick_s=0.001)
+    assert worst < work_s / 2, f"the loop was held {worst:.3f}s; one batch at once: {work_s:.3f}s"
+    assert scorer.events[(replica.url, "oversize")] == len(payloads)
+    assert len(scorer.blocks[replica.url]) == 1 + sum(blocks for _, blocks in payloads)
+
+
+async def test_a_message_over_the_limit_costs_the_connection_and_the_feed_starts_over(
+    following: tuple[Publisher, PrecisePrefixScorer, Replica],
+) -> None:
+    """ZMQ refuses it unread and drops the connection for good; the feed notices, forgets what
+    the replica said (it may miss what comes meanwhile) and connects again."""
+    publisher, scorer, replica = following
+    await publisher.send(b"x" * (MAX_MESSAGE_BYTES + 1))
+    await eventually(lambda: scorer.events[(replica.url, "disconnected")] == 1)
+    assert len(scorer.blocks[replica.url]) == 0
+    await heard(publisher, scorer, replica, 2)
+
+
+async def test_what_is_not_vllms_shape_is_counted_and_not_kept(
+    following: tuple[Publisher, PrecisePrefixScorer, Replica],
+) -> None:
+    """Block hashes as large as the publisher likes would make each of the index's entries so
+    (it is bounded in entries); sequences per rank would grow with every rank named."""
+    publisher, scorer, replica = following
+    url = replica.url
+    await publisher.publish(stored([b"h" * 4096], [3] * BLOCK))
+    await publisher.publish(stored([4], [{"not": "a token"}] * BLOCK))
+    await publisher.send(batch([stored([5], [5] * BLOCK)], rank=1 << 40))
+    await publisher.socket.send_multipart([b"", b"\0" * 8, batch([]), b"a fourth part"])
+    await publisher.socket.send_multipart([b"", b"\0" * 4096, batch([])])
+    await eventually(lambda: scorer.events[(url, "undecodable")] == 3)
+    await eventually(lambda: scorer.events[(url, "invalid")] == 2)
+    assert len(scorer.blocks[url]) == 1  # block 1, from `following`
 
 
 def test_a_policy_refuses_precise_prefix_without_the_models_tokenizer(tmp_path: Path) -> None:

@@ -16,6 +16,10 @@ hash only maps to that key, for removals and for the next block's parent. A requ
 made the same way from its own token ids (`token_blocks`), are then found exactly when the
 replica holds them. Blocks of another medium (an offload tier), another KV-cache group, or a
 block size other than the replica's are not indexed: no request is chunked that way.
+
+What a replica publishes is not trusted to be vLLM's: the index keeps only block hashes of
+vLLM's shapes (an int, or a digest of at most `MAX_HASH_BYTES`), so `capacity` bounds its
+memory, and an event of any other shape is `invalid`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,11 @@ from gateway.pick.prefix_index import longest_prefix
 
 ROOT = hash(("kv-events-root",))
 PRIMARY_MEDIUM = "GPU"  # vLLM's name for the engine's own KV cache, whatever the device
+MAX_HASH_BYTES = 64  # vLLM's block hashes are ints or digests (sha256: 32 bytes)
+
+
+def _vllm_hash(value: Any) -> bool:
+    return type(value) is int or (type(value) is bytes and len(value) <= MAX_HASH_BYTES)
 
 
 def _frozen(value: Any) -> Any:
@@ -96,11 +105,13 @@ class EngineBlocks:
         self._held.clear()
 
     def apply(self, event: dict[str, Any]) -> str:
-        """One event; returns its kind, or "unknown"."""
+        """One event; returns its kind, "unknown", or "invalid" for a `BlockStored` whose block
+        hashes are not vLLM's (kept, they would make each entry as large as the publisher
+        likes). Raises TypeError for an event whose fields have the wrong types."""
         kind = event.get("type")
         if kind == "BlockStored":
-            self._stored(event)
-        elif kind == "BlockRemoved":
+            return self._stored(event)
+        if kind == "BlockRemoved":
             self._removed(event)
         elif kind == "AllBlocksCleared":
             self.clear()
@@ -111,25 +122,28 @@ class EngineBlocks:
     def _primary(self, event: dict[str, Any]) -> bool:
         return event.get("medium") in (None, PRIMARY_MEDIUM) and event.get("group_idx") in (None, 0)
 
-    def _stored(self, event: dict[str, Any]) -> None:
+    def _stored(self, event: dict[str, Any]) -> str:
         hashes: list[Any] = event.get("block_hashes") or []
         tokens: list[int] = event.get("token_ids") or []
         size = event.get("block_size")
+        if not isinstance(hashes, list) or not all(map(_vllm_hash, hashes)):
+            return "invalid"
         if not hashes or not isinstance(size, int) or size <= 0 or not self._primary(event):
             self.skipped += len(hashes)
-            return
+            return "BlockStored"
         if self.block_size is None:
             self.block_size = size
         parent_hash = event.get("parent_block_hash")
         parent = ROOT if parent_hash is None else self._keys.get(parent_hash)
         if size != self.block_size or len(tokens) != size * len(hashes) or parent is None:
             self.skipped += len(hashes)
-            return
+            return "BlockStored"
         extras = [_frozen(e) for e in (event.get("extra_keys") or ())[: len(hashes)]]
         extras += [None] * (len(hashes) - len(extras))
         keys = chain_keys(parent, tokens, size, extras)
         for engine_hash, key in reversed(list(zip(hashes, keys, strict=True))):
             self._put(engine_hash, key)
+        return "BlockStored"
 
     def _put(self, engine_hash: Any, key: int) -> None:
         old = self._keys.pop(engine_hash, None)

@@ -12,12 +12,23 @@ host there is the replica's host), or the policy names the endpoint; one SUB soc
 replica follows it until the replica leaves, restarts or is ejected, when what it said is
 forgotten. A gap in a publisher's sequence numbers (events dropped, or a restart) drops the
 replica's blocks too: missed removals would otherwise leave blocks it no longer holds.
+
+A feed is bounded whatever the replica sends, in time and memory alike. ZMQ refuses a message
+part over `MAX_MESSAGE_BYTES` before reading it, and queues at most `QUEUED_MESSAGES` for the
+feed (past that it stops reading and the publisher queues or drops). A batch is not decoded
+whole: its events are cut apart undecoded (`msgspec.Raw`, a skim of the bytes) and each is
+decoded and applied on its own, one over `MAX_EVENT_BYTES` counted `oversize` and skipped, the
+loop's other work let in every `SLICE_S`: so no batch holds the event loop for more than one
+event's work, whatever its size. The replica's index is bounded by `capacity_blocks` (and its
+entries' size by `EngineBlocks`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -37,8 +48,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # One engine step's events: a 128k-token prefill in 16-token blocks is about 1 MB of msgpack.
-# ZMQ drops a bigger message before it is read, so no batch holds the event loop for long.
-MAX_MESSAGE_BYTES = 16 << 20
+# ZMQ refuses a bigger part as it arrives and closes that connection for good (a protocol error
+# is never reconnected): `ReplicaFeed.run` notices and starts over.
+MAX_MESSAGE_BYTES = 4 << 20
+QUEUED_MESSAGES = 8  # whole messages ZMQ holds for a feed: with the above, its memory's bound
+# One request's blocks stored in one engine step: beyond any step vLLM takes, and at most what
+# the loop is held for at once (decoding and applying are about equal shares of it).
+MAX_EVENT_BYTES = 1 << 20
+SLICE_S = 0.001  # events are applied this long at a time, then the loop's other work runs
+MAX_RANKS = 1024  # data-parallel ranks per replica, each with its own sequence
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]", "::")
 
 
@@ -88,6 +106,25 @@ def endpoints_of(url: str, sources: Any) -> list[tuple[str, bytes]]:
     return found
 
 
+@functools.cache
+def _batch_decoder() -> Any:
+    """A decoder of vLLM's `KVEventBatch`, its events left undecoded (`msgspec.Raw`): one
+    skim of the bytes that checks the shape and cuts the events apart."""
+    import msgspec
+
+    batch = msgspec.defstruct(
+        "KVEventBatch",
+        # vLLM omits a rank of None, as vLLM before data parallelism did
+        [
+            ("ts", msgspec.Raw),
+            ("events", list[msgspec.Raw]),
+            ("data_parallel_rank", int | None, None),
+        ],
+        array_like=True,
+    )
+    return msgspec.msgpack.Decoder(batch)
+
+
 class ReplicaFeed:
     """Follows one replica's events into its `EngineBlocks`, until cancelled."""
 
@@ -99,23 +136,31 @@ class ReplicaFeed:
         self.scorer = scorer
         self.retry_s = retry_s
         self.task: asyncio.Task[None] | None = None
+        import msgspec  # here, not at the top: kv-events' dependencies are optional
+
+        self._batch_of = _batch_decoder().decode
+        self._event = msgspec.msgpack.Decoder().decode
+        self._refused = (ValueError, msgspec.DecodeError)
 
     async def run(self) -> None:
         """Ask where the replica publishes and follow it; asked again every `retry_s` while it
-        publishes nothing. Logged once, not at every retry: a replica started without the flag
-        would otherwise log every few seconds for as long as it runs."""
+        publishes nothing, or after its connection was lost (its blocks dropped: what it said
+        meanwhile is missed). Logged once, not at every retry: a replica started without the
+        flag would otherwise log every few seconds for as long as it runs."""
         logged = False
         while True:
-            problem = "publishes no KV-cache events"
+            problem, kind = "publishes no KV-cache events", "unavailable"
             try:
                 endpoints = await self.scorer.endpoints(self.url)
                 if endpoints:
                     await self._follow(endpoints)
+                    self.blocks.clear()
+                    problem, kind = "lost its event connection", "disconnected"
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the replica is down, or answers nonsense: try later
                 problem = f"cannot be asked where it publishes ({type(exc).__name__})"
-            self.scorer.count(self.url, "unavailable")
+            self.scorer.count(self.url, kind)
             if not logged:
                 log.info("kv events: replica %s %s; asking again every %gs",
                          self.url, problem, self.retry_s)  # fmt: skip
@@ -123,44 +168,69 @@ class ReplicaFeed:
             await asyncio.sleep(self.retry_s)
 
     async def _follow(self, endpoints: list[tuple[str, bytes]]) -> None:
-        import msgspec
+        """Read the replica's batches until a connection to it is lost (ZMQ's monitor says so:
+        after a part over MAX_MESSAGE_BYTES, ZMQ itself never reconnects)."""
         import zmq
+        import zmq.asyncio
 
         socket = self.scorer.zmq_context().socket(zmq.SUB)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        decode = msgspec.msgpack.Decoder().decode
+        socket.setsockopt(zmq.RCVHWM, QUEUED_MESSAGES)
+        lost = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller = zmq.asyncio.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(lost, zmq.POLLIN)
         seqs: dict[int, int] = {}
         try:
             for endpoint, topic in endpoints:
                 socket.setsockopt(zmq.SUBSCRIBE, topic)
                 socket.connect(endpoint)
             while True:
-                frames = await socket.recv_multipart()
-                try:
-                    seq = int.from_bytes(frames[1], "big")
-                    _ts, events, *rest = decode(frames[2])
-                    rank = rest[0] if rest and isinstance(rest[0], int) else 0
-                except (IndexError, TypeError, ValueError, msgspec.DecodeError):
-                    self.scorer.count(self.url, "undecodable")
-                    continue
-                last = seqs.get(rank)
-                if last is not None and seq != last + 1:
-                    self.blocks.clear()  # dropped events, or a restart: what is left may be wrong
-                    self.scorer.count(self.url, "gap")
-                seqs[rank] = seq
-                self._apply(events)
+                ready = dict(await poller.poll())
+                if lost in ready:
+                    return
+                await self._batch(await socket.recv_multipart(), seqs)
                 await asyncio.sleep(0)  # a burst of batches yields between them
         finally:
+            socket.disable_monitor()
+            lost.close()
             socket.close()
 
-    def _apply(self, events: Any) -> None:
-        if not isinstance(events, list):
+    async def _batch(self, frames: list[bytes], seqs: dict[int, int]) -> None:
+        """One batch, `[topic, seq, [ts, events, rank]]`: its events cut apart undecoded, then
+        each decoded and applied, `SLICE_S` at a time."""
+        try:
+            if len(frames) != 3 or len(frames[1]) != 8:
+                raise ValueError("not vLLM's three parts")
+            seq = int.from_bytes(frames[1], "big")
+            batch = self._batch_of(frames[2])
+            events, rank = batch.events, batch.data_parallel_rank or 0
+            if not 0 <= rank < MAX_RANKS:
+                raise ValueError("not a data-parallel rank")
+        except self._refused:
             self.scorer.count(self.url, "undecodable")
             return
+        last = seqs.get(rank)
+        if last is not None and seq != last + 1:
+            self.blocks.clear()  # dropped events, or a restart: what is left may be wrong
+            self.scorer.count(self.url, "gap")
+        seqs[rank] = seq
+        await asyncio.sleep(0)  # the skim (of up to MAX_MESSAGE_BYTES) was this turn's work
         kinds: Counter[str] = Counter()
-        for event in events:
-            kinds[self.blocks.apply(event) if isinstance(event, dict) else "unknown"] += 1
+        began = time.perf_counter()
+        for raw in events:
+            if len(raw) > MAX_EVENT_BYTES:
+                kinds["oversize"] += 1
+                continue
+            event = self._event(raw)  # valid msgpack: the skim above walked it
+            try:
+                kinds[self.blocks.apply(event) if isinstance(event, dict) else "unknown"] += 1
+            except TypeError:  # fields of the wrong types
+                kinds["invalid"] += 1
+            if time.perf_counter() - began > SLICE_S:
+                await asyncio.sleep(0)
+                began = time.perf_counter()
         for kind, n in kinds.items():
             self.scorer.count(self.url, kind, n)
 
