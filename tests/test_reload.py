@@ -243,7 +243,7 @@ async def test_a_billion_laughs_is_refused_at_its_first_anchor(
     stub, gateway_factory, tokenizer_dir, tmp_path, http, admin_token
 ) -> None:
     """9**9 strings from under a kilobyte: refused as the file is read, never expanded (walking it
-    grew the gateway by gigabytes and held SIGTERM until the walk ended)."""
+    grew its memory with the document and held SIGTERM until the walk ended)."""
     gw = await gateway_factory(basic_policy(tokenizer_dir, [stub.url]))
     before = await policy_hash(http, gw.url)
     path = tmp_path / "policy.yaml"
