@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gateway.policy.compile import load_policy
 from gateway.policy.load import PolicyError
@@ -155,6 +156,37 @@ def test_nesting_past_the_limit_is_refused_at_its_line(tmp_path) -> None:
     result = check(path)
     assert result.returncode == 1
     assert result.stderr.startswith(f"{path}:3: (yaml): nested more than 32 levels deep")
+
+
+def test_anchors_and_aliases_read_as_yaml_reads_them(tmp_path) -> None:
+    """A value used twice, as `yaml.safe_dump` writes it (an anchor and an alias) and as people
+    share defaults: a policy is plain YAML."""
+    demo = yaml.safe_load((Path(__file__).parents[1] / "policies" / "demo.yaml").read_text())
+    shared = next(iter(demo["pools"].values()))["replicas"]
+    for pool in demo["pools"].values():
+        pool["replicas"] = shared
+    path = tmp_path / "x.yaml"
+    path.write_text(yaml.safe_dump(demo))
+    assert "&id001" in path.read_text()
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+
+
+def test_aliases_nested_past_the_limit_are_refused(tmp_path) -> None:
+    """Each alias is shallow in the file; expanded, eleven levels of three make 33."""
+    lines = ["l0: &l0 [[[x]]]"] + [f"l{n}: &l{n} [[[*l{n - 1}]]]" for n in range(1, 11)]
+    path = tmp_path / "x.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    result = check(path)
+    assert result.returncode == 1
+    assert "nested more than 32 levels deep once its aliases are expanded" in result.stderr
+
+
+def test_an_alias_inside_its_own_anchor_is_refused_at_its_line(tmp_path) -> None:
+    path = tmp_path / "x.yaml"
+    path.write_text("models: {}\nloop: &loop [1, *loop]\n")
+    result = check(path)
+    assert result.stderr.startswith(f"{path}:2: (yaml): alias *loop is inside its own anchor")
 
 
 def test_alias_over_different_tokenizers_is_refused(tmp_path) -> None:

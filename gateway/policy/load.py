@@ -110,37 +110,75 @@ class LoadedSpec:
 
 
 MAX_DEPTH = 32  # of nested mappings and lists: a policy needs under ten, plug-in parameters a few
+MAX_VALUES = 100_000  # scalars, mappings and lists, aliases counted as what they stand for
 
 
 class _PolicyLoader(yaml.SafeLoader):
-    """YAML without anchors and aliases, nested at most `MAX_DEPTH` deep.
+    """YAML whose aliases cannot blow up: at most `MAX_VALUES` values and `MAX_DEPTH` levels
+    once every alias is expanded, and no alias inside its own anchor.
 
-    A policy is configuration, short enough to write out in full, and aliases are what let a
-    small file stand for a huge or cyclic document: each one is a reference, so a few lines of
+    Anchors and aliases are ordinary YAML (shared defaults, `<<: *base`), and tools that write
+    YAML emit them for any value used twice; but each alias is a reference, so a few lines of
     aliases to aliases make a tree that walking (the line map, validation) visits exponentially
-    often, and an alias inside its own anchor makes a cycle that walking never leaves. Deep
-    nesting exhausts the composer's recursion. Both are refused here as YAML errors at their
-    line, before anything is built.
+    often, and an alias inside its own anchor makes a cycle that walking never leaves. So each
+    node's expanded size and depth are kept as it is composed (aliases cost their target's,
+    already known): linear in the file, and refused as a YAML error at its line before
+    anything is built.
     """
 
-    depth = 0
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.depth = 0
+        self.expanded: dict[int, tuple[int, int]] = {}  # id(node) -> (values, depth)
+        self.open_anchors: set[str] = set()
 
     def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
         event = self.peek_event()  # type: ignore[no-untyped-call]
-        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
-            raise yaml.composer.ComposerError(
-                None, None, "anchors and aliases (&name, *name) are not allowed in a policy;"
-                " write the value out where it is used", event.start_mark,
-            )  # fmt: skip
+        if isinstance(event, yaml.AliasEvent):
+            if event.anchor in self.open_anchors:
+                raise self._refused(f"alias *{event.anchor} is inside its own anchor", event)
+            return super().compose_node(parent, index)
         if self.depth >= MAX_DEPTH:
-            raise yaml.composer.ComposerError(
-                None, None, f"nested more than {MAX_DEPTH} levels deep", event.start_mark
-            )
+            raise self._refused(f"nested more than {MAX_DEPTH} levels deep", event)
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None:
+            self.open_anchors.add(anchor)
         self.depth += 1
         try:
-            return super().compose_node(parent, index)
+            node = super().compose_node(parent, index)
         finally:
             self.depth -= 1
+            self.open_anchors.discard(anchor)
+        values, depth = self._expanded(node)
+        if values > MAX_VALUES:
+            raise self._refused(
+                f"stands for more than {MAX_VALUES:,} values once its aliases are expanded", event
+            )
+        if self.depth + depth > MAX_DEPTH:
+            raise self._refused(
+                f"nested more than {MAX_DEPTH} levels deep once its aliases are expanded", event
+            )
+        return node
+
+    def _expanded(self, node: yaml.Node | None) -> tuple[int, int]:
+        """Values and depth of `node` with its aliases expanded, from its children's."""
+        if isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            children = [child for pair in node.value for child in pair]
+        else:
+            return 1, 0
+        values, depth = 1, 0
+        for child in children:
+            child_values, child_depth = self.expanded.get(id(child), (1, 0))
+            values += child_values
+            depth = max(depth, child_depth + 1)
+        self.expanded[id(node)] = values, depth
+        return values, depth
+
+    @staticmethod
+    def _refused(problem: str, event: Any) -> yaml.composer.ComposerError:
+        return yaml.composer.ComposerError(None, None, problem, event.start_mark)
 
 
 def _parse(text: str, name: str) -> tuple[yaml.Node | None, Any]:
