@@ -12,10 +12,17 @@ from gateway.tokenizer_threads import CountingThreads
 
 async def test_a_job_that_waits_for_the_only_thread_is_counted_with_its_wait() -> None:
     pool = CountingThreads(1, "tokenize-test")
-    release = threading.Event()
+    started, release = threading.Event(), threading.Event()
+
+    def hold() -> bool:
+        started.set()
+        return release.wait(5.0)
+
     try:
-        first = asyncio.ensure_future(pool.run(release.wait, 5.0))
+        first = asyncio.ensure_future(pool.run(hold))
         second = asyncio.ensure_future(pool.run(sum, range(100_000)))
+        while not started.is_set():  # the first job's thread may start a moment later
+            await asyncio.sleep(0.001)
         await asyncio.sleep(0.05)  # the second job is queued behind the first all this time
         release.set()
         assert await first is True
