@@ -27,6 +27,7 @@ async def gw(stub, gateway_factory, tokenizer_dir):
         "max_json_depth": 8,
         "max_messages": 4,
         "max_content_parts": 4,
+        "max_n": 4,
         "max_prompt_chars": 100,
         "idle_timeout_s": 0.5,
         "body_timeout_s": 0.5,
@@ -95,6 +96,13 @@ def _chat(**fields: object) -> bytes:
             "prompt_too_long",
             "prompt",
         ),
+        ("chat/completions", _chat(n=5, max_tokens=1000), "too_many_choices", "n"),
+        (
+            "completions",
+            orjson.dumps({"model": "tiny", "prompt": "x", "n": 5}),
+            "too_many_choices",
+            "n",
+        ),
     ],
 )
 async def test_body_limits_are_400_before_any_tokenizer_work(
@@ -115,6 +123,7 @@ async def test_at_the_limits_is_served(gw, stub, http) -> None:
         # 100 characters a template may print: four roles of 4 and four contents of 21
         "messages": [{"role": "user", "content": "x" * 21}] * 4,
         "extra": {"a": [[[[[1]]]]]},  # depth 7 with the body itself
+        "n": 4,
     }
     async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
         assert resp.status == 200

@@ -80,6 +80,34 @@ async def test_an_oversized_request_runs_alone_on_an_idle_replica() -> None:
     assert (await small).replica.inflight_tokens == 10
 
 
+async def test_requests_that_fit_pass_a_head_waiting_for_an_idle_replica() -> None:
+    slots = pool(replicas=2, cap=4, max_inflight_tokens=100)
+    kept, other = slots.replicas
+    running = [await slots.acquire(Claim(10)) for _ in range(2)]  # one on each replica
+    big = asyncio.create_task(slots.acquire(Claim(500)))  # needs a replica to itself
+    await asyncio.sleep(0)
+    shorts = [asyncio.create_task(slots.acquire(Claim(10))) for _ in range(3)]
+    passed = await asyncio.gather(*shorts)  # served while the head waits, not after it
+    assert {grant.replica for grant in passed} == {other} and kept.inflight == 1
+    assert not big.done()
+    slots.release(next(grant for grant in running if grant.replica is kept))
+    alone = await big  # the replica kept for it took nothing new, and drained
+    assert alone.replica is kept and kept.inflight == 1
+
+
+async def test_with_one_replica_nothing_passes_a_head_waiting_for_it_to_drain() -> None:
+    slots = pool(cap=4, max_inflight_tokens=100)
+    running = await slots.acquire(Claim(10))
+    big = asyncio.create_task(slots.acquire(Claim(500)))
+    await asyncio.sleep(0)
+    short = asyncio.create_task(slots.acquire(Claim(10)))
+    await asyncio.sleep(0)
+    assert slots.waiting == 2  # a request passing it would put off the drain it waits for
+    slots.release(running)
+    slots.release(await big)
+    assert (await short).replica.inflight == 1
+
+
 async def test_capacity_and_queue_shrink_with_the_pool() -> None:
     slots = pool(replicas=2, cap=3, queue={"max_depth": 4}, health={"consecutive_failures": 1})
     assert (slots.capacity, slots.max_depth) == (6, 4)

@@ -1,7 +1,8 @@
 """A pool's queue: strictly by tier, and within a tier by weighted fair share of the tokens each
 tenant is served (start-time fair queuing), so a tenant flooding the queue cannot starve another
 of its tier. One queue per reservation group: slots a class keeps are no use to the others, so a
-waiter that fits them passes the head of another group, never one of its own.
+waiter that fits them passes the head of another group, never one of its own, but for a head that
+needs an idle replica (`Queue.heads`).
 """
 
 from __future__ import annotations
@@ -179,17 +180,47 @@ class Queue:
         """Who may be served next, in dispatch order, and on which of `replicas`: the head of
         each group's queue, on any of them, and behind a head that avoids some (a retry), those
         after it up to the first that avoids none, each only on replicas every waiter before
-        it avoids. So no waiter ever passes another to a slot that one could take."""
+        it avoids. So no waiter ever passes another to a slot that one could take, but for a
+        head that only an idle replica can take (`_passing`)."""
         heads: list[tuple[Waiter, Sequence[Replica]]] = []
         for heap in self.heaps:
             while heap and heap[0].future.done():  # abandoned (timed out, cancelled) or granted
                 heapq.heappop(heap)
             if heap and heap[0].avoid:
                 heads += self._front(heap, replicas)
+            elif heap and (passing := self._passing(heap, replicas)):
+                heads += passing
             elif heap:
                 heads.append((heap[0], replicas))
         heads.sort(key=itemgetter(0))
         return heads
+
+    @staticmethod
+    def _passing(
+        heap: list[Waiter], replicas: Sequence[Replica]
+    ) -> list[tuple[Waiter, Sequence[Replica]]]:
+        """A head over the token cap on its own runs only on an idle replica: held strictly in
+        order, every request behind it waits for a replica to drain, though the others have
+        room. So while none is idle the replica nearest idle (fewest in-flight tokens) is kept
+        for the head, taking nothing new, and those behind it may pass it to slots they fit on
+        the others; the head is still first in line for any replica that goes idle. With one
+        replica in service nothing passes: it is the head's. Empty for any other head."""
+        head = heap[0]
+        up = [r for r in replicas if r.up]
+        if len(up) < 2 or not all(r.needs_alone(head.claim) and r.inflight for r in up):
+            return []
+        kept = min(up, key=lambda r: (r.inflight_tokens, r.inflight))
+        others = [r for r in up if r is not kept]
+        free = sum(max(0, r.cap - r.inflight) for r in others)  # at most this many pass now
+        popped: list[Waiter] = []  # in order, and pushed back: the heap also holds served ones
+        front: list[tuple[Waiter, Sequence[Replica]]] = []
+        while heap and len(front) <= free:
+            popped.append(waiter := heapq.heappop(heap))
+            if not waiter.future.done():
+                front.append((waiter, others if front else replicas))
+        for waiter in popped:
+            heapq.heappush(heap, waiter)
+        return front
 
     @staticmethod
     def _front(

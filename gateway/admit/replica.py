@@ -110,6 +110,10 @@ class Replica:
             or self.inflight_tokens + claim.tokens <= self.max_tokens
         )
 
+    def needs_alone(self, claim: Claim) -> bool:
+        """`claim` is over the token cap on its own: it runs only once this replica is idle."""
+        return self.max_tokens is not None and claim.tokens > self.max_tokens
+
     def take(self, claim: Claim) -> None:
         """Count a slot handed out here (before the ledger answers, so nothing overbooks)."""
         self.inflight += 1

@@ -564,6 +564,14 @@ class ServerSpec(Spec):
             " `too_many_parts`. Each part is checked on the event loop before counting."
         ),
     )
+    max_n: PositiveInt = Field(
+        16,
+        description=(
+            "Completions one request may ask for (`n`); beyond it: 400 `too_many_choices`. A"
+            " request holds its prompt plus `n` outputs against a replica's"
+            " `max_inflight_tokens`, and one that needs a replica to itself waits for it to drain."
+        ),
+    )
     max_prompt_chars: PositiveInt = Field(
         1_000_000,
         description=(
