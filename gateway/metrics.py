@@ -172,8 +172,8 @@ class _Gauges(Collector):
             "KV-cache events read per replica by kind (BlockStored, BlockRemoved,"
             " AllBlocksCleared; `gap`: sequence numbers skipped, the replica's blocks dropped;"
             " `unavailable`: no endpoint to follow yet; `disconnected`: the connection lost,"
-            " the replica's blocks dropped; refused: `undecodable` batches, `oversize` and"
-            " `invalid` events; `unknown`).",
+            " the replica's blocks dropped; refused: `undecodable` batches or messages,"
+            " `oversize` events or message parts, `invalid` events; `unknown`).",
             labels=["pool", "replica", "kind"],
         )
         precise_blocks = CounterMetricFamily(

@@ -8,18 +8,20 @@ is the prompt's token ids: the request's prompt is encoded whole (on the tokeniz
 long), where counting alone is memoized per message (docs/benchmarks.md, "Prefix hashing").
 
 Each replica is asked where it publishes (`GET /kv_event_sources`, vLLM's own endpoint: a `*`
-host there is the replica's host), or the policy names the endpoint; one SUB socket per
+host there is the replica's host), or the policy names the endpoint; one subscription per
 replica follows it until the replica leaves, restarts or is ejected, when what it said is
 forgotten. A gap in a publisher's sequence numbers (events dropped, or a restart) drops the
 replica's blocks too: missed removals would otherwise leave blocks it no longer holds.
 
-A feed is bounded whatever the replica sends, in time and memory alike. ZMQ refuses a message
-part over `MAX_MESSAGE_BYTES` before reading it, and queues at most `QUEUED_MESSAGES` for the
-feed (past that it stops reading and the publisher queues or drops). A batch is not decoded
+A feed is bounded whatever the replica sends, in time and memory alike. The subscription
+speaks ZMQ's wire protocol itself (`zmtp`: libzmq's SUB socket holds a message of endless parts
+whole, and stops following after refusing one too large): it reads one message at a time, of at
+most three parts of `MAX_MESSAGE_BYTES` each (past that the kernel's buffers fill and the
+publisher queues or drops), and ends the connection on any breach. A batch is not decoded
 whole: its events are cut apart undecoded (`msgspec.Raw`, a skim of the bytes) and each is
 decoded and applied on its own, one over `MAX_EVENT_BYTES` counted `oversize` and skipped, the
-loop's other work let in every `SLICE_S`: so no batch holds the event loop for more than one
-event's work, whatever its size. The replica's index is bounded by `capacity_blocks` (and its
+loop's other work let in every `SLICE_S`: so the loop is held at most for one skim or one
+event's work, whatever the batch. The replica's index is bounded by `capacity_blocks` (and its
 entries' size by `EngineBlocks`).
 """
 
@@ -37,6 +39,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from pydantic import Field, PositiveFloat, PositiveInt
 
+from gateway.pick import zmtp
 from gateway.pick.kv_events import EngineBlocks, token_blocks
 from gateway.pick.scorers import Scorer, _Params
 from gateway.policy.plugins import PluginError, register
@@ -48,10 +51,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # One engine step's events: a 128k-token prefill in 16-token blocks is about 1 MB of msgpack.
-# ZMQ refuses a bigger part as it arrives and closes that connection for good (a protocol error
-# is never reconnected): `ReplicaFeed.run` notices and starts over.
+# A bigger message part ends the connection before its body is read (`zmtp`).
 MAX_MESSAGE_BYTES = 4 << 20
-QUEUED_MESSAGES = 8  # whole messages ZMQ holds for a feed: with the above, its memory's bound
+CONNECT_TIMEOUT_S = 5.0
 # One request's blocks stored in one engine step: beyond any step vLLM takes, and at most what
 # the loop is held for at once (decoding and applying are about equal shares of it).
 MAX_EVENT_BYTES = 1 << 20
@@ -144,58 +146,57 @@ class ReplicaFeed:
 
     async def run(self) -> None:
         """Ask where the replica publishes and follow it; asked again every `retry_s` while it
-        publishes nothing, or after its connection was lost (its blocks dropped: what it said
-        meanwhile is missed). Logged once, not at every retry: a replica started without the
-        flag would otherwise log every few seconds for as long as it runs."""
+        publishes nothing or cannot be followed, or after its connection ended (its blocks
+        dropped: what it said meanwhile is missed). Logged once, not at every retry: a replica
+        started without the flag would otherwise log every few seconds for as long as it runs."""
         logged = False
         while True:
-            problem, kind = "publishes no KV-cache events", "unavailable"
+            problem, kinds = "publishes no KV-cache events", ["unavailable"]
             try:
                 endpoints = await self.scorer.endpoints(self.url)
                 if endpoints:
-                    await self._follow(endpoints)
+                    ended = await self._follow(endpoints)
                     self.blocks.clear()
-                    problem, kind = "lost its event connection", "disconnected"
+                    problem, kinds = f"ended its event connection: {ended}", [ended.kind]
+                    if ended.kind != "disconnected":
+                        kinds.append("disconnected")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the replica is down, or answers nonsense: try later
-                problem = f"cannot be asked where it publishes ({type(exc).__name__})"
-            self.scorer.count(self.url, kind)
+                problem = f"cannot be followed ({type(exc).__name__})"
+            for kind in kinds:
+                self.scorer.count(self.url, kind)
             if not logged:
                 log.info("kv events: replica %s %s; asking again every %gs",
                          self.url, problem, self.retry_s)  # fmt: skip
                 logged = True
             await asyncio.sleep(self.retry_s)
 
-    async def _follow(self, endpoints: list[tuple[str, bytes]]) -> None:
-        """Read the replica's batches until a connection to it is lost (ZMQ's monitor says so:
-        after a part over MAX_MESSAGE_BYTES, ZMQ itself never reconnects)."""
-        import zmq
-        import zmq.asyncio
-
-        socket = self.scorer.zmq_context().socket(zmq.SUB)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        socket.setsockopt(zmq.RCVHWM, QUEUED_MESSAGES)
-        lost = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        poller = zmq.asyncio.Poller()
-        poller.register(socket, zmq.POLLIN)
-        poller.register(lost, zmq.POLLIN)
+    async def _follow(self, endpoints: list[tuple[str, bytes]]) -> zmtp.Ended:
+        """Read every endpoint's batches until one's connection ends, and say why. A failure to
+        connect is raised."""
         seqs: dict[int, int] = {}
+        readers = [asyncio.create_task(self._read(e, topic, seqs)) for e, topic in endpoints]
         try:
-            for endpoint, topic in endpoints:
-                socket.setsockopt(zmq.SUBSCRIBE, topic)
-                socket.connect(endpoint)
-            while True:
-                ready = dict(await poller.poll())
-                if lost in ready:
-                    return
-                await self._batch(await socket.recv_multipart(), seqs)
+            done, _ = await asyncio.wait(readers, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in readers:
+                task.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
+        exc = next(iter(done)).exception()
+        assert exc is not None  # a reader ends only by raising
+        if isinstance(exc, zmtp.Ended):
+            return exc
+        raise exc
+
+    async def _read(self, endpoint: str, topic: bytes, seqs: dict[int, int]) -> None:
+        reader, writer = await zmtp.subscribe(endpoint, topic, CONNECT_TIMEOUT_S)
+        try:
+            async for frames in zmtp.messages(reader, MAX_MESSAGE_BYTES, 3):
+                await self._batch(frames, seqs)
                 await asyncio.sleep(0)  # a burst of batches yields between them
         finally:
-            socket.disable_monitor()
-            lost.close()
-            socket.close()
+            writer.close()
 
     async def _batch(self, frames: list[bytes], seqs: dict[int, int]) -> None:
         """One batch, `[topic, seq, [ts, events, rank]]`: its events cut apart undecoded, then
@@ -245,11 +246,9 @@ class PrecisePrefixScorer(Scorer):
     def __init__(self, params: PreciseParams) -> None:
         try:
             import msgspec  # noqa: F401
-            import zmq  # noqa: F401
         except ImportError:
             raise PluginError(
-                "precise_prefix needs pyzmq and msgspec:"
-                " pip install 'llm-admission-gateway[kv-events]'"
+                "precise_prefix needs msgspec: pip install 'llm-admission-gateway[kv-events]'"
             ) from None
         self.params = params
         self.blocks: dict[str, EngineBlocks] = {}
@@ -257,7 +256,6 @@ class PrecisePrefixScorer(Scorer):
         self.events: Counter[tuple[str, str]] = Counter()  # (replica, kind) -> events
         self.blocks_sent = 0
         self.blocks_matched = 0
-        self._zmq: Any = None
         self._http: aiohttp.ClientSession | None = None
 
     @property
@@ -312,8 +310,6 @@ class PrecisePrefixScorer(Scorer):
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._http is not None:
             await self._http.close()
-        if self._zmq is not None:
-            self._zmq.term()
 
     def count(self, url: str, kind: str, n: int = 1) -> None:
         self.events[(url, kind)] += n
@@ -326,13 +322,6 @@ class PrecisePrefixScorer(Scorer):
         blocks = self.blocks[url] = EngineBlocks(self.params.capacity_blocks)
         feed = self.feeds[url] = ReplicaFeed(url, blocks, self, self.params.retry_s)
         feed.task = loop.create_task(feed.run(), name=f"kv-events {url}")
-
-    def zmq_context(self) -> Any:
-        if self._zmq is None:
-            import zmq.asyncio
-
-            self._zmq = zmq.asyncio.Context()
-        return self._zmq
 
     async def endpoints(self, url: str) -> list[tuple[str, bytes]]:
         template = self.params.endpoint
