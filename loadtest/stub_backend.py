@@ -32,6 +32,8 @@ class StubConfig:
     # usage.prompt_tokens to report. None reports none: the stub has no tokenizer, and the gateway
     # settles a tenant's tokens on a replica's count, so a guess would skew every window.
     prompt_tokens: int | None = None
+    # A test's hold on the answers: each waits, counted as running, until it is set.
+    gate: asyncio.Event | None = None
 
 
 @dataclass
@@ -110,6 +112,8 @@ async def _answer(request: web.Request, kind: str) -> web.StreamResponse:
     stats.running += 1
     stats.max_running = max(stats.max_running, stats.running)
     try:
+        if config.gate is not None:
+            await config.gate.wait()
         if config.delay_s:
             await asyncio.sleep(config.delay_s)
         if not body.get("stream"):

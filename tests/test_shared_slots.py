@@ -147,6 +147,37 @@ async def test_redis_down_each_gateway_keeps_its_share_of_the_cap_then_shares_ag
     assert gw.inflight() == 0
 
 
+async def test_redis_down_the_shares_count_the_slots_each_gateway_already_holds(
+    fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    """Two gateways hold 3 and 1 of a replica's 4 slots when Redis dies. An even share, 2 each,
+    let the one holding 1 take another while the other still ran its 3: 5 running."""
+    gate = asyncio.Event()
+    replica = await stub_factory(gate=gate)  # every request runs until the gate opens
+    policy = shared_policy(
+        tokenizer_dir, replica.url, fresh_redis, cap=4, gateways=2, lease_ttl_s=1.5
+    )
+    more, less = await gateway_factory(policy), await gateway_factory(policy)
+    load = [asyncio.create_task(post(http, more.url)) for _ in range(3)]
+    await eventually(lambda: replica.stats.running == 3)
+    load.append(asyncio.create_task(post(http, less.url)))
+    await eventually(lambda: replica.stats.running == 4)
+    pools = [gw.gateway.slots["main"] for gw in (more, less)]
+    # A renewal tells each of the other's leases; then both have requests waiting.
+    await eventually(lambda: [p.replicas[0].leased_elsewhere for p in pools] == [1, 3])
+    load += [asyncio.create_task(post(http, gw.url)) for gw in (more, less) for _ in range(2)]
+    await eventually(lambda: more.waiting() == less.waiting() == 2)
+
+    fresh_redis.stop()
+    await eventually(lambda: all(p.degraded for p in pools))
+    # What each may hold now, or holds still if more, is within the cap together.
+    assert sum(max(p.replicas[0].inflight, p.replicas[0].cap) for p in pools) == 4
+    gate.set()
+    assert await asyncio.gather(*load) == [200] * 8
+    assert replica.stats.max_running == 4
+    assert more.inflight() == less.inflight() == 0
+
+
 async def test_redis_down_and_failing_closed_answers_503_at_once_then_recovers(
     fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http
 ) -> None:

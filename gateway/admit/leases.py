@@ -92,6 +92,10 @@ class Leases:
                     continue
             else:
                 granted, replica.shared = result
+                # This one is in the count, not yet among `lease_ids`; one released here that
+                # Redis has not heard of yet counts as elsewhere: a failing ledger leaves less.
+                mine = len(replica.lease_ids) + (1 if granted else 0)
+                replica.leased_elsewhere = max(0, replica.shared - mine)
                 if not granted:
                     replica.untake(claim)
                     replica.blocked_until = time.monotonic() + POLL_S
@@ -135,6 +139,7 @@ class Leases:
         for replica, leases, total in zip(replicas, held, totals, strict=True):
             if total is not None:
                 replica.shared = total
+                replica.leased_elsewhere = max(0, total - len(leases))
             # Released while the renewal was under way: its release may have reached Redis
             # first and the renewal written it back.
             for workload, lease in leases:

@@ -37,6 +37,7 @@ class Replica:
         "kept_warned_at",
         "key",
         "lease_ids",
+        "leased_elsewhere",
         "leases",
         "max_concurrency",
         "max_tokens",
@@ -65,6 +66,7 @@ class Replica:
         self.leases = 0  # slots handed out by `slot()` and not yet given back
         self.lease_ids: dict[str, str] = {}  # the ledger's leases held here -> reserved class
         self.shared: int | None = None  # leases on it across all gateways, as last seen
+        self.leased_elsewhere: int | None = None  # of those, the other gateways', at most
         self.blocked_until = 0.0  # the ledger refused a lease: not asked again before this
         self.observed: int | None = None  # the replica's own running + waiting, last scraped
         self.others = 0  # of those, not this gateway's (other gateways', or clients' direct)

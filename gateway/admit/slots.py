@@ -74,15 +74,28 @@ class PoolSlots:
         for replica in self.replicas:
             replica.key = f"{{{self.name}|{replica.url}}}"
             replica.max_concurrency = spec.max_concurrency
-            replica.cap = self._cap()
+            replica.cap = self._cap(replica)
             replica.max_tokens = spec.max_inflight_tokens
             replica.reserve = reserve
 
-    def _cap(self) -> int:
+    def _cap(self, replica: Replica) -> int:
+        """The slots this gateway may hold on `replica`: all of its `max_concurrency` while the
+        ledger answers. While it fails open, the slots it already holds and a `1/gateways`
+        share of those no gateway held when it last heard from the ledger: the others keep
+        theirs and take no more than their share of the free ones either, so together they
+        stay within the cap, though the slots held then stay where they were until the ledger
+        is back. An even share of the cap would let a gateway that held less fill its share
+        while one that held more still ran its surplus. A replica never leased here (new in a
+        reload) gets the even share; the share never grows while the ledger stays down."""
         cap = self.spec.max_concurrency
-        if self.degraded and self.ledger is not None:
-            return max(1, cap // self.ledger.gateways)
-        return cap
+        if not self.degraded or self.ledger is None:
+            return cap
+        gateways = self.ledger.gateways
+        if replica.leased_elsewhere is None:
+            return max(1, cap // gateways)
+        held = len(replica.lease_ids)
+        free = max(0, cap - replica.leased_elsewhere - held)
+        return min(replica.cap, held + free // gateways)
 
     def update(self, spec: PoolSpec, picker: Picker) -> None:
         """Take a reloaded pool spec. Replicas that stay keep their counts and health; new ones
@@ -205,10 +218,10 @@ class PoolSlots:
 
     def _degraded_changed(self) -> None:
         for replica in self.replicas:
-            replica.cap = self._cap()
+            replica.cap = self._cap(replica)
         if self.degraded:
-            log.error("pool %s: the slot ledger is unreachable; each replica's cap here is %d",
-                      self.name, self._cap())  # fmt: skip
+            log.error("pool %s: the slot ledger is unreachable; the replicas' caps here: %s",
+                      self.name, {r.url: r.cap for r in self.replicas})  # fmt: skip
         else:
             log.warning("pool %s: the slot ledger is back; caps are shared again", self.name)
             self._dispatch()
