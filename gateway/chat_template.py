@@ -232,6 +232,18 @@ def tool_call_function(call: Any) -> dict[str, Any]:
     return function
 
 
+def arguments_chars(body: dict[str, Any]) -> int:
+    """Characters of the assistant tool calls' arguments, which rendering parses as JSON."""
+    total = 0
+    for message in body["messages"]:
+        calls = message.get("tool_calls") if message.get("role") == "assistant" else None
+        for call in calls if isinstance(calls, list) else ():
+            function = call.get("function") if isinstance(call, dict) else None
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            total += len(arguments) if isinstance(arguments, str) else 0
+    return total
+
+
 def _tool_call(call: Any) -> dict[str, Any]:
     """A tool call with its arguments as a dict, as `_postprocess_messages` leaves it."""
     function = tool_call_function(call)
@@ -243,6 +255,10 @@ def _tool_call(call: Any) -> dict[str, Any]:
             arguments = None
         except ValueError as exc:  # e.g. an integer of more digits than Python converts
             raise BadRequest(f"tool call arguments: {exc}", param="tool_calls") from None
+        except RecursionError:  # nested past what Python's parser (and so vLLM's) can read
+            raise BadRequest(
+                "tool call arguments are nested too deep to parse", param="tool_calls"
+            ) from None
     parsed = arguments if isinstance(arguments, dict) else {}
     return {**call, "function": {**function, "arguments": parsed}}
 

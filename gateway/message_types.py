@@ -67,12 +67,24 @@ def _typed(required: dict[str, Check], optional: dict[str, Check] | None = None)
     return check
 
 
+def _number(value: Any) -> bool:
+    """pydantic's lax `int | float`: numbers and booleans, and strings Python's float reads."""
+    if isinstance(value, int | float):
+        return True
+    if not isinstance(value, str):
+        return False
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
+
+
 def _embeds(value: Any) -> int | None:
     if value is None or isinstance(value, str):
         return 0
     if isinstance(value, dict) and all(
-        isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, int | float) for x in v))
-        for v in value.values()
+        isinstance(v, str) or (isinstance(v, list) and all(map(_number, v))) for v in value.values()
     ):
         return 0
     return None
@@ -225,18 +237,38 @@ _TOOL_CALL = _typed(
 )
 
 
-def _tool_calls(calls: Any) -> int | None:
-    if calls is None:
+_TOOL = _typed(
+    {
+        "type": _literal("function"),
+        "function": _typed(
+            {"name": _string},
+            {
+                "description": _string,
+                "parameters": lambda v: 0 if isinstance(v, dict) else None,
+                "strict": lambda v: 0 if v is None else _boolean(v),
+            },
+        ),
+    }
+)
+
+
+def _listed(items: Any, check: Check) -> int | None:
+    """A list of typed dicts: the fields they set, or None if one does not validate."""
+    if items is None:
         return 0
-    if not isinstance(calls, list):
+    if not isinstance(items, list):
         return None
     total = 0
-    for call in calls:
-        score = _TOOL_CALL(call)
+    for item in items:
+        score = check(item)
         if score is None:
             return None
         total += score
     return total
+
+
+def _tool_calls(calls: Any) -> int | None:
+    return _listed(calls, _TOOL_CALL)
 
 
 def _vllm_type(message: dict[str, Any], beat: int) -> int | None:
@@ -253,7 +285,7 @@ def _vllm_type(message: dict[str, Any], beat: int) -> int | None:
         elif name in ("tool_call_id", "reasoning", "task"):
             nested = _optional_string(value)
         elif name == "tools":
-            nested = 0 if value is None or isinstance(value, list) else None
+            nested = _listed(value, _TOOL)
         else:
             continue  # an unknown key is ignored
         if nested is None:
@@ -310,11 +342,16 @@ def _openai_type(role: str, message: dict[str, Any]) -> int | None:
     return score
 
 
+_PLAIN_KEYS = frozenset({"role", "content", "name"})
+
+
 def check_message_type(message: dict[str, Any], index: int) -> None:
     """Refuse `message` (400) as vLLM's request model would; `reasoning_content` is read as
     vLLM renames it, to `reasoning`."""
-    if len(message) == 2 and isinstance(message.get("content"), str):
-        return  # a role and a string: valid as either type, nothing read lazily
+    if isinstance(message.get("content"), str) and _PLAIN_KEYS.issuperset(message):
+        name = message.get("name", "")
+        if isinstance(name, str):
+            return  # a role, a string and a name: valid as either type, nothing read lazily
     if "reasoning_content" in message:
         message = dict(message)
         renamed = message.pop("reasoning_content")

@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from gateway.chat_template import extra_fields, lax_bool, part_kind, tool_call_function
+from gateway.chat_template import extra_fields, lax_bool, part_kind
 from gateway.context import Ctx
 from gateway.errors import BadRequest, UnsupportedMediaType
 from gateway.message_types import check_message_type
@@ -176,11 +176,11 @@ def check_prompt_chars(chars: int, limits: ServerSpec, param: str) -> None:
 
 
 _TEMPLATE_FLAGS = (("add_generation_prompt", True), ("continue_final_message", False))
-# The fields besides role and content a template may render (gateway/chat_template.py): strings.
-_STRING_FIELDS = ("name", "tool_call_id", "reasoning", "reasoning_content", "task")
+# The fields besides role, content and tool calls a template may render (gateway/chat_template.py).
+_TEXT_FIELDS = ("name", "tool_call_id", "reasoning", "reasoning_content", "task")
 
 
-def _message_chars(message: Any, index: int, limits: ServerSpec) -> tuple[int, int]:
+def _message_chars(message: Any, index: int) -> tuple[int, int]:
     """Characters a template may render of one message, and its images; bounded and checked."""
     param = f"messages[{index}]"
     role = message.get("role") if isinstance(message, dict) else None
@@ -192,20 +192,13 @@ def _message_chars(message: Any, index: int, limits: ServerSpec) -> tuple[int, i
             param=f"{param}.role",
             code="role_too_long",
         )
-    check_message_type(message, index)
-    chars, images = _content_chars(message.get("content"), index)
-    for field in _STRING_FIELDS:
-        value = message.get(field)
-        if value is not None and not isinstance(value, str):
-            raise BadRequest(f"{param}.{field} must be a string", param=f"{param}.{field}")
-        chars += len(value or "")
     calls = message.get("tool_calls")
-    if calls is not None and not isinstance(calls, list):
-        raise BadRequest(f"{param}.tool_calls must be an array", param=f"{param}.tool_calls")
-    for call in calls or ():
-        arguments = tool_call_function(call).get("arguments")
-        if isinstance(arguments, str) and arguments:  # parsed for the template, as a body is
-            _check_depth(arguments.encode(), None, limits.max_json_depth)
+    if isinstance(calls, str | dict):  # vLLM's request model lists any iterable but a list
+        calls = message["tool_calls"] = list(calls)
+    check_message_type(message, index)  # tool calls included, where vLLM reads them
+    chars, images = _content_chars(message.get("content"), index)
+    for field in _TEXT_FIELDS:  # of any type: vLLM prints only strings, and only some
+        chars += text_chars(message.get(field))
     return len(role) + chars + text_chars(calls) + text_chars(message.get("tools")), images
 
 
@@ -228,7 +221,7 @@ def _check_tools(tools: Any, choice: Any) -> None:
         )
     function = choice.get("function")
     name = function.get("name") if isinstance(function, dict) else None
-    if not isinstance(name, str) or not name:
+    if choice.get("type", "function") != "function" or not isinstance(name, str) or not name:
         raise BadRequest(
             "`tool_choice` must name a function: "
             '{"type": "function", "function": {"name": "my_function"}}',
@@ -241,6 +234,28 @@ def _check_tools(tools: Any, choice: Any) -> None:
         )
 
 
+def _optional_bool(value: Any) -> bool:
+    try:
+        lax_bool(value, "", False, nullable=True)
+    except BadRequest:
+        return False
+    return True
+
+
+def _function_tool(tool: Any) -> bool:
+    """Whether `tool` validates as vLLM's `ChatCompletionToolsParam`."""
+    function = tool.get("function") if isinstance(tool, dict) else None
+    return (
+        isinstance(function, dict)
+        and tool.get("type", "function") == "function"
+        and _optional_bool(tool.get("defer_loading"))
+        and isinstance(function.get("name"), str)
+        and isinstance(function.get("description", ""), str | None)
+        and isinstance(function.get("parameters", {}), dict | None)
+        and all(_optional_bool(function.get(key)) for key in ("strict", "defer_loading"))
+    )
+
+
 def _check_tool_list(tools: Any) -> None:
     if tools == []:
         raise BadRequest(
@@ -248,15 +263,10 @@ def _check_tool_list(tools: Any) -> None:
             " field entirely.",
             param="tools",
         )
-    if not isinstance(tools, list) or not all(
-        isinstance(tool, dict)
-        and tool.get("type", "function") == "function"
-        and isinstance(tool.get("function"), dict)
-        and isinstance(tool["function"].get("name"), str)
-        for tool in tools
-    ):
+    if not isinstance(tools, list) or not all(map(_function_tool, tools)):
         raise BadRequest(
-            "'tools' must be an array of function tools, each with a string 'function.name'",
+            "'tools' must be an array of function tools, each with a string 'function.name' (and"
+            " a string description, an object of parameters, boolean strict and defer_loading)",
             param="tools",
             code="invalid_type",
         )
@@ -313,7 +323,7 @@ def check_chat(body: dict[str, Any], limits: ServerSpec) -> int:
         raise BadRequest("'documents' must be an array", param="documents", code="invalid_type")
     chars = images = 0
     for index, message in enumerate(messages):
-        message_chars, message_images = _message_chars(message, index, limits)
+        message_chars, message_images = _message_chars(message, index)
         chars += message_chars
         images += message_images
     chars += text_chars(body.get("tools")) + text_chars(documents) + text_chars(kwargs)
@@ -387,10 +397,6 @@ def parse(ctx: Ctx, content_type: str, raw: bytes, limits: ServerSpec) -> None:
         check_prompt_chars(chars, limits, "prompt")
         max_output = _positive_int(body, "max_tokens")
     n = _positive_int(body, "n") or 1
-    if n > limits.max_n:
-        raise BadRequest(
-            f"'n' is {n}, over the {limits.max_n} limit", param="n", code="too_many_choices"
-        )
     stream = lax_bool(body.get("stream"), "stream", False, nullable=True)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):

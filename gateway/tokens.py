@@ -24,7 +24,7 @@ import os
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from gateway.chat_template import ChatTemplate, message_text
+from gateway.chat_template import ChatTemplate, arguments_chars, message_text
 from gateway.encoders import AUTO, Backend, Encoder, choose, ids
 from gateway.policy.schema import ServerSpec
 from gateway.tokenfloor import TokenFloor
@@ -38,9 +38,12 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 T = TypeVar("T")
-# Rendering costs per message (7-18 us each on real templates, Qwen 3's the slowest): a chat with
-# more is rendered on the tokenizer threads, where the GIL's switch interval lets the loop run.
+# Rendering costs per message (7-18 us each on real templates, Qwen 3's the slowest), and per
+# value of the tool calls' arguments it parses as JSON (a dense megabyte: ~30 ms): a chat with
+# more of either is rendered on the tokenizer threads, where the GIL's switch interval lets the
+# loop run.
 INLINE_RENDER_MESSAGES = 128
+INLINE_ARGUMENTS_CHARS = 32_768
 
 
 class TooManyTokens(Exception):
@@ -207,7 +210,10 @@ class HFCounter:
 
     async def _rendered(self, body: dict[str, Any]) -> str:
         """The chat's prompt text; rendered on the tokenizer threads when it has many messages."""
-        if self.threads is not None and len(body["messages"]) > INLINE_RENDER_MESSAGES:
+        if self.threads is not None and (
+            len(body["messages"]) > INLINE_RENDER_MESSAGES
+            or arguments_chars(body) > INLINE_ARGUMENTS_CHARS
+        ):
             return await self.threads.run(self.template.render, body)
         return self.template.render(body)
 

@@ -40,6 +40,12 @@ REFUSED: list[tuple[str, dict[str, Any]]] = [
     ("tool_choice of no known value", {"messages": [HI], "tools": [TOOL], "tool_choice": "any"}),
     ("tool_choice naming another tool", {"messages": [HI], "tools": [TOOL],
         "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+    ("a message's tools that are not tools", {"messages": [
+        {"role": "user", "content": [{"type": "input_text", "text": "x"}], "tools": [1]}]}),
+    ("a tool_choice of another type", {"messages": [HI], "tools": [TOOL],
+        "tool_choice": {"type": "custom", "function": {"name": "f"}}}),
+    ("a tool whose description is a number", {"messages": [HI],
+        "tools": [{"type": "function", "function": {"name": "f", "description": 5}}]}),
 ]  # fmt: skip
 
 ACCEPTED: list[tuple[str, dict[str, Any]]] = [
@@ -56,6 +62,19 @@ ACCEPTED: list[tuple[str, dict[str, Any]]] = [
     ("a named tool_choice", {"messages": [HI], "tools": [TOOL],
         "tool_choice": {"type": "function", "function": {"name": "f"}}}),
     ("tool_choice none without tools", {"messages": [HI], "tool_choice": "none"}),
+    # vLLM's own type counts each tool's fields too: it outweighs OpenAI's refusal field
+    ("input_text in an assistant message with a refusal and tools", {"messages": [
+        HI, {"role": "assistant", "content": [{"type": "input_text", "text": "Hi."}],
+             "refusal": None, "tools": [TOOL]}, HI]}),
+    ("tool_calls as an empty string (vLLM lists it)", {"messages": [
+        HI, {"role": "assistant", "content": "ok", "tool_calls": ""}, HI]}),
+    ("fields vLLM does not read, of any type", {"messages": [
+        {"role": "user", "content": "Hi.", "tool_call_id": 5, "task": 5, "tool_calls": [1]},
+        {"role": "assistant", "content": "ok", "reasoning": "r", "reasoning_content": 5}, HI]}),
+    ("tool call arguments nested 200 deep", {"messages": [HI, {"role": "assistant",
+        "tool_calls": [{**CALL, "function": {"name": "f",
+                                            "arguments": '{"a": ' + "[" * 200 + "]" * 200 + "}"}}]},
+        HI]}),
 ]  # fmt: skip
 
 

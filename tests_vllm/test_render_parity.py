@@ -324,6 +324,12 @@ def edge_cases(model: str, corpus: Corpus) -> list[dict[str, Any]]:
         },
         {"messages": hi, "tools": [{"type": "function", "function": {"description": "no name"}}]},
         {"messages": hi, "tools": [{"type": "function", "function": {"name": "f", "extra": 1}}]},
+        {"messages": hi, "tools": [{"type": "function", "function": {"name": "f", "strict": 5}}]},
+        {
+            "messages": hi,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": 5}}],
+        },
+        {"messages": hi, "tools": [tool], "tool_choice": {"type": "x", "function": {"name": "f"}}},
         {"messages": hi, "chat_template_kwargs": {"enable_thinking": False, "unknown": [1]}},
         {"messages": hi, "chat_template_kwargs": None},
         {"messages": hi, "chat_template_kwargs": "enable_thinking"},
@@ -435,6 +441,22 @@ def type_cases(model: str) -> list[dict[str, Any]]:
     ):  # fmt: skip
         shaped = {key: value for key, value in {**call, **odd}.items() if value is not None}
         cases.append([hi, {"role": "assistant", "content": "ok", "tool_calls": [shaped]}])
+    tool = {"type": "function", "function": {"name": "f"}}
+    deep = {**call, "function": {"name": "f", "arguments": '{"a": ' + "[" * 200 + "]" * 200 + "}"}}
+    cases += [  # fields whose types vLLM's own type checks and OpenAI's ignore, and the reverse
+        [hi, {"role": "assistant", "content": [{"type": "input_text", "text": "x"}],
+              "refusal": None, "tools": [tool]}],
+        [hi, {"role": "assistant", "content": [{"type": "input_text", "text": "x"}],
+              "refusal": None, "tools": [{"type": "function"}]}],
+        [{"role": "user", "content": [{"type": "input_text", "text": "x"}], "tools": [1]}],
+        [hi, {"role": "assistant", "content": "ok", "tool_calls": ""}],
+        [hi, {"role": "assistant", "content": "ok", "tool_calls": {}}],
+        [hi, {"role": "assistant", "content": "ok", "tool_calls": "ab"}],
+        [{"role": "user", "content": "x", "tool_call_id": 5, "task": 5, "tool_calls": [1]}],
+        [hi, {"role": "tool", "tool_call_id": "c", "content": "x", "name": 5}],
+        [hi, {"role": "assistant", "content": "ok", "reasoning": "r", "reasoning_content": 5}],
+        [hi, {"role": "assistant", "content": "", "tool_calls": [deep]}],
+    ]  # fmt: skip
     bodies = [{"model": model, "messages": messages} for messages in cases]
     return [{**body, "add_generation_prompt": False} for body in bodies]
 
