@@ -397,6 +397,10 @@ def parse(ctx: Ctx, content_type: str, raw: bytes, limits: ServerSpec) -> None:
         check_prompt_chars(chars, limits, "prompt")
         max_output = _positive_int(body, "max_tokens")
     n = _positive_int(body, "n") or 1
+    if n > limits.max_n:
+        raise BadRequest(
+            f"'n' is {n}, over the {limits.max_n} limit", param="n", code="too_many_choices"
+        )
     stream = lax_bool(body.get("stream"), "stream", False, nullable=True)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
