@@ -41,7 +41,7 @@ from gateway.forward import check_forwardable, client_left, forward
 from gateway.health import HealthChecker
 from gateway.looplag import watch_lag
 from gateway.metrics import Metrics
-from gateway.parse import parse
+from gateway.parse import parse_request
 from gateway.policy.compile import Policy, compile_policy, reference_problems
 from gateway.policy.load import PolicyError, load_spec
 from gateway.quota import Charge, Quotas
@@ -524,7 +524,11 @@ class Gateway:
                 authenticate(ctx, policy.tenants)  # before the body: strangers cost no read
                 check_forwardable(request.raw_headers)
                 raw = await body.read(request, policy.spec.server.max_body_bytes)
-                parse(ctx, body.media_type(request), raw, policy.spec.server)
+                threads = policy.tokenizer_threads
+                await parse_request(
+                    ctx, body.media_type(request), raw, policy.spec.server,
+                    threads.small if threads is not None else None,
+                )  # fmt: skip
                 before_count(ctx, policy)
                 # Cheap refusals first: the tenant's windows before the tokenizer (`decide`'s
                 # order, with the early charge between). From here `charge` is what `finally`

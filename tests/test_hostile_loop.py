@@ -238,3 +238,41 @@ async def test_a_chat_of_thousands_of_tiny_messages_is_rendered_off_the_loop():
     assert await counter.count_chat(body) == len(reference["input_ids"])
     _, gap = await longest_loop_gap(counter.count_chat(body), tick_s=0.001)
     assert gap < 0.02  # inline: ~0.036 s here
+
+
+async def test_a_body_of_thousands_of_messages_is_checked_off_the_loop():
+    """Parse's checks cost per message: 2,048 assistant turns with tool calls hold the loop for
+    tens of milliseconds when checked inline. Over `INLINE_PARSE_BYTES` they run on the
+    tokenizer threads, and the loop keeps turning meanwhile (the GIL's switch interval hands it
+    back every few milliseconds)."""
+    from multidict import CIMultiDict, CIMultiDictProxy
+
+    from gateway.context import Ctx
+    from gateway.parse import INLINE_PARSE_BYTES, parse_request
+    from gateway.policy.schema import ServerSpec
+    from gateway.tokenizer_threads import CountingThreads
+
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turn = {"role": "assistant", "content": "ok", "tool_calls": [call] * 2, "reasoning": "r"}
+    raw = orjson.dumps({"model": "tiny", "messages": [turn] * 2048})
+    assert len(raw) > INLINE_PARSE_BYTES
+    limits, threads = ServerSpec(), CountingThreads(1, "tokenize")
+
+    async def turns_of_the_loop(on: CountingThreads | None) -> int:
+        """How often the loop ran something else while the body was parsed."""
+        ctx = Ctx("r", "chat", "/v1/chat/completions", CIMultiDictProxy(CIMultiDict()), 0.0)
+        work = asyncio.ensure_future(parse_request(ctx, "application/json", raw, limits, on))
+        turns = 0
+        while not work.done():
+            await asyncio.sleep(0)
+            turns += 1
+        await work
+        assert len(ctx.body["messages"]) == 2048
+        return turns
+
+    try:
+        inline, off = await turns_of_the_loop(None), await turns_of_the_loop(threads)
+    finally:
+        threads.shutdown()
+    assert inline <= 1  # the task ran the whole parse in one step
+    assert off >= 3, off
