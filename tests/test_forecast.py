@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from gateway.admit.forecast import DEFAULT, Holt
 from gateway.policy.schema import PoolSpec
-from tests.conftest import basic_policy
+from tests.conftest import basic_policy, eventually
 from tests.test_resilience import CHAT, scrape
 
 HORIZON_S = 600.0
@@ -112,3 +112,28 @@ async def test_the_forecast_gauge_is_on_a_running_gateways_metrics(
     reactive = {s.labels["pool"]: s.value for s in found["llm_pool_desired_replicas"]}
     assert set(forecast) == set(reactive) == {"main"}
     assert 0 < forecast["main"]
+
+
+async def test_after_a_burst_the_forecast_falls_with_the_measured_demand(
+    stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    """The level follows the burst down over its time constant and the trend keeps rising for a
+    while: without the reactive estimate as a ceiling too, the forecast stayed high (and the HPA,
+    taking the larger, asked for replicas) after the demand it forecast had gone."""
+    slow = await stub_factory(delay_s=0.1)
+    policy = basic_policy(tokenizer_dir, [slow.url], max_concurrency=4, startup_s=60)
+    policy["pools"]["main"]["health"] = {"interval_s": 0.05}
+    policy["pools"]["main"]["forecast"] = {"level_s": 1, "trend_s": 5, "damping_s": 5}
+    gw = await gateway_factory(policy)
+    demand = gw.gateway.slots["main"].demand
+
+    async def user() -> None:
+        for _ in range(6):
+            async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+                assert resp.status == 200
+
+    await asyncio.gather(*(user() for _ in range(8)))  # 8 slots' worth on a 4-slot replica
+    assert demand.desired_replicas_forecast > 0
+    await eventually(lambda: demand.desired_replicas < 0.05)  # the burst is over, as measured
+    ceiling = DEFAULT.ceiling * demand.desired_replicas
+    assert demand.desired_replicas_forecast <= ceiling

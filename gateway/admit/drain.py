@@ -81,5 +81,10 @@ class Demand:
                 ) * hold_s / dt
                 self.desired_replicas += self.SMOOTHING * (slots / cap - self.desired_replicas)
                 self._forecast.add(slots, dt)  # unsmoothed: Holt smooths by time, not by tick
-                self.desired_replicas_forecast = self._forecast.ahead(startup_s) / cap
+                # The ceiling holds against the demand measured now as well as the level: when
+                # demand falls faster than the level follows (a burst ended), the forecast
+                # falls with it, instead of asking for replicas after the need has gone.
+                ceiling = self._forecast.params.ceiling * self.desired_replicas
+                forecast = self._forecast.ahead(startup_s) / cap
+                self.desired_replicas_forecast = min(forecast, ceiling)
         self._last = (now, self.arrivals, self.refused, self.busy_s, self.queued_s)

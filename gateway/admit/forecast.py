@@ -14,12 +14,15 @@ Why damped and capped: a trend measured over a few minutes says little about the
 ahead, so the trend is assumed to fade with time constant `damping_s` over the horizon. And the
 trend misreads a step (a tenant switched on, an idle pool woken) as a steep ramp until the level
 catches up, worst from a level near zero. The forecast is therefore capped at `ceiling` x the
-current level (1.5 by default): it may ask for at most half as much again as is measured. A ramp steeper than
+current level (1.5 by default): it may ask for at most half as much again as is measured. The
+same ceiling holds against the reactive estimate (`Demand.tick`): after a burst the level takes
+a minute or more to fall and the trend still rises, so the forecast kept climbing while the
+measured demand had already collapsed, and, the HPA following the larger of the two, bought
+replicas after the need was gone; capped by what is measured now it falls with the burst. A ramp steeper than
 +50% per startup is rare, and what it exceeds the reactive signal still catches; a misread
 cannot buy more than half the pool again in accelerators. It is never negative. What the
 forecast may not do is ask for less than the reactive signal: that floor is applied where the
-two meet (the HPA takes the larger of its metrics), not here, so this series shows the
-estimator's own opinion.
+two meet (the HPA takes the larger of its metrics), not here.
 
 The smoothing weights come from time constants in seconds, not per tick, because the tick is the
 shortest of the pool's health intervals and changes with the policy.

@@ -110,7 +110,12 @@ class ForecastSpec(Spec):
         300.0, description="The extrapolated trend fades with this time constant over the horizon."
     )
     ceiling: float = Field(
-        1.5, ge=1, description="The forecast is at most this multiple of the current demand."
+        1.5,
+        ge=1,
+        description=(
+            "The forecast is at most this multiple of the current demand: of its own level, and"
+            " of the reactive estimate, so it falls with a burst that ended."
+        ),
     )
 
 
