@@ -21,8 +21,7 @@ async def test_a_job_that_waits_for_the_only_thread_is_counted_with_its_wait() -
     try:
         first = asyncio.ensure_future(pool.run(hold))
         second = asyncio.ensure_future(pool.run(sum, range(100_000)))
-        while not started.is_set():  # the first job's thread may start a moment later
-            await asyncio.sleep(0.001)
+        assert await asyncio.to_thread(started.wait, 5.0)  # its thread may start a moment later
         await asyncio.sleep(0.05)  # the second job is queued behind the first all this time
         release.set()
         assert await first is True
