@@ -37,6 +37,8 @@ class Ctx:
     priority: int = 1  # the tier, or lower if `x-priority` asks
     sequences: int = 1  # completions generated: n x prompts
     max_output: int | None = None  # the client's max_tokens / max_completion_tokens
+    min_output: int = 0  # the client's min_tokens: generated whatever the model would stop at
+    forced_output: bool = False  # ignore_eos: generated to max_output (or the context's end)
     images: int = 0  # image parts in a chat's messages, counted by tokenize at the model's rate
     # tokenize
     input_tokens: int = 0

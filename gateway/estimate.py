@@ -67,16 +67,28 @@ def estimator_key(ctx: Ctx) -> Key:
 
 
 def estimate_output(ctx: Ctx, estimator: OutputEstimator, default_tokens: int) -> None:
-    """Set `expected_output` and `estimate_source` (`max_tokens`, `learned`, `default`)."""
+    """Set `expected_output` and `estimate_source` (`max_tokens`, `learned`, `default`).
+
+    A request that forces its length is not estimated: `ignore_eos` generates `max_tokens`
+    (without it, to the context's end: `force_length` once counted), and `min_tokens` at least
+    that many, whatever the tenant's past answers taught the estimator."""
     ctx.fingerprint = fingerprint(ctx)
-    learned = estimator.estimate(estimator_key(ctx))
     bound = ctx.max_output
+    learned = None if ctx.forced_output else estimator.estimate(estimator_key(ctx))
     if learned is not None and (bound is None or learned < bound):
-        ctx.expected_output, ctx.estimate_source = learned, "learned"
+        ctx.expected_output, ctx.estimate_source = max(learned, ctx.min_output), "learned"
     elif bound is not None:
         ctx.expected_output, ctx.estimate_source = bound, "max_tokens"
     else:
-        ctx.expected_output, ctx.estimate_source = default_tokens, "default"
+        ctx.expected_output, ctx.estimate_source = max(default_tokens, ctx.min_output), "default"
+
+
+def force_length(ctx: Ctx, max_model_len: int) -> None:
+    """Once counted: an `ignore_eos` request without `max_tokens` generates to the end of the
+    context, as vLLM's default `max_tokens` is what the context leaves."""
+    if ctx.forced_output and ctx.max_output is None:
+        ctx.expected_output = max(max_model_len - ctx.longest_prompt, 0)
+        ctx.estimate_source = "forced"
 
 
 class _Window:

@@ -41,6 +41,25 @@ _UNTRUSTED_TEMPLATE = (
 )
 
 
+def _lax_int(body: dict[str, Any], name: str) -> int:
+    """A non-negative integer field as pydantic's lax mode reads vLLM's (integral floats and
+    numeric strings too); absent or null is 0."""
+    value = body.get(name)
+    if value is None:
+        return 0
+    try:
+        number = int(value) if isinstance(value, str) else value
+    except ValueError:
+        number = None
+    if isinstance(number, float) and number.is_integer():
+        number = int(number)
+    if isinstance(number, bool) or not isinstance(number, int):
+        raise BadRequest(f"'{name}' must be an integer", param=name, code="invalid_type")
+    if number < 0:
+        raise BadRequest(f"'{name}' must be >= 0, got {number}", param=name, code="invalid_value")
+    return number
+
+
 def _positive_int(body: dict[str, Any], name: str) -> int | None:
     value = body.get(name)
     if value is None:
@@ -413,6 +432,12 @@ def parse(ctx: Ctx, content_type: str, raw: bytes, limits: ServerSpec) -> None:
         prompts, chars = _prompt_shape(body["prompt"])
         check_prompt_chars(chars, limits, "prompt")
         max_output = _positive_int(body, "max_tokens")
+    min_output = _lax_int(body, "min_tokens")
+    if max_output is not None and min_output > max_output:  # vLLM's SamplingParams refuse it
+        raise BadRequest(
+            f"min_tokens must be less than or equal to max_tokens={max_output}, got {min_output}.",
+            param="min_tokens",
+        )
     n = _positive_int(body, "n") or 1
     if n > limits.max_n:
         raise BadRequest(
@@ -441,4 +466,6 @@ def parse(ctx: Ctx, content_type: str, raw: bytes, limits: ServerSpec) -> None:
     ctx.stream = stream
     ctx.client_wants_usage = wants_usage
     ctx.max_output = max_output
+    ctx.min_output = min_output
+    ctx.forced_output = lax_bool(body.get("ignore_eos"), "ignore_eos", False, nullable=True)
     ctx.sequences = n * prompts

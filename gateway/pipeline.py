@@ -36,7 +36,7 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from gateway.estimate import estimate_output
+from gateway.estimate import estimate_output, force_length
 from gateway.forward import check_forwardable, client_left, forward
 from gateway.health import HealthChecker
 from gateway.looplag import watch_lag
@@ -137,6 +137,8 @@ def before_count(ctx: Ctx, policy: Policy) -> None:
 async def count_and_route(ctx: Ctx, policy: Policy) -> None:
     """Count the prompt, then what depends on the count: the class, the route, the context."""
     await count_input(ctx)
+    assert ctx.model is not None
+    force_length(ctx, ctx.model.spec.max_model_len)
     classify(ctx, policy.workloads)
     route(ctx)
     check_context_length(ctx)

@@ -159,3 +159,44 @@ def test_an_estimate_nothing_refreshes_returns_to_the_prior() -> None:
     assert est.estimate(key) is None
     est.observe(key, 10)
     assert est.estimate(key) == 10
+
+
+async def test_a_request_that_forces_its_length_reserves_that_length(
+    stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    """Issue 27: a tenant taught its estimate 1 token with `max_tokens: 1`, then sent
+    `max_tokens: 7000, ignore_eos: true`: each reserved the estimate and generated 7,000."""
+    gw = await gateway_factory(two_tenants(tokenizer_dir, stub.url, tpm=1_000_000))
+    for i in range(22):
+        status, _ = await send(http, gw, B_KEY, review("the same listing", max_tokens=1))
+        assert status == 200
+    status, _ = await send(http, gw, B_KEY, review("the same listing", max_tokens=200))
+    assert last_record(gw)["estimate_source"] == "learned"  # the lesson took
+    assert last_record(gw)["expected_output_tokens"] == 1
+
+    status, _ = await send(
+        http, gw, B_KEY, review("the same listing", max_tokens=200, ignore_eos="true")
+    )
+    assert status == 200
+    assert (last_record(gw)["estimate_source"], last_record(gw)["expected_output_tokens"]) == (
+        "max_tokens", 200,
+    )  # fmt: skip
+    status, _ = await send(
+        http, gw, B_KEY, review("the same listing", max_tokens=200, min_tokens=150)
+    )
+    assert status == 200
+    assert last_record(gw)["expected_output_tokens"] == 150  # at least what it forces
+    status, _ = await send(http, gw, B_KEY, review("the same listing", ignore_eos=True))
+    record = last_record(gw)
+    assert record["estimate_source"] == "forced"  # to the context's end, once counted
+    assert record["expected_output_tokens"] + record["input_tokens"] == 8192
+
+
+async def test_min_tokens_over_max_tokens_is_refused_as_vllm_refuses_it(
+    stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    gw = await gateway_factory(two_tenants(tokenizer_dir, stub.url, tpm=1_000_000))
+    status, answer = await send(http, gw, B_KEY, review("x", max_tokens=5, min_tokens=6))
+    assert (status, answer["error"]["param"]) == (400, "min_tokens")
+    status, answer = await send(http, gw, B_KEY, review("x", min_tokens="many"))
+    assert (status, answer["error"]["code"]) == (400, "invalid_type")
