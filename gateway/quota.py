@@ -94,13 +94,17 @@ class _Scoped:
 
 
 def duration(seconds: float) -> str:
-    """OpenAI's reset format: `20ms`, `6s`, `1.5s`, `6m0s`."""
-    if seconds < 1:
-        return f"{max(0, round(seconds * 1000))}ms"
-    if seconds < 60:
-        return f"{round(seconds, 3):g}s"
-    minutes, rest = divmod(round(seconds), 60)
-    return f"{minutes}m{rest}s"
+    """OpenAI's reset format, Go's durations to the millisecond: `20ms`, `6s`, `1.5s`, `6m0s`,
+    `1m0.5s`. Rounded once, first, so a value a hair under a unit reads as that unit (59.9996 s
+    is `1m0s`, never `60s`)."""
+    ms = max(0, round(seconds * 1000))
+    if ms == 0:
+        return "0s"
+    if ms < 1000:
+        return f"{ms}ms"
+    minutes, ms = divmod(ms, 60_000)
+    secs = f"{ms / 1000:.3f}".rstrip("0").rstrip(".")
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
 
 
 def _headers(pairs: Iterable[tuple[_Scoped, Window]]) -> dict[str, str]:

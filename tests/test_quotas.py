@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from gateway.policy.compile import load_policy
 from gateway.policy.load import PolicyError
+from gateway.quota import duration
 from gateway.state import WINDOW_S, Limit, MemoryState, Refusal, Reservation
 from tests.conftest import RunningGateway, accounted, basic_policy, eventually, write_policy
 from tests.test_tenants import ACME_KEY, hashed
@@ -357,3 +358,15 @@ def test_limits_for_an_unknown_model_or_pool_are_refused(tmp_path, tokenizer_dir
         load_policy(write_policy(tmp_path, policy))
     assert "tenants.acme.models.nope: unknown model 'nope'" in str(raised.value)
     assert "tenants.acme.pools.gone: unknown pool 'gone'" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "header"),
+    [
+        (0.0, "0s"), (0.0004, "0s"), (0.02, "20ms"), (0.9996, "1s"), (1.0, "1s"), (1.5, "1.5s"),
+        (59.899, "59.899s"), (59.9996, "1m0s"), (60.0, "1m0s"), (61.5, "1m1.5s"), (360.0, "6m0s"),
+    ],
+)  # fmt: skip
+def test_a_reset_is_written_one_way_openais(seconds: float, header: str) -> None:
+    """Issue 27: one window's reset read `1m0s`, `60s` or `59.899s` by the instant."""
+    assert duration(seconds) == header
