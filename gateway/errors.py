@@ -21,6 +21,9 @@ class GatewayError(Exception):
     type = "internal_error"
     code = "internal_error"
     reason = "internal_error"
+    # What `x-should-retry` tells clients (the OpenAI SDKs obey it over their own rule, which
+    # retries every 429 and 5xx): False where the same request can only fail the same way.
+    retry: bool | None = None
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -28,7 +31,9 @@ class GatewayError(Exception):
         self.param = param
 
     def headers(self) -> dict[str, str]:
-        return {}
+        if self.retry is None:
+            return {}
+        return {"x-should-retry": "true" if self.retry else "false"}
 
     def body(self) -> bytes:
         return error_body(self.message, self.type, self.code, self.param)
@@ -192,12 +197,14 @@ class ReloadFailed(GatewayError):
 class Retryable(GatewayError):
     """A refusal the client should retry after `retry_after_s` seconds."""
 
+    retry = True
+
     def __init__(self, message: str, *, retry_after_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
 
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+        return {**super().headers(), "Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
 
 class QueueFull(Retryable):
@@ -252,6 +259,7 @@ class OverQuota(GatewayError):
     status = 429
     type = "rate_limit_error"
     code = "request_over_limit"
+    retry = False
     reason = "over_quota"
 
 
@@ -294,6 +302,7 @@ class ResponseTooLarge(GatewayError):
     status = 502
     type = "upstream_error"
     code = "response_too_large"
+    retry = False
     reason = "response_too_large"
 
 
@@ -314,4 +323,5 @@ class TotalTimeout(GatewayError):
     status = 504
     type = "upstream_error"
     code = "total_timeout"
+    retry = False
     reason = "total_timeout"

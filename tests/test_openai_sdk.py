@@ -136,3 +136,23 @@ async def test_tenant_keys_and_quotas_through_the_sdk(stub, gateway_factory, tok
     assert int(limited.value.response.headers["Retry-After"]) >= 1
     await stranger.close()
     await client.close()
+
+
+async def test_a_refusal_no_retry_can_lift_is_not_retried(stub, gateway_factory, tokenizer_dir):
+    """Issue 27: a request larger than its tenant's whole window (429 `request_over_limit`) was
+    retried twice by the SDK, which retries every 429, unless `x-should-retry: false` says not."""
+    from tests.test_tenants import hashed
+
+    key = "sk-small-tenant-0123456789"
+    policy = basic_policy(tokenizer_dir, [stub.url])
+    policy["tenants"] = {"small": {"keys": [hashed(key)], "tpm": 300}}
+    gw = await gateway_factory(policy)
+    client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=2)
+    with pytest.raises(openai.RateLimitError) as refused:
+        await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1000
+        )
+    await client.close()
+    assert refused.value.code == "request_over_limit"
+    assert refused.value.response.headers["x-should-retry"] == "false"
+    assert gw.access_log.getvalue().count(b"\n") == 1  # asked once

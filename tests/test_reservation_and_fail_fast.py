@@ -216,7 +216,7 @@ async def test_a_confidently_long_wait_is_refused_at_once() -> None:
             await slots.acquire(Claim(1))
     assert time.perf_counter() - started < 1
     assert refused.value.retry_after_s == pytest.approx(5 * 1.0 / 2)  # the point estimate
-    assert refused.value.headers() == {"Retry-After": "3"}
+    assert refused.value.headers() == {"x-should-retry": "true", "Retry-After": "3"}
     assert (refused.value.status, refused.value.code) == (429, "queue_wait_too_long")
     assert slots.waiting == 4  # the refused one never queued
     await cancel_all(waiters)
