@@ -20,6 +20,7 @@ from gateway.metrics import NONE, Metrics
 from gateway.policy.schema import PRIORITIES
 
 log = logging.getLogger("gateway.account")
+MAX_LOGGED_REPLICAS = 1024  # replicas come from the policy and discovery; a bound all the same
 
 
 class _Series:
@@ -51,6 +52,7 @@ class Accountant:
         self.access_log = access_log
         self._series: dict[tuple[str, str, str], _Series] = {}
         self._outcomes: dict[tuple[str, str, str, int], Any] = {}
+        self._untrusted: set[str] = set()  # replicas whose untrusted usage was logged
 
     def _labels(self, ctx: Ctx) -> tuple[str, str, str]:
         if ctx.pool is None:
@@ -79,6 +81,8 @@ class Accountant:
         if ctx.reason and ctx.status >= 400 and ctx.status != CLIENT_CLOSED:
             # A client that leaves was not refused: it is in `llm_requests_total{code="499"}`.
             self.metrics.rejections.labels(labels[1], ctx.reason).inc()
+        if ctx.replica and ctx.pool is not None:
+            self._bound_usage(ctx, ctx.pool.model.spec.max_model_len)
         if ctx.output_tokens is None and ctx.chunks and ctx.stream:
             # The stream broke or the client left before the usage chunk: count what was sent.
             ctx.output_tokens = ctx.chunks
@@ -87,6 +91,33 @@ class Accountant:
         if self.access_log is not None:
             self.access_log.write(orjson.dumps(self.record(ctx), option=orjson.OPT_APPEND_NEWLINE))
             self.access_log.flush()
+
+    def _bound_usage(self, ctx: Ctx, max_model_len: int) -> None:
+        """A replica's usage is input too: a count it could not have made (over the request's
+        `max_tokens` or the context, per sequence) or no count at all is not settled as given.
+        The prompt falls back to the gateway's own count; the output to the chunks a stream
+        relayed, else to what was reserved for it. Counted per replica, logged once per one."""
+        bound = max_model_len * ctx.sequences
+        if ctx.prompt_tokens is not None and ctx.prompt_tokens > bound:
+            ctx.prompt_tokens, ctx.untrusted_usage = None, "prompt_tokens"
+        most = (ctx.max_output or max_model_len) * ctx.sequences
+        if ctx.output_tokens is not None and ctx.output_tokens > most:
+            ctx.output_tokens, ctx.untrusted_usage = None, "completion_tokens"
+        if not ctx.untrusted_usage:
+            return
+        assert ctx.pool is not None
+        if ctx.output_tokens is None and not (ctx.stream and ctx.chunks):
+            ctx.output_tokens = min(ctx.expected_output * ctx.sequences, most)
+        self.metrics.untrusted_usage.labels(ctx.pool.name, ctx.replica, ctx.untrusted_usage).inc()
+        if ctx.replica not in self._untrusted:
+            if len(self._untrusted) >= MAX_LOGGED_REPLICAS:
+                self._untrusted.clear()
+            self._untrusted.add(ctx.replica)
+            log.warning(
+                "replica %s reported a usage %s that is not a count this request could make;"
+                " settled on the gateway's own numbers (counted in llm_untrusted_usage_total)",
+                ctx.replica, ctx.untrusted_usage,
+            )  # fmt: skip
 
     def _observe(
         self, ctx: Ctx, labels: tuple[str, str, str], estimator: OutputEstimator | None

@@ -65,6 +65,7 @@ class Ctx:
     first_token: float | None = None
     output_tokens: int | None = None
     prompt_tokens: int | None = None  # the replica's own count, when its usage reports one
+    untrusted_usage: str = ""  # the usage field a replica reported out of bounds, if any
     # A whole answer and where its `"usage"` is: decoded by the accounting, after the client
     # has the answer (`forward.read_usage`), so its few µs are not on the client's path.
     unread_usage: tuple[bytearray, int] | None = None

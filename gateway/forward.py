@@ -228,11 +228,25 @@ def _response_headers(upstream: MultiMapping[str], ctx: Ctx) -> CIMultiDict[str]
     return out
 
 
+def _tokens(value: Any) -> bool:
+    return type(value) is int and value >= 0  # not a bool, a float, a string or negative
+
+
 def _read_usage(ctx: Ctx, usage: Any) -> None:
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-        ctx.output_tokens = usage["completion_tokens"]
-        if isinstance(usage.get("prompt_tokens"), int):
-            ctx.prompt_tokens = usage["prompt_tokens"]
+    """The replica's counts, when they are counts; a field that is not is noted (a replica's
+    answer is input too: `account` settles on the gateway's own numbers then)."""
+    if not isinstance(usage, dict):
+        return
+    completion, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
+    if not _tokens(completion):
+        if completion is not None:
+            ctx.untrusted_usage = "completion_tokens"
+        return
+    ctx.output_tokens = completion
+    if _tokens(prompt):
+        ctx.prompt_tokens = prompt
+    elif prompt is not None:
+        ctx.untrusted_usage = "prompt_tokens"
 
 
 def _count(ctx: Ctx, events: bytes) -> None:

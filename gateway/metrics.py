@@ -331,6 +331,12 @@ class Metrics:
             "llm_quota_rejections", "Requests refused by a tenant's TPM or RPM window.",
             ("tenant", "kind"), registry=r,
         )  # fmt: skip
+        self.untrusted_usage = Counter(
+            "llm_untrusted_usage",
+            "Answers whose usage was not a count or more than the request could produce, settled"
+            " on the gateway's own numbers instead.",
+            ("pool", "replica", "field"), registry=r,
+        )  # fmt: skip
         self.spillover = Counter(
             "llm_spillover", "Requests moved from their route's full pool to a fallback.",
             ("route", "from_pool", "to_pool", "tier"), registry=r,

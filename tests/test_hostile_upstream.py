@@ -160,7 +160,7 @@ async def test_a_large_whole_answer_is_relayed_and_its_usage_read_without_stalli
     # ~45 MB of logprobs: orjson takes seconds over that on the event loop.
     logprobs = {"content": [{"token": "a", "logprob": -0.1, "top_logprobs": []}] * 1_000_000}
     answer = orjson.dumps(
-        completion({"prompt_tokens": 1, "completion_tokens": 7}, logprobs=logprobs)
+        completion({"prompt_tokens": 1, "completion_tokens": 2}, logprobs=logprobs)
     )
 
     async def big(request: web.Request) -> web.Response:
@@ -175,7 +175,7 @@ async def test_a_large_whole_answer_is_relayed_and_its_usage_read_without_stalli
 
     (resp, got), worst = await longest_loop_gap(relayed(), tick_s=0.01)
     assert resp.status == 200 and got == answer
-    assert access(gw)[-1]["output_tokens"] == 7
+    assert access(gw)[-1]["output_tokens"] == 2
     assert worst < 0.5, worst  # generous: a whole parse held it for seconds
 
 
@@ -518,3 +518,52 @@ async def test_a_stream_of_nothing_but_comments_still_ends_at_total_s(
     assert '"code":"total_timeout"' in text and text.endswith("data: [DONE]\n\n")
     assert access(gw)[-1]["reason"] == "total_timeout"
     await eventually(lambda: settled(gw))
+
+
+async def test_a_replicas_usage_is_bounded_before_it_is_settled(
+    replica_app, gateway_factory, tokenizer_dir, http, caplog
+) -> None:
+    """Issue 27: `prompt_tokens: -1000000` left a 20,000 tokens/min tenant 1,019,974 tokens.
+    Usage that is no count, or more than the request could make, settles on the gateway's own
+    numbers: the prompt it counted, the output it reserved; counted and logged once."""
+    from tests.test_tenants import hashed
+
+    usages = iter(
+        [
+            {"prompt_tokens": -1_000_000, "completion_tokens": 2},
+            {"prompt_tokens": 5, "completion_tokens": 10**9},
+            {"prompt_tokens": 5, "completion_tokens": "7"},
+            {"prompt_tokens": 5, "completion_tokens": True},
+        ]
+    )
+
+    async def lying(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response(completion(next(usages)))
+
+    key = "sk-tenant-usage-0123456789"
+    policy = basic_policy(tokenizer_dir, [await replica_app(lying)])
+    policy["tenants"] = {"t": {"keys": [hashed(key)], "tpm": 20_000}}
+    gw = await gateway_factory(policy)
+    headers = {"Authorization": f"Bearer {key}"}
+    for _ in range(4):
+        async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT, headers=headers) as resp:
+            assert resp.status == 200
+            await resp.read()
+    await eventually(lambda: len(access(gw)) == 4)
+    records = access(gw)
+    assert [r["output_tokens"] for r in records] == [2, 3, 3, 3]  # max_tokens 3 each
+    async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT, headers=headers) as resp:
+        await resp.read()
+        remaining = int(resp.headers["x-ratelimit-remaining-tokens"])
+    assert remaining <= 20_000 - sum(r["input_tokens"] + r["output_tokens"] for r in records)
+    async with http.get(f"{gw.url}/metrics") as resp:
+        families = {f.name: f for f in text_string_to_metric_families(await resp.text())}
+    counted = {
+        s.labels["field"]: s.value
+        for s in families["llm_untrusted_usage"].samples
+        if s.name.endswith("_total")
+    }
+    assert counted == {"prompt_tokens": 1, "completion_tokens": 3}
+    warned = [r for r in caplog.records if "not a count" in r.getMessage()]
+    assert len(warned) == 1
