@@ -167,7 +167,7 @@ async def test_a_request_that_forces_its_length_reserves_that_length(
     """Issue 27: a tenant taught its estimate 1 token with `max_tokens: 1`, then sent
     `max_tokens: 7000, ignore_eos: true`: each reserved the estimate and generated 7,000."""
     gw = await gateway_factory(two_tenants(tokenizer_dir, stub.url, tpm=1_000_000))
-    for i in range(22):
+    for _ in range(22):
         status, _ = await send(http, gw, B_KEY, review("the same listing", max_tokens=1))
         assert status == 200
     status, _ = await send(http, gw, B_KEY, review("the same listing", max_tokens=200))
