@@ -94,18 +94,27 @@ class Accountant:
 
     def _bound_usage(self, ctx: Ctx, max_model_len: int) -> None:
         """A replica's usage is input too: a count it could not have made (over the request's
-        `max_tokens` or the context, per sequence) or no count at all is not settled as given.
-        The prompt falls back to the gateway's own count; the output to the chunks a stream
-        relayed, else to what was reserved for it. Counted per replica, logged once per one."""
-        bound = max_model_len * ctx.sequences
-        if ctx.prompt_tokens is not None and ctx.prompt_tokens > bound:
+        `max_tokens` or the context, per sequence), a prompt count far from the gateway's own
+        exact one, or no count at all is not settled as given. The prompt falls back to the
+        gateway's own count; the output to the chunks a stream relayed, else to what was
+        reserved for it. Counted per replica, logged once per one.
+
+        Where the gateway's count is vLLM's own (a tokenizer, no image a processor expands), a
+        template's difference moves the replica's by a few tokens; under half or over twice it
+        is a replica undercharging or overcharging the tenant."""
+        assert ctx.pool is not None
+        prompt, counted = ctx.prompt_tokens, ctx.input_tokens
+        exact = ctx.pool.model.counter.exact and not ctx.images
+        if prompt is not None and (
+            prompt > max_model_len * ctx.sequences
+            or (exact and (2 * prompt < counted or prompt > 2 * counted))
+        ):
             ctx.prompt_tokens, ctx.untrusted_usage = None, "prompt_tokens"
         most = (ctx.max_output or max_model_len) * ctx.sequences
         if ctx.output_tokens is not None and ctx.output_tokens > most:
             ctx.output_tokens, ctx.untrusted_usage = None, "completion_tokens"
         if not ctx.untrusted_usage:
             return
-        assert ctx.pool is not None
         if ctx.output_tokens is None and not (ctx.stream and ctx.chunks):
             ctx.output_tokens = min(ctx.expected_output * ctx.sequences, most)
         self.metrics.untrusted_usage.labels(ctx.pool.name, ctx.replica, ctx.untrusted_usage).inc()

@@ -60,10 +60,12 @@ class TokenCounter(Protocol):
     With `refuse_at`, a counter may raise `TooManyTokens` instead of counting a prompt it can prove
     has at least that many tokens (the whole chat, or the longest prompt of a completion).
     `image_cost` is what each image adds to `count_chat`'s count; the caller adds it, from the
-    images parse counted.
+    images parse counted. `exact`: a text-only count is the one vLLM makes (same tokenizer, same
+    rendered prompt), so a replica's `prompt_tokens` far from it is not believed.
     """
 
     image_cost: int
+    exact: bool
 
     async def count_chat(self, body: dict[str, Any], refuse_at: int | None = None) -> int: ...
 
@@ -83,6 +85,7 @@ class EstimateCounter:
     """`tokenizer: estimate`: characters / `chars_per_token`, for models without a local tokenizer."""
 
     PER_MESSAGE = 4  # role markers and separators a chat template adds around each message
+    exact = False
 
     def __init__(self, chars_per_token: float, image_tokens: int | None = None) -> None:
         self.chars_per_token = chars_per_token
@@ -122,6 +125,8 @@ def load_tokenizer(directory: str) -> Any:
 
 class HFCounter:
     """Counts with a transformers tokenizer's chat template and the chosen `Encoder`."""
+
+    exact = True
 
     def __init__(
         self,

@@ -524,39 +524,51 @@ async def test_a_replicas_usage_is_bounded_before_it_is_settled(
     replica_app, gateway_factory, tokenizer_dir, http, caplog
 ) -> None:
     """Issue 27: `prompt_tokens: -1000000` left a 20,000 tokens/min tenant 1,019,974 tokens.
-    Usage that is no count, or more than the request could make, settles on the gateway's own
-    numbers: the prompt it counted, the output it reserved; counted and logged once."""
+    Usage that is no count, more than the request could make, or a prompt far from the
+    gateway's own exact count settles on the gateway's own numbers: the prompt it counted, the
+    output it reserved (or, streamed, the chunks it relayed); counted and logged once."""
     from tests.test_tenants import hashed
 
-    usages = iter(
-        [
-            {"prompt_tokens": -1_000_000, "completion_tokens": 2},
-            {"prompt_tokens": 5, "completion_tokens": 10**9},
-            {"prompt_tokens": 5, "completion_tokens": "7"},
-            {"prompt_tokens": 5, "completion_tokens": True},
-        ]
-    )
+    usages = [
+        {"prompt_tokens": -1_000_000, "completion_tokens": 2},
+        {"prompt_tokens": 5, "completion_tokens": 10**9},
+        {"prompt_tokens": 5, "completion_tokens": "7"},
+        {"prompt_tokens": 5, "completion_tokens": True},
+        {"prompt_tokens": 0, "completion_tokens": 2},  # a prompt undercharged
+        {"prompt_tokens": 5000, "completion_tokens": 1},  # overcharged, within the context
+    ]
 
-    async def lying(request: web.Request) -> web.Response:
-        await request.read()
-        return web.json_response(completion(next(usages)))
+    async def lying(request: web.Request) -> web.StreamResponse:
+        if not (await request.json()).get("stream"):
+            return web.json_response(completion(usages.pop(0)))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"id": "c", "object": "chat.completion.chunk", "model": "tiny"}
+        delta = {**chunk, "choices": [{"index": 0, "delta": {"content": "ok"}}]}
+        usage = {**chunk, "choices": [], "usage": usages.pop(0)}
+        for event in (delta, usage):
+            await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
 
     key = "sk-tenant-usage-0123456789"
     policy = basic_policy(tokenizer_dir, [await replica_app(lying)])
     policy["tenants"] = {"t": {"keys": [hashed(key)], "tpm": 20_000}}
     gw = await gateway_factory(policy)
     headers = {"Authorization": f"Bearer {key}"}
-    for _ in range(4):
-        async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT, headers=headers) as resp:
+    for body in [CHAT] * 5 + [chat("hello", stream=True)]:
+        async with http.post(f"{gw.url}/v1/chat/completions", json=body, headers=headers) as resp:
             assert resp.status == 200
             await resp.read()
-    await eventually(lambda: len(access(gw)) == 4)
+    await eventually(lambda: len(access(gw)) == 6 and gw.gateway.quotas.pending == 0)
     records = access(gw)
-    assert [r["output_tokens"] for r in records] == [2, 3, 3, 3]  # max_tokens 3 each
+    assert [r["output_tokens"] for r in records] == [2, 3, 3, 3, 2, 1]  # max_tokens 3 each
+    usages.append({"prompt_tokens": records[0]["input_tokens"], "completion_tokens": 1})  # true
     async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT, headers=headers) as resp:
         await resp.read()
         remaining = int(resp.headers["x-ratelimit-remaining-tokens"])
-    assert remaining <= 20_000 - sum(r["input_tokens"] + r["output_tokens"] for r in records)
+    used = sum(r["input_tokens"] + r["output_tokens"] for r in records)
+    assert remaining == 20_000 - used - (records[0]["input_tokens"] + 3)  # this one reserved
     async with http.get(f"{gw.url}/metrics") as resp:
         families = {f.name: f for f in text_string_to_metric_families(await resp.text())}
     counted = {
@@ -564,6 +576,6 @@ async def test_a_replicas_usage_is_bounded_before_it_is_settled(
         for s in families["llm_untrusted_usage"].samples
         if s.name.endswith("_total")
     }
-    assert counted == {"prompt_tokens": 1, "completion_tokens": 3}
+    assert counted == {"prompt_tokens": 3, "completion_tokens": 3}
     warned = [r for r in caplog.records if "not a count" in r.getMessage()]
     assert len(warned) == 1
