@@ -122,12 +122,18 @@ def _headers(pairs: Iterable[tuple[_Scoped, Window]]) -> dict[str, str]:
     return out
 
 
+def _stated_output(ctx: Ctx) -> int:
+    """The output the request itself says it makes: all that was reserved when its own numbers
+    fixed it (its `max_tokens`, or `ignore_eos` to the context's end), else its `min_tokens`
+    (a learned or default output is the gateway's guess)."""
+    if ctx.estimate_source in ("max_tokens", "forced"):
+        return ctx.expected_output * ctx.sequences
+    return ctx.min_output * ctx.sequences
+
+
 def _stated(ctx: Ctx) -> int:
-    """The tokens the request itself says it may use: its input, and its output when the client's
-    own bound is what was reserved (a learned or default output is the gateway's guess)."""
-    if ctx.estimate_source == "max_tokens":
-        return ctx.reserved_tokens
-    return ctx.input_tokens
+    """The tokens the request itself says it uses: its input and `_stated_output`."""
+    return ctx.input_tokens + _stated_output(ctx)
 
 
 def _charged(reserved: int, stated: int, tpm: int) -> int:
@@ -302,7 +308,7 @@ class Quotas:
             return None
         floor = input_floor(ctx)
         reserved = floor + ctx.expected_output * ctx.sequences
-        stated = reserved if ctx.estimate_source == "max_tokens" else floor
+        stated = floor + _stated_output(ctx)
         scoped = _windows(ctx.tenant, reserved, stated, *_shared_scopes(ctx))
         if not scoped:
             return None

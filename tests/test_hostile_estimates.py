@@ -200,3 +200,16 @@ async def test_min_tokens_over_max_tokens_is_refused_as_vllm_refuses_it(
     assert (status, answer["error"]["param"]) == (400, "min_tokens")
     status, answer = await send(http, gw, B_KEY, review("x", min_tokens="many"))
     assert (status, answer["error"]["code"]) == (400, "invalid_type")
+
+
+async def test_a_forced_length_over_the_whole_window_is_refused_for_good(
+    stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    """A forced length is the request's own number, as `max_tokens` is: one over the tenant's
+    whole window is `request_over_limit`, not cut to the window to run and overspend it."""
+    gw = await gateway_factory(two_tenants(tokenizer_dir, stub.url, tpm=2000))
+    for forcing in ({"ignore_eos": True}, {"min_tokens": 3000}):
+        status, answer = await send(http, gw, B_KEY, review("the same listing", **forcing))
+        assert (status, answer["error"]["code"]) == (429, "request_over_limit"), forcing
+    status, _ = await send(http, gw, B_KEY, review("the same listing", min_tokens=100))
+    assert status == 200
