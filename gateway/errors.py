@@ -57,6 +57,7 @@ class BadRequest(GatewayError):
     status = 400
     type = "invalid_request_error"
     code = "invalid_request"
+    retry = False  # the request itself is refused: sent again, it is again
     reason = "bad_request"
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
@@ -92,6 +93,7 @@ class UnsupportedMediaType(GatewayError):
     status = 415
     type = "invalid_request_error"
     code = "unsupported_media_type"
+    retry = False
     reason = "unsupported_media_type"
 
 
@@ -101,6 +103,7 @@ class BodyTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+    retry = False
     reason = "body_too_large"
 
 
@@ -110,6 +113,7 @@ class HeadersTooLarge(GatewayError):
     status = 431
     type = "invalid_request_error"
     code = "headers_too_large"
+    retry = False
     reason = "headers_too_large"
 
 

@@ -145,14 +145,26 @@ async def test_a_refusal_no_retry_can_lift_is_not_retried(stub, gateway_factory,
 
     key = "sk-small-tenant-0123456789"
     policy = basic_policy(tokenizer_dir, [stub.url])
-    policy["tenants"] = {"small": {"keys": [hashed(key)], "tpm": 300}}
+    big = "sk-big-tenant-0123456789"
+    policy["tenants"] = {
+        "small": {"keys": [hashed(key)], "tpm": 300},
+        "big": {"keys": [hashed(big)], "tpm": 10_000_000},
+    }
     gw = await gateway_factory(policy)
     client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=2)
     with pytest.raises(openai.RateLimitError) as refused:
         await client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1000
         )
-    await client.close()
     assert refused.value.code == "request_over_limit"
     assert refused.value.response.headers["x-should-retry"] == "false"
     assert gw.access_log.getvalue().count(b"\n") == 1  # asked once
+    await client.close()
+    client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=big, max_retries=2)
+    with pytest.raises(openai.BadRequestError) as too_long:  # so is one no context can hold
+        await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=100_000
+        )
+    await client.close()
+    assert too_long.value.code == "context_length_exceeded"
+    assert too_long.value.response.headers["x-should-retry"] == "false"
