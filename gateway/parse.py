@@ -401,8 +401,8 @@ def check_model(model: Any) -> str:
 
 
 # A body's checks cost per message and part, not per byte: up to this size they take a few
-# milliseconds at most; a larger body is parsed on the tokenizer threads, where the GIL's switch
-# interval lets the loop run (2,048 messages of tool calls: ~13 ms of checks).
+# milliseconds at most (docs/benchmarks.md); a larger body is parsed on the tokenizer threads,
+# where the GIL's switch interval lets the loop run.
 INLINE_PARSE_BYTES = 32_768
 
 

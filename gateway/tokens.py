@@ -38,10 +38,9 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 T = TypeVar("T")
-# Rendering costs per message (7-18 us each on real templates, Qwen 3's the slowest), and per
-# value of the tool calls' arguments it parses as JSON (a dense megabyte: ~30 ms): a chat with
-# more of either is rendered on the tokenizer threads, where the GIL's switch interval lets the
-# loop run.
+# Rendering costs per message, and per value of the tool calls' arguments it parses as JSON
+# (docs/benchmarks.md): a chat with more of either is rendered on the tokenizer threads, where
+# the GIL's switch interval lets the loop run.
 INLINE_RENDER_MESSAGES = 128
 INLINE_ARGUMENTS_CHARS = 32_768
 
