@@ -48,6 +48,10 @@ def _literal(*allowed: str) -> Check:
     return lambda value: 0 if isinstance(value, str) and value in allowed else None
 
 
+def _nullable(check: Check) -> Check:
+    return lambda value: 0 if value is None else check(value)
+
+
 def _typed(required: dict[str, Check], optional: dict[str, Check] | None = None) -> Check:
     """A TypedDict: fields set (its own and nested), or None when the value does not validate."""
     fields = {**required, **(optional or {})}
@@ -245,7 +249,7 @@ _TOOL = _typed(
             {
                 "description": _string,
                 "parameters": lambda v: 0 if isinstance(v, dict) else None,
-                "strict": lambda v: 0 if v is None else _boolean(v),
+                "strict": _nullable(_boolean),
             },
         ),
     }
@@ -297,49 +301,36 @@ def _vllm_type(message: dict[str, Any], beat: int) -> int | None:
     return None if parts is None else score + 1 + parts
 
 
-_OPENAI_REQUIRED = {"tool": ("content", "tool_call_id"), "function": ("content", "name")}
-_PLAIN_FIELDS: dict[str, Check] = {"role": _string, "name": _string}
-_OPENAI_FIELDS: dict[str, dict[str, Check]] = {
-    "system": _PLAIN_FIELDS,
-    "developer": _PLAIN_FIELDS,
-    "user": _PLAIN_FIELDS,
-    "function": _PLAIN_FIELDS,
-    "assistant": {
-        "role": _string,
-        "name": _string,
-        "refusal": _optional_string,
-        "audio": lambda v: 0 if v is None else _typed({"id": _string})(v),
-        "function_call": lambda v: (
-            0 if v is None else _typed({"arguments": _string, "name": _string})(v)
-        ),
-        "tool_calls": lambda v: 0 if isinstance(v, list) else None,  # lazy
-    },
-    "tool": {"role": _string, "tool_call_id": _string},
+def _lazy_content(value: Any) -> int | None:
+    return 0 if isinstance(value, str | list) else None  # an array is read later, lazily
+
+
+_NAME: dict[str, Check] = {"name": _string}
+# OpenAI's message type for each standard role, its content arrays unread.
+_OPENAI_TYPES: dict[str, Check] = {
+    role: _typed({"role": _string, "content": _lazy_content}, _NAME)
+    for role in ("system", "developer", "user")
+} | {
+    "tool": _typed({"role": _string, "content": _lazy_content, "tool_call_id": _string}),
+    "function": _typed({"role": _string, "content": _optional_string, "name": _string}),
+    "assistant": _typed(
+        {"role": _string},
+        {
+            **_NAME,
+            "content": _nullable(_lazy_content),
+            "refusal": _optional_string,
+            "audio": _nullable(_typed({"id": _string})),
+            "function_call": _nullable(_typed({"arguments": _string, "name": _string})),
+            "tool_calls": lambda v: 0 if isinstance(v, list) else None,  # lazy
+        },
+    ),
 }
 
 
 def _openai_type(role: str, message: dict[str, Any]) -> int | None:
     """Fields set when `message` validates as OpenAI's type for `role` (its arrays unread)."""
-    fields = _OPENAI_FIELDS.get(role)
-    if fields is None or not all(name in message for name in _OPENAI_REQUIRED.get(role, ())):
-        return None
-    if role not in ("assistant", "function") and "content" not in message:
-        return None
-    content = message.get("content")
-    if role == "function":
-        valid = content is None or isinstance(content, str)
-    else:
-        valid = isinstance(content, str | list) or (content is None and role == "assistant")
-    if not valid:
-        return None
-    score = int("content" in message)
-    for name, check in fields.items():
-        if name in message:
-            nested = check(message[name])
-            if nested is None:
-                return None
-            score += 1 + nested
-    return score
+    check = _OPENAI_TYPES.get(role)
+    return None if check is None else check(message)
 
 
 _PLAIN_KEYS = frozenset({"role", "content", "name"})
