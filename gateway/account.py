@@ -16,7 +16,7 @@ import orjson
 from gateway.context import Ctx
 from gateway.estimate import OutputEstimator, estimator_key
 from gateway.forward import CLIENT_CLOSED, read_usage
-from gateway.metrics import NONE, Metrics
+from gateway.observability.metrics import NONE, Metrics
 from gateway.policy.schema import PRIORITIES
 
 log = logging.getLogger("gateway.account")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.context import Ctx
-from gateway.match import Check, all_of, in_range, request_checks
+from gateway.policy.match import Check, all_of, in_range, request_checks
 from gateway.policy.schema import ClassSpec
 
 

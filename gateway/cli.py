@@ -268,6 +268,7 @@ async def _explain(
 ) -> dict[str, Any]:
     from multidict import CIMultiDict, CIMultiDictProxy
 
+    from gateway.authenticate import authenticate
     from gateway.context import Ctx
     from gateway.forward import upstream_priority
     from gateway.parse import parse
@@ -276,8 +277,7 @@ async def _explain(
     from gateway.policy.load import load_spec
     from gateway.policy.schema import ESTIMATE, PRIORITIES
     from gateway.quota import tenant_windows
-    from gateway.tenants import authenticate
-    from gateway.tokens import HFCounter
+    from gateway.tokenizer.counters import HFCounter
 
     loaded, missing = _without_tokenizers(
         load_spec(policy_path, reference_problems), tokenizer_fallback
@@ -321,7 +321,7 @@ async def _explain(
         charged = tenant_windows(tenant, ctx, ctx.reserved_tokens)
         quota = [f"{w.kind} {w.limit.amount} of {w.limit.limit}/min{w.where}" for w in charged]
         quota = quota or "unlimited"
-    # Which library encoded the rendered prompt (gateway/encoders.py), or the character estimate.
+    # Which library encoded the rendered prompt (gateway/tokenizer/backends.py), or the character estimate.
     counter = model.counter
     backend = counter.backend if isinstance(counter, HFCounter) else ESTIMATE
     return {

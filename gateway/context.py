@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 from multidict import CIMultiDictProxy
 
 if TYPE_CHECKING:
+    from gateway.authenticate import Tenant
     from gateway.pick.affinity import Affinity
     from gateway.policy.compile import Model, Pool
     from gateway.route import Route
-    from gateway.tenants import Tenant
 
 Endpoint = str  # "chat" | "completions"
 

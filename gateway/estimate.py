@@ -24,9 +24,9 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.chat_template import message_text
 from gateway.context import Ctx
 from gateway.policy.plugins import register
+from gateway.tokenizer.chat_template import message_text
 
 FINGERPRINT_CHARS = 256
 

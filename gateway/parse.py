@@ -19,12 +19,12 @@ from typing import Any
 
 import orjson
 
-from gateway.chat_template import extra_fields, lax_bool, part_kind
+from gateway.api.message_types import check_message_type
 from gateway.context import Ctx
 from gateway.errors import BadRequest, UnsupportedMediaType
-from gateway.message_types import check_message_type
 from gateway.policy.schema import PRIORITIES, ServerSpec
-from gateway.tokenizer_threads import CountingThreads
+from gateway.tokenizer.chat_template import extra_fields, lax_bool, part_kind
+from gateway.tokenizer.threads import CountingThreads
 
 _PRIORITY_INDEX = {name: index for index, name in enumerate(PRIORITIES)}
 DEFAULT_PRIORITY = _PRIORITY_INDEX["standard"]
@@ -163,7 +163,7 @@ def text_chars(value: Any) -> int:
 def _content_chars(content: Any, index: int) -> tuple[int, int]:
     """Characters and image parts of one message's content; its shape is checked on the way.
 
-    Every part is classified as vLLM classifies it (gateway/chat_template.py `part_kind`): the
+    Every part is classified as vLLM classifies it (gateway/tokenizer/chat_template.py `part_kind`): the
     text of text-like parts and any field an "openai" template gets counts; images are counted
     apart and charged at the model's `image_tokens` by tokenize (their URLs are no prompt)."""
     param = f"messages[{index}].content"
@@ -196,7 +196,7 @@ def check_prompt_chars(chars: int, limits: ServerSpec, param: str) -> None:
 
 
 _TEMPLATE_FLAGS = (("add_generation_prompt", True), ("continue_final_message", False))
-# The fields besides role, content and tool calls a template may render (gateway/chat_template.py).
+# The fields besides role, content and tool calls a template may render (gateway/tokenizer/chat_template.py).
 _TEXT_FIELDS = ("name", "tool_call_id", "reasoning", "reasoning_content", "task")
 
 

@@ -21,9 +21,9 @@ from typing import IO
 import aiohttp
 from aiohttp import web
 
-from gateway import adapters, body, discovery
 from gateway.account import Accountant
-from gateway.admit import Place, PoolSlots
+from gateway.admit import LivePool, Place
+from gateway.authenticate import authenticate
 from gateway.classify import classify
 from gateway.context import Ctx, Endpoint
 from gateway.errors import (
@@ -38,19 +38,20 @@ from gateway.errors import (
 )
 from gateway.estimate import estimate_output, force_length
 from gateway.forward import check_forwardable, client_left, forward
-from gateway.health import HealthChecker
-from gateway.looplag import watch_lag
-from gateway.metrics import Metrics
+from gateway.observability.loop_lag import watch_lag
+from gateway.observability.metrics import Metrics
 from gateway.parse import parse_request
 from gateway.policy.compile import Policy, compile_policy, reference_problems
 from gateway.policy.load import PolicyError, load_spec
 from gateway.quota import Charge, Quotas
+from gateway.replicas import adapters, discovery
+from gateway.replicas.health import HealthChecker
 from gateway.route import find_candidates, route
+from gateway.server import body
 from gateway.spill import spill
 from gateway.state import SlotLedger, State
 from gateway.state.redis_state import BackendUp, build_state
-from gateway.tenants import authenticate
-from gateway.tokens import TooManyTokens
+from gateway.tokenizer.counters import TooManyTokens
 from gateway.upstream import Upstream
 
 log = logging.getLogger("gateway.pipeline")
@@ -167,7 +168,7 @@ class Runtime:
     single reference: a request keeps the runtime it started with, slots included."""
 
     policy: Policy
-    slots: dict[str, PoolSlots]
+    slots: dict[str, LivePool]
     api_keys: dict[str, str | None]
     max_response_bytes: int  # server.max_response_bytes
     rename_model: bool  # server.response_model: requested
@@ -184,7 +185,7 @@ class Runtime:
             upstreams[name] = carried if carried is not None else Upstream()
             kept = previous.slots.get(name) if previous is not None else None
             if kept is None:
-                slots[name] = PoolSlots(name, pool.spec, pool.picker, ledger)
+                slots[name] = LivePool(name, pool.spec, pool.picker, ledger)
             else:  # its replicas keep their counts: in-flight requests release where they took
                 spec = pool.spec
                 if spec.dns is not None:  # keep what DNS found until the next lookup
@@ -204,7 +205,7 @@ class Runtime:
         )
 
 
-def _busy(slots: PoolSlots) -> bool:
+def _busy(slots: LivePool) -> bool:
     """Requests in flight on the pool or waiting in its queue."""
     return any(r.inflight for r in slots.replicas) or any(slots.waiting_by_tier)
 
@@ -234,7 +235,7 @@ class Gateway:
         self.ledger: SlotLedger | None
         self.state, self.ledger = build_state(policy.spec.state)
         self.runtime = Runtime.build(policy, None, self.ledger)
-        self._retiring: dict[str, PoolSlots] = {}  # removed pools, for `retiring`
+        self._retiring: dict[str, LivePool] = {}  # removed pools, for `retiring`
         self.reload_errors = 0
         self.accountant = Accountant(Metrics(self), access_log)  # reads the above at scrape time
         self.accountant.metrics.registry.register(BackendUp(lambda: self.state))
@@ -256,11 +257,11 @@ class Gateway:
         return self.runtime.policy
 
     @property
-    def slots(self) -> dict[str, PoolSlots]:
+    def slots(self) -> dict[str, LivePool]:
         return self.runtime.slots
 
     @property
-    def retiring(self) -> dict[str, PoolSlots]:
+    def retiring(self) -> dict[str, LivePool]:
         """Pools a reload removed while requests were still in flight or queued on them, until
         those end (`_wind_down`): `/metrics` keeps their in-flight and queue gauges meanwhile.
         A name a later reload gave a new pool is that pool's."""
@@ -320,7 +321,7 @@ class Gateway:
             if session is not None:
                 await session.close()
 
-    async def _wind_down(self, slots: PoolSlots) -> None:
+    async def _wind_down(self, slots: LivePool) -> None:
         """A removed pool until its last request ends: its leases still renewed (with shared
         state; a stream outlives a lease), then the pool closed so its releases reach the
         ledger. `close` closes those still winding down."""
@@ -335,7 +336,7 @@ class Gateway:
             del self._retiring[slots.name]
         await slots.close()
 
-    async def _share(self, slots: PoolSlots) -> None:
+    async def _share(self, slots: LivePool) -> None:
         """Renew the pool's leases three times per lease life (at least every second, so
         saturation agrees across gateways): a gateway that dies stops, and its leases expire."""
         every_s = min(1.0, self.policy.spec.state.lease_ttl_s / 3)

@@ -53,13 +53,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.authenticate import Tenant
 from gateway.context import Ctx
 from gateway.errors import GatewayError, OverQuota, QuotaExceeded
-from gateway.metrics import Metrics
+from gateway.observability.metrics import Metrics
 from gateway.state.base import Limit, Refusal, Reservation, State, Window
-from gateway.tenants import Tenant
-from gateway.tokenfloor import TokenFloor
-from gateway.tokens import HFCounter
+from gateway.tokenizer.counters import HFCounter
+from gateway.tokenizer.floor import TokenFloor
 
 log = logging.getLogger("gateway.quota")
 

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 from gateway.context import Ctx
 from gateway.errors import ModelNotFound, NoRoute
-from gateway.match import Check, all_of, names, request_checks
+from gateway.policy.match import Check, all_of, names, request_checks
 from gateway.policy.schema import PRIORITIES, RouteSpec
 
 if TYPE_CHECKING:
-    from gateway.adapters import Adapters
     from gateway.policy.compile import Pool
+    from gateway.replicas.adapters import Adapters
 
 
 @dataclass(frozen=True, slots=True)

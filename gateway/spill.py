@@ -19,18 +19,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
-from gateway.admit import PoolSlots
+from gateway.admit import LivePool
 from gateway.context import Ctx
 from gateway.policy.schema import PRIORITIES
 
 if TYPE_CHECKING:
-    from gateway.adapters import Adapters
-    from gateway.loopmetrics import Counter
+    from gateway.observability.fast import Counter
+    from gateway.replicas.adapters import Adapters
     from gateway.route import Fallback
 
 
 class PoolLoad(Protocol):
-    """What spilling reads of a pool: `PoolSlots` live, or `explain`'s assumed figures."""
+    """What spilling reads of a pool: `LivePool` live, or `explain`'s assumed figures."""
 
     @property
     def saturation(self) -> float: ...
@@ -87,7 +87,7 @@ def choose(ctx: Ctx, loads: Mapping[str, PoolLoad], adapters: Adapters) -> Fallb
     return None
 
 
-def spill(ctx: Ctx, slots: Mapping[str, PoolSlots], adapters: Adapters, spilled: Counter) -> None:
+def spill(ctx: Ctx, slots: Mapping[str, LivePool], adapters: Adapters, spilled: Counter) -> None:
     """Move `ctx` to the fallback `choose` names, if any, and count the move."""
     if ctx.route is None or not ctx.route.fallbacks:
         return

@@ -21,8 +21,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from gateway.encoders import FastokensEncoder, TokenizersEncoder
-from gateway.tokens import load_tokenizer
+from gateway.tokenizer.backends import FastokensEncoder, TokenizersEncoder
+from gateway.tokenizer.counters import load_tokenizer
 from loadtest import prose, real_tokenizers
 
 

@@ -72,7 +72,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
-from gateway.cpus import available_cpus
+from gateway.tokenizer.cpus import available_cpus
 from loadtest import prose, real_tokenizers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -814,14 +814,16 @@ class Alone:
 
     def __init__(self, library: str, tokenizer_json: Path, threads: int) -> None:
         from gateway.policy.schema import ServerSpec
-        from gateway.tokens import INLINE_SHARE  # also sets the gateway's TOKENIZERS_PARALLELISM
+        from gateway.tokenizer.counters import (
+            INLINE_SHARE,  # also sets the gateway's TOKENIZERS_PARALLELISM
+        )
 
         self.count: Callable[[str], int] = (
             _fastokens_count(tokenizer_json)
             if library == "fastokens"
             else _tokenizers_count(tokenizer_json)
         )
-        # Where the gateway counts a text of this library (gateway/tokens.py), at the policy's
+        # Where the gateway counts a text of this library (gateway/tokenizer/counters.py), at the policy's
         # default `inline_tokenize_max_chars`: longer ones on its tokenizer threads.
         limit: int = ServerSpec.model_fields["inline_tokenize_max_chars"].default
         self.inline_max = limit if library == "fastokens" else limit // INLINE_SHARE
@@ -883,7 +885,7 @@ class Libraries:
 
     @classmethod
     def load(cls, counted: Counted, directory: Path, backend: str, threads: int) -> Libraries:
-        from gateway.tokens import load_tokenizer
+        from gateway.tokenizer.counters import load_tokenizer
 
         alone = {
             library: Alone(library, directory / "tokenizer.json", threads)

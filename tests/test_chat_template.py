@@ -1,5 +1,5 @@
 """Chats are rendered and counted as vLLM 0.32 renders them, on the real tokenizers, and hostile
-chat input is refused before any tokenizer time (gateway/chat_template.py, gateway/parse.py)."""
+chat input is refused before any tokenizer time (gateway/tokenizer/chat_template.py, gateway/parse.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 from transformers import AutoTokenizer
 
-from gateway.chat_template import ChatTemplate
 from gateway.context import Ctx
 from gateway.errors import BadRequest
 from gateway.parse import parse
 from gateway.policy.schema import ServerSpec
-from gateway.tokens import HFCounter
+from gateway.tokenizer.chat_template import ChatTemplate
+from gateway.tokenizer.counters import HFCounter
 from loadtest.real_tokenizers import directory
 
 PROSE = (

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cpus import available_cpus, cgroup_cpu_quota
+from gateway.tokenizer.cpus import available_cpus, cgroup_cpu_quota
 
 
 def write(root: Path, name: str, text: str) -> None:

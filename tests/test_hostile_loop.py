@@ -170,8 +170,8 @@ async def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(gw, http, e
     ],
 )
 def test_the_floor_never_exceeds_the_count(tokenizer_dir, text):
-    from gateway.tokenfloor import TokenFloor
-    from gateway.tokens import load_tokenizer
+    from gateway.tokenizer.counters import load_tokenizer
+    from gateway.tokenizer.floor import TokenFloor
 
     backend = load_tokenizer(str(tokenizer_dir)).backend_tokenizer
     floor = TokenFloor.of(backend)
@@ -198,7 +198,7 @@ async def test_small_counts_do_not_wait_behind_huge_prompts(big_gw):
 def test_the_floor_is_off_where_a_token_may_swallow_text():
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from gateway.tokenfloor import TokenFloor
+    from gateway.tokenizer.floor import TokenFloor
 
     wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
     wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()  # one [UNK] per word, however long
@@ -208,7 +208,7 @@ def test_the_floor_is_off_where_a_token_may_swallow_text():
 def test_the_floor_holds_for_byte_fallback_tokenizers():
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from gateway.tokenfloor import TokenFloor
+    from gateway.tokenizer.floor import TokenFloor
 
     vocab = {f"<0x{b:02X}>": b for b in range(256)}
     for piece in ("▁", "▁a", "▁aa", "aaaa", "▁😀"):
@@ -226,8 +226,8 @@ def test_the_floor_holds_for_byte_fallback_tokenizers():
 async def test_a_chat_of_thousands_of_tiny_messages_is_rendered_off_the_loop():
     """Rendering costs per message (Qwen 3's template most): 2,048 one-word turns would hold the
     loop tens of milliseconds; on the tokenizer threads the GIL's switch interval lets it run."""
-    from gateway.tokenizer_threads import CountingThreads
-    from gateway.tokens import HFCounter
+    from gateway.tokenizer.counters import HFCounter
+    from gateway.tokenizer.threads import CountingThreads
     from loadtest.real_tokenizers import directory
 
     counter = HFCounter.load(str(directory("qwen3")), threads=CountingThreads(1, "tokenize"))
@@ -250,7 +250,7 @@ async def test_a_body_of_thousands_of_messages_is_checked_off_the_loop():
     from gateway.context import Ctx
     from gateway.parse import INLINE_PARSE_BYTES, parse_request
     from gateway.policy.schema import ServerSpec
-    from gateway.tokenizer_threads import CountingThreads
+    from gateway.tokenizer.threads import CountingThreads
 
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     turn = {"role": "assistant", "content": "ok", "tool_calls": [call] * 2, "reasoning": "r"}

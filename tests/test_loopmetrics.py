@@ -6,8 +6,8 @@ import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway import loopmetrics
-from gateway.metrics import E2E_BUCKETS, LAG_BUCKETS
+from gateway.observability import fast as loopmetrics
+from gateway.observability.metrics import E2E_BUCKETS, LAG_BUCKETS
 
 VALUES = (0.0, 0.001, 0.01, 0.0100001, 0.5, 1, 1.0000001, 42.0, 600, 601, 1e9)
 

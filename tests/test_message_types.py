@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.message_types import _valid_part, _vllm_part
+from gateway.api.message_types import _valid_part, _vllm_part
 from tests.conftest import basic_policy
 
 HI = {"role": "user", "content": "Hello."}

@@ -13,10 +13,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.admit import Claim, PoolSlots, Replica
-from gateway.admit.picker import RoundRobinPicker
+from gateway.admit import Claim, LivePool, Replica
 from gateway.admit.replica import EngineGauges
 from gateway.pick.affinity import Affinity
+from gateway.pick.picker import RoundRobinPicker
 from gateway.pick.scorers import KvCacheScorer, QueueScorer
 from gateway.policy.compile import load_policy
 from gateway.policy.load import PolicyError
@@ -273,7 +273,7 @@ def test_a_policy_names_unknown_scorers_and_bad_parameters(tmp_path: Path) -> No
 
 
 async def test_round_robin_takes_turns_among_the_replicas_with_room() -> None:
-    slots = PoolSlots(
+    slots = LivePool(
         "p",
         PoolSpec(model="m", replicas=["http://a", "http://b", "http://c"], max_concurrency=1),
         RoundRobinPicker(None),

@@ -1,7 +1,7 @@
 """Slots kept for a class (`reserve`, with borrowing), and refusing at once a request whose
 predicted queue wait is confidently over `max_wait_s` (`queue.fail_fast`).
 
-The first half drives `PoolSlots` directly, as tests/test_slots.py does; the second half puts a
+The first half drives `LivePool` directly, as tests/test_slots.py does; the second half puts a
 stub replica and the gateway on loopback and floods them over HTTP.
 """
 
@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from gateway.admit import Claim, Grant, HoldTimes, LeastInflightPicker, PoolSlots
+from gateway.admit import Claim, Grant, HoldTimes, LeastInflightPicker, LivePool
 from gateway.errors import QueueWaitTooLong
 from gateway.policy.compile import load_policy
 from gateway.policy.load import PolicyError
@@ -30,9 +30,9 @@ from tests.conftest import RunningGateway, basic_policy, eventually
 CRITICAL, STANDARD, SHEDDABLE = (PRIORITIES.index(t) for t in ("critical", "standard", "sheddable"))
 
 
-def pool(replicas: int = 1, cap: int = 1, **spec: object) -> PoolSlots:
+def pool(replicas: int = 1, cap: int = 1, **spec: object) -> LivePool:
     urls = [f"http://127.0.0.1:{9000 + i}" for i in range(replicas)]
-    return PoolSlots(
+    return LivePool(
         "p",
         PoolSpec(model="m", replicas=urls, max_concurrency=cap, **spec),
         LeastInflightPicker(None),
@@ -47,7 +47,7 @@ def short(tokens: int = 10) -> Claim:
     return Claim(tokens, workload="short")
 
 
-async def queued(slots: PoolSlots, claim: Claim) -> asyncio.Task[Grant]:
+async def queued(slots: LivePool, claim: Claim) -> asyncio.Task[Grant]:
     """Start an acquire that has to wait, and return once it is in the queue."""
     before = slots.waiting
     task = asyncio.create_task(slots.acquire(claim))
@@ -63,7 +63,7 @@ async def cancel_all(tasks: list[asyncio.Task[Grant]]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-# --- reservation, PoolSlots alone ----------------------------------------------------------
+# --- reservation, LivePool alone ----------------------------------------------------------
 
 
 async def test_a_reserved_slot_stays_free_for_its_class() -> None:
@@ -194,10 +194,10 @@ def test_a_reservation_for_an_unknown_class_is_refused(tmp_path: Path) -> None:
     assert load_policy(path).pools["pa"].spec.reserve == {"short": 1, "long": 1}
 
 
-# --- fail fast, PoolSlots alone ------------------------------------------------------------
+# --- fail fast, LivePool alone ------------------------------------------------------------
 
 
-def history(slots: PoolSlots, samples: list[float]) -> None:
+def history(slots: LivePool, samples: list[float]) -> None:
     for seconds in samples:
         slots.holds[0].add(seconds)
 

@@ -1,4 +1,4 @@
-"""PoolSlots on its own: the ordering and leak-freedom rules the HTTP tests rely on."""
+"""LivePool on its own: the ordering and leak-freedom rules the HTTP tests rely on."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import asyncio
 
 import pytest
 
-from gateway.admit import Claim, LeastInflightPicker, PoolSlots
+from gateway.admit import Claim, LeastInflightPicker, LivePool
 from gateway.errors import QueueFull, QueueTimeout
 from gateway.policy.schema import PoolSpec
 
 
-def pool(replicas: int = 1, cap: int = 1, **spec: object) -> PoolSlots:
+def pool(replicas: int = 1, cap: int = 1, **spec: object) -> LivePool:
     urls = [f"http://127.0.0.1:{9000 + i}" for i in range(replicas)]
-    return PoolSlots(
+    return LivePool(
         "p",
         PoolSpec(model="m", replicas=urls, max_concurrency=cap, **spec),
         LeastInflightPicker(None),

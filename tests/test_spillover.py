@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.admit import Claim, LeastInflightPicker, PoolSlots
+from gateway.admit import Claim, LeastInflightPicker, LivePool
 from gateway.policy.compile import load_policy
 from gateway.policy.load import PolicyError
 from gateway.policy.schema import PoolSpec
@@ -252,7 +252,7 @@ async def test_with_redis_the_primary_is_full_when_another_gateway_fills_it(
 
 
 async def test_the_predicted_wait_is_zero_with_room_and_grows_with_the_line() -> None:
-    slots = PoolSlots(
+    slots = LivePool(
         "p",
         PoolSpec(model="m", replicas=["http://127.0.0.1:9"], max_concurrency=2),
         LeastInflightPicker(None),

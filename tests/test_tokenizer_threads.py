@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from gateway.tokenizer_threads import CountingThreads
+from gateway.tokenizer.threads import CountingThreads
 
 
 async def test_a_job_that_waits_for_the_only_thread_is_counted_with_its_wait() -> None:

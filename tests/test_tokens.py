@@ -9,9 +9,9 @@ import shutil
 import pytest
 from transformers import AutoTokenizer
 
-from gateway.encoders import BackendError, TokenizersEncoder, disagreement
-from gateway.tokenizer_threads import CountingThreads
-from gateway.tokens import HFCounter, load_tokenizer
+from gateway.tokenizer.backends import BackendError, TokenizersEncoder, disagreement
+from gateway.tokenizer.counters import HFCounter, load_tokenizer
+from gateway.tokenizer.threads import CountingThreads
 from loadtest.tiny_tokenizer import SPECIALS, WORDS, save
 
 

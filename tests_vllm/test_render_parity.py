@@ -23,7 +23,7 @@ Images are left out: their count needs the model's multimodal processor.
 
 vLLM's request model is part of the path: which of its message types a message validates as
 decides whether a content part its parser would take as text is refused first
-(gateway/message_types.py); `type_cases` walks those decisions for every standard role.
+(gateway/api/message_types.py); `type_cases` walks those decisions for every standard role.
 
 Each mismatch is printed with its request and both outcomes. vLLM is configured as a deployment
 that takes tools is (`--enable-auto-tool-choice --tool-call-parser ...`): without a tool parser
@@ -396,7 +396,7 @@ def edge_cases(model: str, corpus: Corpus) -> list[dict[str, Any]]:
 
 
 # Content parts and message fields that decide which of vLLM's message types a message
-# validates as (gateway/message_types.py): each alone, and beside a part vLLM's own type takes.
+# validates as (gateway/api/message_types.py): each alone, and beside a part vLLM's own type takes.
 TYPED_PARTS: tuple[Any, ...] = (
     {"type": "text", "text": "hi"},
     {"type": "refusal", "refusal": "no"},

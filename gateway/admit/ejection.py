@@ -1,6 +1,6 @@
 """Passive outlier detection: a pool's replicas ejected after failures in a row, or when they
 decode far slower than their peers; each ejection lasts longer; a bounded share of the pool at
-most is ever out. Active probes (`gateway/health.py`) decide when one comes back.
+most is ever out. Active probes (`gateway/replicas/health.py`) decide when one comes back.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from operator import itemgetter
 
 from gateway.admit.claim import Claim
-from gateway.admit.drain import HoldTimes
+from gateway.admit.demand import HoldTimes
 from gateway.admit.replica import Grant, Replica
 from gateway.policy.schema import PRIORITIES
 

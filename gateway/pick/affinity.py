@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from gateway.chat_template import message_text
+from gateway.tokenizer.chat_template import message_text
 
 MAX_SESSION_CHARS = 256  # a session id longer than this is cut: it only has to tell sessions apart
 

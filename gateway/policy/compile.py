@@ -11,19 +11,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.adapters import Adapters
 from gateway.admit import Picker  # importing a stage module registers its plug-ins
+from gateway.authenticate import Tenant, compile_tenants
 from gateway.classify import Workload, compile_class
-from gateway.cpus import available_cpus
 from gateway.estimate import OutputEstimator
 from gateway.pick.weighted import WeightedPicker
 from gateway.policy.load import LoadedSpec, PolicyError, Problem, load_spec
 from gateway.policy.plugins import PluginError, create
 from gateway.policy.schema import ESTIMATE, ModelSpec, PolicySpec, PoolSpec
+from gateway.replicas.adapters import Adapters
 from gateway.route import Route, compile_route
-from gateway.tenants import Tenant, compile_tenants
-from gateway.tokenizer_threads import TokenizerThreads
-from gateway.tokens import EstimateCounter, HFCounter, TokenCounter
+from gateway.tokenizer.counters import EstimateCounter, HFCounter, TokenCounter
+from gateway.tokenizer.cpus import available_cpus
+from gateway.tokenizer.threads import TokenizerThreads
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,9 +16,8 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import body, tokenization
 from gateway.admit import Replica
-from gateway.cards import model_cards
+from gateway.authenticate import identify
 from gateway.errors import (
     AdminDisabled,
     GatewayError,
@@ -33,9 +32,10 @@ from gateway.pipeline import Gateway
 from gateway.policy.compile import Policy
 from gateway.policy.load import PolicyError
 from gateway.policy.schema import HealthSpec, ServerSpec
-from gateway.server import logs
+from gateway.server import body, logs
+from gateway.server import vllm_endpoints as tokenization
 from gateway.server.limits import RequestLimits, handler_args
-from gateway.tenants import identify
+from gateway.server.model_cards import model_cards
 
 log = logging.getLogger("gateway.server")
 

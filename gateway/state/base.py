@@ -101,7 +101,7 @@ class SlotClaim:
 class SlotLedger(Protocol):
     """Replica slots shared by several gateways, as leases that live `ttl_s` unless renewed.
 
-    A gateway alone needs no ledger: its own counts (`PoolSlots`) are every slot there is. With
+    A gateway alone needs no ledger: its own counts (`LivePool`) are every slot there is. With
     several, each slot a gateway holds is also a lease here, so together they never exceed a
     replica's cap, and the slots of a gateway that dies come back when its leases expire.
     Leases are named with their class ("" for none reserved) so reservations can be counted.

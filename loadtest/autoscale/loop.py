@@ -61,7 +61,9 @@ DNS_ZONE = "autoscale.test"  # pool P's headless Service is P.autoscale.test
 MODEL_ALIAS = "gemma-3"  # what the load generator asks for; the policy routes it to the pool
 STEP_WALL_S = 0.05  # how often starting replicas are checked for readiness (wall)
 TAIL_S = 120.0  # simulated seconds the last arrivals get to finish before they are cut off
-HEALTH_TICK_S = 1.0  # simulated: gateway/health.py's PASSIVE_TICK_S, the tick of a real gateway
+HEALTH_TICK_S = (
+    1.0  # simulated: gateway/replicas/health.py's PASSIVE_TICK_S, the tick of a real gateway
+)
 # gateway/admit/forecast.py's time constants (real seconds in a real gateway: simulated here)
 FORECAST_TIMES = ("level_s", "trend_s", "damping_s")
 

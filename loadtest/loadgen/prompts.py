@@ -2,7 +2,7 @@
 
 The count is the one the server will make: a chat prompt is the model's chat template rendered
 with `add_generation_prompt=True` and encoded without extra special tokens; a completions prompt
-is encoded with them (vLLM does both, and so does the gateway's `gateway/tokens.py`). Without a
+is encoded with them (vLLM does both, and so does the gateway's `gateway/tokenizer/counters.py`). Without a
 tokenizer the prompt is 4 characters a token, and only the server's usage chunk tells the truth.
 
 How a prompt of N tokens is made, cheaply: a long filler text of common words is encoded once,
@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import orjson
 
-from gateway.tokens import load_tokenizer
+from gateway.tokenizer.counters import load_tokenizer
 from loadtest.loadgen.workloads import Planned
 from loadtest.tiny_tokenizer import WORDS
 

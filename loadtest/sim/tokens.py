@@ -34,8 +34,8 @@ from typing import Any, Protocol
 
 import orjson
 
-from gateway.chat_template import ChatTemplate
 from gateway.errors import BadRequest
+from gateway.tokenizer.chat_template import ChatTemplate
 
 log = logging.getLogger("loadtest.sim")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from gateway.loopmetrics import HistogramChild
+from gateway.observability.fast import HistogramChild
 
 INTERVAL_S = 0.25
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)

@@ -23,23 +23,23 @@ from types import TracebackType
 
 from gateway.admit import ejection, leases
 from gateway.admit.claim import Claim
-from gateway.admit.drain import Demand, HoldTimes
+from gateway.admit.demand import Demand, HoldTimes
 from gateway.admit.ejection import Ejector
 from gateway.admit.fairqueue import Place, Queue
 from gateway.admit.leases import Leases
-from gateway.admit.picker import Picker
 from gateway.admit.reconcile import Reconciler
 from gateway.admit.replica import EngineGauges, Grant, Replica
 from gateway.context import Ctx
 from gateway.deadline import Deadline
 from gateway.errors import GatewayError, NoReplica, QueueFull, QueueTimeout, QueueWaitTooLong, Shed
+from gateway.pick.picker import Picker
 from gateway.policy.schema import PRIORITIES, PoolSpec
 from gateway.state.base import SlotClaim, SlotLedger
 
 log = logging.getLogger("gateway.admit")  # one logger for the whole stage: operators grep it
 
 
-class PoolSlots:
+class LivePool:
     """The replicas of one pool and the queue in front of them."""
 
     def __init__(
@@ -437,7 +437,7 @@ class PoolSlots:
 
 
 class Held:
-    """A slot held over an `async with` (`PoolSlots.slot`).
+    """A slot held over an `async with` (`LivePool.slot`).
 
     A class rather than an `@asynccontextmanager`: the event loop registers every async
     generator in a WeakSet for its shutdown, and that, with contextlib's wrapping, was about a
@@ -447,7 +447,7 @@ class Held:
     __slots__ = ("_ctx", "_grant", "_held", "_place", "_pool")
     _grant: Grant  # set once a slot is taken: `__aexit__` runs only after `__aenter__` returned
 
-    def __init__(self, pool: PoolSlots, ctx: Ctx, place: Place) -> None:
+    def __init__(self, pool: LivePool, ctx: Ctx, place: Place) -> None:
         self._pool, self._ctx, self._place = pool, ctx, place
         self._held = 0.0
 

@@ -18,14 +18,14 @@ from typing import Any
 
 from multidict import CIMultiDictProxy
 
-from gateway.chat_template import lax_bool
 from gateway.context import Ctx
 from gateway.errors import BadRequest, ModelNotFound
 from gateway.parse import check_chat, check_model, check_prompt_chars
 from gateway.policy.compile import Model, Policy
 from gateway.policy.schema import ServerSpec
 from gateway.route import find_candidates
-from gateway.tokens import HFCounter
+from gateway.tokenizer.chat_template import lax_bool
+from gateway.tokenizer.counters import HFCounter
 
 MAX_TOKEN_ID = 2**63 - 1  # vLLM's bound on a `tokens` entry, before the vocabulary's
 

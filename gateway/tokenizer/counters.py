@@ -5,11 +5,11 @@ the request's tools and template variables) and the whole text is encoded once, 
 tokens; a completion's prompts are encoded with them. Nothing is summed from parts: real
 templates merge tokens across a content's edges (Gemma 3) and rewrite contents (Qwen 3's
 reasoning blocks), so only the rendered prompt's own encoding is exact. Tokenizers load from a
-local directory only: the hub is never contacted. gateway/encoders.py chooses the library that
+local directory only: the hub is never contacted. gateway/tokenizer/backends.py chooses the library that
 encodes (fastokens where proven to agree with the tokenizers library, else the latter).
 
 Tokenizer time is shared, so three rules keep one client's huge prompts from costing everyone
-else's small ones. Before any encoding, a provable floor on the count (gateway/tokenfloor.py)
+else's small ones. Before any encoding, a provable floor on the count (gateway/tokenizer/floor.py)
 refuses what cannot fit in the context (`TooManyTokens`), so a 4 MB prompt costs no tokenizer
 time. Text longer than `inline_tokenize_max_chars` is encoded on the tokenizer threads (both
 encoders let the loop run meanwhile), so the event loop is never held for long. And text of
@@ -24,11 +24,11 @@ import os
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from gateway.chat_template import ChatTemplate, arguments_chars, message_text
-from gateway.encoders import AUTO, Backend, Encoder, choose, ids
 from gateway.policy.schema import ServerSpec
-from gateway.tokenfloor import TokenFloor
-from gateway.tokenizer_threads import CountingThreads
+from gateway.tokenizer.backends import AUTO, Backend, Encoder, choose, ids
+from gateway.tokenizer.chat_template import ChatTemplate, arguments_chars, message_text
+from gateway.tokenizer.floor import TokenFloor
+from gateway.tokenizer.threads import CountingThreads
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -166,7 +166,7 @@ class HFCounter:
         image_tokens: int | None = None,
     ) -> HFCounter:
         """The counter of the tokenizer in `directory`, encoding with `backend`
-        (gateway/encoders.py; `BackendError` when a forced fastokens cannot count it exactly)."""
+        (gateway/tokenizer/backends.py; `BackendError` when a forced fastokens cannot count it exactly)."""
         tokenizer = load_tokenizer(directory)
         serialized = tokenizer.backend_tokenizer.to_str()  # large: made once for both readers
         return cls(

@@ -1,6 +1,6 @@
 """Instance-level circuit breaking: active `/health` probes and the half-open readmission.
 
-Passive outlier detection lives with the slots (`PoolSlots.failed`): every request the replica
+Passive outlier detection lives with the slots (`LivePool.failed`): every request the replica
 failed counts (not one that ran out its own `total_s`, nor a client that left).
 This task adds what requests cannot see: a replica that is down while nobody sends to it, and the
 probe that lets an ejected replica back in once its ejection time is over and it answers again.
@@ -14,10 +14,10 @@ import time
 
 import aiohttp
 
-from gateway.admit import PoolSlots, Replica
+from gateway.admit import LivePool, Replica
 from gateway.admit.replica import EngineGauges
 
-log = logging.getLogger("gateway.health")
+log = logging.getLogger("gateway.replicas.health")
 
 PASSIVE_TICK_S = 1.0  # the longest tick: the demand signal, and ejections that ran out
 MAX_METRICS_BYTES = 8 * 1024 * 1024  # a replica's /metrics beyond this is not read at all
@@ -73,7 +73,7 @@ def read_engine(exposition: str, model: str) -> EngineGauges | None:
 
 
 class HealthChecker:
-    def __init__(self, slots: PoolSlots, session: aiohttp.ClientSession) -> None:
+    def __init__(self, slots: LivePool, session: aiohttp.ClientSession) -> None:
         self.slots = slots
         self.session = session
 

@@ -18,11 +18,11 @@ from prometheus_client import CollectorRegistry, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.admit import PoolSlots
-from gateway.looplag import LAG_BUCKETS
-from gateway.loopmetrics import Counter, Histogram
+from gateway.admit import LivePool
+from gateway.observability.fast import Counter, Histogram
+from gateway.observability.loop_lag import LAG_BUCKETS
 from gateway.policy.schema import ESTIMATE, PRIORITIES
-from gateway.tokens import HFCounter
+from gateway.tokenizer.counters import HFCounter
 
 if TYPE_CHECKING:
     from gateway.policy.compile import Policy
@@ -48,10 +48,10 @@ class Source(Protocol):
     """What the scrape-time collector reads: the gateway's current state."""
 
     @property
-    def slots(self) -> Mapping[str, PoolSlots]: ...
+    def slots(self) -> Mapping[str, LivePool]: ...
 
     @property
-    def retiring(self) -> Mapping[str, PoolSlots]: ...
+    def retiring(self) -> Mapping[str, LivePool]: ...
 
     @property
     def policy(self) -> Policy: ...
@@ -212,7 +212,7 @@ class _Gauges(Collector):
         backends = GaugeMetricFamily(
             "llm_token_counter_info",
             "The library that counts each model's prompts (1): fastokens, tokenizers (both exact:"
-            " gateway/encoders.py), or estimate (characters per token).",
+            " gateway/tokenizer/backends.py), or estimate (characters per token).",
             labels=["model", "backend"],
         )
         for name, model in self.source.policy.models.items():

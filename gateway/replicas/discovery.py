@@ -1,6 +1,6 @@
 """Replica discovery from DNS: a headless Service's A / AAAA records are the pool's replicas.
 
-Resolved every `interval_s`; what changed goes through `PoolSlots.update`, so a replica that
+Resolved every `interval_s`; what changed goes through `LivePool.update`, so a replica that
 joins takes requests at once and one that leaves is drained (its in-flight requests finish on
 it, no new ones arrive). A failed lookup keeps the replicas the pool has: DNS trouble must not
 empty a pool that still serves.
@@ -16,10 +16,10 @@ import dns.asyncresolver
 import dns.exception
 import dns.resolver
 
-from gateway.admit import PoolSlots
+from gateway.admit import LivePool
 from gateway.policy.schema import DnsSpec
 
-log = logging.getLogger("gateway.discovery")
+log = logging.getLogger("gateway.replicas.discovery")
 
 LOOKUP_S = 2.0  # one lookup's deadline: a slow resolver never stalls the loop that calls it
 
@@ -58,7 +58,7 @@ async def resolve(spec: DnsSpec) -> list[str] | None:
     return sorted(set(urls))
 
 
-async def refresh(slots: PoolSlots) -> None:
+async def refresh(slots: LivePool) -> None:
     """Resolve once and apply what changed."""
     spec = slots.spec.dns
     if spec is None:
@@ -70,7 +70,7 @@ async def refresh(slots: PoolSlots) -> None:
     slots.update(slots.spec.model_copy(update={"replicas": urls}), slots.picker)
 
 
-async def follow(slots: PoolSlots) -> None:
+async def follow(slots: LivePool) -> None:
     """Keep the pool's replicas in step with its DNS name while it has one."""
     while slots.spec.dns is not None:
         await asyncio.sleep(slots.spec.dns.interval_s)

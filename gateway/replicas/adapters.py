@@ -22,9 +22,9 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gateway.admit import PoolSlots
+from gateway.admit import LivePool
 
-log = logging.getLogger("gateway.adapters")
+log = logging.getLogger("gateway.replicas.adapters")
 
 MAX_PER_POOL = 256  # adapters discovered per pool beyond the policy's: the rest are ignored
 MAX_NAME_CHARS = 256  # a request's `model` is no longer (parse.MAX_MODEL_CHARS)
@@ -131,7 +131,7 @@ async def list_adapters(
         return None
 
 
-async def refresh(slots: PoolSlots, session: aiohttp.ClientSession, catalog: Adapters) -> None:
+async def refresh(slots: LivePool, session: aiohttp.ClientSession, catalog: Adapters) -> None:
     """Read every replica's adapters once: each `Replica.adapters` is what it lists, or the
     policy's list while it lists nothing; the pool's catalog entry is their union."""
     listed = frozenset(catalog.listed.get(slots.name, ()))
@@ -145,7 +145,7 @@ async def refresh(slots: PoolSlots, session: aiohttp.ClientSession, catalog: Ada
 
 
 async def follow(
-    slots: PoolSlots, session: aiohttp.ClientSession, catalog: Callable[[], Adapters]
+    slots: LivePool, session: aiohttp.ClientSession, catalog: Callable[[], Adapters]
 ) -> None:
     """Keep the pool's adapters current, every `health.reconcile_interval_s` (0: never);
     `catalog` gives the running policy's, which a reload replaces."""

@@ -1,6 +1,6 @@
 """The `picker` extension point: which of a pool's replicas with room takes a request.
 
-The pool calls `picker.pick(replicas, claim)` in one place (`PoolSlots._pick`); a picker only
+The pool calls `picker.pick(replicas, claim)` in one place (`LivePool._pick`); a picker only
 orders replicas that fit, so the caps stay hard whatever it prefers. A pool's `pick:` makes a
 weighted picker of its own (`gateway/pick/`); these are the policy-wide ones it replaces.
 """

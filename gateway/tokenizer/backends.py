@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, Protocol
 
-log = logging.getLogger("gateway.encoders")
+log = logging.getLogger("gateway.tokenizer.backends")
 
 Backend = Literal["auto", "fastokens", "tokenizers"]
 FASTOKENS: Backend = "fastokens"
