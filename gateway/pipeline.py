@@ -1,36 +1,30 @@
-"""The request pipeline: authenticate -> parse -> candidates -> estimate -> early quota ->
+"""The request path: authenticate -> parse -> candidates -> estimate -> early quota ->
 tokenize -> classify -> route -> spill -> quota -> admit -> forward -> account.
 
 Each stage is a small function in its own module that fills in its part of the `Ctx` or raises a
-`GatewayError`; this module only calls them in order and owns the `finally` that accounts for
-every request, however it ended.
+`GatewayError`; this module only calls them in order, retries what a replica refused before it
+took the request, and owns the `finally` that accounts for every request, however it ended.
+`decide` is the part up to admission, shared with `llm-gateway explain`. The process around it
+(policy, reloads, background tasks) is gateway/runtime.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-import os
 import time
 import uuid
-from dataclasses import dataclass
-from typing import IO
+from typing import TYPE_CHECKING
 
-import aiohttp
 from aiohttp import web
 
-from gateway.account import Accountant
-from gateway.admit import LivePool, Place
+from gateway.admit import Place
 from gateway.authenticate import authenticate
 from gateway.classify import classify
 from gateway.context import Ctx, Endpoint
 from gateway.errors import (
-    BadRequest,
-    ContextLengthExceeded,
     GatewayError,
-    ReloadFailed,
     ReplicaRefused,
     ShuttingDown,
     UpstreamError,
@@ -38,89 +32,19 @@ from gateway.errors import (
 )
 from gateway.estimate import estimate_output, force_length
 from gateway.forward import check_forwardable, client_left, forward
-from gateway.observability.loop_lag import watch_lag
-from gateway.observability.metrics import Metrics
 from gateway.parse import parse_request
-from gateway.policy.compile import Policy, compile_policy, reference_problems
-from gateway.policy.load import PolicyError, load_spec
-from gateway.quota import Charge, Quotas
-from gateway.replicas import adapters, discovery
-from gateway.replicas.health import HealthChecker
+from gateway.policy.compile import Policy
+from gateway.quota import Charge
 from gateway.route import find_candidates, route
 from gateway.server import body
 from gateway.spill import spill
-from gateway.state import SlotLedger, State
-from gateway.state.redis_state import BackendUp, build_state
-from gateway.tokenizer.counters import TooManyTokens
-from gateway.upstream import Upstream
+from gateway.tokenize import check_context_length, check_images, count_input
+
+if TYPE_CHECKING:
+    from gateway.runtime import Gateway, Runtime
 
 log = logging.getLogger("gateway.pipeline")
-PASSIVE_WATCH_S = 5.0  # with watching off, how often to look whether a reload turned it on
-RETIRE_WAIT_S = (
-    1.0  # for a removed pool's health and adapter tasks to stop, before its session closes
-)
 _BROKEN_STREAM = frozenset({"upstream_error", "upstream_timeout"})  # failed after the first byte
-
-
-def _check_images(ctx: Ctx) -> None:
-    assert ctx.model is not None
-    spec = ctx.model.spec
-    if spec.image_tokens is None:
-        raise BadRequest(
-            f"model {ctx.model.name!r} does not take images",
-            param="messages",
-            code="images_not_supported",
-        )
-    if ctx.images > spec.max_images:
-        raise BadRequest(
-            f"{ctx.images} images, over the {spec.max_images} limit of model {ctx.model.name!r}",
-            param="messages",
-            code="too_many_images",
-        )
-
-
-async def count_input(ctx: Ctx) -> None:
-    """Count the prompt, each image at the model's `image_tokens`; one that provably cannot fit
-    any candidate pool's context is refused before the tokenizer spends time on it."""
-    assert ctx.model is not None
-    counter = ctx.model.counter
-    limit = max(c.pool.model.spec.max_model_len for c in ctx.candidates)
-    refuse_at = limit - max(
-        (ctx.max_output or 0) - 1, 0
-    )  # the first count check_context_length refuses
-    images = 0
-    if ctx.images:
-        _check_images(ctx)  # as `before_count` does: a caller may count without it
-        images = ctx.images * counter.image_cost
-        if images >= refuse_at:
-            raise _too_long(ctx, limit, images, "at least ")
-    try:
-        if ctx.endpoint == "chat":
-            text = await counter.count_chat(ctx.body, refuse_at - images)
-            ctx.input_tokens = ctx.longest_prompt = images + text
-        else:
-            counts = await counter.count_prompts(ctx.body["prompt"], refuse_at)
-            ctx.input_tokens, ctx.longest_prompt = sum(counts), max(counts)
-    except TooManyTokens as exc:
-        raise _too_long(ctx, limit, images + exc.tokens, "at least ") from None
-
-
-def _too_long(ctx: Ctx, limit: int, prompt: int, qualifier: str = "") -> ContextLengthExceeded:
-    output = ctx.max_output or 0
-    return ContextLengthExceeded(
-        f"This model's maximum context length is {limit} tokens. However, you requested"
-        f" {qualifier}{prompt + output} tokens ({qualifier}{prompt} in the messages,"
-        f" {output} in the completion).",
-        param="messages" if ctx.endpoint == "chat" else "prompt",
-    )
-
-
-def check_context_length(ctx: Ctx) -> None:
-    """Refuse early what vLLM would refuse anyway, before it takes a slot."""
-    assert ctx.pool is not None
-    limit = ctx.pool.model.spec.max_model_len
-    if not ctx.fits_context(limit):
-        raise _too_long(ctx, limit, ctx.longest_prompt)
 
 
 def before_count(ctx: Ctx, policy: Policy) -> None:
@@ -131,7 +55,7 @@ def before_count(ctx: Ctx, policy: Policy) -> None:
     find_candidates(ctx, policy.routes, policy.adapters)
     assert ctx.model is not None
     if ctx.images:
-        _check_images(ctx)
+        check_images(ctx)
     estimate_output(ctx, policy.estimator, ctx.model.spec.default_output_tokens)
 
 
@@ -162,408 +86,120 @@ def _request_id(request: web.Request) -> str:
     return f"{_ID_PREFIX}{next(_ID_SEQ):016x}"
 
 
-@dataclass(frozen=True, slots=True)
-class Runtime:
-    """One policy and the admission state serving it. A reload builds the next one and swaps a
-    single reference: a request keeps the runtime it started with, slots included."""
-
-    policy: Policy
-    slots: dict[str, LivePool]
-    api_keys: dict[str, str | None]
-    max_response_bytes: int  # server.max_response_bytes
-    rename_model: bool  # server.response_model: requested
-    upstreams: dict[str, Upstream]  # each pool's forwarding connections, kept while it is
-
-    @classmethod
-    def build(
-        cls, policy: Policy, previous: Runtime | None, ledger: SlotLedger | None = None
-    ) -> Runtime:
-        slots = {}
-        upstreams = {}
-        for name, pool in policy.pools.items():
-            carried = previous.upstreams.get(name) if previous is not None else None
-            upstreams[name] = carried if carried is not None else Upstream()
-            kept = previous.slots.get(name) if previous is not None else None
-            if kept is None:
-                slots[name] = LivePool(name, pool.spec, pool.picker, ledger)
-            else:  # its replicas keep their counts: in-flight requests release where they took
-                spec = pool.spec
-                if spec.dns is not None:  # keep what DNS found until the next lookup
-                    spec = spec.model_copy(update={"replicas": [r.url for r in kept.replicas]})
-                kept.update(spec, pool.picker)
-                slots[name] = kept
-        return cls(
-            policy=policy,
-            slots=slots,
-            max_response_bytes=policy.spec.server.max_response_bytes,
-            rename_model=policy.spec.server.response_model == "requested",
-            upstreams=upstreams,
-            api_keys={
-                name: os.environ.get(pool.spec.api_key_env) if pool.spec.api_key_env else None
-                for name, pool in policy.pools.items()
-            },
-        )
-
-
-def _busy(slots: LivePool) -> bool:
-    """Requests in flight on the pool or waiting in its queue."""
-    return any(r.inflight for r in slots.replicas) or any(slots.waiting_by_tier)
-
-
-def _pool_changes(before: Policy, after: Policy) -> str:
-    """What a reload did to the pools, for its log line: the rest is in the file's diff."""
-    old, new = before.pools, after.pools
-    parts = [
-        f"{word} {', '.join(sorted(names))}"
-        for word, names in (
-            ("added", new.keys() - old.keys()),
-            ("removed", old.keys() - new.keys()),
-            ("changed", {n for n in old.keys() & new.keys() if old[n].spec != new[n].spec}),
-        )
-        if names
-    ]
-    return "; ".join(parts) or "pools unchanged"
-
-
-class Gateway:
-    """The running gateway: the current `Runtime`, upstream sessions, health checks, accounting."""
-
-    def __init__(self, policy: Policy, access_log: IO[bytes] | None) -> None:
-        # Outlives reloads: windows keep their charges and slots their leases (a changed
-        # `state` section needs a restart).
-        self.state: State
-        self.ledger: SlotLedger | None
-        self.state, self.ledger = build_state(policy.spec.state)
-        self.runtime = Runtime.build(policy, None, self.ledger)
-        self._retiring: dict[str, LivePool] = {}  # removed pools, for `retiring`
-        self.reload_errors = 0
-        self.accountant = Accountant(Metrics(self), access_log)  # reads the above at scrape time
-        self.accountant.metrics.registry.register(BackendUp(lambda: self.state))
-        self.quotas = Quotas(self.state, self.accountant.metrics)
-        self.sessions: dict[str, aiohttp.ClientSession] = {}  # health, /metrics, adapters
-        self.draining = False
-        self._checkers: dict[str, asyncio.Task[None]] = {}
-        self._discovery: dict[str, asyncio.Task[None]] = {}
-        self._sharers: dict[str, asyncio.Task[None]] = {}
-        self._adapters: dict[str, asyncio.Task[None]] = {}
-        self._reload_lock = asyncio.Lock()
-        self._closing = False
-        self._stopping: set[asyncio.Task[None]] = set()  # a removed pool's, not yet stopped
-        self._watcher: asyncio.Task[None] | None = None
-        self._lag: asyncio.Task[None] | None = None
-
-    @property
-    def policy(self) -> Policy:
-        return self.runtime.policy
-
-    @property
-    def slots(self) -> dict[str, LivePool]:
-        return self.runtime.slots
-
-    @property
-    def retiring(self) -> dict[str, LivePool]:
-        """Pools a reload removed while requests were still in flight or queued on them, until
-        those end (`_wind_down`): `/metrics` keeps their in-flight and queue gauges meanwhile.
-        A name a later reload gave a new pool is that pool's."""
-        return {n: s for n, s in self._retiring.items() if n not in self.runtime.slots and _busy(s)}
-
-    def _serve_pools(self) -> list[asyncio.Task[None]]:
-        """Sessions and health checks for every pool of the runtime; stop those of pools gone,
-        and return their tasks."""
-        for name, slots in self.runtime.slots.items():
-            if name not in self.sessions:
-                self.sessions[name] = aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
-                    auto_decompress=False,
-                    skip_auto_headers=("Accept-Encoding", "User-Agent"),
-                )
-            if name not in self._checkers:
-                checker = HealthChecker(slots, self.sessions[name])
-                self._checkers[name] = asyncio.create_task(checker.run(), name=f"health:{name}")
-            if slots.spec.dns is not None and (
-                name not in self._discovery or self._discovery[name].done()
-            ):
-                self._discovery[name] = asyncio.create_task(
-                    discovery.follow(slots), name=f"dns:{name}"
-                )
-            if name not in self._adapters:
-                self._adapters[name] = asyncio.create_task(
-                    adapters.follow(slots, self.sessions[name], lambda: self.policy.adapters),
-                    name=f"adapters:{name}",
-                )
-            if self.ledger is not None and name not in self._sharers:
-                self._sharers[name] = asyncio.create_task(self._share(slots), name=f"share:{name}")
-        stopped = []
-        for tasks in (self._sharers, self._checkers, self._discovery, self._adapters):
-            for name in [n for n in tasks if n not in self.runtime.slots]:
-                stopped.append(tasks.pop(name))
-                stopped[-1].cancel()
-        return stopped
-
-    async def _retire(self, previous: Runtime, stopped: list[asyncio.Task[None]]) -> None:
-        """Close what only the pools a reload removed used: their forwarding connections (a
-        request still in flight keeps its own until it ends) and, once the tasks using them have
-        stopped, their sessions."""
-        gone = [name for name in previous.slots if name not in self.runtime.slots]
-        for name in gone:
-            previous.upstreams[name].close()
-            self._retiring[name] = slots = previous.slots[name]
-            winding = asyncio.create_task(self._wind_down(slots), name=f"retire:{name}")
-            self._stopping.add(winding)
-            winding.add_done_callback(self._stopping.discard)
-        if stopped:
-            _, pending = await asyncio.wait(stopped, timeout=RETIRE_WAIT_S)
-            self._stopping |= pending  # one that swallowed its cancellation: `close` waits on it
-            for task in pending:
-                task.add_done_callback(self._stopping.discard)
-        for name in gone:
-            session = self.sessions.pop(name, None)
-            if session is not None:
-                await session.close()
-
-    async def _wind_down(self, slots: LivePool) -> None:
-        """A removed pool until its last request ends: its leases still renewed (with shared
-        state; a stream outlives a lease), then the pool closed so its releases reach the
-        ledger. `close` closes those still winding down."""
-        every_s = min(1.0, self.policy.spec.state.lease_ttl_s / 3)
-        while _busy(slots):
-            await asyncio.sleep(every_s)
-            try:
-                await slots.share()
-            except Exception:  # as `_share`: never lose the renewals to one bad tick
-                log.exception("pool %s (removed): sharing its slots failed", slots.name)
-        if self._retiring.get(slots.name) is slots:
-            del self._retiring[slots.name]
-        await slots.close()
-
-    async def _share(self, slots: LivePool) -> None:
-        """Renew the pool's leases three times per lease life (at least every second, so
-        saturation agrees across gateways): a gateway that dies stops, and its leases expire."""
-        every_s = min(1.0, self.policy.spec.state.lease_ttl_s / 3)
-        # Not `while True`: a cancellation can be lost inside the Redis calls (seen in the test
-        # suite: the loop went on renewing after `close` cancelled it, and `close` waited on it
-        # for ever); the flag, or its pool leaving the runtime, ends it within one period
-        # whatever the libraries did.
-        while not self._closing and self.runtime.slots.get(slots.name) is slots:
-            await asyncio.sleep(every_s)
-            try:
-                await slots.share()
-            except Exception:  # never lose the renewals to one bad tick
-                log.exception("pool %s: sharing its slots failed", slots.name)
-
-    async def open(self) -> None:
-        # Pools found by DNS start with what their name resolves to, not empty.
-        await asyncio.gather(*(discovery.refresh(s) for s in self.runtime.slots.values()))
-        self._serve_pools()
-        self._watcher = asyncio.create_task(self._watch(), name="policy-watch")
-        self._lag = asyncio.create_task(
-            watch_lag(self.accountant.metrics.loop_lag), name="loop-lag"
-        )
-
-    async def _watch(self) -> None:
-        """Reload when the policy file changes (a ConfigMap update swaps it under us)."""
-
-        def stamp() -> tuple[int, int] | None:
-            try:
-                st = os.stat(self.policy.path)
-            except OSError:
-                return None  # mid-swap, or gone: keep the running policy
-            return (st.st_mtime_ns, st.st_size)
-
-        seen = stamp()
-        while True:
-            await asyncio.sleep(self.policy.spec.admin.watch_interval_s or PASSIVE_WATCH_S)
-            if not self.policy.spec.admin.watch_interval_s:
-                continue
-            now = stamp()
-            if now is not None and now != seen:
-                seen = now
-                with contextlib.suppress(PolicyError, ReloadFailed):  # logged and counted
-                    await self.reload()
-
-    async def reload(self) -> Policy:
-        """Validate the policy file and swap it in; raise `PolicyError`, keeping the running one,
-        or `ReloadFailed` for anything else that went wrong. Either is counted and logged.
-
-        Compiling (tokenizers, YAML) runs in a thread so requests keep flowing meanwhile.
-        """
-        async with self._reload_lock:
-            current = self.runtime.policy
-            if self._closing:  # `close` holds the lock next: nothing new may start
-                return current
-            try:
-                return await self._reload(current)
-            except PolicyError as exc:
-                self.reload_errors += 1
-                log.error("policy reload refused, the running policy stays:\n%s", exc)
-                raise
-            except Exception as exc:  # whatever it was, the watcher and `/admin/reload` go on
-                self.reload_errors += 1
-                log.exception("policy reload failed")
-                raise ReloadFailed(
-                    f"reloading {current.path} failed ({type(exc).__name__}: {exc});"
-                    " see the gateway log"
-                ) from exc
-
-    async def _reload(self, current: Policy) -> Policy:
-        """`reload` under its lock: compile the file, and swap it in if it changed."""
-        policy = await asyncio.to_thread(
-            lambda: compile_policy(load_spec(current.path, reference_problems), previous=current)
-        )
-        if policy.digest != current.digest:
-            previous = self.runtime
-            self.runtime = Runtime.build(policy, previous, self.ledger)
-            await self._retire(previous, self._serve_pools())
-            kept = {id(pool.picker) for pool in policy.pools.values()}
-            retired = {id(p.picker): p.picker for p in current.pools.values()}
-            await asyncio.gather(*(p.close() for key, p in retired.items() if key not in kept))
-            log.info("policy %s reloaded: %s -> %s (%s)", policy.path, current.digest,
-                     policy.digest, _pool_changes(current, policy))  # fmt: skip
-        else:
-            log.info("policy %s reloaded: unchanged (%s)", policy.path, policy.digest)
-        return policy
-
-    async def close(self) -> None:
-        self._closing = True
-        async with self._reload_lock:  # a reload under way ends first; later ones do nothing
-            await self._close()
-
-    async def _close(self) -> None:
-        tasks = [
-            *self._stopping,
-            *self._checkers.values(),
-            *self._discovery.values(),
-            *self._sharers.values(),
-            *self._adapters.values(),
-            *([self._watcher] if self._watcher else []),
-            *([self._lag] if self._lag else []),
-        ]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._checkers.clear()
-        closing = [*self.runtime.slots.values(), *self._retiring.values()]
-        await asyncio.gather(*(slots.close() for slots in closing))
-        for session in list(self.sessions.values()):
-            await session.close()
-        for upstream in self.runtime.upstreams.values():
-            upstream.close()
-        await self.quotas.close()
-        await self.state.close()
-        self.policy.close()
-
-    async def _admit_and_forward(
-        self, ctx: Ctx, request: web.Request, runtime: Runtime
-    ) -> web.StreamResponse:
-        """Hold a slot and forward. What a replica refused before taking it goes back to its
-        place in the queue, to wait for a replica it has not tried (`admit.Place`), within the
-        pool's retry budget and the request's `max_wait_s`; never after a byte was sent."""
-        assert ctx.pool is not None
-        name = ctx.pool.name
-        slots, upstream, key = runtime.slots[name], runtime.upstreams[name], runtime.api_keys[name]
-        timeouts = ctx.pool.spec.timeouts
-        place = Place()
-        while True:
-            retrying = bool(place.avoid)
-            slots.retrying += retrying
-            try:
-                async with slots.slot(ctx, place) as grant:
-                    replica = grant.replica
-                    tried = place.avoid | {replica.url}
-                    retry_next = slots.can_retry(tried)
-                    try:
-                        resp = await forward(
-                            ctx,
-                            request,
-                            upstream,
-                            replica.url,
-                            key,
-                            timeouts,
-                            runtime.max_response_bytes,
-                            retry_503=retry_next,
-                            rename_model=runtime.rename_model,
-                        )
-                    except ReplicaRefused:
-                        slots.failed(replica, "refused")
-                        if not (retry_next and slots.can_retry(tried)):
-                            raise
-                        # Back in the queue it is served by no replica (nor charged as if it
-                        # were) until another grant names one.
-                        place.avoid, ctx.retries, ctx.replica = tried, ctx.retries + 1, ""
-                        continue
-                    except UpstreamTimeout:
-                        slots.failed(replica, "timeout")
-                        raise
-                    except UpstreamError:
-                        slots.failed(replica, "upstream_error")
-                        raise
-                    if ctx.status >= 500 or ctx.reason in _BROKEN_STREAM:
-                        slots.failed(replica, ctx.reason or "5xx")
-                    else:
-                        slots.succeeded(replica)
-                        tokens = ctx.output_tokens or 0
-                        if ctx.first_token is not None and tokens > 1:
-                            decode_s = time.perf_counter() - ctx.first_token
-                            slots.observe_tpot(replica, decode_s / (tokens - 1))
-                    return resp
-            finally:
-                slots.retrying -= retrying
-
-    async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-        ctx = Ctx(
-            request_id=_request_id(request),
-            endpoint=endpoint,
-            path=request.path,
-            headers=request.headers,
-            arrived=time.perf_counter(),
-        )
-        runtime = self.runtime
-        policy = runtime.policy
-        charge: Charge | None = None
+async def admit_and_forward(ctx: Ctx, request: web.Request, runtime: Runtime) -> web.StreamResponse:
+    """Hold a slot and forward. What a replica refused before taking it goes back to its
+    place in the queue, to wait for a replica it has not tried (`admit.Place`), within the
+    pool's retry budget and the request's `max_wait_s`; never after a byte was sent."""
+    assert ctx.pool is not None
+    name = ctx.pool.name
+    slots, upstream, key = runtime.slots[name], runtime.upstreams[name], runtime.api_keys[name]
+    timeouts = ctx.pool.spec.timeouts
+    place = Place()
+    while True:
+        retrying = bool(place.avoid)
+        slots.retrying += retrying
         try:
-            try:
-                if self.draining:
-                    raise ShuttingDown("the gateway is shutting down", retry_after_s=1)
-                authenticate(ctx, policy.tenants)  # before the body: strangers cost no read
-                check_forwardable(request.raw_headers)
-                raw = await body.read(request, policy.spec.server.max_body_bytes)
-                threads = policy.tokenizer_threads
-                await parse_request(
-                    ctx, body.media_type(request), raw, policy.spec.server,
-                    threads.small if threads is not None else None,
-                )  # fmt: skip
-                before_count(ctx, policy)
-                # Cheap refusals first: the tenant's windows before the tokenizer (`decide`'s
-                # order, with the early charge between). From here `charge` is what `finally`
-                # settles, whatever ends the request (a refusal, or the client leaving mid-count).
-                charge = await self.quotas.reserve_early(ctx)
-                await count_and_route(ctx, policy)
-                spill(ctx, runtime.slots, policy.adapters, self.accountant.metrics.spillover)
-                charge = await self.quotas.reserve(ctx, charge)
-                resp = await self._admit_and_forward(ctx, request, runtime)
-            except GatewayError as exc:
-                ctx.status, ctx.reason, ctx.code = exc.status, exc.reason, exc.code
-                await self.quotas.describe(ctx)
-                resp = exc.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
-            except ConnectionResetError:
-                raise  # the client left: below, not a failure of the gateway's
-            except Exception:
-                log.exception("request %s failed", ctx.request_id)
-                error = GatewayError("internal gateway error; see the gateway log")
-                ctx.status, ctx.reason, ctx.code = error.status, error.reason, error.code
-                await self.quotas.describe(ctx)
-                resp = error.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
-            if not resp.prepared:  # a whole answer or a refusal: the client gets it before the
-                try:  # accounting runs, which then times its sending too
-                    await resp.prepare(request)
-                    await resp.write_eof()
-                except ConnectionResetError:  # it left as its answer went out: not our error
-                    client_left(ctx)
-            return resp
-        except (asyncio.CancelledError, ConnectionResetError):
-            client_left(ctx)
-            raise
+            async with slots.slot(ctx, place) as grant:
+                replica = grant.replica
+                tried = place.avoid | {replica.url}
+                retry_next = slots.can_retry(tried)
+                try:
+                    resp = await forward(
+                        ctx,
+                        request,
+                        upstream,
+                        replica.url,
+                        key,
+                        timeouts,
+                        runtime.max_response_bytes,
+                        retry_503=retry_next,
+                        rename_model=runtime.rename_model,
+                    )
+                except ReplicaRefused:
+                    slots.failed(replica, "refused")
+                    if not (retry_next and slots.can_retry(tried)):
+                        raise
+                    # Back in the queue it is served by no replica (nor charged as if it
+                    # were) until another grant names one.
+                    place.avoid, ctx.retries, ctx.replica = tried, ctx.retries + 1, ""
+                    continue
+                except UpstreamTimeout:
+                    slots.failed(replica, "timeout")
+                    raise
+                except UpstreamError:
+                    slots.failed(replica, "upstream_error")
+                    raise
+                if ctx.status >= 500 or ctx.reason in _BROKEN_STREAM:
+                    slots.failed(replica, ctx.reason or "5xx")
+                else:
+                    slots.succeeded(replica)
+                    tokens = ctx.output_tokens or 0
+                    if ctx.first_token is not None and tokens > 1:
+                        decode_s = time.perf_counter() - ctx.first_token
+                        slots.observe_tpot(replica, decode_s / (tokens - 1))
+                return resp
         finally:
-            self.accountant.account(ctx, policy.estimator)
-            if charge is not None:  # after account, which completes the output count
-                self.quotas.settle(ctx, charge)
+            slots.retrying -= retrying
+
+
+async def handle(gateway: Gateway, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    """One request from its arrival to its accounting: the stages in order, each filling its part
+    of the `Ctx` or raising a `GatewayError` that becomes the client's refusal; `finally` accounts
+    for every request and settles its charge, however it ended."""
+    ctx = Ctx(
+        request_id=_request_id(request),
+        endpoint=endpoint,
+        path=request.path,
+        headers=request.headers,
+        arrived=time.perf_counter(),
+    )
+    runtime = gateway.runtime
+    policy = runtime.policy
+    charge: Charge | None = None
+    try:
+        try:
+            if gateway.draining:
+                raise ShuttingDown("the gateway is shutting down", retry_after_s=1)
+            authenticate(ctx, policy.tenants)  # before the body: strangers cost no read
+            check_forwardable(request.raw_headers)
+            raw = await body.read(request, policy.spec.server.max_body_bytes)
+            threads = policy.tokenizer_threads
+            await parse_request(
+                ctx, body.media_type(request), raw, policy.spec.server,
+                threads.small if threads is not None else None,
+            )  # fmt: skip
+            before_count(ctx, policy)
+            # Cheap refusals first: the tenant's windows before the tokenizer (`decide`'s
+            # order, with the early charge between). From here `charge` is what `finally`
+            # settles, whatever ends the request (a refusal, or the client leaving mid-count).
+            charge = await gateway.quotas.reserve_early(ctx)
+            await count_and_route(ctx, policy)
+            spill(ctx, runtime.slots, policy.adapters, gateway.accountant.metrics.spillover)
+            charge = await gateway.quotas.reserve(ctx, charge)
+            resp = await admit_and_forward(ctx, request, runtime)
+        except GatewayError as exc:
+            ctx.status, ctx.reason, ctx.code = exc.status, exc.reason, exc.code
+            await gateway.quotas.describe(ctx)
+            resp = exc.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
+        except ConnectionResetError:
+            raise  # the client left: below, not a failure of the gateway's
+        except Exception:
+            log.exception("request %s failed", ctx.request_id)
+            error = GatewayError("internal gateway error; see the gateway log")
+            ctx.status, ctx.reason, ctx.code = error.status, error.reason, error.code
+            await gateway.quotas.describe(ctx)
+            resp = error.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
+        if not resp.prepared:  # a whole answer or a refusal: the client gets it before the
+            try:  # accounting runs, which then times its sending too
+                await resp.prepare(request)
+                await resp.write_eof()
+            except ConnectionResetError:  # it left as its answer went out: not our error
+                client_left(ctx)
+        return resp
+    except (asyncio.CancelledError, ConnectionResetError):
+        client_left(ctx)
+        raise
+    finally:
+        gateway.accountant.account(ctx, policy.estimator)
+        if charge is not None:  # after account, which completes the output count
+            gateway.quotas.settle(ctx, charge)

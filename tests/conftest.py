@@ -22,8 +22,8 @@ import redis
 import yaml
 from aiohttp import web
 
-from gateway.pipeline import Gateway
 from gateway.policy.compile import load_policy
+from gateway.runtime import Gateway
 from gateway.server.app import GATEWAY, create_app
 from loadtest.stub_backend import CONFIG, STATS, StubConfig, StubStats, create_stub_app
 from loadtest.tiny_tokenizer import build

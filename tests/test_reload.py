@@ -12,7 +12,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-import gateway.pipeline as pipeline
+import gateway.runtime as runtime
 from tests.conftest import basic_policy, eventually
 
 TOKEN = "s3cret-admin"
@@ -196,13 +196,13 @@ async def test_a_reload_under_way_when_the_gateway_closes_ends_first_and_leaves_
     first, second = await stub_factory(), await stub_factory()
     policy = basic_policy(tokenizer_dir, [first.url])
     gw = await gateway_factory(policy)
-    compiled, real = threading.Event(), pipeline.compile_policy
+    compiled, real = threading.Event(), runtime.compile_policy
 
     def held(*args: object, **kwargs: object) -> object:
         compiled.wait(5)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "compile_policy", held)
+    monkeypatch.setattr(runtime, "compile_policy", held)
     policy["pools"] = {"next": {"model": "tiny", "replicas": [second.url], "max_concurrency": 8}}
     policy["routes"] = [{"match": {"model": ["tiny"]}, "pool": "next"}]
     (tmp_path / "policy.yaml").write_text(yaml.safe_dump(policy))
@@ -289,12 +289,12 @@ async def test_any_failed_reload_is_counted_answered_and_outlived(
     policy["admin"] = {"watch_interval_s": 0.05}
     gw = await gateway_factory(policy)
     before = await policy_hash(http, gw.url)
-    real = pipeline.compile_policy
+    real = runtime.compile_policy
 
     def broken(*args: object, **kwargs: object) -> object:
         raise RecursionError("maximum recursion depth exceeded")
 
-    monkeypatch.setattr(pipeline, "compile_policy", broken)
+    monkeypatch.setattr(runtime, "compile_policy", broken)
     status, body = await reload(http, gw.url)
     assert status == 500 and body["error"]["code"] == "reload_failed"
     assert "RecursionError" in body["error"]["message"]
@@ -305,7 +305,7 @@ async def test_any_failed_reload_is_counted_answered_and_outlived(
     async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
         assert resp.status == 200
     assert await reload_errors(http, gw.url) == gw.gateway.reload_errors
-    monkeypatch.setattr(pipeline, "compile_policy", real)
+    monkeypatch.setattr(runtime, "compile_policy", real)
     policy["routes"][0]["match"]["model"].append("next-alias")
     (tmp_path / "policy.yaml").write_text(yaml.safe_dump(policy))
     await eventually(lambda: "next-alias" in gw.gateway.policy.served_models)

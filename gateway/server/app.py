@@ -28,10 +28,11 @@ from gateway.errors import (
     error_body,
 )
 from gateway.parse import decode_body
-from gateway.pipeline import Gateway
+from gateway.pipeline import handle
 from gateway.policy.compile import Policy
 from gateway.policy.load import PolicyError
 from gateway.policy.schema import HealthSpec, ServerSpec
+from gateway.runtime import Gateway
 from gateway.server import body, logs
 from gateway.server import vllm_endpoints as tokenization
 from gateway.server.limits import RequestLimits, handler_args
@@ -251,8 +252,8 @@ def create_app(policy: Policy, *, access_log: IO[bytes] | None = None) -> web.Ap
     app.cleanup_ctx.append(lifespan)
     routes: dict[str, dict[str, Handler]] = {
         # Bound to the gateway here: no lookup, and no coroutine layer, per request.
-        "/v1/chat/completions": {"POST": partial(gateway.handle, endpoint="chat")},
-        "/v1/completions": {"POST": partial(gateway.handle, endpoint="completions")},
+        "/v1/chat/completions": {"POST": partial(handle, gateway, endpoint="chat")},
+        "/v1/completions": {"POST": partial(handle, gateway, endpoint="completions")},
         "/v1/models": {"GET": list_models},
         "/tokenize": {"POST": tokenize},
         "/detokenize": {"POST": detokenize},

@@ -1,0 +1,73 @@
+"""The tokenize stage: count the prompt as vLLM will, and refuse what cannot fit the context.
+
+Counting itself (templates, backends, threads, the floor) is gateway/tokenizer/; this stage asks
+the request's model's counter for the number and turns "too long" into the client's refusal,
+before the tokenizer spends time on a prompt that provably cannot fit.
+"""
+
+from __future__ import annotations
+
+from gateway.context import Ctx
+from gateway.errors import BadRequest, ContextLengthExceeded
+from gateway.tokenizer.counters import TooManyTokens
+
+
+def check_images(ctx: Ctx) -> None:
+    assert ctx.model is not None
+    spec = ctx.model.spec
+    if spec.image_tokens is None:
+        raise BadRequest(
+            f"model {ctx.model.name!r} does not take images",
+            param="messages",
+            code="images_not_supported",
+        )
+    if ctx.images > spec.max_images:
+        raise BadRequest(
+            f"{ctx.images} images, over the {spec.max_images} limit of model {ctx.model.name!r}",
+            param="messages",
+            code="too_many_images",
+        )
+
+
+async def count_input(ctx: Ctx) -> None:
+    """Count the prompt, each image at the model's `image_tokens`; one that provably cannot fit
+    any candidate pool's context is refused before the tokenizer spends time on it."""
+    assert ctx.model is not None
+    counter = ctx.model.counter
+    limit = max(c.pool.model.spec.max_model_len for c in ctx.candidates)
+    refuse_at = limit - max(
+        (ctx.max_output or 0) - 1, 0
+    )  # the first count check_context_length refuses
+    images = 0
+    if ctx.images:
+        check_images(ctx)  # as `before_count` does: a caller may count without it
+        images = ctx.images * counter.image_cost
+        if images >= refuse_at:
+            raise _too_long(ctx, limit, images, "at least ")
+    try:
+        if ctx.endpoint == "chat":
+            text = await counter.count_chat(ctx.body, refuse_at - images)
+            ctx.input_tokens = ctx.longest_prompt = images + text
+        else:
+            counts = await counter.count_prompts(ctx.body["prompt"], refuse_at)
+            ctx.input_tokens, ctx.longest_prompt = sum(counts), max(counts)
+    except TooManyTokens as exc:
+        raise _too_long(ctx, limit, images + exc.tokens, "at least ") from None
+
+
+def _too_long(ctx: Ctx, limit: int, prompt: int, qualifier: str = "") -> ContextLengthExceeded:
+    output = ctx.max_output or 0
+    return ContextLengthExceeded(
+        f"This model's maximum context length is {limit} tokens. However, you requested"
+        f" {qualifier}{prompt + output} tokens ({qualifier}{prompt} in the messages,"
+        f" {output} in the completion).",
+        param="messages" if ctx.endpoint == "chat" else "prompt",
+    )
+
+
+def check_context_length(ctx: Ctx) -> None:
+    """Refuse early what vLLM would refuse anyway, before it takes a slot."""
+    assert ctx.pool is not None
+    limit = ctx.pool.model.spec.max_model_len
+    if not ctx.fits_context(limit):
+        raise _too_long(ctx, limit, ctx.longest_prompt)
