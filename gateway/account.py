@@ -1,4 +1,4 @@
-"""Stage 8, account: after every request, whatever happened — metrics, estimator, access log.
+"""The account stage: after every request, whatever happened — metrics, estimator, access log.
 
 Runs in the pipeline's `finally`; it never raises and never awaits, so a cancelled handler still
 records what it did.

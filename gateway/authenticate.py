@@ -1,4 +1,4 @@
-"""Stage 0, authenticate: `Authorization: Bearer <key>` names the tenant, before the body is read.
+"""The authenticate stage: `Authorization: Bearer <key>` names the tenant, before the body is read.
 
 The policy holds keys only as SHA-256 hashes (raw keys may come from a Secret file or the
 environment and are hashed at load), so the key table is `{digest: Tenant}` and a request costs

@@ -1,4 +1,4 @@
-"""Stage 4, classify: name the request's workload from its token shape (first matching class wins).
+"""The classify stage: name the request's workload from its token shape (first matching class wins).
 
 Capacity is decided by input and output length, not by API name: a summarisation call with a long
 output behaves like generation, a 4,000-in / 10-out review like classification.

@@ -1,4 +1,4 @@
-"""Stage 3, estimate: how many tokens will this request generate?
+"""The estimate stage: how many tokens will this request generate?
 
 `max_completion_tokens` / `max_tokens` is a bound, and clients often send 4,096 for a 10-token answer.
 So an output-length estimator learns what similar requests really produced and the expected output

@@ -1,4 +1,4 @@
-"""Stage 7, forward: send the request to the admitted replica and relay the answer untouched
+"""The forward stage: send the request to the admitted replica and relay the answer untouched
 (but its `model`, with `server.response_model: requested`).
 
 Streams are relayed event by event as they arrive: the relay only looks inside an event that

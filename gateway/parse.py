@@ -1,4 +1,4 @@
-"""Stage 1, parse: decode the body once and check the fields admission depends on.
+"""The parse stage: decode the body once and check the fields admission depends on.
 
 Only what the gateway itself needs is validated; every other field (`ignore_eos`, `stop`,
 `logprobs`, `response_format`, ...) is left for the replica and passes through untouched. The

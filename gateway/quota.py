@@ -1,4 +1,4 @@
-"""Stage 5b, quota: charge the tenant's TPM and RPM windows before admission, correct them after.
+"""The quota stage: charge the tenant's TPM and RPM windows before admission, correct them after.
 
 Cheap refusals first. Counting a prompt costs tokenizer time every tenant shares, so a request its
 tenant's windows cannot admit is refused before it is counted. The charge is therefore made in two

@@ -1,4 +1,4 @@
-"""Stage 5, route: pick the pool for a request (first matching route wins).
+"""The route stage: pick the pool for a request (first matching route wins).
 
 Routing runs in two steps because the tokenizer depends on the model a request goes to, while the
 class depends on the token count: `candidates` keeps the routes whose model, endpoint and header

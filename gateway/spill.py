@@ -1,4 +1,4 @@
-"""Stage 5a, spill: a request whose route's pool is full goes to a fallback pool that has room.
+"""The spill stage: a request whose route's pool is full goes to a fallback pool that has room.
 
 The route's `fallback` list is tried in order; the first fallback whose conditions hold takes
 the request: the request's tier may spill, the primary is full by the fallback's `when` (its

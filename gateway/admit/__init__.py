@@ -1,4 +1,4 @@
-"""Stage 6, admit: hold a slot on one replica while the request runs, or wait for one, or refuse.
+"""The admit stage: hold a slot on one replica while the request runs, or wait for one, or refuse.
 
 One module a job: `claim.py` what a request weighs; `replica.py` a replica's caps, counts and
 health state; `picker.py` the `picker` extension point; `fairqueue.py` the queue (tiers, fair

@@ -1,4 +1,4 @@
-"""Stage 2, tokenize: count input tokens the way vLLM will.
+"""Counting input tokens the way vLLM will.
 
 A chat is rendered as vLLM renders it (the model's own chat template, `add_generation_prompt`,
 the request's tools and template variables) and the whole text is encoded once, without special
