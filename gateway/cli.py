@@ -36,14 +36,14 @@ async def _serve(policy_path: str, host: str, port: int) -> int:
     policy = load_policy(policy_path)
     server = policy.spec.server
     app = create_app(policy, access_log=sys.stdout.buffer)
-    # transformers, the tokenizer and pydantic leave ~100k long-lived objects: without this every
-    # full collection walks them all and stalls the event loop for ~60 ms (docs/benchmarks.md).
+    # transformers, the tokenizer and pydantic leave a great many long-lived objects: without
+    # this every full collection walks them all and stalls the event loop (docs/benchmarks.md).
     gc.collect()
     gc.freeze()
     # Requests in flight keep a young generation of a few thousand objects that refcounting
-    # frees; at the default threshold (700 allocations net) the collector ran every ~12 short
-    # requests at 64 connections and found nothing, ~20 µs per request in all. Cycles still get
-    # collected, after 10,000 net allocations: a pause of about a millisecond, rarely.
+    # frees; at the default threshold (700 allocations net) the collector runs every few short
+    # requests under load and finds nothing. Cycles still get collected, after 10,000 net
+    # allocations: a short pause, rarely.
     gc.set_threshold(10_000)
     # Signals are handled before the listener opens: a SIGHUP right after start must not kill us.
     stop = asyncio.Event()

@@ -3,9 +3,8 @@
 A request that queues runs under one (its wait's), and with shared state each Redis call does,
 so the cost is paid per request. (The answer's own deadlines are the forward client's watchdog's:
 gateway/upstream.py.)
-`asyncio.timeout_at` costs 5.2 µs a scope under uvloop (an empty block, timed in a loop): an async context manager (two coroutine
-calls), a state machine and a reschedulable timer. This is a plain `with` around one timer
-handle, 2.7 µs, with the same contract: when the deadline passes, the task is cancelled, and
+`asyncio.timeout_at` is an async context manager (two coroutine calls), a state machine and a
+reschedulable timer. This is a plain `with` around one timer handle, with the same contract: when the deadline passes, the task is cancelled, and
 the `CancelledError` leaving the block becomes a `TimeoutError` unless someone else also
 cancelled the task meanwhile (`Task.cancelling`/`uncancel` tell them apart, as in asyncio).
 """

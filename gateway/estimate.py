@@ -95,8 +95,7 @@ class _Window:
     """The last `size` samples, in arrival order and sorted.
 
     Every request reads its key's quantile and every answer adds a sample, so a cached quantile
-    would be stale at each read and sorting the window (200 samples: ~4 µs) would be paid per
-    request; keeping a sorted copy costs a binary search and a short memmove per sample instead.
+    would be stale at each read and sorting the window would be paid per request; keeping a sorted copy costs a binary search and a short memmove per sample instead.
     """
 
     __slots__ = ("ordered", "samples", "updated")

@@ -1,9 +1,9 @@
 """Counters and histograms written only from the event loop, exported by prometheus-client.
 
 prometheus-client's own `Histogram.observe` takes a lock per value it updates and walks the
-buckets in Python: ~0.8 µs a value, and a request records five or more. Every write here comes
-from the event loop's thread, and `/metrics` is rendered on that same thread, so no lock is
-needed: a child is a list of bucket counts found by `bisect`, or a number (~0.2 µs). The
+buckets in Python, and a request records five or more values. Every write here comes from the
+event loop's thread, and `/metrics` is rendered on that same thread, so no lock is needed: a
+child is a list of bucket counts found by `bisect`, or a number. The
 exposition is prometheus-client's, from the families built at scrape time, so the names, `_total`
 and `_bucket`/`_sum`/`_count` series and `le` values are exactly what its classes export.
 

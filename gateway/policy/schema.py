@@ -546,7 +546,7 @@ class ServerSpec(Spec):
         description=(
             "JSON values in the body, counted on its structural characters (`[`, `{`, `,`, `:`"
             " outside strings) before it is parsed; beyond it: 400 `json_too_complex`. Parsing"
-            " costs per value and holds the event loop: 65,536 empty arrays take about 7 ms. A"
+            " costs per value and holds the event loop (docs/benchmarks.md). A"
             " completions prompt of token ids counts one per id: raise it for longer ones."
         ),
     )
@@ -651,10 +651,10 @@ class ServerSpec(Spec):
         ge=0,
         description=(
             "Text longer than this is tokenized on the tokenizer threads, off the event loop;"
-            " shorter text is counted inline, which saves the threads' hand-off. fastokens"
-            " counts 24,576 characters in at most ~4.5 ms, whatever they are; a model counted by"
-            " the tokenizers library inlines an eighth of this (it spends several times the CPU"
-            " per character)."
+            " shorter text is counted inline, which saves the threads' hand-off. The default keeps"
+            " an inline count of fastokens within a few milliseconds whatever the text"
+            " (docs/benchmarks.md); a model counted by the tokenizers library inlines an eighth"
+            " of this (it spends several times the CPU per character)."
         ),
     )
     large_tokenize_chars: PositiveInt = Field(
