@@ -78,9 +78,9 @@ class Accountant:
         if ctx.adapter and ctx.pool is not None:  # set only for an adapter the catalog knows
             adapter = self.metrics.adapter_label(ctx.adapter)
             self.metrics.adapter_requests.labels(ctx.pool.name, adapter, str(ctx.status)).inc()
-        if ctx.reason and ctx.status >= 400 and ctx.status != CLIENT_CLOSED:
+        if ctx.refusal is not None and ctx.status >= 400 and ctx.status != CLIENT_CLOSED:
             # A client that leaves was not refused: it is in `llm_requests_total{code="499"}`.
-            self.metrics.rejections.labels(labels[1], ctx.reason).inc()
+            self.metrics.rejections.labels(labels[1], ctx.refusal.label).inc()
         if ctx.replica and ctx.pool is not None:
             self._bound_usage(ctx, ctx.pool.model.spec.max_model_len)
         if ctx.output_tokens is None and ctx.chunks and ctx.stream:
@@ -177,9 +177,10 @@ class Accountant:
             "ttft_s": None if first is None else round(first - arrived, 6),
             "e2e_s": round(ctx.ended - arrived, 6),  # set by `_account` before the record
             "status": ctx.status,
-            # The code the client saw, so a log line matches its error body; a client that left
-            # got none, and is logged `client_disconnect`.
-            "reason": ctx.code or ctx.reason or None,
+            # The code the client saw, so a log line matches its error body: the refusal's
+            # name, or a `BadRequest`'s detail; a client that left got none, and is logged
+            # `client_disconnect`.
+            "reason": ctx.code or ctx.refusal or None,
         }
 
 

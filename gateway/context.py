@@ -12,6 +12,7 @@ from multidict import CIMultiDictProxy
 
 if TYPE_CHECKING:
     from gateway.authenticate import Tenant
+    from gateway.errors import Refusal
     from gateway.pick.affinity import Affinity
     from gateway.policy.compile import Model, Pool
     from gateway.route import Route
@@ -76,7 +77,7 @@ class Ctx:
     ratelimit_headers: dict[str, str] = field(default_factory=dict)  # the tenant's windows
     # outcome
     status: int = 0
-    reason: str = ""  # `llm_rejections_total`'s bounded label; internal names some alerts match
+    refusal: Refusal | None = None  # what refused it (gateway/errors.py), or client_disconnect
     code: str = ""  # the `error.code` the client got: what the access log reports, to match
     ended: float = 0.0
 

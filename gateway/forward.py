@@ -26,6 +26,7 @@ from gateway.context import Ctx
 from gateway.errors import (
     GatewayError,
     MalformedRequest,
+    Refusal,
     ReplicaRefused,
     ResponseTooLarge,
     TotalTimeout,
@@ -72,7 +73,7 @@ def client_left(ctx: Ctx) -> None:
     one-shot client (the OpenAI SDK) closes its connection once it has read `[DONE]`, which can
     be before the replica's stream has ended: it was served, whatever it does after."""
     if not ctx.answered:
-        ctx.status, ctx.reason = CLIENT_CLOSED, "client_disconnect"
+        ctx.status, ctx.refusal = CLIENT_CLOSED, Refusal.CLIENT_DISCONNECT
 
 
 def upstream_priority(ctx: Ctx) -> int | None:
@@ -399,7 +400,7 @@ async def forward(
         except (TimeoutError, ExchangeError) as exc:
             up.close()
             error = _stream_error(ctx, replica_url, exc, total)
-            ctx.reason, ctx.code = error.reason, error.code
+            ctx.refusal, ctx.code = error.refusal, error.code
             with contextlib.suppress(ConnectionResetError):
                 await resp.write(b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
         with contextlib.suppress(ConnectionResetError):  # it had it all and hung up first

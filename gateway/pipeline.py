@@ -24,6 +24,7 @@ from gateway.authenticate import authenticate
 from gateway.classify import classify
 from gateway.context import Ctx, Endpoint
 from gateway.errors import (
+    Ejection,
     GatewayError,
     ReplicaRefused,
     ShuttingDown,
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
     from gateway.runtime import Gateway, Runtime
 
 log = logging.getLogger("gateway.pipeline")
-_BROKEN_STREAM = frozenset({"upstream_error", "upstream_timeout"})  # failed after the first byte
 
 
 def before_count(ctx: Ctx, policy: Policy) -> None:
@@ -116,7 +116,7 @@ async def admit_and_forward(ctx: Ctx, request: web.Request, runtime: Runtime) ->
                         rename_model=runtime.rename_model,
                     )
                 except ReplicaRefused:
-                    slots.failed(replica, "refused")
+                    slots.failed(replica, Ejection.REFUSED)
                     if not (retry_next and slots.can_retry(tried)):
                         raise
                     # Back in the queue it is served by no replica (nor charged as if it
@@ -124,13 +124,15 @@ async def admit_and_forward(ctx: Ctx, request: web.Request, runtime: Runtime) ->
                     place.avoid, ctx.retries, ctx.replica = tried, ctx.retries + 1, ""
                     continue
                 except UpstreamTimeout:
-                    slots.failed(replica, "timeout")
+                    slots.failed(replica, Ejection.TIMEOUT)
                     raise
                 except UpstreamError:
-                    slots.failed(replica, "upstream_error")
+                    slots.failed(replica, Ejection.UPSTREAM_ERROR)
                     raise
-                if ctx.status >= 500 or ctx.reason in _BROKEN_STREAM:
-                    slots.failed(replica, ctx.reason or "5xx")
+                # A stream the replica broke after its first byte, or its own 5xx.
+                broke = ctx.refusal.ejection if ctx.refusal is not None else None
+                if broke is not None or ctx.status >= 500:
+                    slots.failed(replica, broke or Ejection.STATUS_5XX)
                 else:
                     slots.succeeded(replica)
                     tokens = ctx.output_tokens or 0
@@ -178,7 +180,7 @@ async def handle(gateway: Gateway, request: web.Request, endpoint: Endpoint) -> 
             charge = await gateway.quotas.reserve(ctx, charge)
             resp = await admit_and_forward(ctx, request, runtime)
         except GatewayError as exc:
-            ctx.status, ctx.reason, ctx.code = exc.status, exc.reason, exc.code
+            ctx.status, ctx.refusal, ctx.code = exc.status, exc.refusal, exc.code
             await gateway.quotas.describe(ctx)
             resp = exc.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
         except ConnectionResetError:
@@ -186,7 +188,7 @@ async def handle(gateway: Gateway, request: web.Request, endpoint: Endpoint) -> 
         except Exception:
             log.exception("request %s failed", ctx.request_id)
             error = GatewayError("internal gateway error; see the gateway log")
-            ctx.status, ctx.reason, ctx.code = error.status, error.reason, error.code
+            ctx.status, ctx.refusal, ctx.code = error.status, error.refusal, error.code
             await gateway.quotas.describe(ctx)
             resp = error.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
         if not resp.prepared:  # a whole answer or a refusal: the client gets it before the

@@ -1,6 +1,9 @@
 """Passive outlier detection: a pool's replicas ejected after failures in a row, or when they
 decode far slower than their peers; each ejection lasts longer; a bounded share of the pool at
 most is ever out. Active probes (`gateway/replicas/health.py`) decide when one comes back.
+Why one was ejected is an `Ejection` (gateway/errors.py, beside the refusals: a broken stream is
+held against its replica under the refusal's own name), the `reason` of
+`llm_replica_ejections_total`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from gateway.admit.replica import Replica
+from gateway.errors import Ejection
 from gateway.policy.schema import HealthSpec
 
 log = logging.getLogger("gateway.admit")  # one logger for the whole stage: operators grep it
@@ -45,10 +49,10 @@ class Ejector:
 
     def __init__(self, pool: str) -> None:
         self.pool = pool
-        self.ejections: Counter[tuple[str, str]] = Counter()  # (replica, reason) -> count
+        self.ejections: Counter[tuple[str, Ejection]] = Counter()  # (replica, why) -> count
 
     def failed(
-        self, replicas: Sequence[Replica], replica: Replica, reason: str, health: HealthSpec
+        self, replicas: Sequence[Replica], replica: Replica, reason: Ejection, health: HealthSpec
     ) -> None:
         """Count a failure; eject the replica after `consecutive_failures` in a row."""
         replica.failures += 1
@@ -64,7 +68,7 @@ class Ejector:
                     self.pool, replica.url, reason, replica.failures,
                 )  # fmt: skip
 
-    def _eject(self, replica: Replica, reason: str, health: HealthSpec) -> None:
+    def _eject(self, replica: Replica, reason: Ejection, health: HealthSpec) -> None:
         replica.ejections += 1
         ejection_s = health.ejection_s * min(replica.ejections, 10)
         replica.ejected_until = time.monotonic() + ejection_s
@@ -92,7 +96,7 @@ class Ejector:
             if now - replica.slow_since >= health.slow_window_s:
                 replica.slow_since, replica.tpot = None, None  # judged afresh once readmitted
                 if self._may_eject(replicas, health):
-                    self._eject(replica, "slow", health)
+                    self._eject(replica, Ejection.SLOW, health)
 
     @staticmethod
     def _may_eject(replicas: Sequence[Replica], health: HealthSpec) -> bool:

@@ -31,7 +31,15 @@ from gateway.admit.reconcile import Reconciler
 from gateway.admit.replica import EngineGauges, Grant, Replica
 from gateway.context import Ctx
 from gateway.deadline import Deadline
-from gateway.errors import GatewayError, NoReplica, QueueFull, QueueTimeout, QueueWaitTooLong, Shed
+from gateway.errors import (
+    Ejection,
+    GatewayError,
+    NoReplica,
+    QueueFull,
+    QueueTimeout,
+    QueueWaitTooLong,
+    Shed,
+)
 from gateway.pick.picker import Picker
 from gateway.policy.schema import PRIORITIES, PoolSpec
 from gateway.state.base import SlotClaim, SlotLedger
@@ -151,7 +159,7 @@ class LivePool:
         return 0 if self.leases is None else self.leases.others_waiting
 
     @property
-    def ejections(self) -> Counter[tuple[str, str]]:
+    def ejections(self) -> Counter[tuple[str, Ejection]]:
         return self.ejector.ejections
 
     @property
@@ -185,7 +193,7 @@ class LivePool:
     def succeeded(self, replica: Replica) -> None:
         replica.failures = 0
 
-    def failed(self, replica: Replica, reason: str) -> None:
+    def failed(self, replica: Replica, reason: Ejection) -> None:
         self.ejector.failed(self.replicas, replica, reason, self.spec.health)
 
     def observe_tpot(self, replica: Replica, tpot_s: float) -> None:
@@ -461,8 +469,11 @@ class Held:
         grant: Grant | None = None
         try:
             grant = await pool.acquire(claim, place)
-        except (QueueFull, QueueTimeout, QueueWaitTooLong, Shed):
-            pool.demand.refused += 1
+        except GatewayError as exc:
+            # Refused for want of room: demand the autoscaler must see. Asked of the refusal,
+            # not of a list of classes here, so a new such refusal counts where it is named.
+            if exc.refusal.counts_as_demand:
+                pool.demand.refused += 1
             raise
         finally:
             # The wait for a slot: ~0 for a request served at once; none at all for one refused

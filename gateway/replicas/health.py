@@ -16,6 +16,7 @@ import aiohttp
 
 from gateway.admit import LivePool, Replica
 from gateway.admit.replica import EngineGauges
+from gateway.errors import Ejection
 
 log = logging.getLogger("gateway.replicas.health")
 
@@ -137,7 +138,7 @@ class HealthChecker:
         except (aiohttp.ClientError, TimeoutError, OSError):
             ok = False
         if not ok:
-            self.slots.failed(replica, "health_check")
+            self.slots.failed(replica, Ejection.HEALTH_CHECK)
         elif replica.up:
             self.slots.succeeded(replica)
         elif self.slots.due_for_probe(replica):

@@ -37,6 +37,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from gateway import errors
 from gateway.deadline import Deadline
 from gateway.errors import Retryable
 from gateway.policy.schema import StateSpec
@@ -414,10 +415,9 @@ class RedisState:
 class StateUnavailable(Retryable):
     """Raised when the shared state cannot be reached and the policy says `on_failure: closed`."""
 
+    refusal = errors.Refusal.STATE_UNAVAILABLE  # not `Refusal` here: state.base has one
     status = 503
     type = "service_unavailable_error"
-    code = "state_unavailable"
-    reason = "state_unavailable"
 
 
 _FAILURES = (RedisError, OSError, TimeoutError)
