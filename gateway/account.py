@@ -15,7 +15,7 @@ import orjson
 
 from gateway.context import Ctx
 from gateway.estimate import OutputEstimator, estimator_key
-from gateway.forward import CLIENT_CLOSED, read_usage
+from gateway.forward import read_usage
 from gateway.observability.metrics import NONE, Metrics
 from gateway.policy.schema import PRIORITIES
 
@@ -78,15 +78,15 @@ class Accountant:
         if ctx.adapter and ctx.pool is not None:  # set only for an adapter the catalog knows
             adapter = self.metrics.adapter_label(ctx.adapter)
             self.metrics.adapter_requests.labels(ctx.pool.name, adapter, str(ctx.status)).inc()
-        if ctx.refusal is not None and ctx.status >= 400 and ctx.status != CLIENT_CLOSED:
+        if ctx.refused and ctx.refusal is not None:
             # A client that leaves was not refused: it is in `llm_requests_total{code="499"}`.
             self.metrics.rejections.labels(labels[1], ctx.refusal.label).inc()
-        if ctx.replica and ctx.pool is not None:
+        if ctx.admitted and ctx.pool is not None:
             self._bound_usage(ctx, ctx.pool.model.spec.max_model_len)
         if ctx.output_tokens is None and ctx.chunks and ctx.stream:
             # The stream broke or the client left before the usage chunk: count what was sent.
             ctx.output_tokens = ctx.chunks
-        if ctx.queue_wait is not None:  # admitted, or it queued: a pool, a class, a wait
+        if ctx.queued:
             self._observe(ctx, labels, estimator)
         if self.access_log is not None:
             self.access_log.write(orjson.dumps(self.record(ctx), option=orjson.OPT_APPEND_NEWLINE))
@@ -136,7 +136,7 @@ class Accountant:
             series = self._series[labels] = _Series(self.metrics, labels)
         assert ctx.queue_wait is not None
         series.queue_wait(ctx.priority).observe(ctx.queue_wait)
-        if not ctx.replica:  # it waited, then timed out or left
+        if not ctx.admitted:  # it waited, then timed out or left
             return
         series.e2e.observe(ctx.ended - ctx.arrived)
         series.input_tokens.inc(ctx.input_tokens)

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 Endpoint = str  # "chat" | "completions"
 
+CLIENT_CLOSED = 499  # nginx's code for "the client went away"; bounded, so fine as a label
+
 
 @dataclass(slots=True)
 class Ctx:
@@ -89,6 +91,23 @@ class Ctx:
     def upstream_model(self) -> str:
         """The `model` the replica gets: an adapter keeps its name, an alias becomes the pool's."""
         return self.adapter or self.served_model
+
+    @property
+    def admitted(self) -> bool:
+        """A replica took the request: it was forwarded, whatever then became of its answer."""
+        return bool(self.replica)
+
+    @property
+    def queued(self) -> bool:
+        """The request reached a pool's admission (at once, or after a wait in its queue): it
+        has a pool, a class and a queue wait to observe, admitted or not."""
+        return self.queue_wait is not None
+
+    @property
+    def refused(self) -> bool:
+        """The gateway refused the request (a client that left was not refused: its 499 is
+        counted as a request, not a rejection)."""
+        return self.refusal is not None and self.status >= 400 and self.status != CLIENT_CLOSED
 
     def fits_context(self, max_model_len: int) -> bool:
         """Whether vLLM would take the request on a model of this context length: its longest

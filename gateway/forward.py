@@ -22,7 +22,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy, MultiMapping
 
-from gateway.context import Ctx
+from gateway.context import CLIENT_CLOSED, Ctx
 from gateway.errors import (
     GatewayError,
     MalformedRequest,
@@ -65,7 +65,6 @@ _DECODER = json.JSONDecoder()
 # are only ever a key: the top-level one, the only `model` in an answer or a stream's event.
 _MODEL_KEY = b'"model"'
 _MODEL = re.compile(rb'("model"\s*:\s*)"(?:[^"\\]|\\.)*"')
-CLIENT_CLOSED = 499  # nginx's code for "the client went away"; bounded, so fine as a label
 
 
 def client_left(ctx: Ctx) -> None:

@@ -407,7 +407,7 @@ class Quotas:
         The replica's `prompt_tokens` wins over the gateway's count when it reports one: what
         it really prefilled (images expanded by its processor, say) is what the tenant used."""
         prompt = ctx.input_tokens if ctx.prompt_tokens is None else ctx.prompt_tokens
-        actual = prompt + (ctx.output_tokens or 0) if ctx.replica else 0
+        actual = prompt + (ctx.output_tokens or 0) if ctx.admitted else 0
         for charge_id, key, reserved, corrected in _spread(charge.parts, actual):
             self._correct(key, charge_id, reserved, corrected)
         charge.parts.clear()
