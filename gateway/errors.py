@@ -186,7 +186,7 @@ class BadRequest(GatewayError):
     `too_many_parts`, `images_not_supported`, ...), which the client is told and the access log
     reports, so a client can tell which limit it met; the metric counts them all under the
     refusal's one label, `bad_request`, keeping its cardinality to the vocabulary's. Every
-    detail is in README.md's error table (tests/test_refusals.py checks it)."""
+    detail is in docs/api.md's error table (tests/test_refusals.py checks it)."""
 
     refusal = Refusal.INVALID_REQUEST
     status = 400

@@ -199,7 +199,7 @@ def upstream_headers(
 ) -> CIMultiDict[str]:
     """The client's end-to-end headers, the gateway's request id, the peer appended to
     `X-Forwarded-For` (and to `Forwarded` when the client sent one) as any proxy does, and the
-    credentials the policy says (README, Tenants)."""
+    credentials the policy says (docs/api.md, "Endpoints and headers")."""
     out = _end_to_end(headers, _DROP_REQUEST)
     out["x-request-id"] = ctx.request_id
     if peer:

@@ -177,10 +177,10 @@ def _bad_request_details() -> set[str]:
     return found
 
 
-def test_every_bad_request_detail_is_in_the_readme_table() -> None:
+def test_every_bad_request_detail_is_in_the_api_docs_error_table() -> None:
     details = _bad_request_details()
     assert {"too_many_parts", "images_not_supported", "invalid_json"} <= details
-    readme = (ROOT / "README.md").read_text()
-    table = [line for line in readme.splitlines() if line.startswith("| 400")]
+    api = (ROOT / "docs" / "api.md").read_text()
+    table = [line for line in api.splitlines() if line.startswith("| 400")]
     missing = sorted(c for c in details if not any(f"`{c}`" in row for row in table))
-    assert not missing, f"README.md's error table lacks the 400 details {missing}"
+    assert not missing, f"docs/api.md's error table lacks the 400 details {missing}"

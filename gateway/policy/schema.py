@@ -520,7 +520,7 @@ class ServerSpec(Spec):
     """The listener: request limits, client time-outs, drain, and tokenization resources.
 
     Every limit is checked before any tokenizer work, and every refusal is in the OpenAI error
-    shape (README, Errors).
+    shape (docs/api.md, Errors).
     """
 
     max_body_bytes: PositiveInt = Field(
