@@ -37,7 +37,8 @@ async def _serve(policy_path: str, host: str, port: int) -> int:
     server = policy.spec.server
     app = create_app(policy, access_log=sys.stdout.buffer)
     # transformers, the tokenizer and pydantic leave a great many long-lived objects: without
-    # this every full collection walks them all and stalls the event loop (docs/benchmarks.md).
+    # this every full collection walks them all and stalls the event loop
+    # (docs/benchmarks-history.md).
     gc.collect()
     gc.freeze()
     # Requests in flight keep a young generation of a few thousand objects that refcounting
