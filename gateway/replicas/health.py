@@ -15,62 +15,13 @@ import time
 import aiohttp
 
 from gateway.admit import LivePool, Replica
-from gateway.admit.replica import EngineGauges
 from gateway.errors import Ejection
+from gateway.replicas.engine import read_engine
 
 log = logging.getLogger("gateway.replicas.health")
 
 PASSIVE_TICK_S = 1.0  # the longest tick: the demand signal, and ejections that ran out
 MAX_METRICS_BYTES = 8 * 1024 * 1024  # a replica's /metrics beyond this is not read at all
-
-
-_FAMILIES = (
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "vllm:kv_cache_usage_perc",
-    "vllm:prompt_tokens_total",
-)
-
-
-def read_engine(exposition: str, model: str) -> EngineGauges | None:
-    """The engine figures in a Prometheus text; None when it has neither request count.
-
-    A line scan rather than a full parse: vLLM's exposition is mostly histogram buckets this
-    does not need, and with scorers it is read every second from every replica."""
-    sums = dict.fromkeys(_FAMILIES, 0.0)
-    found: set[str] = set()
-    kv: float | None = None
-    ours = f'model_name="{model}"'
-    for line in exposition.splitlines():
-        if not line.startswith(_FAMILIES):
-            continue
-        name, brace, rest = line.partition("{")
-        if brace:
-            labels, _, rest = rest.partition("}")
-            if "model_name=" in labels and ours not in labels:
-                continue
-        else:
-            name, _, rest = line.partition(" ")
-        try:
-            value = float(rest.split()[0])
-        except (IndexError, ValueError):
-            continue
-        name = name.strip()
-        if name not in sums:
-            continue  # a longer family name with one of ours as its prefix
-        found.add(name)
-        sums[name] += value
-        if name == "vllm:kv_cache_usage_perc":
-            kv = value if kv is None else max(kv, value)
-    if not found & {"vllm:num_requests_running", "vllm:num_requests_waiting"}:
-        return None
-    return EngineGauges(
-        round(sums["vllm:num_requests_running"]),
-        round(sums["vllm:num_requests_waiting"]),
-        kv,
-        sums["vllm:prompt_tokens_total"] if "vllm:prompt_tokens_total" in found else None,
-        time.monotonic(),
-    )
 
 
 class HealthChecker:
