@@ -33,8 +33,7 @@ from gateway.policy.compile import Policy
 from gateway.policy.load import PolicyError
 from gateway.policy.schema import HealthSpec, ServerSpec
 from gateway.runtime import Gateway
-from gateway.server import body, logs
-from gateway.server import vllm_endpoints as tokenization
+from gateway.server import body, logs, vllm_endpoints
 from gateway.server.limits import RequestLimits, handler_args
 from gateway.server.model_cards import model_cards
 
@@ -146,13 +145,13 @@ async def _metered(
 
 async def tokenize(request: web.Request) -> web.Response:
     return await _metered(
-        request, lambda policy, decoded: tokenization.tokenize(policy, decoded, request.headers)
+        request, lambda policy, decoded: vllm_endpoints.tokenize(policy, decoded, request.headers)
     )
 
 
 async def detokenize(request: web.Request) -> web.Response:
     return await _metered(
-        request, lambda policy, decoded: tokenization.detokenize(policy, decoded, request.headers)
+        request, lambda policy, decoded: vllm_endpoints.detokenize(policy, decoded, request.headers)
     )
 
 
