@@ -11,18 +11,17 @@ from typing import TYPE_CHECKING, Any
 from multidict import CIMultiDictProxy
 
 if TYPE_CHECKING:
+    from gateway.api.base import Api
     from gateway.authenticate import Tenant
     from gateway.pick.affinity import Affinity
     from gateway.policy.compile import Model, Pool
     from gateway.route import Route
 
-Endpoint = str  # "chat" | "completions"
-
 
 @dataclass(slots=True)
 class Ctx:
     request_id: str
-    endpoint: Endpoint
+    api: Api  # the endpoint's (gateway/api/): where each stage's endpoint-specific part is
     path: str
     headers: CIMultiDictProxy[str]
     arrived: float  # time.perf_counter() when the request came in
@@ -79,6 +78,11 @@ class Ctx:
     reason: str = ""  # `llm_rejections_total`'s bounded label; internal names some alerts match
     code: str = ""  # the `error.code` the client got: what the access log reports, to match
     ended: float = 0.0
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint's name, as policies, metrics labels and the access log say it."""
+        return self.api.name
 
     @property
     def served_model(self) -> str:
