@@ -7,7 +7,7 @@ took the request, and owns the `finally` that accounts for every request, howeve
 `decide` is the part up to admission, shared with `llm-gateway explain`. The process around it
 (policy, reloads, background tasks) is gateway/runtime.py. The stages are the same for every
 endpoint: what differs is the request's `Api` (gateway/api/), which this module only hands on,
-in the `Ctx`.
+in the `Ctx`, and asks to write the refusal in its clients' shape.
 """
 
 from __future__ import annotations
@@ -183,7 +183,9 @@ async def handle(gateway: Gateway, request: web.Request, api: Api) -> web.Stream
         except GatewayError as exc:
             ctx.status, ctx.reason, ctx.code = exc.status, exc.reason, exc.code
             await gateway.quotas.describe(ctx)
-            resp = exc.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
+            resp = api.error_response(
+                exc, {"x-request-id": ctx.request_id, **ctx.ratelimit_headers}
+            )
         except ConnectionResetError:
             raise  # the client left: below, not a failure of the gateway's
         except Exception:
@@ -191,7 +193,9 @@ async def handle(gateway: Gateway, request: web.Request, api: Api) -> web.Stream
             error = GatewayError("internal gateway error; see the gateway log")
             ctx.status, ctx.reason, ctx.code = error.status, error.reason, error.code
             await gateway.quotas.describe(ctx)
-            resp = error.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
+            resp = api.error_response(
+                error, {"x-request-id": ctx.request_id, **ctx.ratelimit_headers}
+            )
         if not resp.prepared:  # a whole answer or a refusal: the client gets it before the
             try:  # accounting runs, which then times its sending too
                 await resp.prepare(request)

@@ -2,9 +2,9 @@
 
 The stages are the same for every endpoint (parse, count, estimate, charge, admit, forward,
 account); what differs is where a body carries its prompt and its output bound, how its prompt
-is counted and what the estimator keys it by. Those differences live in one object per
-endpoint, reached through `ctx.api`, so a new endpoint is a new small module rather than new
-branches through every stage.
+is counted, what the estimator keys it by, what the answer's usage looks like and how a refusal
+is written. Those differences live in one object per endpoint, reached through `ctx.api`, so a
+new endpoint is a new small module rather than new branches through every stage.
 
 An `Api` is a module-level singleton without state: the route handler sets it on the `Ctx` once,
 and every stage after that costs one attribute lookup, never an allocation or a string compare.
@@ -16,7 +16,10 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
+    from aiohttp import web
+
     from gateway.context import Ctx
+    from gateway.errors import GatewayError
     from gateway.policy.schema import ServerSpec
     from gateway.tokenizer.counters import TokenCounter
 
@@ -61,3 +64,28 @@ class Api(ABC):
     def input_floor(self, ctx: Ctx, counter: TokenCounter) -> int:
         """Input tokens the request provably has before it is counted (the quota's early
         charge)."""
+
+    @abstractmethod
+    def upstream_fields(self, ctx: Ctx, changes: dict[str, Any]) -> None:
+        """Add to `changes` the fields the replica must be sent other than the client's for the
+        gateway to read the answer's usage (`model` and `priority` are the forward stage's)."""
+
+    @abstractmethod
+    def read_usage(self, ctx: Ctx, usage: Any) -> None:
+        """Fill `ctx.output_tokens` (and `prompt_tokens`) from an answer's decoded `usage`, when
+        they are counts."""
+
+    @abstractmethod
+    def usage_event(self, ctx: Ctx, event: dict[str, Any]) -> bool:
+        """Read the usage a decoded stream event carries; whether the event only carries it (the
+        gateway's to drop when the client did not ask for it)."""
+
+    @abstractmethod
+    def error_response(
+        self, error: GatewayError, headers: dict[str, str] | None = None
+    ) -> web.Response:
+        """A refusal as this API's clients expect it."""
+
+    @abstractmethod
+    def stream_error(self, error: GatewayError) -> bytes:
+        """The events that end a stream the replica broke after its first byte."""

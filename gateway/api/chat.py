@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gateway.api.base import FINGERPRINT_CHARS, Api
+from gateway.api.base import FINGERPRINT_CHARS
 from gateway.api.message_types import check_message_type
+from gateway.api.openai import OpenAIApi
 from gateway.errors import BadRequest
 from gateway.parse import check_prompt_chars, positive_int, text_chars
 from gateway.tokenizer.chat_template import extra_fields, lax_bool, message_text, part_kind
@@ -216,7 +217,7 @@ def check_chat(body: dict[str, Any], limits: ServerSpec) -> int:
     return images
 
 
-class ChatApi(Api):
+class ChatApi(OpenAIApi):
     """OpenAI's chat completions, as vLLM serves them."""
 
     __slots__ = ()

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gateway.api.base import FINGERPRINT_CHARS, FINGERPRINT_IDS, Api
+from gateway.api.base import FINGERPRINT_CHARS, FINGERPRINT_IDS
+from gateway.api.openai import OpenAIApi
 from gateway.errors import BadRequest
 from gateway.parse import check_prompt_chars, positive_int
 from gateway.tokenizer.counters import HFCounter
@@ -54,7 +55,7 @@ def _prompt_floor(prompt: Any, floor: TokenFloor | None) -> int:
     return sum(_prompt_floor(p, floor) if isinstance(p, str) else len(p) for p in prompt)
 
 
-class CompletionsApi(Api):
+class CompletionsApi(OpenAIApi):
     """OpenAI's (legacy) completions, as vLLM serves them."""
 
     __slots__ = ()
