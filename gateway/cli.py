@@ -11,12 +11,13 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 import orjson
 
 from gateway import __version__
 from gateway.policy.load import LoadedSpec, PolicyError
+from gateway.policy.schema import Endpoint
 
 if TYPE_CHECKING:
     from gateway.context import Ctx
@@ -124,6 +125,7 @@ def _request_bytes(name: str) -> bytes:
 
 
 def _endpoint(body: dict[str, Any], given: str | None) -> str:
+    """The endpoint `explain` runs the body through: `given`, else guessed from its shape."""
     if given:
         return given
     return "completions" if "prompt" in body and "messages" not in body else "chat"
@@ -269,6 +271,7 @@ async def _explain(
 ) -> dict[str, Any]:
     from multidict import CIMultiDict, CIMultiDictProxy
 
+    from gateway.api import BY_NAME
     from gateway.authenticate import authenticate
     from gateway.context import Ctx
     from gateway.forward import upstream_priority
@@ -295,11 +298,11 @@ async def _explain(
         raise PolicyError([f"--saturation / --predicted-wait: no pool {', '.join(unknown)}"])
     try:
         body = orjson.loads(raw)
-        chosen = _endpoint(body if isinstance(body, dict) else {}, endpoint)
+        api = BY_NAME[_endpoint(body if isinstance(body, dict) else {}, endpoint)]
         ctx = Ctx(
             request_id="explain",
-            endpoint=chosen,
-            path=f"/v1/{'chat/completions' if chosen == 'chat' else 'completions'}",
+            api=api,
+            path=api.path,
             headers=CIMultiDictProxy(CIMultiDict(headers)),
             arrived=time.perf_counter(),
         )
@@ -437,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", required=True, help="the policy file (YAML)")
     p.add_argument(
         "--endpoint",
-        choices=["chat", "completions"],
+        choices=get_args(Endpoint),
         help="default: completions when the body has `prompt` and no `messages`, else chat",
     )
     p.add_argument(

@@ -11,13 +11,12 @@ from typing import TYPE_CHECKING, Any
 from multidict import CIMultiDictProxy
 
 if TYPE_CHECKING:
+    from gateway.api.base import Api
     from gateway.authenticate import Tenant
     from gateway.errors import Refusal
     from gateway.pick.affinity import Affinity
     from gateway.policy.compile import Model, Pool
     from gateway.route import Route
-
-Endpoint = str  # "chat" | "completions"
 
 CLIENT_CLOSED = 499  # nginx's code for "the client went away"; bounded, so fine as a label
 
@@ -25,7 +24,7 @@ CLIENT_CLOSED = 499  # nginx's code for "the client went away"; bounded, so fine
 @dataclass(slots=True)
 class Ctx:
     request_id: str
-    endpoint: Endpoint
+    api: Api  # the endpoint's (gateway/api/): where each stage's endpoint-specific part is
     path: str
     headers: CIMultiDictProxy[str]
     arrived: float  # time.perf_counter() when the request came in
@@ -82,6 +81,11 @@ class Ctx:
     refusal: Refusal | None = None  # what refused it (gateway/errors.py), or client_disconnect
     code: str = ""  # the `error.code` the client got: what the access log reports, to match
     ended: float = 0.0
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint's name, as policies, metrics labels and the access log say it."""
+        return self.api.name
 
     @property
     def served_model(self) -> str:

@@ -3,8 +3,9 @@
 `max_completion_tokens` / `max_tokens` is a bound, and clients often send 4,096 for a 10-token answer.
 So an output-length estimator learns what similar requests really produced and the expected output
 is the smaller of the two. "Similar" is keyed by (tenant, endpoint, requested model, prompt
-fingerprint): the fingerprint hashes the start of the first message (a system prompt or a rules
-block), which is what makes a classification prompt recognisable from one request to the next.
+fingerprint): the fingerprint hashes the start of the prompt (a chat's first message: a system
+prompt or a rules block; each endpoint says which, `Api.fingerprint` in gateway/api/), which is
+what makes a classification prompt recognisable from one request to the next.
 
 The tenant is part of the key because an estimate decides what a request reserves of its tenant's
 TPM and which class it falls in: with a shared key, 22 requests of one tenant asking for 5,000
@@ -26,9 +27,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.context import Ctx
 from gateway.policy.plugins import register
-from gateway.tokenizer.chat_template import message_text
-
-FINGERPRINT_CHARS = 256
 
 Key = tuple[
     str | None, str, str, int
@@ -45,22 +43,6 @@ class OutputEstimator(Protocol):
     def observe(self, key: Key, output_tokens: int) -> None: ...
 
 
-def fingerprint(ctx: Ctx) -> int:
-    if ctx.endpoint == "chat":
-        head = message_text(ctx.body["messages"][0].get("content"))[:FINGERPRINT_CHARS]
-    else:
-        prompt = ctx.body["prompt"]
-        if isinstance(prompt, str):
-            head = prompt[:FINGERPRINT_CHARS]
-        elif isinstance(prompt[0], int):  # token ids
-            return hash(tuple(prompt[:64]))
-        elif isinstance(prompt[0], str):
-            head = prompt[0][:FINGERPRINT_CHARS]
-        else:
-            return hash(tuple(prompt[0][:64]))
-    return hash(head)
-
-
 def estimator_key(ctx: Ctx) -> Key:
     tenant = ctx.tenant.name if ctx.tenant is not None else None
     return (tenant, ctx.endpoint, ctx.requested_model, ctx.fingerprint)
@@ -72,7 +54,7 @@ def estimate_output(ctx: Ctx, estimator: OutputEstimator, default_tokens: int) -
     A request that forces its length is not estimated: `ignore_eos` generates `max_tokens`
     (without it, to the context's end: `force_length` once counted), and `min_tokens` at least
     that many, whatever the tenant's past answers taught the estimator."""
-    ctx.fingerprint = fingerprint(ctx)
+    ctx.fingerprint = ctx.api.fingerprint(ctx.body)
     bound = ctx.max_output
     learned = None if ctx.forced_output else estimator.estimate(estimator_key(ctx))
     if learned is not None and (bound is None or learned < bound):

@@ -3,8 +3,10 @@
 
 Streams are relayed event by event as they arrive: the relay only looks inside an event that
 carries `"usage"`, to read the real token counts and to drop the final usage chunk that the gateway
-asked for on the client's behalf. If the client leaves, the upstream connection is closed at once:
-vLLM aborts a generation only when its connection closes.
+asked for on the client's behalf. What a usage looks like, what the replica must be asked for it
+and how a broken stream ends are the endpoint's (`ctx.api`, gateway/api/); finding the events
+that carry one, framing and relaying them are the same for all. If the client leaves, the
+upstream connection is closed at once: vLLM aborts a generation only when its connection closes.
 """
 
 from __future__ import annotations
@@ -94,11 +96,7 @@ def upstream_body(ctx: Ctx) -> bytes:
     changes: dict[str, Any] = {}
     if ctx.requested_model != ctx.upstream_model:
         changes["model"] = ctx.upstream_model
-    if ctx.stream and not ctx.client_wants_usage:
-        changes["stream_options"] = {
-            **(ctx.body.get("stream_options") or {}),
-            "include_usage": True,
-        }
+    ctx.api.upstream_fields(ctx, changes)
     priority = upstream_priority(ctx)
     if priority is not None:
         changes["priority"] = priority
@@ -228,27 +226,6 @@ def _response_headers(upstream: MultiMapping[str], ctx: Ctx) -> CIMultiDict[str]
     return out
 
 
-def _tokens(value: Any) -> bool:
-    return type(value) is int and value >= 0  # not a bool, a float, a string or negative
-
-
-def _read_usage(ctx: Ctx, usage: Any) -> None:
-    """The replica's counts, when they are counts; a field that is not is noted (a replica's
-    answer is input too: `account` settles on the gateway's own numbers then)."""
-    if not isinstance(usage, dict):
-        return
-    completion, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
-    if not _tokens(completion):
-        if completion is not None:
-            ctx.untrusted_usage = "completion_tokens"
-        return
-    ctx.output_tokens = completion
-    if _tokens(prompt):
-        ctx.prompt_tokens = prompt
-    elif prompt is not None:
-        ctx.untrusted_usage = "prompt_tokens"
-
-
 def _count(ctx: Ctx, events: bytes) -> None:
     """Count the data events of a run that carries no usage, and note the first token's time."""
     count = events.count(_DATA) - events.count(_DONE)
@@ -266,10 +243,9 @@ def _usage_event(ctx: Ctx, event: bytes, drop_usage: bool) -> bytes:
     if not isinstance(chunk, dict):
         _count(ctx, event)
         return event
-    _read_usage(ctx, chunk.get("usage"))
-    if chunk.get("choices") == []:  # the final usage chunk
+    if ctx.api.usage_event(ctx, chunk):  # it only carries the usage
         return b"" if drop_usage else event
-    _count(ctx, event)  # continuous usage stats ride on ordinary chunks
+    _count(ctx, event)
     return event
 
 
@@ -401,7 +377,7 @@ async def forward(
             error = _stream_error(ctx, replica_url, exc, total)
             ctx.refusal, ctx.code = error.refusal, error.code
             with contextlib.suppress(ConnectionResetError):
-                await resp.write(b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
+                await resp.write(ctx.api.stream_error(error))
         with contextlib.suppress(ConnectionResetError):  # it had it all and hung up first
             await resp.write_eof()
         return resp
@@ -526,7 +502,7 @@ def read_usage(ctx: Ctx) -> None:
     if ctx.unread_usage is not None:
         data, at = ctx.unread_usage
         ctx.unread_usage = None
-        _read_usage(ctx, _usage_object(data, at))
+        ctx.api.read_usage(ctx, _usage_object(data, at))
 
 
 def _usage_object(data: bytearray, at: int) -> Any:

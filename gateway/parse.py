@@ -2,15 +2,18 @@
 
 Only what the gateway itself needs is validated; every other field (`ignore_eos`, `stop`,
 `logprobs`, `response_format`, ...) is left for the replica and passes through untouched. The
-policy's size limits (`server.max_json_nodes`, `max_json_depth`, `max_messages`,
-`max_prompt_chars`) are checked here, so no tokenizer ever sees an input larger than the operator
-allowed: `max_prompt_chars` bounds every string a chat template may render (contents, roles,
-names, tool calls, reasoning, tools, documents, template variables), not the contents alone.
+policy's size limits are checked here (`server.max_json_nodes`, `max_json_depth` on the body;
+`max_messages`, `max_prompt_chars` on the prompt), so no tokenizer ever sees an input larger than
+the operator allowed.
+
+This module holds what every endpoint shares (the body, `model`, `n`, `stream`,
+`stream_options`, `x-priority`, `min_tokens`, `ignore_eos`) and the size helpers; what carries
+the prompt and bounds the output is the endpoint's own (`ctx.api.parse`, gateway/api/), so a new
+endpoint adds a module there rather than a branch here.
 
 A field the gateway reads is read as vLLM reads it (booleans as pydantic's lax mode does, so
-`"false"` is false), and what vLLM refuses before rendering (a client's chat template, both
-`continue_final_message` and `add_generation_prompt`, `stream_options` without `stream`, empty
-`tools`) is refused here in its words, before any tokenizer time.
+`"false"` is false), and what vLLM refuses before rendering (`stream_options` without `stream`,
+and each endpoint's own) is refused in its words, before any tokenizer time.
 """
 
 from __future__ import annotations
@@ -19,26 +22,16 @@ from typing import Any
 
 import orjson
 
-from gateway.api.message_types import check_message_type
 from gateway.context import Ctx
 from gateway.errors import BadRequest, UnsupportedMediaType
 from gateway.policy.schema import PRIORITIES, ServerSpec
-from gateway.tokenizer.chat_template import extra_fields, lax_bool, part_kind
+from gateway.tokenizer.chat_template import lax_bool
 from gateway.tokenizer.threads import CountingThreads
 
 _PRIORITY_INDEX = {name: index for index, name in enumerate(PRIORITIES)}
 DEFAULT_PRIORITY = _PRIORITY_INDEX["standard"]
 # Longer than any served name or alias (Hugging Face ids are at most 96 characters).
 MAX_MODEL_CHARS = 256
-# vLLM takes any role, and templates print it in every turn's header: OpenAI's longest is 9
-# characters ("assistant"), custom ones (critic, environment, ipython) stay far below 64.
-MAX_ROLE_CHARS = 64
-# `reasoning_effort` values vLLM's field accepts (a template may read them).
-REASONING_EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh", "max"})
-_UNTRUSTED_TEMPLATE = (
-    "Chat template is passed with request, but --trust-request-chat-template is not set."
-    " Refused request with untrusted chat template."
-)
 
 
 def _lax_int(body: dict[str, Any], name: str) -> int:
@@ -60,7 +53,7 @@ def _lax_int(body: dict[str, Any], name: str) -> int:
     return number
 
 
-def _positive_int(body: dict[str, Any], name: str) -> int | None:
+def positive_int(body: dict[str, Any], name: str) -> int | None:
     value = body.get(name)
     if value is None:
         return None
@@ -160,32 +153,6 @@ def text_chars(value: Any) -> int:
     return total
 
 
-def _content_chars(content: Any, index: int) -> tuple[int, int]:
-    """Characters and image parts of one message's content; its shape is checked on the way.
-
-    Every part is classified as vLLM classifies it (gateway/tokenizer/chat_template.py `part_kind`): the
-    text of text-like parts and any field an "openai" template gets counts; images are counted
-    apart and charged at the model's `image_tokens` by tokenize (their URLs are no prompt)."""
-    param = f"messages[{index}].content"
-    if content is None:
-        return 0, 0
-    if isinstance(content, str):
-        return len(content), 0
-    if not isinstance(content, list):
-        raise BadRequest(f"{param} must be a string or an array of parts", param=param)
-    chars = images = 0
-    for part in content:
-        try:
-            kind, value = part_kind(part)
-        except BadRequest as exc:
-            raise BadRequest(exc.message, param=param) from None
-        if value is not None and not isinstance(value, str):
-            raise BadRequest(f"{param} parts' text must be a string", param=param)
-        images += kind == "image"
-        chars += len(value or "") + text_chars(extra_fields(part))
-    return chars, images
-
-
 def check_prompt_chars(chars: int, limits: ServerSpec, param: str) -> None:
     if chars > limits.max_prompt_chars:
         raise BadRequest(
@@ -193,183 +160,6 @@ def check_prompt_chars(chars: int, limits: ServerSpec, param: str) -> None:
             param=param,
             code="prompt_too_long",
         )
-
-
-_TEMPLATE_FLAGS = (("add_generation_prompt", True), ("continue_final_message", False))
-# The fields besides role, content and tool calls a template may render (gateway/tokenizer/chat_template.py).
-_TEXT_FIELDS = ("name", "tool_call_id", "reasoning", "reasoning_content", "task")
-
-
-def _message_chars(message: Any, index: int) -> tuple[int, int]:
-    """Characters a template may render of one message, and its images; bounded and checked."""
-    param = f"messages[{index}]"
-    role = message.get("role") if isinstance(message, dict) else None
-    if not isinstance(role, str):
-        raise BadRequest(f"{param} must be an object with a string 'role'", param=param)
-    if len(role) > MAX_ROLE_CHARS:
-        raise BadRequest(
-            f"{param}.role is over {MAX_ROLE_CHARS} characters",
-            param=f"{param}.role",
-            code="role_too_long",
-        )
-    calls = message.get("tool_calls")
-    if isinstance(calls, str | dict):  # vLLM's request model lists any iterable but a list
-        calls = message["tool_calls"] = list(calls)
-    check_message_type(message, index)  # tool calls included, where vLLM reads them
-    chars, images = _content_chars(message.get("content"), index)
-    for field in _TEXT_FIELDS:  # of any type: vLLM prints only strings, and only some
-        chars += text_chars(message.get(field))
-    return len(role) + chars + text_chars(calls) + text_chars(message.get("tools")), images
-
-
-def _check_tools(tools: Any, choice: Any) -> None:
-    """vLLM's refusals of `tools` and `tool_choice` (`check_tool_usage`,
-    `ChatCompletionToolsParam`)."""
-    if tools is not None:
-        _check_tool_list(tools)
-    if choice is None or choice == "none":
-        return
-    if tools is None:
-        raise BadRequest("When using `tool_choice`, `tools` must be set.", param="tool_choice")
-    if not isinstance(choice, dict):
-        if choice in ("auto", "required"):
-            return
-        raise BadRequest(
-            f"Invalid value for `tool_choice`: {str(choice)[:100]}! Only named tools, "
-            '"none", "auto" or "required" are supported.',
-            param="tool_choice",
-        )
-    function = choice.get("function")
-    name = function.get("name") if isinstance(function, dict) else None
-    if choice.get("type", "function") != "function" or not isinstance(name, str) or not name:
-        raise BadRequest(
-            "`tool_choice` must name a function: "
-            '{"type": "function", "function": {"name": "my_function"}}',
-            param="tool_choice.function.name",
-        )
-    if all(tool["function"]["name"] != name for tool in tools):
-        raise BadRequest(
-            "The tool specified in `tool_choice` does not match any of the specified `tools`",
-            param="tool_choice",
-        )
-
-
-def _optional_bool(value: Any) -> bool:
-    try:
-        lax_bool(value, "", False, nullable=True)
-    except BadRequest:
-        return False
-    return True
-
-
-def _function_tool(tool: Any) -> bool:
-    """Whether `tool` validates as vLLM's `ChatCompletionToolsParam`."""
-    function = tool.get("function") if isinstance(tool, dict) else None
-    return (
-        isinstance(function, dict)
-        and tool.get("type", "function") == "function"
-        and _optional_bool(tool.get("defer_loading"))
-        and isinstance(function.get("name"), str)
-        and isinstance(function.get("description", ""), str | None)
-        and isinstance(function.get("parameters", {}), dict | None)
-        and all(_optional_bool(function.get(key)) for key in ("strict", "defer_loading"))
-    )
-
-
-def _check_tool_list(tools: Any) -> None:
-    if tools == []:
-        raise BadRequest(
-            "`tools` must not be an empty array. Either provide at least one tool or omit the"
-            " field entirely.",
-            param="tools",
-        )
-    if not isinstance(tools, list) or not all(map(_function_tool, tools)):
-        raise BadRequest(
-            "'tools' must be an array of function tools, each with a string 'function.name' (and"
-            " a string description, an object of parameters, boolean strict and defer_loading)",
-            param="tools",
-            code="invalid_type",
-        )
-
-
-def check_chat(body: dict[str, Any], limits: ServerSpec) -> int:
-    """Check a chat's shape, vLLM's refusals and the size of everything its template may render
-    (messages, tools, documents, template variables, all in `max_prompt_chars`) before anything
-    is rendered; return its image parts."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty array", param="messages")
-    if len(messages) > limits.max_messages:
-        raise BadRequest(
-            f"{len(messages)} messages, over the {limits.max_messages} limit",
-            param="messages",
-            code="too_many_messages",
-        )
-    parts = sum(
-        len(content)
-        for message in messages
-        if isinstance(message, dict) and isinstance(content := message.get("content"), list)
-    )
-    if parts > limits.max_content_parts:
-        raise BadRequest(
-            f"{parts} content parts, over the {limits.max_content_parts} limit",
-            param="messages",
-            code="too_many_parts",
-        )
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise BadRequest(
-            "'chat_template_kwargs' must be an object",
-            param="chat_template_kwargs",
-            code="invalid_type",
-        )
-    if body.get("chat_template") is not None or (kwargs or {}).get("chat_template") is not None:
-        raise BadRequest(_UNTRUSTED_TEMPLATE, param="chat_template")
-    for name, default in _TEMPLATE_FLAGS:  # pydantic's refusal; the template reads them again
-        lax_bool(body.get(name, default), name, default)
-    if body.get("continue_final_message") and body.get("add_generation_prompt"):  # as sent
-        raise BadRequest(
-            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
-        )
-    effort = body.get("reasoning_effort")
-    if effort is not None and effort not in REASONING_EFFORTS:
-        raise BadRequest(
-            f"'reasoning_effort' must be one of {', '.join(sorted(REASONING_EFFORTS))}",
-            param="reasoning_effort",
-        )
-    _check_tools(body.get("tools"), body.get("tool_choice"))
-    documents = body.get("documents")
-    if documents is not None and not isinstance(documents, list):
-        raise BadRequest("'documents' must be an array", param="documents", code="invalid_type")
-    chars = images = 0
-    for index, message in enumerate(messages):
-        message_chars, message_images = _message_chars(message, index)
-        chars += message_chars
-        images += message_images
-    chars += text_chars(body.get("tools")) + text_chars(documents) + text_chars(kwargs)
-    check_prompt_chars(chars, limits, "messages")
-    return images
-
-
-def _is_token(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _prompt_shape(prompt: Any) -> tuple[int, int]:
-    """Number of prompts in a completions request and their characters (0 for token ids).
-
-    Raise if `prompt` has no valid shape.
-    """
-    if isinstance(prompt, str):
-        return 1, len(prompt)
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
-            return len(prompt), sum(map(len, prompt))
-        if all(map(_is_token, prompt)):
-            return 1, 0
-        if all(isinstance(p, list) and p and all(map(_is_token, p)) for p in prompt):
-            return len(prompt), 0
-    raise BadRequest("'prompt' must be a string, an array of strings, or token ids", param="prompt")
 
 
 def decode_body(content_type: str, raw: bytes, limits: ServerSpec) -> dict[str, Any]:
@@ -420,25 +210,14 @@ def parse(ctx: Ctx, content_type: str, raw: bytes, limits: ServerSpec) -> None:
     """Fill `ctx` from the request body, or raise a 4xx `GatewayError`."""
     body = decode_body(content_type, raw, limits)
     model = check_model(body.get("model"))
-    if ctx.endpoint == "chat":
-        ctx.images = check_chat(body, limits)
-        prompts = 1
-        max_output = _positive_int(body, "max_completion_tokens")
-        if max_output is None:
-            max_output = _positive_int(body, "max_tokens")
-    else:
-        if "prompt" not in body:
-            raise BadRequest("'prompt' is required", param="prompt")
-        prompts, chars = _prompt_shape(body["prompt"])
-        check_prompt_chars(chars, limits, "prompt")
-        max_output = _positive_int(body, "max_tokens")
+    prompts, max_output = ctx.api.parse(ctx, body, limits)
     min_output = _lax_int(body, "min_tokens")
     if max_output is not None and min_output > max_output:  # vLLM's SamplingParams refuse it
         raise BadRequest(
             f"min_tokens must be less than or equal to max_tokens={max_output}, got {min_output}.",
             param="min_tokens",
         )
-    n = _positive_int(body, "n") or 1
+    n = positive_int(body, "n") or 1
     if n > limits.max_n:
         raise BadRequest(
             f"'n' is {n}, over the {limits.max_n} limit", param="n", code="too_many_choices"

@@ -5,7 +5,9 @@ Each stage is a small function in its own module that fills in its part of the `
 `GatewayError`; this module only calls them in order, retries what a replica refused before it
 took the request, and owns the `finally` that accounts for every request, however it ended.
 `decide` is the part up to admission, shared with `llm-gateway explain`. The process around it
-(policy, reloads, background tasks) is gateway/runtime.py.
+(policy, reloads, background tasks) is gateway/runtime.py. The stages are the same for every
+endpoint: what differs is the request's `Api` (gateway/api/), which this module only hands on,
+in the `Ctx`, and asks to write the refusal in its clients' shape.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from gateway.admit import Place
+from gateway.api import Api
 from gateway.authenticate import authenticate
 from gateway.classify import classify
-from gateway.context import Ctx, Endpoint
+from gateway.context import Ctx
 from gateway.errors import (
     Ejection,
     GatewayError,
@@ -144,13 +147,13 @@ async def admit_and_forward(ctx: Ctx, request: web.Request, runtime: Runtime) ->
             slots.retrying -= retrying
 
 
-async def handle(gateway: Gateway, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+async def handle(gateway: Gateway, request: web.Request, api: Api) -> web.StreamResponse:
     """One request from its arrival to its accounting: the stages in order, each filling its part
     of the `Ctx` or raising a `GatewayError` that becomes the client's refusal; `finally` accounts
     for every request and settles its charge, however it ended."""
     ctx = Ctx(
         request_id=_request_id(request),
-        endpoint=endpoint,
+        api=api,
         path=request.path,
         headers=request.headers,
         arrived=time.perf_counter(),
@@ -182,7 +185,9 @@ async def handle(gateway: Gateway, request: web.Request, endpoint: Endpoint) -> 
         except GatewayError as exc:
             ctx.status, ctx.refusal, ctx.code = exc.status, exc.refusal, exc.code
             await gateway.quotas.describe(ctx)
-            resp = exc.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
+            resp = api.error_response(
+                exc, {"x-request-id": ctx.request_id, **ctx.ratelimit_headers}
+            )
         except ConnectionResetError:
             raise  # the client left: below, not a failure of the gateway's
         except Exception:
@@ -190,7 +195,9 @@ async def handle(gateway: Gateway, request: web.Request, endpoint: Endpoint) -> 
             error = GatewayError("internal gateway error; see the gateway log")
             ctx.status, ctx.refusal, ctx.code = error.status, error.refusal, error.code
             await gateway.quotas.describe(ctx)
-            resp = error.response({"x-request-id": ctx.request_id, **ctx.ratelimit_headers})
+            resp = api.error_response(
+                error, {"x-request-id": ctx.request_id, **ctx.ratelimit_headers}
+            )
         if not resp.prepared:  # a whole answer or a refusal: the client gets it before the
             try:  # accounting runs, which then times its sending too
                 await resp.prepare(request)

@@ -58,8 +58,6 @@ from gateway.context import Ctx
 from gateway.errors import GatewayError, OverQuota, QuotaExceeded
 from gateway.observability.metrics import Metrics
 from gateway.state.base import Limit, Refusal, Reservation, State, Window
-from gateway.tokenizer.counters import HFCounter
-from gateway.tokenizer.floor import TokenFloor
 
 log = logging.getLogger("gateway.quota")
 
@@ -199,31 +197,11 @@ def _shared_scopes(ctx: Ctx) -> tuple[str | None, str | None]:
     return model, pool
 
 
-def _prompt_floor(prompt: Any, floor: TokenFloor | None) -> int:
-    """Tokens a completions `prompt` has at least, summed as `count_prompts`' counts are: token
-    ids by their number, a text by its floor (0 without one)."""
-    if isinstance(prompt, str):
-        return floor.tokens(prompt) if floor is not None else 0
-    if not isinstance(prompt, list):
-        return 0
-    if prompt and isinstance(prompt[0], int):
-        return len(prompt)
-    return sum(_prompt_floor(p, floor) if isinstance(p, str) else len(p) for p in prompt)
-
-
 def input_floor(ctx: Ctx) -> int:
-    """Input tokens the request provably has before it is counted.
-
-    A chat's images (each at the model's `image_cost`, which `count_input` adds to the text's
-    count); not its text: a template may drop content (Qwen 3 drops earlier turns' reasoning)
-    and only the rendered prompt's count is exact. A completion's prompts: see `_prompt_floor`.
-    """
+    """Input tokens the request provably has before it is counted: its API's
+    (gateway/api/), by the model's counter."""
     assert ctx.model is not None
-    counter = ctx.model.counter
-    if ctx.endpoint == "chat":
-        return ctx.images * counter.image_cost
-    floor = counter.floor if isinstance(counter, HFCounter) else None
-    return _prompt_floor(ctx.body.get("prompt"), floor)
+    return ctx.api.input_floor(ctx, ctx.model.counter)
 
 
 def _spread(parts: Sequence[tuple[str, str, int]], use: int) -> list[tuple[str, str, int, int]]:

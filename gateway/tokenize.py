@@ -1,8 +1,9 @@
 """The tokenize stage: count the prompt as vLLM will, and refuse what cannot fit the context.
 
 Counting itself (templates, backends, threads, the floor) is gateway/tokenizer/; this stage asks
-the request's model's counter for the number and turns "too long" into the client's refusal,
-before the tokenizer spends time on a prompt that provably cannot fit.
+the request's model's counter for the number (how, is the endpoint's: `ctx.api.count`) and turns
+"too long" into the client's refusal, before the tokenizer spends time on a prompt that provably
+cannot fit.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ def check_images(ctx: Ctx) -> None:
     if spec.image_tokens is None:
         raise BadRequest(
             f"model {ctx.model.name!r} does not take images",
-            param="messages",
+            param=ctx.api.prompt_param,
             code="images_not_supported",
         )
     if ctx.images > spec.max_images:
         raise BadRequest(
             f"{ctx.images} images, over the {spec.max_images} limit of model {ctx.model.name!r}",
-            param="messages",
+            param=ctx.api.prompt_param,
             code="too_many_images",
         )
 
@@ -45,12 +46,9 @@ async def count_input(ctx: Ctx) -> None:
         if images >= refuse_at:
             raise _too_long(ctx, limit, images, "at least ")
     try:
-        if ctx.endpoint == "chat":
-            text = await counter.count_chat(ctx.body, refuse_at - images)
-            ctx.input_tokens = ctx.longest_prompt = images + text
-        else:
-            counts = await counter.count_prompts(ctx.body["prompt"], refuse_at)
-            ctx.input_tokens, ctx.longest_prompt = sum(counts), max(counts)
+        ctx.input_tokens, ctx.longest_prompt = await ctx.api.count(
+            ctx.body, counter, refuse_at, images
+        )
     except TooManyTokens as exc:
         raise _too_long(ctx, limit, images + exc.tokens, "at least ") from None
 
@@ -61,7 +59,7 @@ def _too_long(ctx: Ctx, limit: int, prompt: int, qualifier: str = "") -> Context
         f"This model's maximum context length is {limit} tokens. However, you requested"
         f" {qualifier}{prompt + output} tokens ({qualifier}{prompt} in the messages,"
         f" {output} in the completion).",
-        param="messages" if ctx.endpoint == "chat" else "prompt",
+        param=ctx.api.prompt_param,
     )
 
 

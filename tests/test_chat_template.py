@@ -1,5 +1,5 @@
 """Chats are rendered and counted as vLLM 0.32 renders them, on the real tokenizers, and hostile
-chat input is refused before any tokenizer time (gateway/tokenizer/chat_template.py, gateway/parse.py)."""
+chat input is refused before any tokenizer time (gateway/tokenizer/chat_template.py, gateway/api/chat.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 from transformers import AutoTokenizer
 
+from gateway.api import CHAT, Api
 from gateway.context import Ctx
 from gateway.errors import BadRequest
 from gateway.parse import parse
@@ -42,8 +43,8 @@ def hf_render(name: str, messages: list[dict[str, Any]], **kwargs: Any) -> str:
     return str(tokenizer(name).apply_chat_template(messages, tokenize=False, **kwargs))
 
 
-def parsed(body: dict[str, Any], endpoint: str = "chat", **limits: Any) -> Ctx:
-    ctx = Ctx("r", endpoint, "/v1/chat/completions", CIMultiDictProxy(CIMultiDict()), 0.0)
+def parsed(body: dict[str, Any], api: Api = CHAT, **limits: Any) -> Ctx:
+    ctx = Ctx("r", api, "/v1/chat/completions", CIMultiDictProxy(CIMultiDict()), 0.0)
     parse(ctx, "application/json", orjson.dumps(body), ServerSpec(**limits))
     return ctx
 

@@ -247,6 +247,7 @@ async def test_a_body_of_thousands_of_messages_is_checked_off_the_loop():
     back every few milliseconds)."""
     from multidict import CIMultiDict, CIMultiDictProxy
 
+    from gateway.api import CHAT
     from gateway.context import Ctx
     from gateway.parse import INLINE_PARSE_BYTES, parse_request
     from gateway.policy.schema import ServerSpec
@@ -260,7 +261,7 @@ async def test_a_body_of_thousands_of_messages_is_checked_off_the_loop():
 
     async def turns_of_the_loop(on: CountingThreads | None) -> int:
         """How often the loop ran something else while the body was parsed."""
-        ctx = Ctx("r", "chat", "/v1/chat/completions", CIMultiDictProxy(CIMultiDict()), 0.0)
+        ctx = Ctx("r", CHAT, "/v1/chat/completions", CIMultiDictProxy(CIMultiDict()), 0.0)
         work = asyncio.ensure_future(parse_request(ctx, "application/json", raw, limits, on))
         turns = 0
         while not work.done():

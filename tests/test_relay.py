@@ -5,12 +5,13 @@ from __future__ import annotations
 import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from gateway.api import CHAT
 from gateway.context import Ctx
 from gateway.forward import _scan
 
 
 def ctx() -> Ctx:
-    return Ctx(request_id="r", endpoint="chat", path="/v1/chat/completions",
+    return Ctx(request_id="r", api=CHAT, path="/v1/chat/completions",
                headers=CIMultiDictProxy(CIMultiDict()), arrived=0.0)  # fmt: skip
 
 

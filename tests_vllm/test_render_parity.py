@@ -52,6 +52,7 @@ import pytest
 import yaml
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from gateway.api import CHAT
 from gateway.context import Ctx
 from gateway.errors import BadRequest
 from gateway.parse import parse
@@ -503,7 +504,7 @@ async def gateway_outcome(policy: Any, model: str, body: dict[str, Any]) -> dict
     """The gateway's count of `body`, or its refusal: its parse, then the model's counter."""
     ctx = Ctx(
         request_id="parity",
-        endpoint="chat",
+        api=CHAT,
         path="/v1/chat/completions",
         headers=CIMultiDictProxy(CIMultiDict()),
         arrived=0.0,

@@ -1,0 +1,29 @@
+"""The APIs the gateway admits: one module each, registered here by endpoint name and by path.
+
+`server/app.py` serves a POST route per entry of `BY_PATH`, each handing its `Api` to the
+pipeline, which sets it on the request's `Ctx`; every stage reads `ctx.api` after that. The
+names are policy vocabulary (a route's or class's `match.endpoint`), declared once in
+gateway/policy/schema.py `Endpoint`, which imports no stage: the registry is checked against it
+here, at import, so an API added without its name there (or the reverse) fails to start.
+"""
+
+from __future__ import annotations
+
+from typing import get_args
+
+from gateway.api.base import Api
+from gateway.api.chat import CHAT
+from gateway.api.completions import COMPLETIONS
+from gateway.policy.schema import Endpoint
+
+APIS: tuple[Api, ...] = (CHAT, COMPLETIONS)
+BY_NAME: dict[str, Api] = {api.name: api for api in APIS}
+BY_PATH: dict[str, Api] = {api.path: api for api in APIS}
+
+if sorted(BY_NAME) != sorted(get_args(Endpoint)) or len(BY_PATH) != len(APIS):
+    raise RuntimeError(
+        f"gateway/api/ serves {sorted(BY_NAME)} at {sorted(BY_PATH)}; the policy's endpoints"
+        f" (gateway/policy/schema.py `Endpoint`) are {sorted(get_args(Endpoint))}"
+    )
+
+__all__ = ["APIS", "BY_NAME", "BY_PATH", "CHAT", "COMPLETIONS", "Api"]

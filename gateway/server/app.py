@@ -17,6 +17,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.admit import Replica
+from gateway.api import BY_PATH
 from gateway.authenticate import identify
 from gateway.errors import (
     AdminDisabled,
@@ -250,9 +251,9 @@ def create_app(policy: Policy, *, access_log: IO[bytes] | None = None) -> web.Ap
 
     app.cleanup_ctx.append(lifespan)
     routes: dict[str, dict[str, Handler]] = {
-        # Bound to the gateway here: no lookup, and no coroutine layer, per request.
-        "/v1/chat/completions": {"POST": partial(handle, gateway, endpoint="chat")},
-        "/v1/completions": {"POST": partial(handle, gateway, endpoint="completions")},
+        # Each API's path (gateway/api/), bound to the gateway and its `Api` here: no lookup,
+        # and no coroutine layer, per request.
+        **{path: {"POST": partial(handle, gateway, api=api)} for path, api in BY_PATH.items()},
         "/v1/models": {"GET": list_models},
         "/tokenize": {"POST": tokenize},
         "/detokenize": {"POST": detokenize},

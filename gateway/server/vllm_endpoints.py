@@ -18,9 +18,11 @@ from typing import Any
 
 from multidict import CIMultiDictProxy
 
+from gateway.api import CHAT, COMPLETIONS, Api
+from gateway.api.chat import check_chat
 from gateway.context import Ctx
 from gateway.errors import BadRequest, ModelNotFound
-from gateway.parse import check_chat, check_model, check_prompt_chars
+from gateway.parse import check_model, check_prompt_chars
 from gateway.policy.compile import Model, Policy
 from gateway.policy.schema import ServerSpec
 from gateway.route import find_candidates
@@ -52,19 +54,19 @@ def resolve(
     policy: Policy,
     body: dict[str, Any],
     headers: CIMultiDictProxy[str],
-    endpoints: tuple[str, ...],
+    apis: tuple[Api, ...],
 ) -> Model:
-    """The model whose tokenizer counts a request for `body`'s `model` on any of `endpoints`
+    """The model whose tokenizer counts a request for `body`'s `model` on any of `apis`' endpoints
     (tried in order), or raise `ModelNotFound` (404) as the pipeline would."""
     name = body.get("model")
     name = _default_model(policy) if name is None else check_model(name)
-    ctx = Ctx("", endpoints[0], "", headers, time.perf_counter(), requested_model=name)
-    for endpoint in endpoints:
-        ctx.endpoint = endpoint
+    ctx = Ctx("", apis[0], "", headers, time.perf_counter(), requested_model=name)
+    for api in apis:
+        ctx.api = api
         try:
             find_candidates(ctx, policy.routes, policy.adapters)
         except ModelNotFound:
-            if endpoint == endpoints[-1]:
+            if api is apis[-1]:
                 raise
             continue
         break
@@ -104,6 +106,7 @@ async def tokenize(
     `token_strs` (null unless `return_token_strs`)."""
     limits = policy.spec.server
     chat = "messages" in body
+    api = CHAT if chat else COMPLETIONS
     if chat:
         body = _check_chat(body, limits)
     else:
@@ -113,9 +116,9 @@ async def tokenize(
         check_prompt_chars(len(prompt), limits, "prompt")
     special = _flag(body, "add_special_tokens", not chat)
     strs = _flag(body, "return_token_strs", False, nullable=True)
-    model = resolve(policy, body, headers, ("chat",) if chat else ("completions",))
+    model = resolve(policy, body, headers, (api,))
     counter = _counter(model)
-    ids = await counter.prompt_ids(body, "chat" if chat else "completions", special)
+    ids = await counter.prompt_ids(body, api.name, special)
     assert ids is not None  # a text, or a chat: always encoded
     return {
         "count": len(ids),
@@ -137,7 +140,7 @@ async def detokenize(
         raise BadRequest(
             "'tokens' must be an array of non-negative integer token ids", param="tokens"
         )
-    counter = _counter(resolve(policy, body, headers, ("completions", "chat")))
+    counter = _counter(resolve(policy, body, headers, (COMPLETIONS, CHAT)))
     unknown = next((t for t in tokens if t >= counter.vocab_size), None)
     if unknown is not None:
         raise BadRequest(f"Token id {unknown} is out of vocabulary", param="tokens")

@@ -1,0 +1,91 @@
+"""What the pipeline asks of an API shape: one `Api` per endpoint the gateway admits.
+
+The stages are the same for every endpoint (parse, count, estimate, charge, admit, forward,
+account); what differs is where a body carries its prompt and its output bound, how its prompt
+is counted, what the estimator keys it by, what the answer's usage looks like and how a refusal
+is written. Those differences live in one object per endpoint, reached through `ctx.api`, so a
+new endpoint is a new small module rather than new branches through every stage.
+
+An `Api` is a module-level singleton without state: the route handler sets it on the `Ctx` once,
+and every stage after that costs one attribute lookup, never an allocation or a string compare.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from gateway.context import Ctx
+    from gateway.errors import GatewayError
+    from gateway.policy.schema import ServerSpec
+    from gateway.tokenizer.counters import TokenCounter
+
+# How much of a prompt's start keys the output estimator (gateway/estimate.py): a system prompt
+# or a rules block, what makes a classification prompt recognisable from one request to the next.
+FINGERPRINT_CHARS = 256
+FINGERPRINT_IDS = 64  # the same for a prompt given as token ids
+
+
+class Api(ABC):
+    """One API shape: the endpoint-specific part of every stage.
+
+    `name` is the endpoint as policies, metrics labels and the access log name it (a route's
+    `match.endpoint`: gateway/policy/schema.py `Endpoint`); `path` is where it is served and
+    what the replica is sent; `prompt_param` is the field a refusal about the prompt names.
+    """
+
+    __slots__ = ()
+    name: ClassVar[str]
+    path: ClassVar[str]
+    prompt_param: ClassVar[str]
+
+    @abstractmethod
+    def parse(self, ctx: Ctx, body: dict[str, Any], limits: ServerSpec) -> tuple[int, int | None]:
+        """Check the fields that carry the prompt and bound the output, within `limits`, or
+        raise a 4xx `GatewayError`; return the number of prompts and the client's output bound
+        (None when it gave none). May set `ctx.images`."""
+
+    @abstractmethod
+    async def count(
+        self, body: dict[str, Any], counter: TokenCounter, refuse_at: int, images: int
+    ) -> tuple[int, int]:
+        """The prompt's input tokens and its longest prompt's, `images` (already costed)
+        included; `TooManyTokens` (its text's tokens, without the images) for a prompt that
+        provably has `refuse_at` or more."""
+
+    @abstractmethod
+    def fingerprint(self, body: dict[str, Any]) -> int:
+        """A hash of the prompt's start: what "similar requests" share for the estimator."""
+
+    @abstractmethod
+    def input_floor(self, ctx: Ctx, counter: TokenCounter) -> int:
+        """Input tokens the request provably has before it is counted (the quota's early
+        charge)."""
+
+    @abstractmethod
+    def upstream_fields(self, ctx: Ctx, changes: dict[str, Any]) -> None:
+        """Add to `changes` the fields the replica must be sent other than the client's for the
+        gateway to read the answer's usage (`model` and `priority` are the forward stage's)."""
+
+    @abstractmethod
+    def read_usage(self, ctx: Ctx, usage: Any) -> None:
+        """Fill `ctx.output_tokens` (and `prompt_tokens`) from an answer's decoded `usage`, when
+        they are counts."""
+
+    @abstractmethod
+    def usage_event(self, ctx: Ctx, event: dict[str, Any]) -> bool:
+        """Read the usage a decoded stream event carries; whether the event only carries it (the
+        gateway's to drop when the client did not ask for it)."""
+
+    @abstractmethod
+    def error_response(
+        self, error: GatewayError, headers: dict[str, str] | None = None
+    ) -> web.Response:
+        """A refusal as this API's clients expect it."""
+
+    @abstractmethod
+    def stream_error(self, error: GatewayError) -> bytes:
+        """The events that end a stream the replica broke after its first byte."""

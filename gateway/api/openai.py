@@ -1,0 +1,67 @@
+"""What chat completions and completions share: OpenAI's usage, stream framing and error shape.
+
+Both answer with a top-level `usage` (`prompt_tokens`, `completion_tokens`), stream it only when
+asked (`stream_options.include_usage`, in a last chunk with no choices) and refuse with
+`{"error": {...}}` (gateway/errors.py). An API of another shape (Anthropic's messages, OpenAI's
+responses) subclasses `Api` instead and says its own.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from gateway.api.base import Api
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from gateway.context import Ctx
+    from gateway.errors import GatewayError
+
+
+def _tokens(value: Any) -> bool:
+    return type(value) is int and value >= 0  # not a bool, a float, a string or negative
+
+
+class OpenAIApi(Api):
+    """The usage, upstream fields and refusals of OpenAI's completion APIs, as vLLM serves them."""
+
+    __slots__ = ()
+
+    def upstream_fields(self, ctx: Ctx, changes: dict[str, Any]) -> None:
+        """A stream's usage is asked for on the client's behalf; `forward` drops the chunk that
+        carries it when the client did not ask."""
+        if ctx.stream and not ctx.client_wants_usage:
+            changes["stream_options"] = {
+                **(ctx.body.get("stream_options") or {}),
+                "include_usage": True,
+            }
+
+    def read_usage(self, ctx: Ctx, usage: Any) -> None:
+        """The replica's counts, when they are counts; a field that is not is noted (a replica's
+        answer is input too: `account` settles on the gateway's own numbers then)."""
+        if not isinstance(usage, dict):
+            return
+        completion, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
+        if not _tokens(completion):
+            if completion is not None:
+                ctx.untrusted_usage = "completion_tokens"
+            return
+        ctx.output_tokens = completion
+        if _tokens(prompt):
+            ctx.prompt_tokens = prompt
+        elif prompt is not None:
+            ctx.untrusted_usage = "prompt_tokens"
+
+    def usage_event(self, ctx: Ctx, event: dict[str, Any]) -> bool:
+        """The final usage chunk has no choices; continuous usage stats ride on ordinary ones."""
+        self.read_usage(ctx, event.get("usage"))
+        return event.get("choices") == []
+
+    def error_response(
+        self, error: GatewayError, headers: dict[str, str] | None = None
+    ) -> web.Response:
+        return error.response(headers)
+
+    def stream_error(self, error: GatewayError) -> bytes:
+        return b"data: " + error.body() + b"\n\ndata: [DONE]\n\n"
