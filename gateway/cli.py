@@ -279,7 +279,7 @@ async def _explain(
     from gateway.pipeline import decide
     from gateway.policy.compile import compile_policy, reference_problems
     from gateway.policy.load import load_spec
-    from gateway.policy.schema import ESTIMATE, PRIORITIES
+    from gateway.policy.schema import COUNT_BY_CHARS, PRIORITIES
     from gateway.quota import tenant_windows
     from gateway.tokenizer.counters import HFCounter
 
@@ -322,12 +322,12 @@ async def _explain(
     if keyless:
         quota = "no key given: the gateway answers 401"
     elif tenant is not None:
-        charged = tenant_windows(tenant, ctx, ctx.reserved_tokens)
+        charged = tenant_windows(tenant, ctx, ctx.held_tokens)
         quota = [f"{w.kind} {w.limit.amount} of {w.limit.limit}/min{w.where}" for w in charged]
         quota = quota or "unlimited"
     # Which library encoded the rendered prompt (gateway/tokenizer/backends.py), or the character estimate.
     counter = model.counter
-    backend = counter.backend if isinstance(counter, HFCounter) else ESTIMATE
+    backend = counter.backend if isinstance(counter, HFCounter) else COUNT_BY_CHARS
     return {
         "endpoint": ctx.endpoint,
         "requested_model": ctx.requested_model,
@@ -350,7 +350,7 @@ async def _explain(
         "adapter": ctx.adapter or None,
         "rewritten_model": ctx.upstream_model,  # the `model` the replica gets
         "upstream_priority": upstream_priority(ctx),
-        "reserved_tokens": ctx.reserved_tokens,
+        "reserved_tokens": ctx.held_tokens,
     }
 
 

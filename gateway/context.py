@@ -121,6 +121,6 @@ class Ctx:
         )
 
     @property
-    def reserved_tokens(self) -> int:
+    def held_tokens(self) -> int:
         """Tokens held against a replica's `max_inflight_tokens` while this request runs."""
         return self.input_tokens + self.expected_output * self.sequences

@@ -314,7 +314,7 @@ class Quotas:
         if ctx.tenant is None:
             return early
         tenant = ctx.tenant
-        scoped = tenant_windows(tenant, ctx, ctx.reserved_tokens)
+        scoped = tenant_windows(tenant, ctx, ctx.held_tokens)
         charge = early if early is not None else Charge()
         over = next((s for s in scoped if s.limit.amount > s.limit.limit), None)
         if over is not None:

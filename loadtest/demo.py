@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 import orjson
 import yaml
 
-from gateway.policy.schema import ESTIMATE
+from gateway.policy.schema import COUNT_BY_CHARS
 from loadtest import processes
 from loadtest.loadgen import (
     Mark,
@@ -67,7 +67,7 @@ def ensure_tokenizers(policy: dict[str, Any], base: Path) -> str | None:
     directories = {
         str((base / m["tokenizer"]).resolve())
         for m in policy["models"].values()
-        if m.get("tokenizer", ESTIMATE) != ESTIMATE
+        if m.get("tokenizer", COUNT_BY_CHARS) != COUNT_BY_CHARS
     }
     for directory in directories:
         ensure(directory)
@@ -93,7 +93,7 @@ def gateway_policy(policy: dict[str, Any], source: Path, time_scale: float, path
     absolute, since the copy lives elsewhere."""
     copy = scaled(policy, time_scale)
     for model in copy["models"].values():
-        if model.get("tokenizer", ESTIMATE) != ESTIMATE:
+        if model.get("tokenizer", COUNT_BY_CHARS) != COUNT_BY_CHARS:
             model["tokenizer"] = str((source.parent / model["tokenizer"]).resolve())
     for tenant in (copy.get("tenants") or {}).values():
         if tenant.get("keys_file"):

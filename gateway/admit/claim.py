@@ -24,14 +24,14 @@ class Claim(NamedTuple):
         tenant = ctx.tenant
         if tenant is None:
             return cls(
-                ctx.reserved_tokens,
+                ctx.held_tokens,
                 ctx.priority,
                 ctx.workload,
                 affinity=affinity,
                 adapter=ctx.adapter,
             )
         return cls(
-            ctx.reserved_tokens,
+            ctx.held_tokens,
             ctx.priority,
             ctx.workload,
             tenant.name,

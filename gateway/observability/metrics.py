@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 from gateway.admit import LivePool
 from gateway.observability.fast import Counter, Histogram
 from gateway.observability.loop_lag import LAG_BUCKETS
-from gateway.policy.schema import ESTIMATE, PRIORITIES
+from gateway.policy.schema import COUNT_BY_CHARS, PRIORITIES
 from gateway.tokenizer.counters import HFCounter
 
 if TYPE_CHECKING:
@@ -217,7 +217,7 @@ class _Gauges(Collector):
         )
         for name, model in self.source.policy.models.items():
             counter = model.counter
-            backend = counter.backend if isinstance(counter, HFCounter) else ESTIMATE
+            backend = counter.backend if isinstance(counter, HFCounter) else COUNT_BY_CHARS
             backends.add_metric([name, backend], 1)
         tokenizer = self._tokenizer_threads()
         info = GaugeMetricFamily(

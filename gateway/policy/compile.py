@@ -18,10 +18,10 @@ from gateway.estimate import OutputEstimator
 from gateway.pick.weighted import WeightedPicker
 from gateway.policy.load import LoadedSpec, PolicyError, Problem, load_spec
 from gateway.policy.plugins import PluginError, create
-from gateway.policy.schema import ESTIMATE, ModelSpec, PolicySpec, PoolSpec
+from gateway.policy.schema import COUNT_BY_CHARS, ModelSpec, PolicySpec, PoolSpec
 from gateway.replicas.adapters import Adapters
 from gateway.route import Route, compile_route
-from gateway.tokenizer.counters import EstimateCounter, HFCounter, TokenCounter
+from gateway.tokenizer.counters import CharCounter, HFCounter, TokenCounter
 from gateway.tokenizer.cpus import available_cpus
 from gateway.tokenizer.threads import TokenizerThreads
 
@@ -79,8 +79,8 @@ def _counter(
     threads: TokenizerThreads | None,
     load: bool,
 ) -> Any:
-    if spec.tokenizer == ESTIMATE or not load:
-        return EstimateCounter(spec.chars_per_token, spec.image_tokens)
+    if spec.tokenizer == COUNT_BY_CHARS or not load:
+        return CharCounter(spec.chars_per_token, spec.image_tokens)
     server = policy.server
     return HFCounter.load(
         str(tokenizer_dir(spec, base)),
@@ -265,7 +265,7 @@ def compile_policy(
     if (
         threads is None
         and load_tokenizers
-        and any(m.tokenizer != ESTIMATE for m in spec.models.values())
+        and any(m.tokenizer != COUNT_BY_CHARS for m in spec.models.values())
     ):
         wanted = spec.server.tokenizer_threads
         threads = TokenizerThreads.start(available_cpus() if wanted is None else wanted)
@@ -358,7 +358,10 @@ def _pool_pickers(
         if kept is not None and kept.spec.pick == pool.pick:
             pickers[name] = kept.picker
             continue
-        if "precise_prefix" in pool.pick.scorers and spec.models[pool.model].tokenizer == ESTIMATE:
+        if (
+            "precise_prefix" in pool.pick.scorers
+            and spec.models[pool.model].tokenizer == COUNT_BY_CHARS
+        ):
             problems.append(
                 Problem(
                     ("pools", name, "pick", "scorers", "precise_prefix"),

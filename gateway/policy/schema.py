@@ -44,7 +44,9 @@ class Range(Spec):
         return self
 
 
-ESTIMATE = "estimate"  # a model's `tokenizer` when it is counted by characters, not a tokenizer
+COUNT_BY_CHARS = (
+    "estimate"  # a model's `tokenizer` when it is counted by characters, not a tokenizer
+)
 
 
 class ModelSpec(Spec):

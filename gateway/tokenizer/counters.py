@@ -80,7 +80,7 @@ class TokenCounter(Protocol):
         ...
 
 
-class EstimateCounter:
+class CharCounter:
     """`tokenizer: estimate`: characters / `chars_per_token`, for models without a local tokenizer."""
 
     PER_MESSAGE = 4  # role markers and separators a chat template adds around each message

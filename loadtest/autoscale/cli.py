@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from gateway.policy.schema import ESTIMATE
+from gateway.policy.schema import COUNT_BY_CHARS
 from loadtest.autoscale import hpa, report
 from loadtest.autoscale.loop import (
     FORECAST,
@@ -242,7 +242,7 @@ def slos(args: argparse.Namespace, classes: Iterable[str]) -> dict[str, SLO]:
 
 def tokenizer(given: str | None) -> str | None:
     """The tokenizer directory; None for `estimate`; the demo's tiny one (built once) if none."""
-    if given == ESTIMATE:
+    if given == COUNT_BY_CHARS:
         return None
     if given is not None:
         return given

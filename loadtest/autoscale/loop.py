@@ -26,7 +26,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.admit.forecast import DEFAULT as FORECAST_DEFAULT
-from gateway.policy.schema import ESTIMATE
+from gateway.policy.schema import COUNT_BY_CHARS
 from loadtest import processes
 from loadtest.autoscale.dns import DnsServer
 from loadtest.autoscale.hpa import (
@@ -194,7 +194,7 @@ def policy(config: AutoscaleConfig, dns_port: int, ports: Mapping[str, int]) -> 
     for p in config.pools:
         profile = load_profile(p.profile)
         models[profile.served_model_name] = {
-            "tokenizer": config.tokenizer or ESTIMATE,
+            "tokenizer": config.tokenizer or COUNT_BY_CHARS,
             "max_model_len": profile.serving.max_model_len,
         }
         pools[p.name] = {
