@@ -14,7 +14,7 @@ from typing import IO, Any
 import orjson
 
 from gateway.context import Ctx
-from gateway.estimate import OutputEstimator, estimator_key
+from gateway.estimate import OutputEstimator
 from gateway.forward import read_usage
 from gateway.observability.metrics import NONE, Metrics
 from gateway.policy.schema import PRIORITIES
@@ -150,7 +150,7 @@ class Accountant:
             if ctx.output_tokens and ctx.output_tokens > 1:
                 series.tpot.observe((ctx.ended - ctx.first_token) / (ctx.output_tokens - 1))
         if estimator is not None and ctx.status == 200 and ctx.output_tokens:
-            estimator.observe(estimator_key(ctx), ctx.output_tokens // ctx.sequences)
+            estimator.observe(estimator.key(ctx), ctx.output_tokens // ctx.sequences)
 
     @staticmethod
     def record(ctx: Ctx) -> dict[str, Any]:

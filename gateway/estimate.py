@@ -20,8 +20,8 @@ import math
 import time
 from bisect import bisect_left, insort
 from collections import OrderedDict, deque
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Hashable
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,13 +34,22 @@ Key = tuple[
 
 
 class OutputEstimator(Protocol):
-    """Learns output lengths; one instance per policy."""
+    """Learns output lengths; one instance per policy (a plug-in: `plugins.output_estimator`).
 
-    def estimate(self, key: Key) -> int | None:
+    The estimator names what makes requests similar (`key`): one that learns from more of a
+    request than the default key (its input length, its class's rules) says so there, and
+    neither the stage nor the accounting that feeds it changes."""
+
+    def key(self, ctx: Ctx) -> Hashable:
+        """What the estimate of this request is learned under: read once the request is parsed
+        and its candidates found, before it is counted, and again when it has been answered."""
+        ...
+
+    def estimate(self, key: Any) -> int | None:
         """The learned expected output for this key, or None while it knows too little."""
         ...
 
-    def observe(self, key: Key, output_tokens: int) -> None: ...
+    def observe(self, key: Any, output_tokens: int) -> None: ...
 
 
 def estimator_key(ctx: Ctx) -> Key:
@@ -56,7 +65,7 @@ def estimate_output(ctx: Ctx, estimator: OutputEstimator, default_tokens: int) -
     that many, whatever the tenant's past answers taught the estimator."""
     ctx.fingerprint = ctx.api.fingerprint(ctx.body)
     bound = ctx.max_output
-    learned = None if ctx.forced_output else estimator.estimate(estimator_key(ctx))
+    learned = None if ctx.forced_output else estimator.estimate(estimator.key(ctx))
     if learned is not None and (bound is None or learned < bound):
         ctx.expected_output, ctx.estimate_source = max(learned, ctx.min_output), "learned"
     elif bound is not None:
@@ -131,6 +140,8 @@ class RollingQuantileEstimator:
         self.clock = clock
         # Tenants are the policy's (plus None): the tables are bounded by the policy.
         self._tables: dict[str | None, _Table] = {}
+
+    key = staticmethod(estimator_key)
 
     def _table(self, key: Key) -> _Table:
         table = self._tables.get(key[0])
