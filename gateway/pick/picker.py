@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from gateway.admit.claim import Claim
-from gateway.admit.replica import Replica
-from gateway.context import Ctx
-from gateway.pick.affinity import Affinity
 from gateway.policy.plugins import register
+
+if TYPE_CHECKING:
+    from gateway.admit.claim import Claim
+    from gateway.admit.replica import Replica
+    from gateway.context import Ctx
+    from gateway.pick.affinity import Affinity
 
 
 class Picker(Protocol):

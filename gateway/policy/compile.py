@@ -11,11 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.admit import Picker  # importing a stage module registers its plug-ins
 from gateway.authenticate import Tenant, compile_tenants
 from gateway.classify import Workload, compile_class
 from gateway.estimate import OutputEstimator
-from gateway.pick.weighted import WeightedPicker
+from gateway.pick import Picker, WeightedPicker  # the package registers every picker and scorer
 from gateway.policy.load import LoadedSpec, PolicyError, Problem, load_spec
 from gateway.policy.plugins import PluginError, create
 from gateway.policy.schema import ESTIMATE, ModelSpec, PolicySpec, PoolSpec
