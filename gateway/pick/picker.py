@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 class Picker(Protocol):
     """Chooses among replicas that have room."""
 
+    reads_gauges: bool
+    """It rates the replicas' scraped gauges: the health checker reads them more often."""
+
     async def affinity(self, ctx: Ctx) -> Affinity | None:
         """What `pick` will weigh of the request, worked out once, before it queues."""
 
@@ -40,6 +43,8 @@ class Picker(Protocol):
 
 class StatelessPicker:
     """A picker that weighs nothing of the request and learns nothing."""
+
+    reads_gauges = False
 
     def __init__(self, params: object) -> None:
         pass

@@ -32,6 +32,8 @@ class _Params(BaseModel):
 
 class Scorer:
     Params: type[BaseModel] = _Params
+    reads_gauges = False  # rates the replicas' scraped gauges: they are read more often for it
+    wants_token_ids = False  # looks up the prompt's token ids: the pool needs a real tokenizer
 
     def __init__(self, params: BaseModel) -> None:
         pass
@@ -175,6 +177,7 @@ class GaugeParams(_Params):
 
 class _GaugeScorer(Scorer):
     Params = GaugeParams
+    reads_gauges = True
 
     def __init__(self, params: GaugeParams) -> None:
         self.max_age_s = params.max_age_s

@@ -39,6 +39,7 @@ class WeightedPicker:
             (s for _, s in self.scorers if isinstance(s, PrecisePrefixScorer)), None
         )
         self._spread = spec.max_load_spread
+        self.reads_gauges = any(s.reads_gauges for _, s in self.scorers)
 
     async def affinity(self, ctx: Ctx) -> Affinity | None:
         return Affinity(
