@@ -1,7 +1,9 @@
 """The `picker` extension point: which of a pool's replicas with room takes a request.
 
 The pool calls `picker.pick(replicas, claim)` in one place (`LivePool._pick`); a picker only
-orders replicas that fit, so the caps stay hard whatever it prefers. A pool's `pick:` makes a
+orders replicas that fit, so the caps stay hard whatever it prefers. The pool tells it too when
+a slot is held (`granted`) and when the replica answered (`observe`, `LivePool.answered`), so a
+picker that learns from where requests went, or from how they came back, needs no other hook. A pool's `pick:` makes a
 weighted picker of its own (`gateway/pick/`); these are the policy-wide ones it replaces.
 """
 
@@ -17,6 +19,7 @@ if TYPE_CHECKING:
     from gateway.admit.claim import Claim
     from gateway.admit.replica import Replica
     from gateway.context import Ctx
+    from gateway.errors import Ejection
     from gateway.pick.affinity import Affinity
 
 
@@ -33,6 +36,10 @@ class Picker(Protocol):
 
     def granted(self, replica: Replica, claim: Claim) -> None:
         """A slot on `replica` is held for `claim`: a picker that learns, learns here."""
+
+    def observe(self, replica: Replica, claim: Claim, ctx: Ctx, failure: Ejection | None) -> None:
+        """`replica` answered the request `claim` was held for (`failure`: how it failed, else
+        None): a picker that learns from responses, learns here."""
 
     def forget(self, url: str) -> None:
         """The replica left, or came back after an ejection: what was learned of it is void."""
@@ -53,6 +60,9 @@ class StatelessPicker:
         return None
 
     def granted(self, replica: Replica, claim: Claim) -> None:
+        pass
+
+    def observe(self, replica: Replica, claim: Claim, ctx: Ctx, failure: Ejection | None) -> None:
         pass
 
     def forget(self, url: str) -> None:
