@@ -407,13 +407,9 @@ def explain(args: argparse.Namespace) -> int:
 
 
 def schema(args: argparse.Namespace) -> int:
-    from gateway.policy.schema import PolicySpec
+    from gateway.policy.compile import json_schema
 
-    print(
-        orjson.dumps(
-            PolicySpec.model_json_schema(by_alias=True), option=orjson.OPT_INDENT_2
-        ).decode()
-    )
+    print(orjson.dumps(json_schema(), option=orjson.OPT_INDENT_2).decode())
     return 0
 
 

@@ -119,7 +119,7 @@ async def admit_and_forward(ctx: Ctx, request: web.Request, runtime: Runtime) ->
                         rename_model=runtime.rename_model,
                     )
                 except ReplicaRefused:
-                    slots.failed(replica, Ejection.REFUSED)
+                    slots.answered(grant, ctx, Ejection.REFUSED)
                     if not (retry_next and slots.can_retry(tried)):
                         raise
                     # Back in the queue it is served by no replica (nor charged as if it
@@ -127,17 +127,17 @@ async def admit_and_forward(ctx: Ctx, request: web.Request, runtime: Runtime) ->
                     place.avoid, ctx.retries, ctx.replica = tried, ctx.retries + 1, ""
                     continue
                 except UpstreamTimeout:
-                    slots.failed(replica, Ejection.TIMEOUT)
+                    slots.answered(grant, ctx, Ejection.TIMEOUT)
                     raise
                 except UpstreamError:
-                    slots.failed(replica, Ejection.UPSTREAM_ERROR)
+                    slots.answered(grant, ctx, Ejection.UPSTREAM_ERROR)
                     raise
                 # A stream the replica broke after its first byte, or its own 5xx.
                 broke = ctx.refusal.ejection if ctx.refusal is not None else None
                 if broke is not None or ctx.status >= 500:
-                    slots.failed(replica, broke or Ejection.STATUS_5XX)
+                    slots.answered(grant, ctx, broke or Ejection.STATUS_5XX)
                 else:
-                    slots.succeeded(replica)
+                    slots.answered(grant, ctx, None)
                     tokens = ctx.output_tokens or 0
                     if ctx.first_token is not None and tokens > 1:
                         decode_s = time.perf_counter() - ctx.first_token

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.policy.compile import load_policy
+from gateway.policy.compile import json_schema, load_policy
 from gateway.policy.load import PolicyError
-from gateway.policy.schema import PolicySpec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -222,7 +221,7 @@ def test_shipped_policies_pass_check(policy) -> None:
 
 def test_schema_json_is_up_to_date() -> None:
     shipped = json.loads((ROOT / "policies" / "schema.json").read_text())
-    assert shipped == PolicySpec.model_json_schema(by_alias=True), "run `make schema`"
+    assert shipped == json_schema(), "run `make schema`"
 
 
 def test_lower_tiers_must_shed_first(tmp_path) -> None:

@@ -19,8 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from gateway.admit import Claim, Grant, HoldTimes, LeastInflightPicker, LivePool
+from gateway.admit import Claim, Grant, HoldTimes, LivePool
 from gateway.errors import QueueWaitTooLong
+from gateway.pick.picker import LeastInflightPicker
 from gateway.policy.compile import load_policy
 from gateway.policy.load import PolicyError
 from gateway.policy.schema import PRIORITIES, PoolSpec

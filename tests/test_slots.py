@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
-from gateway.admit import Claim, LeastInflightPicker, LivePool
+from gateway.admit import Claim, LivePool
 from gateway.errors import QueueFull, QueueTimeout
+from gateway.pick.picker import LeastInflightPicker
 from gateway.policy.schema import PoolSpec
 
 

@@ -16,7 +16,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.admit import Claim, LeastInflightPicker, LivePool
+from gateway.admit import Claim, LivePool
+from gateway.pick.picker import LeastInflightPicker
 from gateway.policy.compile import load_policy
 from gateway.policy.load import PolicyError
 from gateway.policy.schema import PoolSpec

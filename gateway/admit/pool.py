@@ -196,6 +196,15 @@ class LivePool:
     def failed(self, replica: Replica, reason: Ejection) -> None:
         self.ejector.failed(self.replicas, replica, reason, self.spec.health)
 
+    def answered(self, grant: Grant, ctx: Ctx, failure: Ejection | None) -> None:
+        """The replica answered the request it was granted for, or failed it (`failure`): its
+        health counts it, and the picker is told, so a scorer may learn from the response."""
+        if failure is None:
+            self.succeeded(grant.replica)
+        else:
+            self.failed(grant.replica, failure)
+        self.picker.observe(grant.replica, grant.claim, ctx, failure)
+
     def observe_tpot(self, replica: Replica, tpot_s: float) -> None:
         ejection.observe_tpot(replica, tpot_s)
 

@@ -1,7 +1,9 @@
 """The `picker` extension point: which of a pool's replicas with room takes a request.
 
 The pool calls `picker.pick(replicas, claim)` in one place (`LivePool._pick`); a picker only
-orders replicas that fit, so the caps stay hard whatever it prefers. A pool's `pick:` makes a
+orders replicas that fit, so the caps stay hard whatever it prefers. The pool tells it too when
+a slot is held (`granted`) and when the replica answered (`observe`, `LivePool.answered`), so a
+picker that learns from where requests went, or from how they came back, needs no other hook. A pool's `pick:` makes a
 weighted picker of its own (`gateway/pick/`); these are the policy-wide ones it replaces.
 """
 
@@ -9,17 +11,23 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from gateway.admit.claim import Claim
-from gateway.admit.replica import Replica
-from gateway.context import Ctx
-from gateway.pick.affinity import Affinity
 from gateway.policy.plugins import register
+
+if TYPE_CHECKING:
+    from gateway.admit.claim import Claim
+    from gateway.admit.replica import Replica
+    from gateway.context import Ctx
+    from gateway.errors import Ejection
+    from gateway.pick.affinity import Affinity
 
 
 class Picker(Protocol):
     """Chooses among replicas that have room."""
+
+    reads_gauges: bool
+    """It rates the replicas' scraped gauges: the health checker reads them more often."""
 
     async def affinity(self, ctx: Ctx) -> Affinity | None:
         """What `pick` will weigh of the request, worked out once, before it queues."""
@@ -28,6 +36,10 @@ class Picker(Protocol):
 
     def granted(self, replica: Replica, claim: Claim) -> None:
         """A slot on `replica` is held for `claim`: a picker that learns, learns here."""
+
+    def observe(self, replica: Replica, claim: Claim, ctx: Ctx, failure: Ejection | None) -> None:
+        """`replica` answered the request `claim` was held for (`failure`: how it failed, else
+        None): a picker that learns from responses, learns here."""
 
     def forget(self, url: str) -> None:
         """The replica left, or came back after an ejection: what was learned of it is void."""
@@ -39,6 +51,8 @@ class Picker(Protocol):
 class StatelessPicker:
     """A picker that weighs nothing of the request and learns nothing."""
 
+    reads_gauges = False
+
     def __init__(self, params: object) -> None:
         pass
 
@@ -46,6 +60,9 @@ class StatelessPicker:
         return None
 
     def granted(self, replica: Replica, claim: Claim) -> None:
+        pass
+
+    def observe(self, replica: Replica, claim: Claim, ctx: Ctx, failure: Ejection | None) -> None:
         pass
 
     def forget(self, url: str) -> None:

@@ -241,6 +241,8 @@ class PrecisePrefixScorer(Scorer):
     """The share of the request's leading token blocks each replica's engine holds."""
 
     Params = PreciseParams
+    part = "tokens"
+    awaits = True  # the prompt's token ids come from the tokenizer's threads when it is long
     wants_token_ids = True
 
     def __init__(self, params: PreciseParams) -> None:
@@ -262,7 +264,7 @@ class PrecisePrefixScorer(Scorer):
     def block_size(self) -> int | None:
         return next((b.block_size for b in self.blocks.values() if b.block_size), None)
 
-    async def token_blocks(self, ctx: Ctx) -> tuple[int, ...]:
+    async def prepare(self, ctx: Ctx) -> tuple[int, ...]:
         size = self.block_size
         if size is None or ctx.model is None:
             return ()  # no replica has told its block size yet: nothing could match

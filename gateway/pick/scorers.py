@@ -1,10 +1,19 @@
 """Scorers: each rates the replicas a request may go to, 0 (worst) to 1 (best).
 
 A scorer is a small class registered under the name a pool's `pick.scorers` gives it
-(`@register("scorer", name)`), with its parameters in a nested pydantic `Params`. The picker adds
-the scores up by weight; a scorer never decides alone and never sees a replica without room.
-Scorers that learn from the requests sent (prefix, session) do it in `granted`, which runs only
-once a slot is held, and forget a replica in `forget`.
+(`@register("scorer", name)`), with its parameters in a nested pydantic `Params`; its module is
+imported by `gateway/pick/__init__.py`, so the name resolves wherever a policy is compiled. The
+picker adds the scores up by weight; a scorer never decides alone and never sees a replica
+without room.
+
+A scorer sees a request at four points, each a method with a no-op default here, so a scorer
+overrides only the ones it needs and the weighted picker calls only those:
+`prepare` once per request before it queues (what the scorer will weigh of it, kept in the
+request's `Affinity` under the field the scorer names in `part`; awaited if `awaits`); `score` at each pick;
+`granted` once a slot is held (prefix and session learn there where the request went);
+`observe` when the replica has answered (a scorer that learns from responses learns there).
+`follow` sees the pool's replicas at each pick and `forget` a replica that left, restarted or
+was ejected.
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
@@ -24,6 +33,7 @@ if TYPE_CHECKING:
     from gateway.admit import Claim, Replica
     from gateway.admit.replica import EngineGauges
     from gateway.context import Ctx
+    from gateway.errors import Ejection
 
 
 class _Params(BaseModel):
@@ -32,18 +42,37 @@ class _Params(BaseModel):
 
 class Scorer:
     Params: type[BaseModel] = _Params
+    part: ClassVar[str | None] = None  # the `Affinity` field `prepare` fills; None: it has none
+    reads_gauges = False  # rates the replicas' scraped gauges: they are read more often for it
+    wants_token_ids = False  # looks up the prompt's token ids: the pool needs a real tokenizer
 
     def __init__(self, params: BaseModel) -> None:
         pass
 
+    awaits = False  # `prepare` is a coroutine: set by a scorer that must wait (for a tokenizer)
+
+    def prepare(self, ctx: Ctx) -> Any:
+        """What `score` will weigh of the request, worked out once, before it queues: the value
+        of the `Affinity` field named by `part`. Called only when `part` is set; a plain call
+        unless `awaits`, so a scorer with nothing to wait for costs no coroutine a request."""
+
     def score(self, replicas: Sequence[Replica], claim: Claim, now: float) -> list[float]:
         raise NotImplementedError
+
+    def follow(self, replicas: Sequence[Replica]) -> None:
+        """The pool's replicas at a pick, busy ones too (a scorer fed by them follows them)."""
 
     def granted(self, replica: Replica, claim: Claim) -> None:
         """A slot on `replica` is held for `claim`."""
 
+    def observe(self, replica: Replica, claim: Claim, ctx: Ctx, failure: Ejection | None) -> None:
+        """`replica` answered `claim`'s request (`failure`: how it failed, else None)."""
+
     def forget(self, url: str) -> None:
         """The replica left, restarted or was ejected: what was learned about it is void."""
+
+    async def close(self) -> None:
+        """The picker stopped using it: what it runs in the background stops."""
 
 
 def _spread(values: Sequence[float]) -> list[float]:
@@ -79,6 +108,7 @@ class PrefixScorer(Scorer):
     """The share of the request's leading blocks this gateway last sent to each replica."""
 
     Params = PrefixParams
+    part = "blocks"
 
     def __init__(self, params: PrefixParams) -> None:
         self.block_chars = params.block_chars
@@ -87,7 +117,7 @@ class PrefixScorer(Scorer):
         self.blocks_sent = 0  # blocks of the requests granted, and of those, held where they went
         self.blocks_matched = 0
 
-    def blocks(self, ctx: Ctx) -> tuple[int, ...]:
+    def prepare(self, ctx: Ctx) -> tuple[int, ...]:
         prompt = prompt_text(ctx.body)
         if prompt is None:
             return ()
@@ -127,13 +157,14 @@ class SessionScorer(Scorer):
     there, even where the prompt changed too early for the prefix blocks to show it."""
 
     Params = SessionParams
+    part = "session"
 
     def __init__(self, params: SessionParams) -> None:
         self.header = params.header
         self.max_sessions = params.max_sessions
         self._last: OrderedDict[str, str] = OrderedDict()
 
-    def session(self, ctx: Ctx) -> str | None:
+    def prepare(self, ctx: Ctx) -> str | None:
         name = ctx.headers.get(self.header)
         if name is None:
             user = ctx.body.get("user")
@@ -175,6 +206,7 @@ class GaugeParams(_Params):
 
 class _GaugeScorer(Scorer):
     Params = GaugeParams
+    reads_gauges = True
 
     def __init__(self, params: GaugeParams) -> None:
         self.max_age_s = params.max_age_s

@@ -7,49 +7,74 @@ never rated. Affinity never piles load on one replica: only replicas running at 
 `max_load_spread` x `max_concurrency` requests more than the least loaded one that fits are
 rated at all (Ray Serve's "prefix affinity only while the load is balanced", as a bound), so
 however strong a replica's cache match, its load stays within that spread of its peers'.
+
+The picker knows its scorers only through the `Scorer` hooks (`scorers.py`), never by class:
+each scorer fills its own field of the request's `Affinity` in `prepare`, and the hooks a scorer
+leaves at their no-op default are not called per request. What a request costs here is what its
+scorers do, nothing for the ones a pool does not configure.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from gateway.pick.affinity import Affinity
-from gateway.pick.precise import PrecisePrefixScorer
-from gateway.pick.scorers import PrefixScorer, Scorer, SessionScorer, spread_limit
-from gateway.policy.plugins import create
+from gateway.pick.scorers import Scorer, spread_limit
+from gateway.policy.plugins import PluginError, create
 from gateway.policy.schema import PickSpec
 
 if TYPE_CHECKING:
     from gateway.admit import Claim, Replica
     from gateway.context import Ctx
+    from gateway.errors import Ejection
+    from gateway.pick.precise import PrecisePrefixScorer
+    from gateway.pick.scorers import PrefixScorer
+
+
+def _overrides(scorer: Scorer, hook: str) -> bool:
+    return getattr(type(scorer), hook) is not getattr(Scorer, hook)
 
 
 class WeightedPicker:
     def __init__(self, spec: PickSpec) -> None:
         self.spec = spec
+        self.named: dict[str, Scorer] = {
+            name: create("scorer", name, parameters)
+            for name, (_, parameters) in spec.weighted().items()
+        }
         self.scorers: list[tuple[float, Scorer]] = [
-            (weight, create("scorer", name, parameters))
-            for name, (weight, parameters) in spec.weighted().items()
+            (weight, self.named[name]) for name, (weight, _) in spec.weighted().items()
         ]
-        self._prefix = next((s for _, s in self.scorers if isinstance(s, PrefixScorer)), None)
-        self._session = next((s for _, s in self.scorers if isinstance(s, SessionScorer)), None)
-        self._precise = next(
-            (s for _, s in self.scorers if isinstance(s, PrecisePrefixScorer)), None
-        )
+        parts: dict[str, Scorer] = {}
+        for name, scorer in self.named.items():
+            if scorer.part is None:
+                continue
+            if scorer.part not in Affinity._fields:
+                raise PluginError(f"{name}: no request field {scorer.part!r} to prepare")
+            if scorer.part in parts:
+                raise PluginError(f"{name}: another scorer prepares {scorer.part!r} already")
+            parts[scorer.part] = scorer
+        # The scorer (or None) preparing each field of `Affinity`, in its order.
+        self._blocks, self._session, self._tokens = (parts.get(f) for f in Affinity._fields)
+        self._followers = tuple(s for s in self.named.values() if _overrides(s, "follow"))
+        self._observers = tuple(s for s in self.named.values() if _overrides(s, "observe"))
         self._spread = spec.max_load_spread
+        self.reads_gauges = any(s.reads_gauges for s in self.named.values())
 
     async def affinity(self, ctx: Ctx) -> Affinity | None:
+        # One expression a field, each its scorer's (`awaits`: a coroutine, else a plain call).
+        b, s, t = self._blocks, self._session, self._tokens
         return Affinity(
-            self._prefix.blocks(ctx) if self._prefix is not None else (),
-            self._session.session(ctx) if self._session is not None else None,
-            await self._precise.token_blocks(ctx) if self._precise is not None else (),
+            () if b is None else await b.prepare(ctx) if b.awaits else b.prepare(ctx),
+            None if s is None else await s.prepare(ctx) if s.awaits else s.prepare(ctx),
+            () if t is None else await t.prepare(ctx) if t.awaits else t.prepare(ctx),
         )
 
     def pick(self, replicas: Sequence[Replica], claim: Claim) -> Replica | None:
-        if self._precise is not None:
-            self._precise.follow(replicas)
+        for follower in self._followers:
+            follower.follow(replicas)
         fitting = [r for r in replicas if r.fits(claim)]
         if len(fitting) <= 1:
             return fitting[0] if fitting else None
@@ -71,20 +96,26 @@ class WeightedPicker:
 
     @property
     def prefix(self) -> PrefixScorer | None:
-        return self._prefix
+        """The `prefix` scorer, if configured: the metrics read what it learned."""
+        return cast("PrefixScorer | None", self.named.get("prefix"))
 
     @property
     def precise(self) -> PrecisePrefixScorer | None:
-        return self._precise
+        """The `precise_prefix` scorer, if configured: the metrics read its feeds."""
+        return cast("PrecisePrefixScorer | None", self.named.get("precise_prefix"))
 
     def granted(self, replica: Replica, claim: Claim) -> None:
         for _, scorer in self.scorers:
             scorer.granted(replica, claim)
+
+    def observe(self, replica: Replica, claim: Claim, ctx: Ctx, failure: Ejection | None) -> None:
+        for observer in self._observers:
+            observer.observe(replica, claim, ctx, failure)
 
     def forget(self, url: str) -> None:
         for _, scorer in self.scorers:
             scorer.forget(url)
 
     async def close(self) -> None:
-        if self._precise is not None:
-            await self._precise.close()
+        for scorer in self.named.values():
+            await scorer.close()

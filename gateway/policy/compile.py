@@ -11,13 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.admit import Picker  # importing a stage module registers its plug-ins
 from gateway.authenticate import Tenant, compile_tenants
 from gateway.classify import Workload, compile_class
 from gateway.estimate import OutputEstimator
-from gateway.pick.weighted import WeightedPicker
+from gateway.pick import Picker, WeightedPicker  # the package registers every picker and scorer
 from gateway.policy.load import LoadedSpec, PolicyError, Problem, load_spec
-from gateway.policy.plugins import PluginError, create
+from gateway.policy.plugins import PluginError, create, lookup, names
 from gateway.policy.schema import COUNT_BY_CHARS, ModelSpec, PolicySpec, PoolSpec
 from gateway.replicas.adapters import Adapters
 from gateway.route import Route, compile_route
@@ -139,10 +138,24 @@ def _cross_check(spec: PolicySpec) -> list[Problem]:
 def _references(spec: PolicySpec) -> list[Problem]:
     return (
         _cross_check(spec)
+        + _scorer_problems(spec)
         + _alias_tokenizers(spec)
         + _adapter_problems(spec)
         + _fallback_problems(spec)
     )
+
+
+def _scorer_problems(spec: PolicySpec) -> list[Problem]:
+    """A pool's scorers are registered ones: the schema takes any name, being below the registry
+    (`policy/plugins.py`), so the names are checked here, as a plug-in's type is."""
+    problems = []
+    for name, pool in spec.pools.items():
+        for scorer in pool.pick.scorers if pool.pick is not None else ():
+            try:
+                lookup("scorer", scorer)
+            except PluginError as exc:
+                problems.append(Problem(("pools", name, "pick", "scorers", scorer), str(exc)))
+    return problems
 
 
 def _fallback_problems(spec: PolicySpec) -> list[Problem]:
@@ -358,13 +371,14 @@ def _pool_pickers(
         if kept is not None and kept.spec.pick == pool.pick:
             pickers[name] = kept.picker
             continue
-        if (
-            "precise_prefix" in pool.pick.scorers
-            and spec.models[pool.model].tokenizer == COUNT_BY_CHARS
-        ):
+        scorers, known = pool.pick.scorers, names("scorer")
+        if any(s not in known for s in scorers):
+            continue  # `_scorer_problems` names them
+        needy = [s for s in scorers if lookup("scorer", s).wants_token_ids]
+        if needy and spec.models[pool.model].tokenizer == COUNT_BY_CHARS:
             problems.append(
                 Problem(
-                    ("pools", name, "pick", "scorers", "precise_prefix"),
+                    ("pools", name, "pick", "scorers", needy[0]),
                     f"needs model {pool.model!r}'s own tokenizer (not `estimate`): it looks up"
                     " the prompt's token ids",
                 )
@@ -377,6 +391,17 @@ def _pool_pickers(
     return pickers, problems
 
 
+def json_schema() -> dict[str, Any]:
+    """The policy's JSON Schema (`llm-gateway schema`, policies/schema.json): `PolicySpec`'s, with
+    the registered scorers' names as the names `pick.scorers` takes, which the schema module,
+    below the registry, leaves open."""
+    schema = PolicySpec.model_json_schema(by_alias=True)
+    properties = schema["$defs"]["PickSpec"]["properties"]
+    scorers = {**properties["scorers"], "propertyNames": {"enum": names("scorer")}}
+    properties["scorers"] = dict(sorted(scorers.items()))  # pydantic's order: by key
+    return schema
+
+
 def load_policy(path: str | Path, *, load_tokenizers: bool = True) -> Policy:
     return compile_policy(load_spec(path, reference_problems), load_tokenizers=load_tokenizers)
 
@@ -387,6 +412,7 @@ __all__ = [
     "PolicyError",
     "Pool",
     "compile_policy",
+    "json_schema",
     "load_policy",
     "reference_problems",
     "tokenizer_dir",

@@ -1,9 +1,15 @@
 """Plug-in registry: a policy names a plug-in by `type`; a small class implements it.
 
-Each extension point (`picker`, `output_estimator`) is a one-method protocol defined beside the stage
-that calls it. A class registers itself under a type name with `@register(kind, name)` and nests a
-pydantic `Params` model, so its parameters are validated at policy load and an unknown type fails
-there, listing the known names.
+Each extension point (`picker`, `scorer`, `output_estimator`) is a small protocol defined beside
+the stage that calls it. A class registers itself under a type name with `@register(kind, name)`
+and nests a pydantic `Params` model, so its parameters are validated at policy load and an unknown
+type fails there, listing the known names.
+
+The registry lives here, below the stages, so that `policy/compile.py` and the CLI can ask it
+without knowing which modules hold the plug-ins: a stage's package registers all of its plug-ins
+when it is imported (`gateway.pick` its pickers and scorers, `gateway.estimate` its estimators).
+`policy/schema.py` stays below this module and never asks it: a policy's plug-in names are
+checked against it when the policy is compiled.
 """
 
 from __future__ import annotations
@@ -43,11 +49,21 @@ def register(kind: str, name: str) -> Callable[[P], P]:
     return decorate
 
 
-def create(kind: str, type_name: str, parameters: dict[str, Any]) -> Any:
-    known = _REGISTRY.get(kind, {})
-    cls = known.get(type_name)
+def names(kind: str) -> list[str]:
+    """The type names registered for `kind`, sorted."""
+    return sorted(_REGISTRY.get(kind, {}))
+
+
+def lookup(kind: str, type_name: str) -> type[Any]:
+    """The class registered as `type_name`; an unknown one raises `PluginError` naming the known."""
+    cls = _REGISTRY.get(kind, {}).get(type_name)
     if cls is None:
-        raise PluginError(f"unknown {kind} type {type_name!r}; known: {', '.join(sorted(known))}")
+        raise PluginError(f"unknown {kind} type {type_name!r}; known: {', '.join(names(kind))}")
+    return cls
+
+
+def create(kind: str, type_name: str, parameters: dict[str, Any]) -> Any:
+    cls = lookup(kind, type_name)
     params_model: type[BaseModel] = getattr(cls, "Params", NoParams)
     try:
         params = params_model.model_validate(parameters)

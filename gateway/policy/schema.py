@@ -231,16 +231,16 @@ class PickSpec(Spec):
     """How a pool chooses among replicas with room: weighted scorers (docs/architecture.md,
     "Picking a replica"). Without `pick`, the policy's `plugins.picker` (least in flight)."""
 
-    scorers: dict[
-        Literal["prefix", "precise_prefix", "session", "queue", "kv_cache"], ScorerSpec
-    ] = Field(
+    # Any name here: the names are the registered scorers' (`gateway.pick`), which this bottom
+    # layer does not import. `policy/compile.py` checks them and `llm-gateway schema` lists them.
+    scorers: dict[str, ScorerSpec] = Field(
         min_length=1,
         description=(
-            "Scorer -> weight (or `{weight, ...parameters}`): `prefix` (prompt blocks this"
-            " gateway sent each replica), `precise_prefix` (token blocks each replica's vLLM"
-            " says it holds, from its KV-cache events), `session` (the replica a session last"
-            " used), `queue` (requests running and waiting there), `kv_cache` (free KV cache)."
-            " Each rates the replicas 0..1; the highest weighted sum wins."
+            "Scorer -> weight (or `{weight, ...parameters}`), a scorer the gateway registers:"
+            " e.g. `prefix` (prompt blocks this gateway sent each replica), `precise_prefix`"
+            " (token blocks each replica's vLLM says it holds), `session` (the replica a session"
+            " last used), `queue` (requests there), `kv_cache` (free KV cache); all of them in"
+            " docs/architecture.md. Each rates the replicas 0..1; the highest weighted sum wins."
         ),
     )
     max_load_spread: float = Field(
@@ -255,17 +255,13 @@ class PickSpec(Spec):
     metrics_interval_s: PositiveFloat = Field(
         1.0,
         description=(
-            "With `queue` or `kv_cache`: how often each replica's /metrics is read for them"
-            " (else `health.reconcile_interval_s`)."
+            "With a scorer of the replicas' gauges (`queue`, `kv_cache`): how often each"
+            " replica's /metrics is read for them (else `health.reconcile_interval_s`)."
         ),
     )
 
     def weighted(self) -> dict[str, tuple[float, dict[str, Any]]]:
         return {name: (s.weight, s.parameters) for name, s in self.scorers.items()}
-
-    @property
-    def reads_gauges(self) -> bool:
-        return "queue" in self.scorers or "kv_cache" in self.scorers
 
 
 class PoolSpec(Spec):

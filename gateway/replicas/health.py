@@ -55,7 +55,7 @@ class HealthChecker:
         """Scorers that read the replicas' gauges need them fresher than reconciling does."""
         spec = self.slots.spec
         interval = spec.health.reconcile_interval_s
-        if spec.pick is not None and spec.pick.reads_gauges:
+        if spec.pick is not None and self.slots.picker.reads_gauges:
             return min(interval or spec.pick.metrics_interval_s, spec.pick.metrics_interval_s)
         return interval
 
