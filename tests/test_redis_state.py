@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.state import Limit, MemoryState, Refusal, Reservation
+from gateway.state import Limit, MemoryState, Reservation, WindowFull
 from gateway.state.redis_state import FailoverState, RedisState, StateUnavailable
 from tests.conftest import RedisServer, RunningGateway, eventually
 from tests.test_quotas import Clock, chat, quota_policy, sized
@@ -52,8 +52,8 @@ async def test_redis_answers_as_the_in_memory_state_does(
             mine, theirs = await memory.reserve(limits), await shared.reserve(limits)
             assert type(mine) is type(theirs)
             assert mine.windows == pytest.approx(theirs.windows)
-            if isinstance(mine, Refusal):
-                assert isinstance(theirs, Refusal)
+            if isinstance(mine, WindowFull):
+                assert isinstance(theirs, WindowFull)
                 assert mine.index == theirs.index
                 assert mine.retry_after_s == pytest.approx(theirs.retry_after_s)
                 continue

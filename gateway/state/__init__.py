@@ -3,12 +3,12 @@
 from gateway.state.base import (
     WINDOW_S,
     Limit,
-    Refusal,
     Reservation,
     SlotClaim,
     SlotLedger,
     State,
     Window,
+    WindowFull,
 )
 from gateway.state.memory import MemoryState
 
@@ -16,10 +16,10 @@ __all__ = [
     "WINDOW_S",
     "Limit",
     "MemoryState",
-    "Refusal",
     "Reservation",
     "SlotClaim",
     "SlotLedger",
     "State",
     "Window",
+    "WindowFull",
 ]

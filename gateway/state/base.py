@@ -52,7 +52,7 @@ class Reservation:
 
 
 @dataclass(frozen=True, slots=True)
-class Refusal:
+class WindowFull:
     """Nothing was charged: limit `index` (the first that did not fit) is full."""
 
     index: int
@@ -61,7 +61,7 @@ class Refusal:
 
 
 class State(Protocol):
-    async def reserve(self, limits: Sequence[Limit]) -> Reservation | Refusal:
+    async def reserve(self, limits: Sequence[Limit]) -> Reservation | WindowFull:
         """Charge every limit, all or none: a request refused for RPM spends no tokens."""
         ...
 

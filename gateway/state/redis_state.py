@@ -44,12 +44,12 @@ from gateway.policy.schema import StateSpec
 from gateway.state.base import (
     WINDOW_S,
     Limit,
-    Refusal,
     Reservation,
     SlotClaim,
     SlotLedger,
     State,
     Window,
+    WindowFull,
 )
 from gateway.state.memory import MemoryState
 
@@ -348,7 +348,7 @@ class RedisState:
         with Deadline(asyncio.get_running_loop().time() + self.timeout_s):
             return await script(keys=keys, args=args)
 
-    async def reserve(self, limits: Sequence[Limit]) -> Reservation | Refusal:
+    async def reserve(self, limits: Sequence[Limit]) -> Reservation | WindowFull:
         charge_id = f"{self._prefix}:{next(self._ids)}"
         args: list[Any] = [self._now(), WINDOW_S, charge_id]
         for limit in limits:
@@ -358,7 +358,7 @@ class RedisState:
         if int(out[0]) == 1:
             return Reservation(id=charge_id, windows=windows)
         retry = out[2].decode() if isinstance(out[2], bytes) else str(out[2])
-        return Refusal(
+        return WindowFull(
             index=int(out[1]) - 1, retry_after_s=float(retry) if retry else None, windows=windows
         )
 
@@ -415,7 +415,7 @@ class RedisState:
 class StateUnavailable(Retryable):
     """Raised when the shared state cannot be reached and the policy says `on_failure: closed`."""
 
-    refusal = errors.Refusal.STATE_UNAVAILABLE  # not `Refusal` here: state.base has one
+    refusal = errors.Refusal.STATE_UNAVAILABLE
     status = 503
     type = "service_unavailable_error"
 
@@ -506,7 +506,7 @@ class FailoverState:
         self._recovered()
         return result
 
-    async def reserve(self, limits: Sequence[Limit]) -> Reservation | Refusal:
+    async def reserve(self, limits: Sequence[Limit]) -> Reservation | WindowFull:
         result = await self._shared(self.shared.reserve(limits))
         if not isinstance(result, _Down):
             return result
