@@ -55,9 +55,9 @@ from typing import Any
 
 from gateway.authenticate import Tenant
 from gateway.context import Ctx
-from gateway.errors import GatewayError, OverQuota, QuotaExceeded
+from gateway.errors import GatewayError, OverQuota, QuotaExceeded, StateUnavailable
 from gateway.observability.metrics import Metrics
-from gateway.state.base import Limit, Reservation, State, Window, WindowFull
+from gateway.state.base import Limit, Reservation, State, StateUnreachable, Window, WindowFull
 from gateway.tokenizer.counters import HFCounter
 from gateway.tokenizer.floor import TokenFloor
 
@@ -259,7 +259,9 @@ class Quotas:
     async def _reserve(self, scoped: Sequence[_Scoped]) -> Reservation | WindowFull:
         """`State.reserve`, never lost to a cancellation: the client leaving while the call runs
         (with Redis, the script may already have charged) lets the call finish, then gives its
-        tokens back, as `settle` does for a request that never reached a replica."""
+        tokens back, as `settle` does for a request that never reached a replica. The one seam
+        where a state that fails closed becomes the client's 503: every charge goes through here.
+        """
         call = asyncio.ensure_future(self.state.reserve([item.limit for item in scoped]))
         self._pending.add(call)  # awaited at close; its error is the caller's, not logged here
         call.add_done_callback(self._pending.discard)
@@ -269,6 +271,8 @@ class Quotas:
             tokens = [item.limit for item in scoped if item.kind == "tokens"]
             call.add_done_callback(lambda done: self._orphaned(done, tokens))
             raise
+        except StateUnreachable as exc:
+            raise StateUnavailable(exc.message, retry_after_s=exc.retry_after_s) from exc
 
     def _orphaned(self, call: asyncio.Task[Reservation | WindowFull], tokens: list[Limit]) -> None:
         """A reservation whose caller left: its tokens back (its request stays counted)."""

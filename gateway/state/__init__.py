@@ -7,6 +7,7 @@ from gateway.state.base import (
     SlotClaim,
     SlotLedger,
     State,
+    StateUnreachable,
     Window,
     WindowFull,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "SlotClaim",
     "SlotLedger",
     "State",
+    "StateUnreachable",
     "Window",
     "WindowFull",
 ]

@@ -21,6 +21,18 @@ from typing import Protocol
 WINDOW_S = 60.0
 
 
+class StateUnreachable(Exception):
+    """The shared state did not answer and the policy says `on_failure: closed`: refuse rather
+    than admit uncounted. A plain exception, as state/ knows nothing of HTTP; the stages that
+    call the state turn it into the client's 503 (`gateway.errors.StateUnavailable`), with
+    this message and `retry_after_s` (when the state will try the backend again)."""
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
 @dataclass(frozen=True, slots=True)
 class Limit:
     """Charge `amount` to window `key`, which holds at most `limit` per `WINDOW_S`.
@@ -62,12 +74,14 @@ class WindowFull:
 
 class State(Protocol):
     async def reserve(self, limits: Sequence[Limit]) -> Reservation | WindowFull:
-        """Charge every limit, all or none: a request refused for RPM spends no tokens."""
+        """Charge every limit, all or none: a request refused for RPM spends no tokens. Raises
+        `StateUnreachable` when the backend is down and the policy fails closed."""
         ...
 
     async def peek(self, limits: Sequence[Limit]) -> tuple[Window, ...]:
         """The windows as they stand, charging nothing (`amount` is ignored): the headers of a
-        response refused before its charge (a 400 of a known tenant)."""
+        response refused before its charge (a 400 of a known tenant). Raises
+        `StateUnreachable` as `reserve` does."""
         ...
 
     async def adjust(self, key: str, reservation_id: str, reserved: int, actual: int) -> None:
@@ -116,7 +130,8 @@ class SlotLedger(Protocol):
         ...
 
     async def lease(self, claim: SlotClaim, lease_id: str) -> tuple[bool, int] | None:
-        """(granted, the replica's leases now); None while failing open: count locally."""
+        """(granted, the replica's leases now); None while failing open: count locally.
+        Raises `StateUnreachable` while failing closed."""
         ...
 
     async def renew(

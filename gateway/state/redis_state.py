@@ -37,9 +37,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from gateway import errors
 from gateway.deadline import Deadline
-from gateway.errors import Retryable
 from gateway.policy.schema import StateSpec
 from gateway.state.base import (
     WINDOW_S,
@@ -48,6 +46,7 @@ from gateway.state.base import (
     SlotClaim,
     SlotLedger,
     State,
+    StateUnreachable,
     Window,
     WindowFull,
 )
@@ -412,14 +411,6 @@ class RedisState:
         await self.client.aclose()
 
 
-class StateUnavailable(Retryable):
-    """Raised when the shared state cannot be reached and the policy says `on_failure: closed`."""
-
-    refusal = errors.Refusal.STATE_UNAVAILABLE
-    status = 503
-    type = "service_unavailable_error"
-
-
 _FAILURES = (RedisError, OSError, TimeoutError)
 _LOCAL = "local:"
 T = TypeVar("T")
@@ -436,10 +427,10 @@ class FailoverState:
     """`RedisState` with a policy for when Redis fails.
 
     `open`: fall back to a `MemoryState` whose limits are 1/`gateways` of the global ones, so
-    the gateways together stay near the global limit while each counts alone. `closed`: refuse
-    with 503 (`StateUnavailable`) rather than admit uncounted. After a failure Redis is tried
-    again once `retry_s` has passed (by the next call, no background task), so requests do not
-    each wait out a time-out on a dead Redis, and shared limits resume without a restart.
+    the gateways together stay near the global limit while each counts alone. `closed`: raise
+    `StateUnreachable` (the client's 503) rather than admit uncounted. After a failure Redis is
+    tried again once `retry_s` has passed (by the next call, no background task), so requests
+    do not each wait out a time-out on a dead Redis, and shared limits resume without a restart.
     Charges made locally carry a `local:` id and are corrected locally.
     """
 
@@ -479,8 +470,8 @@ class FailoverState:
             self.up = True
             log.warning("shared state (Redis) is back; shared limits apply again")
 
-    def _refuse(self) -> StateUnavailable:
-        return StateUnavailable(
+    def _refuse(self) -> StateUnreachable:
+        return StateUnreachable(
             "the gateway's shared quota state is unreachable; try again shortly",
             retry_after_s=self.retry_s,
         )
