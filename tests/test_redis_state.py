@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from gateway.state import Limit, MemoryState, Reservation, WindowFull
 from gateway.state.base import StateUnreachable
-from gateway.state.redis_state import FailoverState, RedisState
+from gateway.state.failover import FailoverState
+from gateway.state.redis import RedisState
 from tests.conftest import RedisServer, RunningGateway, eventually
 from tests.test_quotas import Clock, chat, quota_policy, sized
 
