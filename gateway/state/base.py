@@ -1,7 +1,17 @@
-"""The state protocol: what admission shares across requests, and, with Redis, across gateways.
+"""The two state protocols: what admission shares across requests and, with Redis, across gateways.
 
-Each method is one atomic read-modify-write, so the Redis implementation is one Lua script per
-method; the in-memory one gets atomicity from the event loop (its methods never await).
+- `State`, the tenants' quota windows: every gateway has one (`MemoryState` alone, the Redis
+  backends behind `FailoverState` when several share).
+- `SlotLedger`, the replicas' slots as leases: only gateways that share replicas have one
+  (`FailoverState` again). A gateway alone has none, not an empty one: its pools' own counts
+  are every slot there is, and the pool (gateway/admit/pool.py) takes a slot without an await.
+
+They are two because their users are: the quota stage calls `State`, the pool's leases
+(gateway/admit/leases.py) call `SlotLedger`; one object may implement both. Each call that
+changes state is one atomic read-modify-write, so the Redis backend is one Lua script per call;
+the in-memory one gets atomicity from the event loop (its methods never await). A backend that
+fails closed raises `StateUnreachable`, a plain exception: state/ knows nothing of HTTP, and the
+callers turn it into the client's refusal.
 
 Rate windows are exact sliding windows of `WINDOW_S` seconds, kept as a log of charges: a charge
 made at `t` counts during `[t, t + WINDOW_S)`, and a new one is granted only if it fits with
