@@ -19,7 +19,7 @@ from gateway.state.base import Limit, Reservation, SlotClaim, StateUnreachable, 
 from gateway.state.memory import MemoryState
 from gateway.state.redis import FAILURES, RedisState
 
-log = logging.getLogger("gateway.state")  # the backend's logger, whichever module logs
+log = logging.getLogger("gateway.state")  # one logger for state/, the name operators grep
 _LOCAL = "local:"
 T = TypeVar("T")
 

@@ -1,10 +1,9 @@
 """The Redis backends: the quota windows (`RedisState`'s `State` calls, the same sliding-window
-logs as `MemoryState`, kept for every gateway) and the slot ledger (its `SlotLedger` calls),
-each call one Lua script. They report a failing Redis as it fails (`FAILURES`); what the gateway
-does then is `FailoverState`'s (failover.py), so these stay a plain mapping of calls to scripts.
+logs as `MemoryState`, kept for every gateway) and the slot ledger (its `SlotLedger` calls).
+They let a failing Redis raise (`FAILURES`); what the gateway does then is `FailoverState`'s
+(failover.py), so these stay a plain mapping of calls to scripts.
 
-Each call is one Lua script, so each is atomic across gateways without locks or
-WATCH retries. Per window key `K` (always `quota:{tenant}:...`, so a tenant's keys share one
+Each call is one Lua script, so each is atomic across gateways without locks or WATCH retries. Per window key `K` (always `quota:{tenant}:...`, so a tenant's keys share one
 Redis Cluster slot and one script may charge them together) the script keeps:
 
 - `K:z`, a ZSET of charge ids scored by the time they were made;
