@@ -394,6 +394,16 @@ class ShuttingDown(Retryable):
     type = "service_unavailable_error"
 
 
+class StateUnavailable(Retryable):
+    """Raised when the shared state cannot be reached and the policy says `on_failure: closed`:
+    the state raises its own `StateUnreachable` (it knows no HTTP), and the stages that call it
+    (the quota stage, the slot leases) turn it into this refusal."""
+
+    refusal = Refusal.STATE_UNAVAILABLE
+    status = 503
+    type = "service_unavailable_error"
+
+
 class UpstreamError(GatewayError):
     """Raised when the replica could not be reached or broke before any byte reached the client."""
 

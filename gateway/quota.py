@@ -55,9 +55,9 @@ from typing import Any
 
 from gateway.authenticate import Tenant
 from gateway.context import Ctx
-from gateway.errors import GatewayError, OverQuota, QuotaExceeded
+from gateway.errors import GatewayError, OverQuota, QuotaExceeded, StateUnavailable
 from gateway.observability.metrics import Metrics
-from gateway.state.base import Limit, Refusal, Reservation, State, Window
+from gateway.state.base import Limit, Reservation, State, StateUnreachable, Window, WindowFull
 
 log = logging.getLogger("gateway.quota")
 
@@ -234,10 +234,12 @@ class Quotas:
         self._pending.add(task)
         task.add_done_callback(self._done)
 
-    async def _reserve(self, scoped: Sequence[_Scoped]) -> Reservation | Refusal:
+    async def _reserve(self, scoped: Sequence[_Scoped]) -> Reservation | WindowFull:
         """`State.reserve`, never lost to a cancellation: the client leaving while the call runs
         (with Redis, the script may already have charged) lets the call finish, then gives its
-        tokens back, as `settle` does for a request that never reached a replica."""
+        tokens back, as `settle` does for a request that never reached a replica. The one seam
+        where a state that fails closed becomes the client's 503: every charge goes through here.
+        """
         call = asyncio.ensure_future(self.state.reserve([item.limit for item in scoped]))
         self._pending.add(call)  # awaited at close; its error is the caller's, not logged here
         call.add_done_callback(self._pending.discard)
@@ -247,8 +249,10 @@ class Quotas:
             tokens = [item.limit for item in scoped if item.kind == "tokens"]
             call.add_done_callback(lambda done: self._orphaned(done, tokens))
             raise
+        except StateUnreachable as exc:
+            raise StateUnavailable(exc.message, retry_after_s=exc.retry_after_s) from exc
 
-    def _orphaned(self, call: asyncio.Task[Reservation | Refusal], tokens: list[Limit]) -> None:
+    def _orphaned(self, call: asyncio.Task[Reservation | WindowFull], tokens: list[Limit]) -> None:
         """A reservation whose caller left: its tokens back (its request stays counted)."""
         if call.cancelled() or call.exception() is not None:
             return
@@ -292,7 +296,7 @@ class Quotas:
             return None
         result = await self._reserve(scoped)
         ctx.ratelimit_headers = _headers(zip(scoped, result.windows, strict=True))
-        if isinstance(result, Refusal):
+        if isinstance(result, WindowFull):
             raise self._refuse(ctx.tenant, scoped[result.index], result.retry_after_s)
         charge = Charge()
         self._record(charge, result, scoped)
@@ -326,7 +330,7 @@ class Quotas:
         ]
         if rest:
             result = await self._reserve(rest)
-            if isinstance(result, Refusal):
+            if isinstance(result, WindowFull):
                 refused = rest[result.index]
                 item = next(s for s in scoped if s.limit.key == refused.limit.key)
                 raise await self._refused_late(ctx, charge, item, result.retry_after_s)
@@ -359,7 +363,7 @@ class Quotas:
             return
         result = await self._reserve(scoped)
         headers.update(_headers(zip(scoped, result.windows, strict=True)))
-        if isinstance(result, Refusal):
+        if isinstance(result, WindowFull):
             raise self._refuse(tenant, scoped[result.index], result.retry_after_s)
 
     async def describe(self, ctx: Ctx) -> None:

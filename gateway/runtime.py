@@ -23,13 +23,14 @@ from gateway.admit import LivePool
 from gateway.errors import ReloadFailed
 from gateway.observability.loop_lag import watch_lag
 from gateway.observability.metrics import Metrics
+from gateway.observability.state_metrics import BackendUp
 from gateway.policy.compile import Policy, compile_policy, reference_problems
 from gateway.policy.load import PolicyError, load_spec
 from gateway.quota import Quotas
 from gateway.replicas import adapters, discovery
 from gateway.replicas.health import HealthChecker
 from gateway.state import SlotLedger, State
-from gateway.state.redis_state import BackendUp, build_state
+from gateway.state.build import build_state
 from gateway.upstream import Upstream
 
 log = logging.getLogger("gateway.runtime")

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-import gateway.state.redis_state  # noqa: F401  (defines `state_unavailable`)
 from gateway.errors import GatewayError
 from tests.conftest import basic_policy
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from gateway.policy.compile import load_policy
 from gateway.policy.load import PolicyError
 from gateway.quota import duration
-from gateway.state import WINDOW_S, Limit, MemoryState, Refusal, Reservation
+from gateway.state import WINDOW_S, Limit, MemoryState, Reservation, WindowFull
 from tests.conftest import RunningGateway, accounted, basic_policy, eventually, write_policy
 from tests.test_tenants import ACME_KEY, hashed
 
@@ -252,7 +252,7 @@ async def test_no_window_of_a_minute_ever_holds_more_than_the_limit(
                 a for t, a in granted if t > at - WINDOW_S
             )
         else:
-            assert isinstance(result, Refusal)
+            assert isinstance(result, WindowFull)
             in_window = sum(a for t, a in granted if t > at - WINDOW_S)
             assert in_window + amount > limit  # refused only when it did not fit
             if amount <= limit:  # Retry-After is exactly when enough has left

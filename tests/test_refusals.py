@@ -21,8 +21,8 @@ from gateway.errors import (
     QueueFull,
     Refusal,
     Retryable,
+    StateUnavailable,
 )
-from gateway.state.redis_state import StateUnavailable  # defined with its backend
 
 ROOT = Path(__file__).resolve().parent.parent
 MONITORING = ROOT / "deploy" / "base" / "monitoring"

@@ -14,8 +14,9 @@ from typing import Any
 
 from gateway.admit.claim import Claim
 from gateway.admit.replica import Grant, Replica
+from gateway.errors import StateUnavailable
 from gateway.policy.schema import PRIORITIES
-from gateway.state.base import SlotClaim, SlotLedger
+from gateway.state.base import SlotClaim, SlotLedger, StateUnreachable
 
 # With a ledger, waiters look for a free slot this often (jittered). A release here does not
 # wake them: the gateway that frees a slot must not win it back every time, or a gateway that
@@ -80,9 +81,11 @@ class Leases:
             workload = asked.workload
             try:
                 result = await ledger.lease(asked, lease_id)
-            except BaseException:  # failed closed, or cancelled: the lease may have been written
+            except BaseException as exc:  # failed closed, or cancelled: it may have been written
                 replica.untake(claim)
                 self._spawn(self._unlease(replica.key, workload, lease_id))
+                if isinstance(exc, StateUnreachable):  # the client's 503, as the quota stage's
+                    raise StateUnavailable(exc.message, retry_after_s=exc.retry_after_s) from exc
                 raise
             self.set_degraded(result is None)
             if result is None:  # failing open: counted here only, within this gateway's share

@@ -60,6 +60,8 @@ class LivePool:
             Replica(url, spec.max_concurrency, spec.max_inflight_tokens) for url in spec.replicas
         ]
         self.queue = Queue()
+        # None without a ledger, not a null one: the branches on it keep a lone gateway's slot
+        # a synchronous take (`_take_here`), where any ledger, even a no-op, is an await.
         self.leases = (
             None if ledger is None else Leases(name, ledger, self._dispatch, self._degraded_changed)
         )

@@ -1,14 +1,21 @@
-"""Shared admission state behind one protocol: in memory for one gateway, Redis for several."""
+"""Shared admission state behind two protocols (base.py): `State`, the quota windows, in memory for
+one gateway or in Redis for several, and `SlotLedger`, the replicas' slots, only for several.
+
+Modules: base.py (the protocols and their values), memory.py (`MemoryState`), redis.py (the Redis
+backends and their Lua), failover.py (`FailoverState`: Redis behind `on_failure`), build.py
+(`build_state`: the policy's `state` section made into them).
+"""
 
 from gateway.state.base import (
     WINDOW_S,
     Limit,
-    Refusal,
     Reservation,
     SlotClaim,
     SlotLedger,
     State,
+    StateUnreachable,
     Window,
+    WindowFull,
 )
 from gateway.state.memory import MemoryState
 
@@ -16,10 +23,11 @@ __all__ = [
     "WINDOW_S",
     "Limit",
     "MemoryState",
-    "Refusal",
     "Reservation",
     "SlotClaim",
     "SlotLedger",
     "State",
+    "StateUnreachable",
     "Window",
+    "WindowFull",
 ]

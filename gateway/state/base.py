@@ -1,7 +1,17 @@
-"""The state protocol: what admission shares across requests, and, with Redis, across gateways.
+"""The two state protocols: what admission shares across requests and, with Redis, across gateways.
 
-Each method is one atomic read-modify-write, so the Redis implementation is one Lua script per
-method; the in-memory one gets atomicity from the event loop (its methods never await).
+- `State`, the tenants' quota windows: every gateway has one (`MemoryState` alone, the Redis
+  backends behind `FailoverState` when several share).
+- `SlotLedger`, the replicas' slots as leases: only gateways that share replicas have one
+  (`FailoverState` again). A gateway alone has none, not an empty one: its pools' own counts
+  are every slot there is, and the pool (gateway/admit/pool.py) takes a slot without an await.
+
+They are two because their users are: the quota stage calls `State`, the pool's leases
+(gateway/admit/leases.py) call `SlotLedger`; one object may implement both. Each call that
+changes state is one atomic read-modify-write, so the Redis backend is one Lua script per call;
+the in-memory one gets atomicity from the event loop (its methods never await). A backend that
+fails closed raises `StateUnreachable`, a plain exception: state/ knows nothing of HTTP, and the
+callers turn it into the client's refusal.
 
 Rate windows are exact sliding windows of `WINDOW_S` seconds, kept as a log of charges: a charge
 made at `t` counts during `[t, t + WINDOW_S)`, and a new one is granted only if it fits with
@@ -19,6 +29,18 @@ from dataclasses import dataclass
 from typing import Protocol
 
 WINDOW_S = 60.0
+
+
+class StateUnreachable(Exception):
+    """The shared state did not answer and the policy says `on_failure: closed`: refuse rather
+    than admit uncounted. A plain exception, as state/ knows nothing of HTTP; the stages that
+    call the state turn it into the client's 503 (`gateway.errors.StateUnavailable`), with
+    this message and `retry_after_s` (when the state will try the backend again)."""
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +74,7 @@ class Reservation:
 
 
 @dataclass(frozen=True, slots=True)
-class Refusal:
+class WindowFull:
     """Nothing was charged: limit `index` (the first that did not fit) is full."""
 
     index: int
@@ -61,13 +83,15 @@ class Refusal:
 
 
 class State(Protocol):
-    async def reserve(self, limits: Sequence[Limit]) -> Reservation | Refusal:
-        """Charge every limit, all or none: a request refused for RPM spends no tokens."""
+    async def reserve(self, limits: Sequence[Limit]) -> Reservation | WindowFull:
+        """Charge every limit, all or none: a request refused for RPM spends no tokens. Raises
+        `StateUnreachable` when the backend is down and the policy fails closed."""
         ...
 
     async def peek(self, limits: Sequence[Limit]) -> tuple[Window, ...]:
         """The windows as they stand, charging nothing (`amount` is ignored): the headers of a
-        response refused before its charge (a 400 of a known tenant)."""
+        response refused before its charge (a 400 of a known tenant). Raises
+        `StateUnreachable` as `reserve` does."""
         ...
 
     async def adjust(self, key: str, reservation_id: str, reserved: int, actual: int) -> None:
@@ -116,7 +140,8 @@ class SlotLedger(Protocol):
         ...
 
     async def lease(self, claim: SlotClaim, lease_id: str) -> tuple[bool, int] | None:
-        """(granted, the replica's leases now); None while failing open: count locally."""
+        """(granted, the replica's leases now); None while failing open: count locally.
+        Raises `StateUnreachable` while failing closed."""
         ...
 
     async def renew(

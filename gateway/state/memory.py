@@ -13,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from gateway.state.base import WINDOW_S, Limit, Refusal, Reservation, Window
+from gateway.state.base import WINDOW_S, Limit, Reservation, Window, WindowFull
 
 
 class _Charge:
@@ -81,7 +81,7 @@ class MemoryState:
         log.expire(now)
         return log
 
-    async def reserve(self, limits: Sequence[Limit]) -> Reservation | Refusal:
+    async def reserve(self, limits: Sequence[Limit]) -> Reservation | WindowFull:
         now = self.clock()
         pairs = [(self._log(limit.key, now), limit) for limit in limits]
         refused = [i for i, (log, lim) in enumerate(pairs) if log.full(lim.amount, lim.limit)]
@@ -89,7 +89,7 @@ class MemoryState:
             waits = [pairs[i][0].wait(pairs[i][1].amount, pairs[i][1].limit, now) for i in refused]
             retry = None if None in waits else max(w for w in waits if w is not None)
             windows = tuple(log.window(lim.limit, now) for log, lim in pairs)
-            return Refusal(index=refused[0], retry_after_s=retry, windows=windows)
+            return WindowFull(index=refused[0], retry_after_s=retry, windows=windows)
         charge_id = str(next(self._ids))
         for log, limit in pairs:
             log.add(_Charge(charge_id, now, limit.amount))

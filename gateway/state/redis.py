@@ -1,7 +1,9 @@
-"""The shared `State`: the same sliding-window logs as `MemoryState`, kept in Redis for every gateway.
+"""The Redis backends: the quota windows (`RedisState`'s `State` calls, the same sliding-window
+logs as `MemoryState`, kept for every gateway) and the slot ledger (its `SlotLedger` calls).
+They let a failing Redis raise (`FAILURES`); what the gateway does then is `FailoverState`'s
+(failover.py), so these stay a plain mapping of calls to scripts.
 
-Each protocol method is one Lua script, so each is atomic across gateways without locks or
-WATCH retries. Per window key `K` (always `quota:{tenant}:...`, so a tenant's keys share one
+Each call is one Lua script, so each is atomic across gateways without locks or WATCH retries. Per window key `K` (always `quota:{tenant}:...`, so a tenant's keys share one
 Redis Cluster slot and one script may charge them together) the script keeps:
 
 - `K:z`, a ZSET of charge ids scored by the time they were made;
@@ -15,7 +17,7 @@ tenant gone idle leaves nothing behind.
 
 Every call is bounded by `socket_timeout` / `socket_connect_timeout` and by an overall
 deadline (`gateway.deadline`): a slow or dead Redis turns into an error within `timeout_s`, which
-`FailoverState` turns into local limits or a 503. redis-py retries a call once, at once, inside
+`FailoverState` turns into local limits or a refusal. redis-py retries a call once, at once, inside
 that bound: after Redis restarts, every pooled connection is stale and fails its first use.
 """
 
@@ -23,37 +25,21 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
-import math
-import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterable, Sequence
-from typing import Any, Literal, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from gateway import errors
 from gateway.deadline import Deadline
-from gateway.errors import Retryable
-from gateway.policy.schema import StateSpec
-from gateway.state.base import (
-    WINDOW_S,
-    Limit,
-    Refusal,
-    Reservation,
-    SlotClaim,
-    SlotLedger,
-    State,
-    Window,
-)
-from gateway.state.memory import MemoryState
+from gateway.state.base import WINDOW_S, Limit, Reservation, SlotClaim, Window, WindowFull
 
-log = logging.getLogger("gateway.state")
+# What a call raises when Redis fails (down, hung past `timeout_s`, a stale connection twice),
+# as opposed to a bug: the errors `FailoverState` answers with its failure policy.
+FAILURES = (RedisError, OSError, TimeoutError)
 
 # Every script's clock: the caller's (tests move time) or, given '', Redis' own TIME.
 _CLOCK = """
@@ -348,7 +334,7 @@ class RedisState:
         with Deadline(asyncio.get_running_loop().time() + self.timeout_s):
             return await script(keys=keys, args=args)
 
-    async def reserve(self, limits: Sequence[Limit]) -> Reservation | Refusal:
+    async def reserve(self, limits: Sequence[Limit]) -> Reservation | WindowFull:
         charge_id = f"{self._prefix}:{next(self._ids)}"
         args: list[Any] = [self._now(), WINDOW_S, charge_id]
         for limit in limits:
@@ -358,7 +344,7 @@ class RedisState:
         if int(out[0]) == 1:
             return Reservation(id=charge_id, windows=windows)
         retry = out[2].decode() if isinstance(out[2], bytes) else str(out[2])
-        return Refusal(
+        return WindowFull(
             index=int(out[1]) - 1, retry_after_s=float(retry) if retry else None, windows=windows
         )
 
@@ -410,216 +396,3 @@ class RedisState:
 
     async def close(self) -> None:
         await self.client.aclose()
-
-
-class StateUnavailable(Retryable):
-    """Raised when the shared state cannot be reached and the policy says `on_failure: closed`."""
-
-    refusal = errors.Refusal.STATE_UNAVAILABLE  # not `Refusal` here: state.base has one
-    status = 503
-    type = "service_unavailable_error"
-
-
-_FAILURES = (RedisError, OSError, TimeoutError)
-_LOCAL = "local:"
-T = TypeVar("T")
-
-
-class _Down:
-    """What `FailoverState._shared` gives for a call Redis did not answer."""
-
-
-DOWN = _Down()
-
-
-class FailoverState:
-    """`RedisState` with a policy for when Redis fails.
-
-    `open`: fall back to a `MemoryState` whose limits are 1/`gateways` of the global ones, so
-    the gateways together stay near the global limit while each counts alone. `closed`: refuse
-    with 503 (`StateUnavailable`) rather than admit uncounted. After a failure Redis is tried
-    again once `retry_s` has passed (by the next call, no background task), so requests do not
-    each wait out a time-out on a dead Redis, and shared limits resume without a restart.
-    Charges made locally carry a `local:` id and are corrected locally.
-    """
-
-    MAX_LOST = 100_000  # per replica: past it, leases left behind expire with their TTL
-
-    def __init__(
-        self,
-        shared: RedisState,
-        *,
-        on_failure: Literal["open", "closed"],
-        gateways: int,
-        retry_s: float = 1.0,
-        monotonic: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.shared = shared
-        self.local = MemoryState()
-        self.on_failure = on_failure
-        self.gateways = gateways
-        self.retry_s = retry_s
-        self.monotonic = monotonic
-        self.up = True
-        self._retry_at = 0.0
-        self._lost: dict[str, dict[str, str]] = {}  # replica -> lease id -> class
-
-    def _usable(self) -> bool:
-        return self.up or self.monotonic() >= self._retry_at
-
-    def _failed(self, exc: BaseException) -> None:
-        self._retry_at = self.monotonic() + self.retry_s
-        if self.up:
-            self.up = False
-            mode = f"local limits at 1/{self.gateways}" if self.on_failure == "open" else "503"
-            log.error("shared state (Redis) failed: %r; now serving with %s", exc, mode)
-
-    def _recovered(self) -> None:
-        if not self.up:
-            self.up = True
-            log.warning("shared state (Redis) is back; shared limits apply again")
-
-    def _refuse(self) -> StateUnavailable:
-        return StateUnavailable(
-            "the gateway's shared quota state is unreachable; try again shortly",
-            retry_after_s=self.retry_s,
-        )
-
-    def _scaled(self, limits: Sequence[Limit]) -> list[Limit]:
-        return [
-            Limit(lim.key, lim.amount, max(1, math.floor(lim.limit / self.gateways)))
-            for lim in limits
-        ]
-
-    async def _shared(self, call: Coroutine[Any, Any, T]) -> T | _Down:
-        """`call` on Redis, unless Redis is known down (then it is not even sent); a failure
-        switches to the failure policy, and any answer (a renewal's too) ends it, so shared
-        state resumes even while no request asks."""
-        if not self._usable():
-            call.close()
-            return DOWN
-        try:
-            result = await call
-        except _FAILURES as exc:
-            self._failed(exc)
-            return DOWN
-        self._recovered()
-        return result
-
-    async def reserve(self, limits: Sequence[Limit]) -> Reservation | Refusal:
-        result = await self._shared(self.shared.reserve(limits))
-        if not isinstance(result, _Down):
-            return result
-        if self.on_failure == "closed":
-            raise self._refuse()
-        result = await self.local.reserve(self._scaled(limits))
-        if isinstance(result, Reservation):
-            return Reservation(id=_LOCAL + result.id, windows=result.windows)
-        return result
-
-    async def peek(self, limits: Sequence[Limit]) -> tuple[Window, ...]:
-        windows = await self._shared(self.shared.peek(limits))
-        if not isinstance(windows, _Down):
-            return windows
-        if self.on_failure == "closed":
-            raise self._refuse()
-        return await self.local.peek(self._scaled(limits))
-
-    async def adjust(self, key: str, reservation_id: str, reserved: int, actual: int) -> None:
-        if reservation_id.startswith(_LOCAL):
-            await self.local.adjust(key, reservation_id[len(_LOCAL) :], reserved, actual)
-            return
-        try:
-            await self.shared.adjust(key, reservation_id, reserved, actual)
-        except _FAILURES as exc:  # called once: a lost correction is logged, never retried
-            self._failed(exc)
-            log.warning("correction of charge %s in %s lost: %r", reservation_id, key, exc)
-
-    # --- replica slots: failing open counts locally (the caller keeps 1/gateways of a cap) ---
-
-    def lease_id(self) -> str:
-        return self.shared.lease_id()
-
-    async def lease(self, claim: SlotClaim, lease_id: str) -> tuple[bool, int] | None:
-        result = await self._shared(self.shared.lease(claim, lease_id))
-        if not isinstance(result, _Down):
-            return result
-        if self.on_failure == "closed":
-            raise self._refuse()
-        return None
-
-    def _lose(self, replica: str, workload: str, lease_id: str) -> None:
-        """A release Redis did not get (or a lease a failed call may have written): the next
-        renewal of the replica drops it, rather than it outliving its request by a TTL."""
-        lost = self._lost.setdefault(replica, {})
-        if len(lost) < self.MAX_LOST:
-            lost[lease_id] = workload
-
-    async def renew(
-        self,
-        replica: str,
-        held: Sequence[tuple[str, str]],
-        released: Sequence[tuple[str, str]] = (),
-    ) -> int | None:
-        lost = self._lost.pop(replica, {})
-        gone = [*released, *((workload, lease) for lease, workload in lost.items())]
-        total = await self._shared(self.shared.renew(replica, held, gone))
-        if isinstance(total, _Down):
-            for workload, lease in gone:
-                self._lose(replica, workload, lease)
-            return None
-        return total
-
-    async def unlease(self, replica: str, workload: str, lease_id: str) -> None:
-        if isinstance(await self._shared(self.shared.unlease(replica, workload, lease_id)), _Down):
-            self._lose(replica, workload, lease_id)
-
-    async def share_waiting(self, pool: str, waiting: Sequence[int]) -> tuple[int, ...] | None:
-        everyone = await self._shared(self.shared.share_waiting(pool, waiting))
-        return None if isinstance(everyone, _Down) else everyone
-
-    async def close(self) -> None:
-        await self.shared.close()
-
-
-def build_state(spec: StateSpec) -> tuple[State, SlotLedger | None]:
-    """The policy's `state` section: quota windows in memory and no slot ledger (this
-    gateway's own counts are every slot), or both in Redis with its failure policy."""
-    if spec.backend == "memory":
-        return MemoryState(), None
-    shared = RedisState(spec.url, timeout_s=spec.timeout_s, lease_ttl_s=spec.lease_ttl_s)
-    failover = FailoverState(shared, on_failure=spec.on_failure, gateways=spec.gateways)
-    return failover, failover
-
-
-class BackendUp(Collector):
-    """`llm_state_backend_up`: 1 while the policy's state backend serves (always, in memory),
-    0 while a Redis failure has the gateway on local limits or 503s; `llm_state_mode` names the
-    mode in force, so a dashboard shows which limits apply without reading the policy."""
-
-    def __init__(self, state: Callable[[], State]) -> None:
-        self.state = state
-
-    def collect(self) -> Iterable[Metric]:
-        state = self.state()
-        up = GaugeMetricFamily(
-            "llm_state_backend_up",
-            "1: the policy's state backend serves (always with `backend: memory`); 0: Redis"
-            " failed and limits are local or refused (llm_state_mode says which).",
-        )
-        up.add_metric([], 1 if getattr(state, "up", True) else 0)
-        mode = GaugeMetricFamily(
-            "llm_state_mode",
-            "1 for the mode in force: memory (one gateway), shared (Redis), local (Redis failed:"
-            " 1/gateways of every limit and cap) or refusing (Redis failed: 503).",
-            labels=["mode"],
-        )
-        if not isinstance(state, FailoverState):
-            current = "memory"
-        elif state.up:
-            current = "shared"
-        else:
-            current = "local" if state.on_failure == "open" else "refusing"
-        for name in ("memory", "shared", "local", "refusing"):
-            mode.add_metric([name], 1 if name == current else 0)
-        return [up, mode]

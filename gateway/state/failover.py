@@ -1,0 +1,181 @@
+"""`FailoverState`: the Redis backends behind the policy's `on_failure`, one object serving as both
+the `State` and the `SlotLedger` of a gateway that shares them.
+
+Kept apart from the backends (redis.py) because it is policy, not storage: which failures count
+(`FAILURES`), when Redis is tried again, what failing open falls back to (a `MemoryState` at
+1/`gateways` of each limit; the pool's share of each cap) and failing closed raises
+(`StateUnreachable`, which the stages calling the state turn into the client's 503).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Literal, TypeVar
+
+from gateway.state.base import Limit, Reservation, SlotClaim, StateUnreachable, Window, WindowFull
+from gateway.state.memory import MemoryState
+from gateway.state.redis import FAILURES, RedisState
+
+log = logging.getLogger("gateway.state")  # one logger for state/, the name operators grep
+_LOCAL = "local:"
+T = TypeVar("T")
+
+
+class _Down:
+    """What `FailoverState._shared` gives for a call Redis did not answer."""
+
+
+DOWN = _Down()
+
+
+class FailoverState:
+    """`RedisState` with a policy for when Redis fails.
+
+    `open`: fall back to a `MemoryState` whose limits are 1/`gateways` of the global ones, so
+    the gateways together stay near the global limit while each counts alone. `closed`: raise
+    `StateUnreachable` (the client's 503) rather than admit uncounted. After a failure Redis is
+    tried again once `retry_s` has passed (by the next call, no background task), so requests
+    do not each wait out a time-out on a dead Redis, and shared limits resume without a restart.
+    Charges made locally carry a `local:` id and are corrected locally.
+    """
+
+    MAX_LOST = 100_000  # per replica: past it, leases left behind expire with their TTL
+
+    def __init__(
+        self,
+        shared: RedisState,
+        *,
+        on_failure: Literal["open", "closed"],
+        gateways: int,
+        retry_s: float = 1.0,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.shared = shared
+        self.local = MemoryState()
+        self.on_failure = on_failure
+        self.gateways = gateways
+        self.retry_s = retry_s
+        self.monotonic = monotonic
+        self.up = True
+        self._retry_at = 0.0
+        self._lost: dict[str, dict[str, str]] = {}  # replica -> lease id -> class
+
+    def _usable(self) -> bool:
+        return self.up or self.monotonic() >= self._retry_at
+
+    def _failed(self, exc: BaseException) -> None:
+        self._retry_at = self.monotonic() + self.retry_s
+        if self.up:
+            self.up = False
+            mode = f"local limits at 1/{self.gateways}" if self.on_failure == "open" else "503"
+            log.error("shared state (Redis) failed: %r; now serving with %s", exc, mode)
+
+    def _recovered(self) -> None:
+        if not self.up:
+            self.up = True
+            log.warning("shared state (Redis) is back; shared limits apply again")
+
+    def _refuse(self) -> StateUnreachable:
+        return StateUnreachable(
+            "the gateway's shared quota state is unreachable; try again shortly",
+            retry_after_s=self.retry_s,
+        )
+
+    def _scaled(self, limits: Sequence[Limit]) -> list[Limit]:
+        return [
+            Limit(lim.key, lim.amount, max(1, math.floor(lim.limit / self.gateways)))
+            for lim in limits
+        ]
+
+    async def _shared(self, call: Coroutine[Any, Any, T]) -> T | _Down:
+        """`call` on Redis, unless Redis is known down (then it is not even sent); a failure
+        switches to the failure policy, and any answer (a renewal's too) ends it, so shared
+        state resumes even while no request asks."""
+        if not self._usable():
+            call.close()
+            return DOWN
+        try:
+            result = await call
+        except FAILURES as exc:
+            self._failed(exc)
+            return DOWN
+        self._recovered()
+        return result
+
+    async def reserve(self, limits: Sequence[Limit]) -> Reservation | WindowFull:
+        result = await self._shared(self.shared.reserve(limits))
+        if not isinstance(result, _Down):
+            return result
+        if self.on_failure == "closed":
+            raise self._refuse()
+        result = await self.local.reserve(self._scaled(limits))
+        if isinstance(result, Reservation):
+            return Reservation(id=_LOCAL + result.id, windows=result.windows)
+        return result
+
+    async def peek(self, limits: Sequence[Limit]) -> tuple[Window, ...]:
+        windows = await self._shared(self.shared.peek(limits))
+        if not isinstance(windows, _Down):
+            return windows
+        if self.on_failure == "closed":
+            raise self._refuse()
+        return await self.local.peek(self._scaled(limits))
+
+    async def adjust(self, key: str, reservation_id: str, reserved: int, actual: int) -> None:
+        if reservation_id.startswith(_LOCAL):
+            await self.local.adjust(key, reservation_id[len(_LOCAL) :], reserved, actual)
+            return
+        try:
+            await self.shared.adjust(key, reservation_id, reserved, actual)
+        except FAILURES as exc:  # called once: a lost correction is logged, never retried
+            self._failed(exc)
+            log.warning("correction of charge %s in %s lost: %r", reservation_id, key, exc)
+
+    # --- replica slots: failing open counts locally (the caller keeps 1/gateways of a cap) ---
+
+    def lease_id(self) -> str:
+        return self.shared.lease_id()
+
+    async def lease(self, claim: SlotClaim, lease_id: str) -> tuple[bool, int] | None:
+        result = await self._shared(self.shared.lease(claim, lease_id))
+        if not isinstance(result, _Down):
+            return result
+        if self.on_failure == "closed":
+            raise self._refuse()
+        return None
+
+    def _lose(self, replica: str, workload: str, lease_id: str) -> None:
+        """A release Redis did not get (or a lease a failed call may have written): the next
+        renewal of the replica drops it, rather than it outliving its request by a TTL."""
+        lost = self._lost.setdefault(replica, {})
+        if len(lost) < self.MAX_LOST:
+            lost[lease_id] = workload
+
+    async def renew(
+        self,
+        replica: str,
+        held: Sequence[tuple[str, str]],
+        released: Sequence[tuple[str, str]] = (),
+    ) -> int | None:
+        lost = self._lost.pop(replica, {})
+        gone = [*released, *((workload, lease) for lease, workload in lost.items())]
+        total = await self._shared(self.shared.renew(replica, held, gone))
+        if isinstance(total, _Down):
+            for workload, lease in gone:
+                self._lose(replica, workload, lease)
+            return None
+        return total
+
+    async def unlease(self, replica: str, workload: str, lease_id: str) -> None:
+        if isinstance(await self._shared(self.shared.unlease(replica, workload, lease_id)), _Down):
+            self._lose(replica, workload, lease_id)
+
+    async def share_waiting(self, pool: str, waiting: Sequence[int]) -> tuple[int, ...] | None:
+        everyone = await self._shared(self.shared.share_waiting(pool, waiting))
+        return None if isinstance(everyone, _Down) else everyone
+
+    async def close(self) -> None:
+        await self.shared.close()
