@@ -79,10 +79,9 @@ class Alone:
     check."""
 
     def __init__(self, library: str, tokenizer_json: Path, threads: int) -> None:
+        import gateway.tokenizer.counters  # noqa: F401  sets the gateway's TOKENIZERS_PARALLELISM
         from gateway.policy.schema import ServerSpec
-        from gateway.tokenizer.counters import (
-            INLINE_SHARE,  # also sets the gateway's TOKENIZERS_PARALLELISM
-        )
+        from gateway.tokenizer.backends import FastokensEncoder, TokenizersEncoder
 
         self.count: Callable[[str], int] = (
             _fastokens_count(tokenizer_json)
@@ -90,9 +89,11 @@ class Alone:
             else _tokenizers_count(tokenizer_json)
         )
         # Where the gateway counts a text of this library (gateway/tokenizer/counters.py), at the policy's
-        # default `inline_tokenize_max_chars`: longer ones on its tokenizer threads.
+        # default `inline_tokenize_max_chars` over the library's encoder's `inline_share`: longer
+        # ones on its tokenizer threads.
         limit: int = ServerSpec.model_fields["inline_tokenize_max_chars"].default
-        self.inline_max = limit if library == "fastokens" else limit // INLINE_SHARE
+        encoder = {e.name: e for e in (FastokensEncoder, TokenizersEncoder)}[library]
+        self.inline_max = limit // encoder.inline_share
         self.count("warm up")
         # Long-lived, as the gateway's tokenizer threads are: fastokens keeps state per thread
         # (its regex engine's caches), and a new thread's first few dozen Llama 3 texts cost up
