@@ -27,28 +27,36 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from loadtest import bench_overhead as bench
+from loadtest.overhead.bodies import dumps, short_chat
+from loadtest.overhead.fleet import (
+    Fleet,
+    build_tokenizer,
+    start_backends,
+    start_gateway,
+    wait_started,
+)
+from loadtest.overhead.paired import measure_paired
+from loadtest.overhead.policy import write_policy
+from loadtest.overhead.wrk import measure, run_wrk, static_lua
 
 
 def compare(trees: dict[str, Path], rounds: int, connections: list[int], duration: int) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
         workdir = Path(tmp)
-        tokenizer = bench.build_tokenizer(workdir, "loadtest.tiny_tokenizer")
-        procs = bench.Fleet(workdir)
+        tokenizer = build_tokenizer(workdir, "loadtest.tiny_tokenizer")
+        procs = Fleet(workdir)
         try:
-            stub, passthrough = bench.start_backends(procs)
-            policy = bench.write_policy(workdir, tokenizer, stub.url, None, None)
-            sides = {
-                name: bench.start_gateway(procs, name, policy, tree) for name, tree in trees.items()
-            }
-            bench.wait_started(stub, passthrough, list(sides.values()))
+            stub, passthrough = start_backends(procs)
+            policy = write_policy(workdir, tokenizer, stub.url, None, None)
+            sides = {name: start_gateway(procs, name, policy, tree) for name, tree in trees.items()}
+            wait_started(stub, passthrough, list(sides.values()))
             script, body = workdir / "short.lua", workdir / "short.json"
-            script.write_text(bench.static_lua(bench.dumps(bench.short_chat())))
-            body.write_text(bench.dumps(bench.short_chat()))
+            script.write_text(static_lua(dumps(short_chat())))
+            body.write_text(dumps(short_chat()))
             services = [stub, passthrough, *sides.values()]
             for c in connections:  # warm up: connections, caches, the estimator's window
                 for service in services:
-                    bench.run_wrk(service.url, script, c, 1)
+                    run_wrk(service.url, script, c, 1)
             ratios: dict[tuple[int, str], list[tuple[float, float, float | None]]] = {}
             for n in range(rounds):
                 for c in connections:
@@ -56,13 +64,13 @@ def compare(trees: dict[str, Path], rounds: int, connections: list[int], duratio
                     # was slower than the same code measured first (docs/benchmarks.md).
                     order = list(sides.values())[:: -1 if n % 2 else 1]
                     runs = {
-                        s.name: bench.measure("a", s, services, script, c, duration)
+                        s.name: measure("a", s, services, script, c, duration)
                         for s in ([stub] if c == 1 else []) + [passthrough, *order]
                     }
                     pt, line = runs["pass-through"], [f"round {n + 1} c={c}"]
                     # The latency at one connection: all of them side by side, in blocks.
                     paired = (
-                        bench.measure_paired(
+                        measure_paired(
                             {"direct": stub, "pass-through": passthrough, **sides}, services, body
                         )
                         if c == 1

@@ -40,7 +40,19 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from loadtest import bench_overhead as bench
+from loadtest.overhead.bodies import CHAT_PATH, STREAM_TOKENS, dumps, short_chat, stream_chat
+from loadtest.overhead.fleet import (
+    HOST,
+    ROOT,
+    Fleet,
+    Service,
+    build_tokenizer,
+    log,
+    start_backends,
+    start_gateway,
+    wait_started,
+)
+from loadtest.overhead.policy import write_policy
 
 WARM_UP = 300  # requests before counting: connections open, caches and the estimator's window
 # Callgrind runs Python ~5x slower with counting off (start-up: imports, the tokenizers).
@@ -61,11 +73,11 @@ def callgrind(out_file: Path) -> list[str]:
 
 def send(port: int, body: str, requests: int) -> None:
     """`requests` chat requests, one after another on one connection; each must succeed."""
-    conn = http.client.HTTPConnection(bench.HOST, port, timeout=60)
+    conn = http.client.HTTPConnection(HOST, port, timeout=60)
     try:
         headers = {"Content-Type": "application/json"}
         for _ in range(requests):
-            conn.request("POST", bench.CHAT_PATH, body=body, headers=headers)
+            conn.request("POST", CHAT_PATH, body=body, headers=headers)
             resp = conn.getresponse()
             answer = resp.read()
             if resp.status != 200:
@@ -78,7 +90,7 @@ def control(pid: int, *args: str) -> None:
     subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True)
 
 
-def counted(service: bench.Service, out_file: Path, work: Callable[[], object]) -> int:
+def counted(service: Service, out_file: Path, work: Callable[[], object]) -> int:
     """Instructions `service` executes while `work` runs."""
     control(service.proc.pid, "--instr=on")
     work()
@@ -100,7 +112,7 @@ class Count:
     idle_share: float  # of the busy run's instructions, what the same time idle executed
 
 
-def count(service: bench.Service, out_file: Path, body: str, requests: int) -> Count:
+def count(service: Service, out_file: Path, body: str, requests: int) -> Count:
     """Instructions per request of `service`, over `requests` after the warm-up.
 
     Timers run whether requests come or not (health checks, the loop-lag probe, the policy
@@ -115,30 +127,30 @@ def count(service: bench.Service, out_file: Path, body: str, requests: int) -> C
 
 def run(trees: dict[str, Path], requests: int, keep: Path | None, stream: bool) -> int:
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
-        bench.log("valgrind is not installed (apt-get install -y valgrind)")
+        log("valgrind is not installed (apt-get install -y valgrind)")
         return 2
     with tempfile.TemporaryDirectory(prefix="bench-instructions-") as tmp:
         workdir = keep or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        tokenizer = bench.build_tokenizer(workdir, "loadtest.tiny_tokenizer")
-        procs = bench.Fleet(workdir)
+        tokenizer = build_tokenizer(workdir, "loadtest.tiny_tokenizer")
+        procs = Fleet(workdir)
         outs = {name: workdir / f"{name}.callgrind" for name in ("pass-through", *trees)}
         try:
-            stub, passthrough = bench.start_backends(procs, callgrind(outs["pass-through"]))
-            policy = bench.write_policy(workdir, tokenizer, stub.url, None, None)
+            stub, passthrough = start_backends(procs, callgrind(outs["pass-through"]))
+            policy = write_policy(workdir, tokenizer, stub.url, None, None)
             gateways = [
-                bench.start_gateway(procs, name, policy, tree, callgrind(outs[name]))
+                start_gateway(procs, name, policy, tree, callgrind(outs[name]))
                 for name, tree in trees.items()
             ]
-            bench.wait_started(stub, passthrough, gateways, READY_TIMEOUT_S)
-            body = bench.dumps(bench.stream_chat() if stream else bench.short_chat())
+            wait_started(stub, passthrough, gateways, READY_TIMEOUT_S)
+            body = dumps(stream_chat() if stream else short_chat())
             per_request = {
                 s.name: count(s, outs[s.name], body, requests) for s in (passthrough, *gateways)
             }
         finally:
             procs.stop()
         base = per_request["pass-through"].per_request
-        kind = f"{bench.STREAM_TOKENS}-chunk stream" if stream else "short chat"
+        kind = f"{STREAM_TOKENS}-chunk stream" if stream else "short chat"
         print(f"instructions per {kind} request, {requests} counted after {WARM_UP}:")
         for name, value in per_request.items():
             print(
@@ -166,13 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--stream",
         action="store_true",
-        help=f"a streamed chat of {bench.STREAM_TOKENS} chunks instead of the short request",
+        help=f"a streamed chat of {STREAM_TOKENS} chunks instead of the short request",
     )
     args = parser.parse_args(argv)
     if args.requests < 1:
         parser.error("--requests must be at least 1")
     trees: dict[str, Path] = {}
-    for spec in args.tree or [f"gateway={bench.ROOT}"]:
+    for spec in args.tree or [f"gateway={ROOT}"]:
         name, sep, path = spec.partition("=")
         if not sep or not name or name in ("direct", "pass-through") or name in trees:
             parser.error(f"--tree {spec!r}: expected a new NAME=PATH")

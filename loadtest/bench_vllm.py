@@ -32,7 +32,7 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest.bench_overhead import Fleet, wait_ready
+from loadtest.overhead.fleet import Fleet, wait_ready
 from loadtest.tiny_tokenizer import WORDS
 from loadtest.vllm_server import MAX_MODEL_LEN, SERVED_NAME, free_port, serve_vllm
 

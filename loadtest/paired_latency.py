@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.bench_overhead import HOST, chat_request, read_response
+from loadtest.overhead.fleet import HOST
+from loadtest.overhead.ttfb import chat_request, read_response
 
 ROTATIONS, BLOCK, SKIP = 60, 50, 5
 LIMIT_S = 60.0

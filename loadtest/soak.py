@@ -46,21 +46,20 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.bench_overhead import (
+from loadtest.loadgen import PromptBuilder, RequestRecord, SweepConfig, Target, load_workload
+from loadtest.loadgen.runner import JSON, PATHS, send
+from loadtest.loadgen.workloads import Planned
+from loadtest.overhead.fleet import (
     HOST,
     ROOT,
     Fleet,
     Service,
     build_tokenizer,
     free_port,
-    git_revision,
-    machine,
     start_redis,
     wait_ready,
 )
-from loadtest.loadgen import PromptBuilder, RequestRecord, SweepConfig, Target, load_workload
-from loadtest.loadgen.runner import JSON, PATHS, send
-from loadtest.loadgen.workloads import Planned
+from loadtest.overhead.report import git_revision, machine
 
 MODEL_ALIAS = "gemma-3"
 DEFAULT_OUT = ROOT / "loadtest" / "out" / "soak.md"

@@ -11,8 +11,9 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.sim.engine import Scheduler, Sequence
+from loadtest.sim.engine import Scheduler
 from loadtest.sim.profiles import Profile
+from loadtest.sim.sequence import Sequence
 from loadtest.sim.server import ReplicaOptions, start_replica
 from tests.test_simulator import write_profile
 

@@ -11,7 +11,7 @@ simulate` serves several replicas from one process. How the engine is modelled, 
 number comes from: docs/simulator.md.
 """
 
-from loadtest.sim.engine import Engine, Scheduler, Sequence, Status
+from loadtest.sim.engine import Engine, Scheduler
 from loadtest.sim.faults import Faults
 from loadtest.sim.profiles import (
     CacheGeometry,
@@ -21,6 +21,7 @@ from loadtest.sim.profiles import (
     load_profile,
 )
 from loadtest.sim.roofline import BatchShape, Roofline
+from loadtest.sim.sequence import Sequence, Status
 from loadtest.sim.server import (
     REPLICA,
     Replica,

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loadtest.sim.engine import Scheduler, Sequence, Status
+from loadtest.sim.engine import Scheduler
 from loadtest.sim.profiles import Profile
+from loadtest.sim.sequence import Sequence, Status
 
 SPAN_CAP_S = 60.0  # simulated seconds a decode span may cover; spans end at a finish anyway
 

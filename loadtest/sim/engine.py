@@ -11,7 +11,8 @@
 2. only if nothing was preempted, waiting sequences are admitted in order while the budget,
    `max_num_seqs` and the free blocks allow, each with a (chunked) prefill of the tokens its
    prefix-cache hit (looked up at each admission, a re-admission after preemption included)
-   does not cover; the KV cache and its prefix cache are `kv_cache.KVCache`.
+   does not cover; the KV cache and its prefix cache are `kv_cache.KVCache`, a request is a
+   `sequence.Sequence`.
 
 The step's duration comes from `Roofline`. When every running sequence is decoding and no
 waiting one could be admitted, steps are all alike; the scheduler then computes many of them
@@ -32,7 +33,6 @@ publishes a step's after its model output.
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import logging
 import math
@@ -41,11 +41,12 @@ from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass
 
-from loadtest.sim.kv_cache import Block, KVCache
+from loadtest.sim.kv_cache import KVCache
 from loadtest.sim.kv_events import KVEventPublisher
 from loadtest.sim.metrics import EngineStats
 from loadtest.sim.profiles import CacheGeometry, OutputLengths, Profile, cache_geometry
 from loadtest.sim.roofline import BatchShape, Roofline
+from loadtest.sim.sequence import Sequence, Status, _resolve
 from loadtest.sim.tokens import PromptIds
 
 log = logging.getLogger("loadtest.sim")
@@ -53,123 +54,6 @@ log = logging.getLogger("loadtest.sim")
 MAX_SPAN_STEPS = 4096  # bounds a span's step list whatever the cap and batch
 MIN_SLEEP_S = 0.0005  # below this the loop yields instead of arming a timer (uvloop has ms timers)
 SLIP_TOLERANCE_S = 0.05  # wall seconds the engine may lag before its clock slips
-
-
-class Status(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-    ABORTED = "aborted"
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-class Sequence:
-    """One request inside the engine; times are simulated seconds."""
-
-    __slots__ = (
-        "_waiter",
-        "_wake_on_token",
-        "arrival",
-        "blocks_global",
-        "blocks_local",
-        "cached_tokens",
-        "computed",
-        "finish_reason",
-        "finished_at",
-        "first_token_at",
-        "generated",
-        "hashes",
-        "id",
-        "last_token_at",
-        "local_start",
-        "max_tokens",
-        "preemptions",
-        "prompt_ids",
-        "prompt_tokens",
-        "registered",
-        "scheduled_at",
-        "status",
-        "target",
-    )
-
-    def __init__(
-        self,
-        seq_id: int,
-        prompt_tokens: int,
-        max_tokens: int,
-        target: int,
-        prompt_ids: PromptIds | None = None,
-    ) -> None:
-        self.id = seq_id
-        self.prompt_tokens = prompt_tokens
-        # What the prefix cache hashes; None: a prompt no other request shares.
-        self.prompt_ids = prompt_ids
-        self.max_tokens = max_tokens
-        self.target = target  # output tokens it will produce: max_tokens, or its drawn EOS
-        self.arrival = 0.0
-        self.computed = 0  # tokens whose KV is in the cache (vLLM's num_computed_tokens)
-        self.generated = 0
-        self.hashes: list[int] = []  # of its full blocks, computed as needed
-        self.blocks_global: list[Block] = []  # one per token block
-        self.blocks_local: list[Block | None] = []  # None: left the window, freed
-        self.local_start = 0  # blocks_local[:local_start] are all None
-        self.registered = 0  # blocks below this one are cached
-        self.cached_tokens = 0  # its first admission's prefix-cache hit
-        self.status = Status.WAITING
-        self.scheduled_at: float | None = None
-        self.first_token_at: float | None = None
-        self.last_token_at = 0.0
-        self.finished_at: float | None = None
-        self.finish_reason: str | None = None
-        self.preemptions = 0
-        self._waiter: asyncio.Future[None] | None = None
-        self._wake_on_token = False
-
-    @property
-    def total(self) -> int:
-        """Tokens the model has seen or produced: a recompute must prefill all of them."""
-        return self.prompt_tokens + self.generated
-
-    @property
-    def units(self) -> int:
-        """KV layer-blocks it references (shared blocks count for each sharer)."""
-        if not self.blocks_global:
-            return 0
-        local = len(self.blocks_local) - self.local_start
-        return len(self.blocks_global) * self.blocks_global[0].weight + local * (
-            self.blocks_local[-1].weight if local else 0  # type: ignore[union-attr]
-        )
-
-    @property
-    def done(self) -> bool:
-        return self.status in (Status.FINISHED, Status.ABORTED)
-
-    async def wait(self, *, any_token: bool, limit_s: float | None = None) -> None:
-        """Until the next token (`any_token`) or only the end, or `limit_s` wall seconds.
-
-        One waiter at a time: the handler that streams this sequence.
-        """
-        if self.done:
-            return
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        self._waiter, self._wake_on_token = fut, any_token
-        timer = loop.call_later(limit_s, _resolve, fut) if limit_s else None
-        try:
-            await fut
-        finally:
-            self._waiter = None
-            if timer is not None:
-                timer.cancel()
-
-    def notify(self, ended: bool) -> None:
-        waiter = self._waiter
-        if waiter is not None and (ended or self._wake_on_token):
-            _resolve(waiter)
 
 
 @dataclass(slots=True)

@@ -38,24 +38,11 @@ key blocks by content, and the hash stays cached until the last copy goes.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from loadtest.sim.kv_events import block_removed, block_stored
 from loadtest.sim.profiles import CacheGeometry
-
-if TYPE_CHECKING:
-    from loadtest.sim.engine import Sequence
-
-
-class Block:
-    """One position of one kind of layer; `key` is its hash while it is cached."""
-
-    __slots__ = ("key", "ref", "weight")
-
-    def __init__(self, weight: int) -> None:
-        self.weight = weight
-        self.key: int | None = None
-        self.ref = 1
+from loadtest.sim.sequence import Block, Sequence
 
 
 class KVCache:

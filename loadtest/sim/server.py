@@ -35,11 +35,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
-from loadtest.sim.engine import Engine, Sequence, Status
+from loadtest.sim.engine import Engine
 from loadtest.sim.faults import FaultDice, Faults
 from loadtest.sim.kv_events import KVEventPublisher, KVEventsConfig
 from loadtest.sim.metrics import VllmCollector
 from loadtest.sim.profiles import Profile
+from loadtest.sim.sequence import Sequence, Status
 from loadtest.sim.tokens import PromptEncoder, PromptError, prompt_encoder
 
 log = logging.getLogger("loadtest.sim")
