@@ -160,7 +160,7 @@ def write_policy(
 
 def start_fleet(procs: Fleet, workdir: Path, time_scale: float, shared: bool) -> Service:
     """Tokenizer, simulators (and Redis), gateway, each ready before this returns the gateway."""
-    tokenizer = build_tokenizer(workdir)
+    tokenizer = build_tokenizer(workdir, "loadtest.tiny_tokenizer")
     redis_url = start_redis(procs) if shared else None
     bases: dict[str, int] = {}
     sims = []
