@@ -57,6 +57,13 @@ class Api(ABC):
         provably has `refuse_at` or more."""
 
     @abstractmethod
+    async def prompt_ids(
+        self, body: dict[str, Any], counter: TokenCounter, special: bool | None = None
+    ) -> list[int] | None:
+        """The token ids vLLM will see for the request's (first) prompt, `special` (add special
+        tokens) overriding the endpoint's default; None when they cannot be known here."""
+
+    @abstractmethod
     def fingerprint(self, body: dict[str, Any]) -> int:
         """A hash of the prompt's start: what "similar requests" share for the estimator."""
 

@@ -240,6 +240,11 @@ class ChatApi(OpenAIApi):
         text = await counter.count_chat(body, refuse_at - images)
         return images + text, images + text
 
+    async def prompt_ids(
+        self, body: dict[str, Any], counter: TokenCounter, special: bool | None = None
+    ) -> list[int] | None:
+        return await counter.chat_ids(body, bool(special))
+
     def fingerprint(self, body: dict[str, Any]) -> int:
         """The start of the first message: a system prompt or a rules block."""
         return hash(message_text(body["messages"][0].get("content"))[:FINGERPRINT_CHARS])

@@ -77,6 +77,17 @@ class CompletionsApi(OpenAIApi):
         counts = await counter.count_prompts(body["prompt"], refuse_at)
         return sum(counts), max(counts)
 
+    async def prompt_ids(
+        self, body: dict[str, Any], counter: TokenCounter, special: bool | None = None
+    ) -> list[int] | None:
+        """The first prompt's: a text's encoding, or its own token ids."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]
+        if not isinstance(prompt, str | list):
+            return None
+        return await counter.prompt_ids(prompt, special is not False)
+
     def fingerprint(self, body: dict[str, Any]) -> int:
         """The start of the (first) prompt, as text or token ids."""
         prompt = body["prompt"]

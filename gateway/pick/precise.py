@@ -268,7 +268,7 @@ class PrecisePrefixScorer(Scorer):
         size = self.block_size
         if size is None or ctx.model is None:
             return ()  # no replica has told its block size yet: nothing could match
-        ids = await ctx.model.counter.prompt_ids(ctx.body, ctx.endpoint)
+        ids = await ctx.api.prompt_ids(ctx.body, ctx.model.counter)
         if not ids:
             return ()
         salt = ctx.body.get("cache_salt")

@@ -118,7 +118,7 @@ async def tokenize(
     strs = _flag(body, "return_token_strs", False, nullable=True)
     model = resolve(policy, body, headers, (api,))
     counter = _counter(model)
-    ids = await counter.prompt_ids(body, api.name, special)
+    ids = await api.prompt_ids(body, counter, special)
     assert ids is not None  # a text, or a chat: always encoded
     return {
         "count": len(ids),

@@ -72,11 +72,14 @@ class TokenCounter(Protocol):
         """Tokens of each prompt of a completions request."""
         ...
 
-    async def prompt_ids(
-        self, body: dict[str, Any], endpoint: str, special: bool | None = None
-    ) -> list[int] | None:
-        """The token ids vLLM will see for the request's (first) prompt; None without a tokenizer.
-        `special` (add special tokens) overrides the endpoint's default."""
+    async def chat_ids(self, body: dict[str, Any], special: bool = False) -> list[int] | None:
+        """The token ids vLLM will see for a chat: its rendered prompt encoded whole (without
+        special tokens unless `special`); None without a tokenizer."""
+        ...
+
+    async def prompt_ids(self, prompt: str | list[int], special: bool = True) -> list[int] | None:
+        """The token ids vLLM will see for one text prompt (with special tokens unless told
+        otherwise), or the prompt's own ids; None without a tokenizer."""
         ...
 
 
@@ -107,9 +110,10 @@ class CharCounter:
             return [len(prompt)]
         return [len(p) if isinstance(p, list) else self._count(p) for p in prompt]
 
-    async def prompt_ids(
-        self, body: dict[str, Any], endpoint: str, special: bool | None = None
-    ) -> list[int] | None:
+    async def chat_ids(self, body: dict[str, Any], special: bool = False) -> list[int] | None:
+        return None
+
+    async def prompt_ids(self, prompt: str | list[int], special: bool = True) -> list[int] | None:
         return None
 
 
@@ -233,26 +237,19 @@ class HFCounter:
             return [len(p) for p in prompt]
         return await self._count_texts(list(prompt), True, refuse_at, summed=False)
 
-    async def prompt_ids(
-        self, body: dict[str, Any], endpoint: str, special: bool | None = None
-    ) -> list[int] | None:
-        """Encoded whole, as vLLM encodes it: a chat rendered by the template, without special
-        tokens; a completion's first prompt with them (or its own ids). `special` overrides
-        that, as `/tokenize`'s `add_special_tokens` does. On the tokenizer's threads when long,
-        as counting is."""
-        if endpoint == "chat":
-            text = await self._rendered(body)
-            special = bool(special)
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-                prompt = prompt[0]
-            if isinstance(prompt, list):
-                return prompt if all(type(t) is int for t in prompt) else None
-            if not isinstance(prompt, str):
-                return None
-            text, special = prompt, special is not False
+    async def chat_ids(self, body: dict[str, Any], special: bool = False) -> list[int] | None:
+        """Rendered by the template and encoded whole, as vLLM encodes a chat (`special`, as
+        `/tokenize`'s `add_special_tokens`, off by default). On the tokenizer's threads when
+        long, as counting is."""
+        text = await self._rendered(body)
         return await self._run(len(text), ids, self.encoder, text, special)
+
+    async def prompt_ids(self, prompt: str | list[int], special: bool = True) -> list[int] | None:
+        """A text encoded as vLLM encodes a completion's prompt (with special tokens unless
+        told otherwise), or the prompt's own ids when it is ids."""
+        if isinstance(prompt, list):
+            return prompt if all(type(t) is int for t in prompt) else None
+        return await self._run(len(prompt), ids, self.encoder, prompt, special)
 
     @property
     def vocab_size(self) -> int:
