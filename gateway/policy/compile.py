@@ -1,7 +1,7 @@
 """Turn a validated `PolicySpec` into the immutable runtime `Policy`, once.
 
 Everything a request would otherwise redo is done here: tokenizers loaded, class and route
-predicates built, plug-ins made, cross-references checked. A reload (issue 5) builds a new `Policy`
+predicates built, plug-ins made, cross-references checked. A reload builds a new `Policy`
 and swaps one reference.
 """
 
