@@ -147,7 +147,12 @@ def _check_result_content(content: Any, param: str, size: _Size) -> None:
             raise _refuse(param, "must be a string or an array of objects")
         kind = item.get("type")
         if kind == "image":
+            _optional(item.get("source"), dict, f"{param}.source", "an object")
             size.images += 1
+        elif kind == "tool_reference":
+            for field in ("tool_name", "name"):
+                _optional(item.get(field), str, f"{param}.{field}", "a string")
+            size.chars += text_chars(item)
         elif kind == "text":
             text = item.get("text", "")
             if not isinstance(text, str):
