@@ -14,6 +14,9 @@ import orjson
 import pytest
 from aiohttp import web
 
+from loadtest.loadgen.progress import Progress
+from loadtest.loadgen.sweep import SweepConfig, Target, run_sweep
+from loadtest.loadgen.workloads import Fixed, Session, Workload, WorkloadClass
 from loadtest.sim import Profile, ReplicaOptions, start_replica
 from tests.conftest import _serve, accounted, basic_policy, eventually
 from tests.test_simulator import write_profile
@@ -234,3 +237,40 @@ async def test_a_full_pool_is_overloaded(spy, gateway_factory, tokenizer_dir) ->
         assert isinstance(refused.value, anthropic.OverloadedError)
     assert refused.value.body["error"]["type"] == "overloaded_error"
     assert refused.value.response.headers["x-should-retry"] == "true"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_the_load_generator_drives_an_agent_mix_over_messages(
+    gw, tokenizer_dir, stream: bool
+) -> None:
+    """Single requests and multi-turn sessions on `/v1/messages`, through the gateway to the
+    simulator: the prompts are fitted as the chat they convert to, so the replica's count is the
+    planned one."""
+    agent = Workload(
+        name="agent",
+        classes=[
+            WorkloadClass(
+                name="turns", endpoint="messages", isl=Fixed(value=40), osl=Fixed(value=4),
+                session=Session(turns=Fixed(value=3)),
+            ),
+            WorkloadClass(name="one-shot", endpoint="messages", isl=Fixed(value=120), osl=Fixed(value=3)),
+        ],
+    )  # fmt: skip
+    config = SweepConfig(
+        targets=(Target(gw.url, "tiny", str(tokenizer_dir)),),
+        workloads=(agent,),
+        users=(2,),
+        requests_per_level=8,
+        stream=stream,
+    )
+    result = await run_sweep(config, Progress(live=False))
+    records = result.series[0].levels[0][1].records
+    assert records and all(r.ok for r in records), [r.outcome for r in records]
+    for rec in records:
+        assert rec.output_tokens is not None and 1 <= rec.output_tokens <= rec.osl
+        if rec.session is None:
+            assert rec.input_tokens == rec.isl
+        if stream:
+            assert rec.ttft_s is not None
+    assert any(r.turn for r in records)  # later turns, with the answers in their history
+    assert {line["endpoint"] for line in logged(gw)} == {"messages"}

@@ -11,7 +11,7 @@ gateway's access log:
     classes:
       - name: classification
         weight: 3
-        endpoint: chat             # or completions
+        endpoint: chat             # or completions, or messages (Anthropic's /v1/messages)
         isl: {type: normal, mean: 4000, std: 300, min: 1000}
         osl: 10                    # a bare number is {type: fixed, value: N}
       - name: generation
@@ -45,7 +45,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-Endpoint = Literal["chat", "completions"]
+Endpoint = Literal["chat", "completions", "messages"]
 
 
 class Spec(BaseModel):
@@ -166,8 +166,8 @@ class WorkloadClass(Spec):
                 f"isl can draw {lowest(self.isl)}, not more than the rule set's"
                 f" {self.rules.tokens} tokens: the product text needs room"
             )
-        if self.session and self.endpoint != "chat":
-            raise ValueError("a session is a chat conversation: endpoint must be chat")
+        if self.session and self.endpoint == "completions":
+            raise ValueError("a session is a conversation: endpoint must be chat or messages")
         return self
 
 

@@ -360,7 +360,9 @@ async def _serve(request: web.Request, chat: bool, anthropic: bool) -> web.Strea
     if state.faults.first_token_delay_s:
         state.fired("first_token_delay")
         await asyncio.sleep(state.faults.first_token_delay_s / engine.time_scale)
-    seq = engine.submit(ids, max_tokens, ignore_eos=bool(body.get("ignore_eos")))
+    # vLLM's Anthropic request model has no ignore_eos: a messages request never forces it.
+    ignore_eos = bool(body.get("ignore_eos")) and not anthropic
+    seq = engine.submit(ids, max_tokens, ignore_eos=ignore_eos)
     seq.arrival = received
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     chunks = _Chunks(chat, rid, model, state.encoder.token_text)
