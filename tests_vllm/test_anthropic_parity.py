@@ -12,8 +12,8 @@ The requests are what agents send: a system prompt as a string and as blocks (wi
 Code's billing header), inline system reminders, multi-turn text, tool definitions (with and
 without a schema `type`), tool uses and their results (as a string, as text items, with a tool
 reference), an assistant's tool result, thinking and redacted thinking blocks, empty text blocks,
-`tool_choice` of each kind, `output_config.effort` and `chat_template_kwargs`. `thinking:
-{"type": "disabled"}` is left out: vLLM probes its effort on a live renderer.
+`tool_choice` of each kind, `output_config.effort`, `thinking` of each type (`disabled` as the
+effort vLLM's serving probes its renderer for) and `chat_template_kwargs`.
 """
 
 from __future__ import annotations
@@ -165,6 +165,11 @@ CASES: list[dict[str, Any]] = [
     body([user("effort")], output_config={"effort": "low"}),
     body([user("kwargs")], chat_template_kwargs={"enable_thinking": False}),
     body([user("budget")], thinking={"type": "enabled", "budget_tokens": 1024}, max_tokens=2048),
+    body([user("no thinking")], thinking={"type": "disabled"}),
+    body(
+        [user("no thinking, high")], thinking={"type": "disabled"}, output_config={"effort": "high"}
+    ),
+    body([user("adaptive")], thinking={"type": "adaptive"}, output_config={"effort": "max"}),
     body(
         [
             user("t"),

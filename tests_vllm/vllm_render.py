@@ -173,14 +173,30 @@ async def count(online: Any, body: dict[str, Any]) -> dict[str, Any]:
 async def convert(online: Any, body: dict[str, Any]) -> Any:
     """A `/v1/messages` body as vLLM's Anthropic serving turns it into a chat request:
     `AnthropicMessagesRequest` validated, then `to_chat_completion_request` with inline system
-    messages merged when the renderer's templates need it (`_should_merge_inline_system`).
-    `thinking: disabled` is not converted here (its effort is probed on a live server)."""
+    messages merged when the renderer's templates need it (`_should_merge_inline_system`), and
+    `thinking: disabled` as the effort `_probe_disabled_thinking_effort` finds on the renderer
+    (the serving's own methods, on a stand-in holding only what they read)."""
+    from types import SimpleNamespace
+
     from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
     from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+    from vllm.renderers.inputs.preprocess import extract_prompt_components
 
     request = AnthropicMessagesRequest.model_validate(body)
     merge = AnthropicServingMessages._should_merge_inline_system(online)
-    return AnthropicServingMessages.to_chat_completion_request(request, merge_inline_system=merge)
+    effort = "none"
+    if request.thinking is not None and request.thinking.type == "disabled":
+        serving = SimpleNamespace(online_renderer=online)
+        serving._extract_prompt_components = lambda prompt: extract_prompt_components(
+            online.model_config, prompt
+        )
+        serving._render_probe_prompt = lambda e: AnthropicServingMessages._render_probe_prompt(
+            serving, e
+        )
+        effort = await AnthropicServingMessages._probe_disabled_thinking_effort(serving)
+    return AnthropicServingMessages.to_chat_completion_request(
+        request, merge_inline_system=merge, disabled_thinking_effort=effort
+    )
 
 
 async def count_messages(online: Any, body: dict[str, Any]) -> dict[str, Any]:

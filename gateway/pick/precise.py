@@ -39,6 +39,8 @@ from urllib.parse import urlsplit
 import aiohttp
 from pydantic import Field, PositiveFloat, PositiveInt
 
+from gateway.api.anthropic import MESSAGES, chat_for
+from gateway.api.chat import CHAT
 from gateway.pick import zmtp
 from gateway.pick.kv_events import EngineBlocks, token_blocks
 from gateway.pick.scorers import Scorer, _Params
@@ -266,7 +268,10 @@ class PrecisePrefixScorer(Scorer):
         size = self.block_size
         if size is None or ctx.model is None:
             return ()  # no replica has told its block size yet: nothing could match
-        ids = await ctx.model.counter.prompt_ids(ctx.body, ctx.endpoint)
+        body, endpoint = ctx.body, ctx.endpoint
+        if endpoint == MESSAGES.name:  # the replica prefills the chat it converts it to
+            body, endpoint = chat_for(body, ctx.model.counter), CHAT.name
+        ids = await ctx.model.counter.prompt_ids(body, endpoint)
         if not ids:
             return ()
         salt = ctx.body.get("cache_salt")
