@@ -340,3 +340,31 @@ async def test_x_api_key_and_bearer_both_name_the_tenant(
     status, answer, _, _ = await post(http, f"{gw.url}/v1/messages", HELLO)
     assert status == 401 and answer["error"]["type"] == "authentication_error"
     await asyncio.sleep(0)
+
+
+def test_system_messages_add_and_remove_tools_as_vllm_resolves_them() -> None:
+    weather = {"name": "weather", "input_schema": {"type": "object"}}
+    search = {"name": "search", "input_schema": {}, "defer_loading": True}
+    changes = [
+        {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "search"}},
+        {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "weather"}},
+    ]
+    body = {
+        "messages": [{"role": "system", "content": changes}, {"role": "user", "content": "q"}],
+        "tools": [weather, search],
+    }
+    (tool,) = to_chat(body, False, "none")["tools"]
+    assert tool["function"]["name"] == "search" and tool["function"]["defer_loading"] is None
+    body["tools"] = [weather]
+    with pytest.raises(BadRequest, match="not declared in tools"):
+        to_chat(body, False, "none")
+
+
+async def test_a_tool_change_outside_a_system_message_is_refused(gw, http) -> None:
+    change = {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "x"}}
+    for body in (
+        {**HELLO, "messages": [{"role": "user", "content": [change]}]},
+        {**HELLO, "system": [change]},
+    ):
+        status, answer, _, _ = await post(http, f"{gw.url}/v1/messages", body)
+        assert status == 400 and 'role "system"' in answer["error"]["message"]

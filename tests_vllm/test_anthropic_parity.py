@@ -12,7 +12,8 @@ The requests are what agents send: a system prompt as a string and as blocks (wi
 Code's billing header), inline system reminders, multi-turn text, tool definitions (with and
 without a schema `type`), tool uses and their results (as a string, as text items, with a tool
 reference), an assistant's tool result, thinking and redacted thinking blocks, empty text blocks,
-`tool_choice` of each kind, `output_config.effort`, `thinking` of each type (`disabled` as the
+`tool_choice` of each kind, tools added and removed by system messages (and the refusals of
+an undeclared one and of a change outside a system message), `output_config.effort`, `thinking` of each type (`disabled` as the
 effort vLLM's serving probes its renderer for) and `chat_template_kwargs`.
 """
 
@@ -166,6 +167,46 @@ CASES: list[dict[str, Any]] = [
     body([user("kwargs")], chat_template_kwargs={"enable_thinking": False}),
     body([user("budget")], thinking={"type": "enabled", "budget_tokens": 1024}, max_tokens=2048),
     body([user("no thinking")], thinking={"type": "disabled"}),
+    body(
+        [
+            {
+                "role": "system",
+                "content": [
+                    {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "search"}},
+                    {
+                        "type": "tool_addition",
+                        "tool": {
+                            "type": "tool_definition",
+                            "definition": {
+                                "name": "clock",
+                                "description": "Now.",
+                                "input_schema": {},
+                            },
+                        },
+                    },
+                    {
+                        "type": "tool_removal",
+                        "tool": {"type": "tool_reference", "name": "get_weather"},
+                    },
+                ],
+            },
+            user("what time is it"),
+        ],
+        tools=[WEATHER, {**SEARCH, "defer_loading": True}],
+    ),
+    body(
+        [
+            {
+                "role": "system",
+                "content": [
+                    {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "missing"}}
+                ],
+            },
+            user("x"),
+        ],
+        tools=[WEATHER],
+    ),
+    body([user([{"type": "tool_addition", "tool": {"type": "tool_reference", "name": "x"}}])]),
     body(
         [user("no thinking, high")], thinking={"type": "disabled"}, output_config={"effort": "high"}
     ),

@@ -51,6 +51,7 @@ _BLOCK_TYPES = frozenset(
 # Block fields by the type vLLM's `AnthropicContentBlock` gives them.
 _STR_FIELDS = ("text", "id", "tool_use_id", "name", "tool_name", "thinking", "signature", "data")
 _DICT_FIELDS = ("source", "input")
+_TOOL_CHANGES = ("tool_addition", "tool_removal")
 _TOOL_CHOICES = frozenset({"auto", "any", "tool", "none"})
 _EFFORTS = frozenset({"low", "medium", "high", "xhigh", "max"})
 _THINKING = frozenset({"enabled", "disabled", "adaptive"})
@@ -174,12 +175,9 @@ def _check_blocks(blocks: Any, param: str, size: _Size, role: str) -> None:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind not in _BLOCK_TYPES:
             raise _refuse(f"{where}.type", f"must be one of {', '.join(sorted(_BLOCK_TYPES))}")
-        if kind in ("tool_addition", "tool_removal"):
-            raise BadRequest(
-                f"{kind} blocks are not supported by this gateway",
-                param=f"{where}.type",
-                code="unsupported_block",
-            )
+        if kind in _TOOL_CHANGES:
+            _check_tool_change(block, kind, where, role, size)
+            continue
         for field in _STR_FIELDS:
             _optional(block.get(field), str, f"{where}.{field}", "a string")
             size.chars += len(block.get(field) or "") if field != "data" else 0
@@ -196,21 +194,51 @@ def _check_blocks(blocks: Any, param: str, size: _Size, role: str) -> None:
                 size.chars += text_chars(block.get("content"))
 
 
+def _check_tool(tool: Any, where: str) -> None:
+    """One tool as `AnthropicTool` validates it."""
+    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+        raise _refuse(f"{where}.name", "is required and must be a string")
+    if not isinstance(tool.get("input_schema"), dict):
+        raise _refuse(f"{where}.input_schema", "is required and must be an object")
+    _optional(tool.get("description"), str, f"{where}.description", "a string")
+    for flag in ("strict", "defer_loading"):
+        lax_bool(tool.get(flag), f"{where}.{flag}", False, nullable=True)
+
+
 def _check_tools(tools: Any, size: _Size) -> None:
     if tools is None:
         return
     if not isinstance(tools, list):
         raise _refuse("tools", "must be an array of tools")
     for index, tool in enumerate(tools):
-        where = f"tools[{index}]"
-        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
-            raise _refuse(f"{where}.name", "is required and must be a string")
-        if not isinstance(tool.get("input_schema"), dict):
-            raise _refuse(f"{where}.input_schema", "is required and must be an object")
-        _optional(tool.get("description"), str, f"{where}.description", "a string")
-        for flag in ("strict", "defer_loading"):
-            lax_bool(tool.get(flag), f"{where}.{flag}", False, nullable=True)
+        _check_tool(tool, f"tools[{index}]")
     size.chars += text_chars(tools)
+
+
+def _check_tool_change(
+    block: dict[str, Any], kind: str, where: str, role: str, size: _Size
+) -> None:
+    """A `tool_addition` or `tool_removal` block: only in a system message (not the top-level
+    `system`), naming a tool by reference or, to add one, defining it."""
+    if role != "system" or where.startswith("system"):
+        raise BadRequest(
+            f'{kind} blocks are only allowed in messages with role "system"', param=where
+        )
+    tool = block.get("tool")
+    if not isinstance(tool, dict):
+        tool = {}
+    change = tool.get("type")
+    if change == "tool_reference" and isinstance(tool.get("name"), str):
+        size.chars += len(tool["name"])
+        return
+    if change == "tool_definition" and kind == "tool_addition":
+        _check_tool(tool.get("definition"), f"{where}.tool.definition")
+        size.chars += text_chars(tool)
+        return
+    allowed = (
+        "a tool_reference" if kind == "tool_removal" else "a tool_reference or tool_definition"
+    )
+    raise _refuse(f"{where}.tool", f"is required and must be {allowed}")
 
 
 def _check_options(body: dict[str, Any], max_tokens: int | None) -> None:
@@ -404,6 +432,43 @@ def _tool(tool: dict[str, Any]) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
+def _resolve_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """`_resolve_tools`: the tools in effect at the conversation's end, once the system
+    messages' `tool_addition` and `tool_removal` blocks are applied in order to `tools` (a tool
+    added by reference is no longer deferred, one added by definition is declared, a removed
+    one dropped); referring to an undeclared tool is vLLM's 400."""
+    changes = [
+        block
+        for message in body["messages"]
+        if not isinstance(message["content"], str)
+        for block in message["content"]
+        if block["type"] in _TOOL_CHANGES
+    ]
+    if not changes:
+        return body.get("tools")
+    tools = {tool["name"]: tool for tool in body.get("tools") or ()}
+    removed: set[str] = set()
+    for block in changes:
+        kind, change = block["type"], block["tool"]
+        if change["type"] == "tool_definition":
+            name = change["definition"]["name"]
+            tools[name] = change["definition"]
+        else:
+            name = change["name"]
+            if name not in tools:
+                raise BadRequest(
+                    f"{kind} references tool {name!r}, which is not declared in tools",
+                    param="messages",
+                )
+            if kind == "tool_addition":
+                tools[name] = {**tools[name], "defer_loading": None}
+        if kind == "tool_removal":
+            removed.add(name)
+        else:
+            removed.discard(name)
+    return [tool for name, tool in tools.items() if name not in removed]
+
+
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
@@ -450,7 +515,7 @@ def to_chat(
         effort = disabled_effort
     if effort is not None:
         chat["reasoning_effort"] = effort
-    tools = body.get("tools")
+    tools = _resolve_tools(body)
     if tools is not None:
         chat["tools"] = [_tool(tool) for tool in tools]
     choice = body.get("tool_choice")
