@@ -34,7 +34,7 @@ DEFAULT_PRIORITY = _PRIORITY_INDEX["standard"]
 MAX_MODEL_CHARS = 256
 
 
-def _lax_int(body: dict[str, Any], name: str) -> int:
+def lax_int(body: dict[str, Any], name: str) -> int:
     """A non-negative integer field as pydantic's lax mode reads vLLM's (integral floats and
     numeric strings too); absent or null is 0."""
     value = body.get(name)
@@ -232,7 +232,7 @@ def _parse_openai_fields(
     ctx: Ctx, body: dict[str, Any], limits: ServerSpec, prompts: int, max_output: int | None
 ) -> None:
     """`n`, `min_tokens`, `ignore_eos` and `stream_options`, as vLLM's OpenAI APIs read them."""
-    min_output = _lax_int(body, "min_tokens")
+    min_output = lax_int(body, "min_tokens")
     if max_output is not None and min_output > max_output:  # vLLM's SamplingParams refuse it
         raise BadRequest(
             f"min_tokens must be less than or equal to max_tokens={max_output}, got {min_output}.",

@@ -30,7 +30,7 @@ from aiohttp import web
 
 from gateway.api.base import FINGERPRINT_CHARS, Api
 from gateway.errors import BadRequest, GatewayError
-from gateway.parse import check_prompt_chars, text_chars
+from gateway.parse import check_prompt_chars, lax_int, text_chars
 from gateway.tokenizer.chat_template import lax_bool
 from gateway.tokenizer.counters import HFCounter
 
@@ -556,9 +556,9 @@ class MessagesApi(Api):
 
     def parse(self, ctx: Ctx, body: dict[str, Any], limits: ServerSpec) -> tuple[int, int | None]:
         """One prompt; `max_tokens` is required."""
-        max_tokens = body.get("max_tokens")
-        if type(max_tokens) is not int:
-            raise _refuse("max_tokens", "is required and must be an integer")
+        if body.get("max_tokens") is None:
+            raise _refuse("max_tokens", "is required", "invalid_value")
+        max_tokens = lax_int(body, "max_tokens")  # as pydantic reads vLLM's `int`
         if max_tokens < 1:
             raise BadRequest("max_tokens must be positive", param="max_tokens")
         ctx.images = check_messages(body, limits, max_tokens)
