@@ -237,6 +237,9 @@ async def test_a_full_pool_is_overloaded(spy, gateway_factory, tokenizer_dir) ->
         assert isinstance(refused.value, anthropic.OverloadedError)
     assert refused.value.body["error"]["type"] == "overloaded_error"
     assert refused.value.response.headers["x-should-retry"] == "true"
+    await accounted(gw, 1)
+    refusal = next(line for line in logged(gw) if line["status"] != 200)
+    assert refusal["status"] == 529 and refusal["reason"] == "queue_full"  # what the client got
 
 
 @pytest.mark.parametrize("stream", [True, False])
