@@ -12,8 +12,14 @@ from typing import Any
 import orjson
 import pytest
 from aiohttp import ClientSession, web
+from hypothesis import event as tally
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from multidict import CIMultiDict, CIMultiDictProxy
 
+from gateway.api import MESSAGES
 from gateway.api.anthropic import anthropic_status, to_chat
+from gateway.context import Ctx
 from gateway.errors import (
     BadRequest,
     BodyTooLarge,
@@ -29,8 +35,10 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
+from gateway.parse import parse
+from gateway.policy.compile import load_policy
 from gateway.policy.schema import ServerSpec
-from tests.conftest import _serve, accounted, basic_policy
+from tests.conftest import _serve, accounted, basic_policy, write_policy
 
 HELLO = {"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -368,3 +376,75 @@ async def test_a_tool_change_outside_a_system_message_is_refused(gw, http) -> No
     ):
         status, answer, _, _ = await post(http, f"{gw.url}/v1/messages", body)
         assert status == 400 and 'role "system"' in answer["error"]["message"]
+
+
+scalars = st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=6)
+values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+block_types = st.sampled_from(
+    ["text", "image", "tool_use", "tool_result", "tool_reference", "thinking",
+     "redacted_thinking", "tool_addition", "tool_removal", "video"]
+)  # fmt: skip
+fields = st.sampled_from(
+    ["text", "source", "id", "tool_use_id", "name", "input", "content", "thinking", "tool",
+     "is_error", "tool_name"]
+)  # fmt: skip
+blocks = st.builds(
+    lambda kind, extra: {"type": kind, **extra},
+    block_types,
+    st.dictionaries(fields, values, max_size=3),
+)
+contents = st.text(max_size=10) | st.lists(blocks, max_size=3)
+messages = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "user", "system"]), "content": contents}
+    ),
+    min_size=1,
+    max_size=4,
+)
+bodies = st.fixed_dictionaries(
+    {"model": st.just("tiny"), "max_tokens": st.just(8), "messages": messages},
+    optional={
+        "system": contents,
+        "tools": st.lists(
+            st.fixed_dictionaries({"name": st.text(max_size=5), "input_schema": values}), max_size=2
+        )
+        | values,
+        "tool_choice": values | st.fixed_dictionaries({"type": st.sampled_from(["auto", "tool"])}),
+        "thinking": values,
+        "output_config": values,
+    },
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Any:
+    directory = tmp_path_factory.mktemp("messages-fuzz")
+    policy = load_policy(
+        write_policy(directory, basic_policy(tokenizer_dir, ["http://127.0.0.1:9"]))
+    )
+    yield policy
+    policy.close()
+
+
+@settings(max_examples=400, deadline=None, database=None)
+@given(body=bodies)
+def test_any_body_is_counted_or_refused_never_a_crash(
+    tiny_policy: Any, body: dict[str, Any]
+) -> None:
+    """Whatever the shape, the checks and the conversion end in a count or a 400: a body that
+    passed the checks never crashes the conversion or the template (a 500 for the client)."""
+    ctx = Ctx("fuzz", MESSAGES, MESSAGES.path, CIMultiDictProxy(CIMultiDict()), 0.0)
+    counter = tiny_policy.models["tiny"].counter
+    try:
+        parse(ctx, "application/json", orjson.dumps(body), tiny_policy.spec.server)
+        asyncio.run(MESSAGES.count(ctx.body, counter, 1 << 20, ctx.images))
+    except BadRequest as exc:
+        tally(f"refused {exc.param or ''}".split("[")[0])
+    else:
+        tally("counted")
