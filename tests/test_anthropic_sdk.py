@@ -16,7 +16,7 @@ from aiohttp import web
 
 from loadtest.loadgen.progress import Progress
 from loadtest.loadgen.sweep import SweepConfig, Target, run_sweep
-from loadtest.loadgen.workloads import Fixed, Session, Workload, WorkloadClass
+from loadtest.loadgen.workloads import Fixed, Session, Workload, WorkloadClass, load_workload
 from loadtest.sim import Profile, ReplicaOptions, start_replica
 from tests.conftest import _serve, accounted, basic_policy, eventually
 from tests.test_simulator import write_profile
@@ -277,3 +277,23 @@ async def test_the_load_generator_drives_an_agent_mix_over_messages(
             assert rec.ttft_s is not None
     assert any(r.turn for r in records)  # later turns, with the answers in their history
     assert {line["endpoint"] for line in logged(gw)} == {"messages"}
+
+
+async def test_the_builtin_agent_workload_runs_over_messages(gw, tokenizer_dir) -> None:
+    agent = load_workload("agent")
+    assert {c.endpoint for c in agent.classes} == {"messages"}
+    config = SweepConfig(
+        targets=(Target(gw.url, "tiny", str(tokenizer_dir)),),
+        workloads=(agent,),
+        users=(2,),
+        requests_per_level=24,
+        max_seconds_per_level=60,
+    )
+    result = await run_sweep(config, Progress(live=False))
+    records = result.series[0].levels[0][1].records
+    # The simulated tiny model has 2,048 tokens of context: a conversation's later turns outgrow
+    # it (the replica's own 400); its first turns and the one-off calls fit.
+    fits = [r for r in records if r.session is None or (r.turn or 0) < 2]
+    bad = [(r.cls, r.turn, r.outcome) for r in fits if not r.ok]
+    assert fits and not bad, bad
+    assert any(r.ok and r.session for r in records) and any(r.ok and not r.session for r in records)
