@@ -448,3 +448,11 @@ def test_any_body_is_counted_or_refused_never_a_crash(
         tally(f"refused {exc.param or ''}".split("[")[0])
     else:
         tally("counted")
+
+
+def test_prefix_affinity_hashes_the_system_prompt_first() -> None:
+    from gateway.pick.affinity import prompt_text
+
+    body = {"system": [{"type": "text", "text": "rules"}], "messages": [HELLO["messages"][0]]}
+    assert prompt_text(body) == "system\x1frules\x1euser\x1fhi\x1e"
+    assert prompt_text({"messages": [HELLO["messages"][0]]}) == "user\x1fhi\x1e"
