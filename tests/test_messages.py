@@ -456,3 +456,13 @@ def test_prefix_affinity_hashes_the_system_prompt_first() -> None:
     body = {"system": [{"type": "text", "text": "rules"}], "messages": [HELLO["messages"][0]]}
     assert prompt_text(body) == "system\x1frules\x1euser\x1fhi\x1e"
     assert prompt_text({"messages": [HELLO["messages"][0]]}) == "user\x1fhi\x1e"
+
+
+async def test_only_a_users_tool_result_sends_its_images(gw, replica, http) -> None:
+    replica[0].answer = {"type": "message", "usage": {"input_tokens": 1, "output_tokens": 1}}
+    image = {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}}
+    result = {"type": "tool_result", "tool_use_id": "t", "content": [image]}
+    for role, status in (("user", 400), ("assistant", 200)):
+        body = {**HELLO, "messages": [{"role": role, "content": [result]}, HELLO["messages"][0]]}
+        got, answer, _, _ = await post(http, f"{gw.url}/v1/messages", body)
+        assert got == status, answer  # the tiny model takes no images

@@ -134,9 +134,10 @@ class _Size:
         self.chars = self.parts = self.images = 0
 
 
-def _check_result_content(content: Any, param: str, size: _Size) -> None:
+def _check_result_content(content: Any, param: str, size: _Size, role: str) -> None:
     """A `tool_result`'s `content`: a string or a list of objects (text, image, tool_reference
-    items are read; others skipped, as vLLM skips them)."""
+    items are read; others skipped, as vLLM skips them). Only a user's result has its images
+    sent as images; an assistant's is printed whole."""
     if content is None or isinstance(content, str):
         size.chars += len(content or "")
         return
@@ -149,7 +150,7 @@ def _check_result_content(content: Any, param: str, size: _Size) -> None:
         kind = item.get("type")
         if kind == "image":
             _optional(item.get("source"), dict, f"{param}.source", "an object")
-            size.images += 1
+            size.images += role == "user"
         elif kind == "tool_reference":
             for field in ("tool_name", "name"):
                 _optional(item.get(field), str, f"{param}.{field}", "a string")
@@ -189,7 +190,7 @@ def _check_blocks(blocks: Any, param: str, size: _Size, role: str) -> None:
         elif kind == "tool_use":
             size.chars += text_chars(block.get("input"))
         elif kind == "tool_result":
-            _check_result_content(block.get("content"), f"{where}.content", size)
+            _check_result_content(block.get("content"), f"{where}.content", size, role)
             if role != "user":  # printed as its Python repr: bounded by its JSON's strings
                 size.chars += text_chars(block.get("content"))
 
