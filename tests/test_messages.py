@@ -466,3 +466,13 @@ async def test_only_a_users_tool_result_sends_its_images(gw, replica, http) -> N
         body = {**HELLO, "messages": [{"role": role, "content": [result]}, HELLO["messages"][0]]}
         got, answer, _, _ = await post(http, f"{gw.url}/v1/messages", body)
         assert got == status, answer  # the tiny model takes no images
+
+
+def test_the_estimators_key_ignores_claude_codes_billing_header() -> None:
+    first = {"type": "text", "text": "x-anthropic-billing-header: cch=1;"}
+    second = {"type": "text", "text": "x-anthropic-billing-header: cch=2;"}
+    rules = {"type": "text", "text": "You are an agent."}
+    one = {**HELLO, "system": [first, rules]}
+    other = {**HELLO, "system": [second, rules]}
+    assert MESSAGES.fingerprint(one) == MESSAGES.fingerprint(other)
+    assert MESSAGES.fingerprint(one) != MESSAGES.fingerprint(HELLO)

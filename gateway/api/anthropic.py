@@ -5,7 +5,8 @@ vLLM converts a messages request to a chat request (vllm/entrypoints/anthropic/s
 does the same: `to_chat` is that conversion, rule for rule (the system prompt joined, Claude
 Code's billing header dropped, inline system messages merged into it when the template refuses
 them, tool results as tool messages, tool uses as tool calls, thinking as reasoning, tools as
-function tools, `thinking`/`output_config` as `reasoning_effort`), and the chat's own counting
+function tools after the system messages' tool additions and removals, `thinking` and
+`output_config` as `reasoning_effort`), and the chat's own counting
 (gateway/api/chat.py) renders and counts the result, so the count is vLLM's.
 
 Parse checks the shape vLLM's request model validates (protocol.py), `max_tokens` required, and
@@ -573,12 +574,19 @@ class MessagesApi(Api):
         return images + text, images + text
 
     def fingerprint(self, body: dict[str, Any]) -> int:
-        """The start of the system prompt, else of the first message."""
+        """The start of the system prompt (without Claude Code's per-request billing header,
+        which would make every request unlike the last), else of the first message."""
         system = body.get("system")
         if not system:
             system = body["messages"][0]["content"]
         if not isinstance(system, str):
-            system = "".join(b.get("text") or "" for b in system if b.get("type") == "text")
+            system = "".join(
+                b.get("text") or ""
+                for b in system
+                if b.get("type") == "text" and not (b.get("text") or "").startswith(_BILLING_HEADER)
+            )
+        elif system.startswith(_BILLING_HEADER):
+            system = system.partition("\n")[2]
         return hash(system[:FINGERPRINT_CHARS])
 
     def input_floor(self, ctx: Ctx, counter: TokenCounter) -> int:
