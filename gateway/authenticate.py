@@ -1,4 +1,5 @@
-"""The authenticate stage: `Authorization: Bearer <key>` names the tenant, before the body is read.
+"""The authenticate stage: `Authorization: Bearer <key>` (or, as Anthropic's clients send it,
+`x-api-key: <key>`) names the tenant, before the body is read.
 
 The policy holds keys only as SHA-256 hashes (raw keys may come from a Secret file or the
 environment and are hashed at load), so the key table is `{digest: Tenant}` and a request costs
@@ -82,13 +83,20 @@ def compile_tenants(
 
 
 def identify(headers: Mapping[str, str], keys: Mapping[bytes, Tenant]) -> Tenant | None:
-    """The tenant the bearer key names, or raise 401; None without tenants (the gateway is open)."""
+    """The tenant the bearer key (else the `x-api-key`) names, or raise 401; None without
+    tenants (the gateway is open)."""
     if not keys:
         return None
-    scheme, _, key = headers.get("Authorization", "").partition(" ")
+    authorization = headers.get("Authorization")
+    if authorization is None:  # Anthropic's clients send the key in `x-api-key`
+        scheme, key = "bearer", headers.get("x-api-key", "")
+    else:
+        scheme, _, key = authorization.partition(" ")
     key = key.strip()
     if scheme.lower() != "bearer" or not key:
-        raise InvalidApiKey("You didn't provide an API key: send `Authorization: Bearer <key>`.")
+        raise InvalidApiKey(
+            "You didn't provide an API key: send `Authorization: Bearer <key>` or `x-api-key`."
+        )
     tenant = keys.get(hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest())
     if tenant is None:
         raise InvalidApiKey("Incorrect API key provided.")

@@ -307,7 +307,9 @@ async def _explain(
             arrived=time.perf_counter(),
         )
         # The server answers 401 to a request without a key; explain still shows where it goes.
-        keyless = bool(policy.tenants) and "Authorization" not in ctx.headers
+        keyless = bool(policy.tenants) and not (
+            "Authorization" in ctx.headers or "x-api-key" in ctx.headers
+        )
         if not keyless:
             authenticate(ctx, policy.tenants)
         parse(ctx, "application/json", raw, policy.spec.server)
@@ -437,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--endpoint",
         choices=get_args(Endpoint),
-        help="default: completions when the body has `prompt` and no `messages`, else chat",
+        help="default: completions when the body has `prompt` and no `messages`, else chat"
+        " (an Anthropic /v1/messages body needs `--endpoint messages`)",
     )
     p.add_argument(
         "-H",

@@ -57,8 +57,6 @@ _DROP_RESPONSE = frozenset(
 _EVENT_END = b"\n\n"
 _MAX_PENDING = 1 << 16  # an SSE event this long without a separator is passed on unparsed
 _DATA = b"data: "
-_DONE = b"data: [DONE]"
-_DONE_EVENT = _DONE + _EVENT_END
 _USAGE = b'"usage"'
 _USAGE_KEY = re.compile(rb'"usage"\s*:\s*')
 _USAGE_SPAN = 4096  # a usage object is a few hundred bytes
@@ -204,12 +202,14 @@ def upstream_headers(
         out["X-Forwarded-For"] = ", ".join([*out.popall("X-Forwarded-For", []), peer])
         if "Forwarded" in out:
             out["Forwarded"] = ", ".join([*out.popall("Forwarded"), _forwarded_for(peer)])
-    # With tenants the client's key is the gateway's business, never the replica's.
+    # With tenants the client's key is the gateway's business, never the replica's: in
+    # `Authorization` or in Anthropic's `x-api-key`, whichever it came in.
     forward_auth = ctx.tenant is None and (
         ctx.pool is None or ctx.pool.spec.forward_client_authorization
     )
     if not forward_auth:
         out.popall("Authorization", None)
+        out.popall("x-api-key", None)
     if api_key is not None:
         out["Authorization"] = f"Bearer {api_key}"
     return out
@@ -227,17 +227,21 @@ def _response_headers(upstream: MultiMapping[str], ctx: Ctx) -> CIMultiDict[str]
 
 
 def _count(ctx: Ctx, events: bytes) -> None:
-    """Count the data events of a run that carries no usage, and note the first token's time."""
-    count = events.count(_DATA) - events.count(_DONE)
+    """Count the generated chunks of a run that carries no usage (the API's: `deltas`), and
+    note the first token's time."""
+    count = ctx.api.deltas(events)
     if count and ctx.first_token is None:
         ctx.first_token = time.perf_counter()
     ctx.chunks += count
 
 
 def _usage_event(ctx: Ctx, event: bytes, drop_usage: bool) -> bytes:
-    """Read the usage from one event; return what the client should get of it."""
+    """Read the usage from one event (its data line: OpenAI's events are one, Anthropic's have
+    an `event:` line first); return what the client should get of it."""
+    line = event.find(b"\n" + _DATA)
+    at = 0 if event.startswith(_DATA) else line + 1 if line >= 0 else -1
     try:
-        chunk = orjson.loads(event[len(_DATA) :]) if event.startswith(_DATA) else None
+        chunk = orjson.loads(event[at + len(_DATA) :]) if at >= 0 else None
     except orjson.JSONDecodeError:
         chunk = None
     if not isinstance(chunk, dict):
@@ -304,6 +308,7 @@ async def _relay(
     `rename` rewrites each run of whole events, so an event split across reads is renamed once
     it is complete, and nothing waits longer than it does without it."""
     drop_usage = not ctx.client_wants_usage
+    stream_end = ctx.api.stream_end
     pending = b""
     deadline = min(first, total)
     while True:
@@ -325,7 +330,7 @@ async def _relay(
             out = rename.events(out)
         if out:
             await resp.write(out)
-            if out.endswith(_DONE_EVENT):  # the client has it all: the stream's end may lag
+            if out.endswith(stream_end):  # the client has it all: the stream's end may lag
                 ctx.answered = True
     if pending:
         out = _scan(ctx, pending, drop_usage)

@@ -34,7 +34,7 @@ DEFAULT_PRIORITY = _PRIORITY_INDEX["standard"]
 MAX_MODEL_CHARS = 256
 
 
-def _lax_int(body: dict[str, Any], name: str) -> int:
+def lax_int(body: dict[str, Any], name: str) -> int:
     """A non-negative integer field as pydantic's lax mode reads vLLM's (integral floats and
     numeric strings too); absent or null is 0."""
     value = body.get(name)
@@ -211,27 +211,9 @@ def parse(ctx: Ctx, content_type: str, raw: bytes, limits: ServerSpec) -> None:
     body = decode_body(content_type, raw, limits)
     model = check_model(body.get("model"))
     prompts, max_output = ctx.api.parse(ctx, body, limits)
-    min_output = _lax_int(body, "min_tokens")
-    if max_output is not None and min_output > max_output:  # vLLM's SamplingParams refuse it
-        raise BadRequest(
-            f"min_tokens must be less than or equal to max_tokens={max_output}, got {min_output}.",
-            param="min_tokens",
-        )
-    n = positive_int(body, "n") or 1
-    if n > limits.max_n:
-        raise BadRequest(
-            f"'n' is {n}, over the {limits.max_n} limit", param="n", code="too_many_choices"
-        )
+    if ctx.api.openai_fields:
+        _parse_openai_fields(ctx, body, limits, prompts, max_output)
     stream = lax_bool(body.get("stream"), "stream", False, nullable=True)
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise BadRequest("'stream_options' must be an object", param="stream_options")
-    if options and not body.get("stream"):  # vLLM's check runs on the value as sent
-        raise BadRequest(
-            "Stream options can only be defined when `stream=True`.", param="stream_options"
-        )
-    include_usage = (options or {}).get("include_usage")
-    wants_usage = lax_bool(include_usage, "stream_options.include_usage", False, nullable=True)
     priority = ctx.headers.get("x-priority")
     if priority is not None:
         if priority not in _PRIORITY_INDEX:
@@ -243,8 +225,34 @@ def parse(ctx: Ctx, content_type: str, raw: bytes, limits: ServerSpec) -> None:
     ctx.body = body
     ctx.requested_model = model
     ctx.stream = stream
-    ctx.client_wants_usage = wants_usage
     ctx.max_output = max_output
+
+
+def _parse_openai_fields(
+    ctx: Ctx, body: dict[str, Any], limits: ServerSpec, prompts: int, max_output: int | None
+) -> None:
+    """`n`, `min_tokens`, `ignore_eos` and `stream_options`, as vLLM's OpenAI APIs read them."""
+    min_output = lax_int(body, "min_tokens")
+    if max_output is not None and min_output > max_output:  # vLLM's SamplingParams refuse it
+        raise BadRequest(
+            f"min_tokens must be less than or equal to max_tokens={max_output}, got {min_output}.",
+            param="min_tokens",
+        )
+    n = positive_int(body, "n") or 1
+    if n > limits.max_n:
+        raise BadRequest(
+            f"'n' is {n}, over the {limits.max_n} limit", param="n", code="too_many_choices"
+        )
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object", param="stream_options")
+    if options and not body.get("stream"):  # vLLM's check runs on the value as sent
+        raise BadRequest(
+            "Stream options can only be defined when `stream=True`.", param="stream_options"
+        )
+    include_usage = (options or {}).get("include_usage")
+    wants_usage = lax_bool(include_usage, "stream_options.include_usage", False, nullable=True)
+    ctx.client_wants_usage = wants_usage
     ctx.min_output = min_output
     ctx.forced_output = lax_bool(body.get("ignore_eos"), "ignore_eos", False, nullable=True)
     ctx.sequences = n * prompts

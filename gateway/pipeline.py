@@ -188,6 +188,7 @@ async def handle(gateway: Gateway, request: web.Request, api: Api) -> web.Stream
             resp = api.error_response(
                 exc, {"x-request-id": ctx.request_id, **ctx.ratelimit_headers}
             )
+            ctx.status = resp.status  # the API's own (Anthropic's 529 for a full pool)
         except ConnectionResetError:
             raise  # the client left: below, not a failure of the gateway's
         except Exception:

@@ -42,7 +42,8 @@ their body is read, and never to TPM: they generate no tokens and use no replica
 model, so only the tenant's overall request rate applies to them.
 
 Every response for a limited tenant carries OpenAI's `x-ratelimit-{limit,remaining,reset}-
-{tokens,requests}` headers, as the windows stood after the reservation (or the refusal).
+{tokens,requests}` headers, as the windows stood after the reservation (or the refusal), and
+those of the request's API besides (Anthropic's `anthropic-ratelimit-*` on `/v1/messages`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.api.base import Api
 from gateway.authenticate import Tenant
 from gateway.context import Ctx
 from gateway.errors import GatewayError, OverQuota, QuotaExceeded, StateUnavailable
@@ -105,8 +107,9 @@ def duration(seconds: float) -> str:
     return f"{minutes}m{secs}s" if minutes else f"{secs}s"
 
 
-def _headers(pairs: Iterable[tuple[_Scoped, Window]]) -> dict[str, str]:
-    """Per kind, the window with the least room left: the one that binds the next request."""
+def _headers(pairs: Iterable[tuple[_Scoped, Window]], api: Api | None = None) -> dict[str, str]:
+    """Per kind, the window with the least room left: the one that binds the next request; and
+    the API's own headers for it (Anthropic's `anthropic-ratelimit-*`)."""
     binding: dict[str, Window] = {}
     for item, window in pairs:
         held = binding.get(item.kind)
@@ -117,6 +120,8 @@ def _headers(pairs: Iterable[tuple[_Scoped, Window]]) -> dict[str, str]:
         out[f"x-ratelimit-limit-{kind}"] = str(window.limit)
         out[f"x-ratelimit-remaining-{kind}"] = str(window.remaining)
         out[f"x-ratelimit-reset-{kind}"] = duration(window.reset_s)
+    if api is not None:
+        api.ratelimit_headers(binding, out)
     return out
 
 
@@ -295,7 +300,7 @@ class Quotas:
         if not scoped:
             return None
         result = await self._reserve(scoped)
-        ctx.ratelimit_headers = _headers(zip(scoped, result.windows, strict=True))
+        ctx.ratelimit_headers = _headers(zip(scoped, result.windows, strict=True), ctx.api)
         if isinstance(result, WindowFull):
             raise self._refuse(ctx.tenant, scoped[result.index], result.retry_after_s)
         charge = Charge()
@@ -336,7 +341,8 @@ class Quotas:
                 raise await self._refused_late(ctx, charge, item, result.retry_after_s)
             self._record(charge, result, rest)
         ctx.ratelimit_headers = _headers(
-            (s, charge.windows[s.limit.key]) for s in scoped if s.limit.key in charge.windows
+            ((s, charge.windows[s.limit.key]) for s in scoped if s.limit.key in charge.windows),
+            ctx.api,
         )
         return charge if charge.charged else None
 
@@ -354,7 +360,9 @@ class Quotas:
         ctx.ratelimit_headers = {}
         return error
 
-    async def reserve_request(self, tenant: Tenant, headers: dict[str, str]) -> None:
+    async def reserve_request(
+        self, tenant: Tenant, headers: dict[str, str], api: Api | None = None
+    ) -> None:
         """Charge one request to `tenant`'s overall RPM, for `/tokenize` or `/detokenize`, or raise
         429; `headers` gets the window's `x-ratelimit-*-requests` either way. Never TPM: they
         generate no tokens; never a model's or pool's window: no replica serves them."""
@@ -362,7 +370,7 @@ class Quotas:
         if not scoped:
             return
         result = await self._reserve(scoped)
-        headers.update(_headers(zip(scoped, result.windows, strict=True)))
+        headers.update(_headers(zip(scoped, result.windows, strict=True), api))
         if isinstance(result, WindowFull):
             raise self._refuse(tenant, scoped[result.index], result.retry_after_s)
 
@@ -380,7 +388,7 @@ class Quotas:
         except Exception:
             log.exception("reading tenant %s's windows failed", ctx.tenant.name)
             return
-        ctx.ratelimit_headers = _headers(zip(scoped, windows, strict=True))
+        ctx.ratelimit_headers = _headers(zip(scoped, windows, strict=True), ctx.api)
 
     def settle(self, ctx: Ctx, charge: Charge) -> None:
         """Correct the token charges to real usage. Call after `account`, which fills in output

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import get_args
 
-from gateway.api import APIS, BY_NAME, BY_PATH, CHAT, COMPLETIONS
+from gateway.api import APIS, BY_NAME, BY_PATH, CHAT, COMPLETIONS, MESSAGES
 from gateway.policy.compile import load_policy
 from gateway.policy.schema import Endpoint
 from gateway.server.app import create_app
@@ -16,6 +16,7 @@ def test_the_registry_names_exactly_the_policys_endpoints() -> None:
     assert sorted(BY_NAME) == sorted(get_args(Endpoint))
     assert len(BY_PATH) == len(APIS)  # one path each
     assert BY_NAME["chat"] is CHAT and BY_NAME["completions"] is COMPLETIONS
+    assert BY_NAME["messages"] is MESSAGES
 
 
 async def test_each_api_is_a_post_route_of_the_gateway(tmp_path: Path) -> None:

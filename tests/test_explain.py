@@ -265,3 +265,28 @@ def test_a_body_from_standard_input_without_messages_is_explained_as_chat(
     code, _, err = explain(capsys, "--policy", path, "-")
     assert code == 2
     assert "refused: 400 invalid_request: 'messages' must be a non-empty array" in err
+
+
+def test_a_messages_request_is_explained_by_the_chat_it_converts_to(
+    capsys, tmp_path, tokenizer_dir
+) -> None:
+    policy = basic_policy(tokenizer_dir, ["http://127.0.0.1:1"])
+    policy["pools"]["agents"] = {**policy["pools"]["main"], "replicas": ["http://127.0.0.1:2"]}
+    policy["routes"].insert(0, {"match": {"endpoint": "messages"}, "pool": "agents"})
+    path = str(write_policy(tmp_path, policy))
+    request = tmp_path / "messages.json"
+    body = {"model": "tiny", "max_tokens": 20, "system": "Be brief.",
+            "messages": [{"role": "user", "content": "Label this review."}]}  # fmt: skip
+    request.write_text(json.dumps(body))
+    code, out, _ = explain(
+        capsys, "--json", "--policy", path, "--endpoint", "messages", "-H", "x-api-key: k",
+        str(request),
+    )  # fmt: skip
+    decision = json.loads(out)
+    assert code == 0 and decision["endpoint"] == "messages" and decision["pool"] == "agents"
+    chat = {"model": "tiny", "max_tokens": 20, "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Label this review."},
+    ]}  # fmt: skip
+    request.write_text(json.dumps(chat))
+    _, out, _ = explain(capsys, "--json", "--policy", path, str(request))
+    assert json.loads(out)["input_tokens"] == decision["input_tokens"]

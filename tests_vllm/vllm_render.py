@@ -7,7 +7,8 @@ venv has no vLLM), as a script: it imports vLLM only, nothing of the repository.
     $VLLM_PYTHON tests_vllm/vllm_render.py < requests.json > results.json
 
 stdin: a list of jobs `{"tokenizer": DIR, "max_model_len": N, "tool_parser": NAME or null,
-"bodies": [BODY, ...]}`; stdout: `{"results": [[RESULT, ...], ...], "read": [...]}`, a result per
+"bodies": [BODY, ...], "anthropic": BOOL}` (`anthropic`: the bodies are `/v1/messages` ones,
+converted to a chat as vLLM's Anthropic serving converts them, then counted alike); stdout: `{"results": [[RESULT, ...], ...], "read": [...]}`, a result per
 body per job, `{"tokens": N, "prompt": RENDERED}` or `{"refused": STATUS, "error": "Type:
 message"}`, and the model-config attributes vLLM read.
 
@@ -154,7 +155,6 @@ def refused(exc: Exception) -> dict[str, Any]:
 async def count(online: Any, body: dict[str, Any]) -> dict[str, Any]:
     from pydantic import ValidationError
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
     from vllm.entrypoints.serve.exception_handling.handlers.validation import (
         clean_loc_for_param,
     )
@@ -167,6 +167,58 @@ async def count(online: Any, body: dict[str, Any]) -> dict[str, Any]:
         return {"refused": 400, "error": f"RequestValidationError: {where}: {first['msg']}"}
     except Exception as exc:  # a model_validator's own VLLMValidationError, raised through
         return refused(exc)
+    return await render(online, request)
+
+
+async def convert(online: Any, body: dict[str, Any]) -> Any:
+    """A `/v1/messages` body as vLLM's Anthropic serving turns it into a chat request:
+    `AnthropicMessagesRequest` validated, then `to_chat_completion_request` with inline system
+    messages merged when the renderer's templates need it (`_should_merge_inline_system`), and
+    `thinking: disabled` as the effort `_probe_disabled_thinking_effort` finds on the renderer
+    (the serving's own methods, on a stand-in holding only what they read)."""
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+    from vllm.renderers.inputs.preprocess import extract_prompt_components
+
+    request = AnthropicMessagesRequest.model_validate(body)
+    merge = AnthropicServingMessages._should_merge_inline_system(online)
+    effort = "none"
+    if request.thinking is not None and request.thinking.type == "disabled":
+        serving = SimpleNamespace(online_renderer=online)
+        serving._extract_prompt_components = lambda prompt: extract_prompt_components(
+            online.model_config, prompt
+        )
+        serving._render_probe_prompt = lambda e: AnthropicServingMessages._render_probe_prompt(
+            serving, e
+        )
+        effort = await AnthropicServingMessages._probe_disabled_thinking_effort(serving)
+    return AnthropicServingMessages.to_chat_completion_request(
+        request, merge_inline_system=merge, disabled_thinking_effort=effort
+    )
+
+
+async def count_messages(online: Any, body: dict[str, Any]) -> dict[str, Any]:
+    from pydantic import ValidationError
+
+    try:
+        request = await convert(online, body)
+    except ValidationError as exc:
+        return {"refused": 400, "error": f"RequestValidationError: {exc.errors()[0]['msg']}"}
+    except Exception as exc:
+        return refused(exc)
+    return await render(online, request)
+
+
+async def render(online: Any, request: Any) -> dict[str, Any]:
+    """`render_chat` of a validated chat request: its count, or vLLM's refusal."""
+    from pydantic import ValidationError
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    from vllm.entrypoints.serve.exception_handling.handlers.validation import (
+        clean_loc_for_param,
+    )
+
     try:
         result = await online.render_chat(request)
     except ValidationError as exc:
@@ -192,7 +244,8 @@ async def main() -> None:
     out = []
     for job in json.load(sys.stdin):
         online = build(job["tokenizer"], job["max_model_len"], job.get("tool_parser"))
-        out.append([await count(online, body) for body in job["bodies"]])
+        counting = count_messages if job.get("anthropic") else count
+        out.append([await counting(online, body) for body in job["bodies"]])
     json.dump({"results": out, "read": sorted(ModelConfig.READ)}, sys.stdout)
 
 

@@ -16,11 +16,14 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from aiohttp import web
 
     from gateway.context import Ctx
     from gateway.errors import GatewayError
     from gateway.policy.schema import ServerSpec
+    from gateway.state.base import Window
     from gateway.tokenizer.counters import TokenCounter
 
 # How much of a prompt's start keys the output estimator (gateway/estimate.py): a system prompt
@@ -41,6 +44,11 @@ class Api(ABC):
     name: ClassVar[str]
     path: ClassVar[str]
     prompt_param: ClassVar[str]
+    # Whether the body's OpenAI sampling fields (`n`, `min_tokens`, `ignore_eos`,
+    # `stream_options`) are read: an API whose replica ignores them leaves them unread.
+    openai_fields: ClassVar[bool] = True
+    # The bytes a whole stream ends with: once written, the client has its whole answer.
+    stream_end: ClassVar[bytes]
 
     @abstractmethod
     def parse(self, ctx: Ctx, body: dict[str, Any], limits: ServerSpec) -> tuple[int, int | None]:
@@ -86,6 +94,16 @@ class Api(ABC):
     def usage_event(self, ctx: Ctx, event: dict[str, Any]) -> bool:
         """Read the usage a decoded stream event carries; whether the event only carries it (the
         gateway's to drop when the client did not ask for it)."""
+
+    @abstractmethod
+    def deltas(self, events: bytes) -> int:
+        """The generated chunks in a run of whole stream events that carry no usage (what a
+        broken stream's output is counted by)."""
+
+    @abstractmethod
+    def ratelimit_headers(self, windows: Mapping[str, Window], out: dict[str, str]) -> None:
+        """Add this API's own rate-limit headers to `out` for the binding window of each kind
+        (`requests`, `tokens`), beside OpenAI's `x-ratelimit-*` every answer carries."""
 
     @abstractmethod
     def error_response(

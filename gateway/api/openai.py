@@ -13,10 +13,13 @@ from typing import TYPE_CHECKING, Any
 from gateway.api.base import Api
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from aiohttp import web
 
     from gateway.context import Ctx
     from gateway.errors import GatewayError
+    from gateway.state.base import Window
 
 
 def _tokens(value: Any) -> bool:
@@ -27,6 +30,7 @@ class OpenAIApi(Api):
     """The usage, upstream fields and refusals of OpenAI's completion APIs, as vLLM serves them."""
 
     __slots__ = ()
+    stream_end = b"data: [DONE]\n\n"
 
     def upstream_fields(self, ctx: Ctx, changes: dict[str, Any]) -> None:
         """A stream's usage is asked for on the client's behalf; `forward` drops the chunk that
@@ -57,6 +61,13 @@ class OpenAIApi(Api):
         """The final usage chunk has no choices; continuous usage stats ride on ordinary ones."""
         self.read_usage(ctx, event.get("usage"))
         return event.get("choices") == []
+
+    def deltas(self, events: bytes) -> int:
+        """Every data event but `[DONE]`."""
+        return events.count(b"data: ") - events.count(b"data: [DONE]")
+
+    def ratelimit_headers(self, windows: Mapping[str, Window], out: dict[str, str]) -> None:
+        """OpenAI's `x-ratelimit-*` are every answer's already."""
 
     def error_response(
         self, error: GatewayError, headers: dict[str, str] | None = None

@@ -34,7 +34,10 @@ def prompt_text(body: dict[str, Any]) -> str | list[int] | None:
     text), a completion's first prompt (text or token ids); None when there is none."""
     messages = body.get("messages")
     if isinstance(messages, list):
-        return "".join(
+        # Anthropic's messages carry the system prompt beside them: it leads the prompt too.
+        system = body.get("system")
+        lead = f"system\x1f{message_text(system)}\x1e" if system else ""
+        return lead + "".join(
             f"{m.get('role')}\x1f{message_text(m.get('content'))}\x1e"
             for m in messages
             if isinstance(m, dict)

@@ -17,7 +17,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.admit import Replica
-from gateway.api import BY_PATH
+from gateway.api import BY_PATH, MESSAGES, Api, anthropic
 from gateway.authenticate import identify
 from gateway.errors import (
     AdminDisabled,
@@ -50,9 +50,23 @@ def _clip(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
-def guarded(handler: Handler, server: ServerSpec | None) -> Handler:
+Render = Callable[[GatewayError, dict[str, str] | None], web.Response]
+
+
+def _openai(error: GatewayError, headers: dict[str, str] | None = None) -> web.Response:
+    return error.response(headers)
+
+
+def renderer(path: str) -> Render:
+    """How refusals on `path` are written: Anthropic's shape under `/v1/messages` (the API's
+    own paths, and any other there: a 404 for `/v1/messages/batches` too), else OpenAI's."""
+    return anthropic.error_response if path.startswith(MESSAGES.path) else _openai
+
+
+def guarded(handler: Handler, server: ServerSpec | None, render: Render = _openai) -> Handler:
     """`handler` as its route runs it: within the policy's header and body limits (`server`;
-    None on the metrics port, which reads no body), every refusal in the OpenAI error shape.
+    None on the metrics port, which reads no body), every refusal in the route's error shape
+    (`render`: OpenAI's, or its API's).
 
     One wrapper per route instead of aiohttp middlewares: an application with none skips
     aiohttp's per-request middleware chain (a cached lookup, a coroutine layer per middleware
@@ -65,7 +79,7 @@ def guarded(handler: Handler, server: ServerSpec | None) -> Handler:
                 limits = RequestLimits(request, server)
             response = await handler(request)
         except GatewayError as exc:
-            response = exc.response()
+            response = render(exc, None)
         except web.HTTPException as exc:  # aiohttp's own, should a handler let one through
             body = error_body(exc.reason, "invalid_request_error", exc.status)
             response = web.Response(status=exc.status, body=body, content_type="application/json")
@@ -81,16 +95,17 @@ def guarded(handler: Handler, server: ServerSpec | None) -> Handler:
 
 async def not_found(request: web.Request) -> web.Response:
     method, path = _clip(request.method), _clip(request.path)
-    raise NotFound(f"{method} {path} is not served by this gateway")
+    error = NotFound(f"{method} {path} is not served by this gateway")
+    return renderer(request.path)(error, None)
 
 
-def method_not_allowed(allowed: set[str]) -> Handler:
+def method_not_allowed(allowed: set[str], render: Render = _openai) -> Handler:
     allow = ",".join(sorted(allowed))
 
     async def refuse(request: web.Request) -> web.Response:
         method, path = _clip(request.method), _clip(request.path)
         error = MethodNotAllowed(f"{method} is not allowed on {path}")
-        return error.response({"Allow": allow})
+        return render(error, {"Allow": allow})
 
     return refuse
 
@@ -99,15 +114,17 @@ def add_routes(
     app: web.Application, server: ServerSpec | None, routes: dict[str, dict[str, Handler]]
 ) -> None:
     """`routes` (path -> method -> handler), each guarded; any other method on those paths is a
-    405 naming the allowed ones, and any other path a 404, both in the OpenAI shape (the
-    router's own answers are plain text)."""
+    405 naming the allowed ones, and any other path a 404, both in the path's error shape
+    (`renderer`; the router's own answers are plain text)."""
     for path, methods in routes.items():
+        render = renderer(path)
         for method, handler in methods.items():
-            app.router.add_route(method, path, guarded(handler, server))
+            app.router.add_route(method, path, guarded(handler, server, render))
             if method == "GET":
-                app.router.add_route("HEAD", path, guarded(handler, server))
+                app.router.add_route("HEAD", path, guarded(handler, server, render))
         allowed = {*methods, *(("HEAD",) if "GET" in methods else ())}
-        app.router.add_route("*", path, guarded(method_not_allowed(allowed), server))
+        refuse = method_not_allowed(allowed, render)
+        app.router.add_route("*", path, guarded(refuse, server, render))
     app.router.add_route("*", "/{path:.*}", guarded(not_found, server))
 
 
@@ -122,7 +139,9 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def _metered(
-    request: web.Request, answer: Callable[[Policy, dict[str, Any]], Awaitable[object]]
+    request: web.Request,
+    answer: Callable[[Policy, dict[str, Any]], Awaitable[object]],
+    api: Api | None = None,
 ) -> web.Response:
     """A `/tokenize` or `/detokenize` call: the key checked and one request charged to the
     tenant's RPM before the body is read (a tenant out of requests costs no read, no decode and
@@ -134,12 +153,12 @@ async def _metered(
     ratelimit: dict[str, str] = {}
     try:
         if tenant is not None:
-            await gateway.quotas.reserve_request(tenant, ratelimit)
+            await gateway.quotas.reserve_request(tenant, ratelimit, api)
         raw = await body.read(request, policy.spec.server.max_body_bytes)
         decoded = decode_body(body.media_type(request), raw, policy.spec.server)
         response = _json(await answer(policy, decoded))
     except GatewayError as exc:
-        response = exc.response()
+        response = exc.response() if api is None else api.error_response(exc)
     response.headers.update(ratelimit)
     return response
 
@@ -153,6 +172,16 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     return await _metered(
         request, lambda policy, decoded: vllm_endpoints.detokenize(policy, decoded, request.headers)
+    )
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """Anthropic's `POST /v1/messages/count_tokens`, answered from the model's tokenizer as
+    `/tokenize` is, metered and refused as `/v1/messages` is."""
+    return await _metered(
+        request,
+        lambda policy, decoded: vllm_endpoints.count_tokens(policy, decoded, request.headers),
+        MESSAGES,
     )
 
 
@@ -254,6 +283,7 @@ def create_app(policy: Policy, *, access_log: IO[bytes] | None = None) -> web.Ap
         # Each API's path (gateway/api/), bound to the gateway and its `Api` here: no lookup,
         # and no coroutine layer, per request.
         **{path: {"POST": partial(handle, gateway, api=api)} for path, api in BY_PATH.items()},
+        "/v1/messages/count_tokens": {"POST": count_tokens},
         "/v1/models": {"GET": list_models},
         "/tokenize": {"POST": tokenize},
         "/detokenize": {"POST": detokenize},

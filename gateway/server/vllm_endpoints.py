@@ -1,4 +1,5 @@
-"""`POST /tokenize` and `POST /detokenize` as vLLM serves them, answered by the gateway itself.
+"""`POST /tokenize`, `POST /detokenize` and Anthropic's `POST /v1/messages/count_tokens` as
+vLLM serves them, answered by the gateway itself.
 
 The request and response fields, their defaults and their refusals are vLLM's
 (vllm/entrypoints/serve/tokenize/protocol.py and serving.py): a body with `messages` is the chat
@@ -18,7 +19,8 @@ from typing import Any
 
 from multidict import CIMultiDictProxy
 
-from gateway.api import CHAT, COMPLETIONS, Api
+from gateway.api import CHAT, COMPLETIONS, MESSAGES, Api
+from gateway.api.anthropic import chat_for, check_messages
 from gateway.api.chat import check_chat
 from gateway.context import Ctx
 from gateway.errors import BadRequest, ModelNotFound
@@ -145,3 +147,21 @@ async def detokenize(
     if unknown is not None:
         raise BadRequest(f"Token id {unknown} is out of vocabulary", param="tokens")
     return {"prompt": await counter.decode(tokens)}
+
+
+async def count_tokens(
+    policy: Policy, body: dict[str, Any], headers: CIMultiDictProxy[str]
+) -> dict[str, Any]:
+    """Anthropic's `messages.count_tokens` as vLLM answers it (`AnthropicCountTokensResponse`):
+    the chat its messages convert to, rendered and encoded whole, as `/v1/messages` counts
+    them (gateway/api/anthropic.py). A count is the tokenizer's alone: images, whose tokens
+    are the replica's processor's, are refused as `/tokenize` refuses them."""
+    if check_messages(body, policy.spec.server, None):
+        raise BadRequest(
+            "images are not counted by the gateway: their tokens are the replica's",
+            param="messages",
+            code="images_not_supported",
+        )
+    counter = _counter(resolve(policy, body, headers, (MESSAGES,)))
+    tokens = await counter.count_chat(chat_for(body, counter))
+    return {"input_tokens": tokens, "context_management": {"original_input_tokens": tokens}}

@@ -542,6 +542,31 @@ class ChatTemplate:
         self.takes_parts = default is not None and default.takes_parts
         self.image_placeholder = self._placeholder() if self.takes_parts else ""
 
+    @cached_property
+    def merges_inline_system(self) -> bool:
+        """vLLM's Anthropic `_should_merge_inline_system`: whether a template (either, with or
+        without tools) refuses a system message after the first turn, in which case `/v1/messages`
+        merges every inline system message into the leading one. A missing template merges."""
+        return any(_refuses_inline_system(s) for s in self._by_tools.values())
+
+    @cached_property
+    def disabled_thinking_effort(self) -> str:
+        """vLLM's Anthropic `_probe_disabled_thinking_effort`: the `reasoning_effort` that
+        `thinking: {"type": "disabled"}` becomes: "none", unless the template refuses it or
+        renders it as it renders some real effort (then "low")."""
+        none = self._probe("none")
+        if none is None or any(self._probe(effort) == none for effort in _EFFORTS):
+            return "low"
+        return "none"
+
+    def _probe(self, effort: str) -> str | None:
+        try:
+            return self.render(
+                {"messages": [{"role": "user", "content": "Hi"}], "reasoning_effort": effort}
+            )
+        except BadRequest:
+            return None
+
     def _text(self, tools: Any) -> str | None:
         try:
             return str(self.tokenizer.get_chat_template(None, tools=tools))
@@ -602,6 +627,32 @@ class ChatTemplate:
         except Exception as exc:  # templates raise whatever jinja or their own checks raise
             raise BadRequest(_reason(exc), param="messages") from None
         return str(rendered)
+
+
+_EFFORTS = ("low", "medium", "high", "xhigh", "max")  # vLLM's `AnthropicEffort`
+_INLINE_SYSTEM_PROBE = [
+    {"role": role, "content": "t"} for role in ("system", "user", "system", "user")
+]
+
+
+def _refuses_inline_system(source: _Source | None) -> bool:
+    """`_detect_merge_inline_system`: the bare template (no `raise_exception`, no special tokens)
+    rendered on [system, user, system, user]; any template error means it refuses."""
+    if source is None:
+        return True
+    import jinja2.ext
+    import jinja2.sandbox
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    try:
+        env.from_string(source.text).render(
+            messages=_INLINE_SYSTEM_PROBE, add_generation_prompt=False
+        )
+    except jinja2.TemplateError:
+        return True
+    return False
 
 
 def _reason(exc: BaseException) -> str:

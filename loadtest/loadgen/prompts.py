@@ -285,7 +285,7 @@ class PromptBuilder:
             zip(keys, self.rule_sets([lengths[k] for k in keys]), strict=True)
         )
         shapes: list[tuple[Kind, int]] = [
-            ("text" if p.session is not None else p.endpoint, p.isl) for p in planned
+            ("text" if p.session is not None else _kind(p.endpoint), p.isl) for p in planned
         ]
         prefixes = [rules.get((p.cls, p.rule_set)) for p in planned]
         texts = self.texts(shapes, prefixes)
@@ -312,15 +312,24 @@ def _keeps(prefix: RuleText, rendered: str, encoding: Any) -> bool:
     return tuple(encoding.ids[first : first + r]) == prefix.ids and offsets[first + r - 1][1] == end
 
 
+def _kind(endpoint: str) -> Kind:
+    """How a prompt of `endpoint` is fitted: a messages request's one user message converts to
+    the same chat (vLLM's Anthropic serving), so it is fitted as a chat's."""
+    return "completions" if endpoint == "completions" else "chat"
+
+
 def body(model: str, planned: Planned, prompt: str | list[Message], stream: bool) -> dict[str, Any]:
-    """A chat body carries the prompt as its one user message, or a session's messages."""
+    """A chat or messages body carries the prompt as its one user message, or a session's
+    messages (user and assistant turns with string content, valid in both APIs)."""
     out: dict[str, Any] = {"model": model}
     if isinstance(prompt, list):
         out["messages"] = prompt
-    elif planned.endpoint == "chat":
+    elif planned.endpoint != "completions":
         out["messages"] = [{"role": "user", "content": prompt}]
     else:
         out["prompt"] = prompt
+    if planned.endpoint == "messages":  # Anthropic's: max_tokens bounds the output, no ignore_eos
+        return out | {"max_tokens": planned.osl, "stream": stream}
     # ignore_eos makes the output exactly max_tokens long: the shape is the load test's, not the model's.
     out |= {"max_tokens": planned.osl, "ignore_eos": True, "stream": stream}
     if stream:

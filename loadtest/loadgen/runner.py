@@ -26,7 +26,11 @@ from loadtest.loadgen.progress import Progress
 from loadtest.loadgen.prompts import SESSION_HEADER, Body, Turn
 from loadtest.loadgen.workloads import Endpoint, Planned
 
-PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+PATHS: dict[Endpoint, str] = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "messages": "/v1/messages",
+}
 JSON = {"Content-Type": "application/json"}
 UNFINISHED = "unfinished"
 
@@ -117,7 +121,11 @@ class LevelRun:
 
 
 def _text_in(chunk: dict[str, Any]) -> bool:
-    """Whether a streamed chunk carries output (vLLM's first chunk is often just the role)."""
+    """Whether a streamed chunk carries output (vLLM's first chunk is often just the role; an
+    Anthropic stream's output is in its `content_block_delta` events)."""
+    if chunk.get("type") == "content_block_delta":
+        delta = chunk.get("delta") or {}
+        return bool(delta.get("text") or delta.get("thinking") or delta.get("partial_json"))
     for choice in chunk.get("choices") or ():
         delta = choice.get("delta")
         if delta is None:
@@ -131,6 +139,10 @@ def _text_in(chunk: dict[str, Any]) -> bool:
 
 def _content(chunk: dict[str, Any]) -> str:
     """The answer's text in a chunk or a whole response: what a session's history keeps."""
+    if chunk.get("type") == "content_block_delta":
+        return str((chunk.get("delta") or {}).get("text") or "")
+    if chunk.get("type") == "message":
+        return "".join(b.get("text") or "" for b in chunk.get("content") or ())
     pieces = []
     for choice in chunk.get("choices") or ():
         message = choice.get("delta") or choice.get("message") or {}
@@ -139,7 +151,13 @@ def _content(chunk: dict[str, Any]) -> str:
 
 
 def _usage(rec: RequestRecord, usage: dict[str, Any] | None) -> None:
-    if usage:
+    if usage and "output_tokens" in usage:  # Anthropic's: the cache counts are prompt tokens too
+        rec.input_tokens = sum(
+            usage.get(key) or 0
+            for key in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+        )
+        rec.output_tokens = usage["output_tokens"]
+    elif usage:
         rec.input_tokens = usage.get("prompt_tokens")
         rec.output_tokens = usage.get("completion_tokens")
 
@@ -156,9 +174,16 @@ async def _read_stream(
             done = True
             break
         chunk = orjson.loads(payload)
-        if "error" in chunk:  # an error event mid-stream (vLLM's and the gateway's shape)
+        if "error" in chunk:  # an error event mid-stream (vLLM's and the gateway's shapes)
             rec.error = "stream_error"
             return
+        kind = chunk.get("type")
+        if kind == "message_stop":  # an Anthropic stream's end
+            done = True
+            break
+        if kind == "message_start":
+            _usage(rec, (chunk.get("message") or {}).get("usage"))
+            continue
         if rec.ttft_s is None and _text_in(chunk):
             rec.ttft_s = time.perf_counter() - started
         if reply is not None:

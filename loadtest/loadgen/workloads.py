@@ -11,7 +11,7 @@ gateway's access log:
     classes:
       - name: classification
         weight: 3
-        endpoint: chat             # or completions
+        endpoint: chat             # or completions, or messages (Anthropic's /v1/messages)
         isl: {type: normal, mean: 4000, std: 300, min: 1000}
         osl: 10                    # a bare number is {type: fixed, value: N}
       - name: generation
@@ -45,7 +45,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-Endpoint = Literal["chat", "completions"]
+Endpoint = Literal["chat", "completions", "messages"]
 
 
 class Spec(BaseModel):
@@ -166,8 +166,8 @@ class WorkloadClass(Spec):
                 f"isl can draw {lowest(self.isl)}, not more than the rule set's"
                 f" {self.rules.tokens} tokens: the product text needs room"
             )
-        if self.session and self.endpoint != "chat":
-            raise ValueError("a session is a chat conversation: endpoint must be chat")
+        if self.session and self.endpoint == "completions":
+            raise ValueError("a session is a conversation: endpoint must be chat or messages")
         return self
 
 
@@ -196,10 +196,27 @@ class Workload(Spec):
 
 CLASSIFICATION = WorkloadClass(name="classification", isl=Fixed(value=4000), osl=Fixed(value=10))
 GENERATION = WorkloadClass(name="generation", isl=Fixed(value=500), osl=Fixed(value=1000))
+# An agent on Anthropic's /v1/messages: conversations of 6 turns, each a 300-token message
+# (a tool result, an instruction) on the whole history, 150 tokens back; and one-off 2,000-token
+# tool-planning calls, 40 back, at half the rate.
+AGENT = Workload(
+    name="agent",
+    classes=[
+        WorkloadClass(
+            name="agent-turns", endpoint="messages", isl=Fixed(value=300), osl=Fixed(value=150),
+            session=Session(turns=Fixed(value=6)),
+        ),
+        WorkloadClass(
+            name="agent-calls", endpoint="messages", weight=0.5, isl=Fixed(value=2000),
+            osl=Fixed(value=40),
+        ),
+    ],
+)  # fmt: skip
 BUILTIN: dict[str, Workload] = {
     "classification": Workload(name="classification", classes=[CLASSIFICATION]),
     "generation": Workload(name="generation", classes=[GENERATION]),
     "mixed": Workload(name="mixed", classes=[CLASSIFICATION, GENERATION]),
+    "agent": AGENT,
 }
 
 

@@ -1,6 +1,7 @@
 """One simulated replica over HTTP: the surface of vLLM's OpenAI server, `/metrics`, admin.
 
     POST /v1/chat/completions, /v1/completions   streaming (SSE) or not, vLLM's wire format
+    POST /v1/messages                             Anthropic's, as vLLM serves it (a chat, converted)
     GET  /v1/models, /health, /metrics            as vLLM serves them
     GET  /kv_event_sources                        where KV-cache events are published (kv_events.py)
     GET  /admin/faults, POST /admin/faults        read or replace the fault set (faults.py)
@@ -35,6 +36,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
+from gateway.api.anthropic import to_chat
 from loadtest.sim.engine import Engine
 from loadtest.sim.faults import FaultDice, Faults
 from loadtest.sim.kv_events import KVEventPublisher, KVEventsConfig
@@ -288,7 +290,40 @@ def _answer(chunks: _Chunks, seq: Sequence) -> dict[str, Any]:
     }
 
 
-async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+def _anthropic_error(answer: web.Response) -> web.Response:
+    """vLLM's error, as its Anthropic router translates it (`translate_error_response`)."""
+    assert isinstance(answer.body, bytes)
+    error = orjson.loads(answer.body)["error"]
+    body = {"type": "error", "error": {"type": error["type"], "message": error["message"]}}
+    return web.Response(
+        status=answer.status, body=orjson.dumps(body), content_type="application/json"
+    )
+
+
+def _as_chat(body: dict[str, Any], encoder: PromptEncoder) -> dict[str, Any] | web.Response:
+    """A messages request as vLLM's Anthropic serving converts it to a chat
+    (gateway/api/anthropic.py `to_chat`, the gateway's copy of that conversion)."""
+    if type(body.get("max_tokens")) is not int:
+        return bad_request("max_tokens: Field required", "max_tokens")
+    template = getattr(encoder, "template", None)
+    merge = template.merges_inline_system if template is not None else False
+    effort = template.disabled_thinking_effort if template is not None else "none"
+    try:
+        return {**to_chat(body, merge, effort), "max_tokens": body["max_tokens"]}
+    except (KeyError, TypeError, AttributeError) as exc:  # vLLM's request model would refuse
+        return bad_request(f"invalid messages request: {exc!r}", "messages")
+
+
+async def _generate(
+    request: web.Request, chat: bool, anthropic: bool = False
+) -> web.StreamResponse:
+    answer = await _serve(request, chat, anthropic)
+    if anthropic and answer.status >= 400 and isinstance(answer, web.Response):
+        return _anthropic_error(answer)
+    return answer
+
+
+async def _serve(request: web.Request, chat: bool, anthropic: bool) -> web.StreamResponse:
     state = request.app[REPLICA]
     engine = state.engine
     failure = state.dice.error(state.faults)
@@ -305,12 +340,20 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     model = body.get("model")
     if model not in state.model_names and model not in state.adapters:
         return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    encoder = state.encoder
+    prompt_body = body
+    if anthropic:
+        converted = _as_chat(body, encoder)
+        if isinstance(converted, web.Response):
+            return converted
+        prompt_body = converted
     try:
-        encoder = state.encoder
-        ids = await (encoder.encode_chat(body) if chat else encoder.encode_completion(body))
+        ids = await (
+            encoder.encode_chat(prompt_body) if chat else encoder.encode_completion(prompt_body)
+        )
     except PromptError as exc:
         return bad_request(str(exc), "messages" if chat else "prompt")
-    max_tokens = _max_tokens(body, chat, len(ids), state.profile.serving.max_model_len)
+    max_tokens = _max_tokens(prompt_body, chat, len(ids), state.profile.serving.max_model_len)
     if isinstance(max_tokens, web.Response):
         return max_tokens
     # vLLM stamps arrival once the prompt is tokenized; an injected delay counts against it.
@@ -318,23 +361,127 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if state.faults.first_token_delay_s:
         state.fired("first_token_delay")
         await asyncio.sleep(state.faults.first_token_delay_s / engine.time_scale)
-    seq = engine.submit(ids, max_tokens, ignore_eos=bool(body.get("ignore_eos")))
+    # vLLM's Anthropic request model has no ignore_eos: a messages request never forces it.
+    ignore_eos = bool(body.get("ignore_eos")) and not anthropic
+    seq = engine.submit(ids, max_tokens, ignore_eos=ignore_eos)
     seq.arrival = received
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     chunks = _Chunks(chat, rid, model, state.encoder.token_text)
     try:
         if body.get("stream"):
+            if anthropic:
+                return await _anthropic_stream(request, state, seq, chunks)
             return await _stream(request, state, seq, chunks, body)
         await seq.wait(any_token=False)
         if seq.status is not Status.FINISHED:
             return error_response(500, "the simulated engine failed", "InternalServerError")
+        answer = _anthropic_answer(chunks, seq) if anthropic else _answer(chunks, seq)
         return web.Response(
-            body=orjson.dumps(_answer(chunks, seq)),
-            content_type="application/json",
-            headers=state.headers,
+            body=orjson.dumps(answer), content_type="application/json", headers=state.headers
         )
     finally:
         engine.abort(seq)  # a client that left, a reset, a crash: free its blocks; else a no-op
+
+
+def _stop_reason(seq: Sequence) -> str:
+    """`_to_anthropic_stop_reason` for a text answer."""
+    return "max_tokens" if seq.finish_reason == "length" else "end_turn"
+
+
+def _anthropic_usage(seq: Sequence) -> dict[str, int]:
+    return {"input_tokens": seq.prompt_tokens, "output_tokens": seq.generated}
+
+
+def _anthropic_answer(chunks: _Chunks, seq: Sequence) -> dict[str, Any]:
+    """vLLM's `messages_full_converter`, dumped without nulls."""
+    return {
+        "id": chunks.rid,
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "text", "text": chunks.token_text * seq.generated}],
+        "model": chunks.model,
+        "stop_reason": _stop_reason(seq),
+        "usage": _anthropic_usage(seq),
+    }
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+async def _anthropic_stream(
+    request: web.Request, state: ReplicaState, seq: Sequence, chunks: _Chunks
+) -> web.StreamResponse:
+    """vLLM's `message_stream_converter` over a text stream: `message_start` (the prompt's
+    usage), a text block's start, one `content_block_delta` per chunk, its stop, `message_delta`
+    (stop reason and the final usage), `message_stop`. Faults as `_stream`'s."""
+    reset_after = state.dice.reset_after(state.faults)
+    interval = state.stream_interval_s
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **state.headers}
+    )
+    message: dict[str, Any] = {
+        "id": chunks.rid, "type": "message", "role": "assistant", "content": [],
+        "model": chunks.model, "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": seq.prompt_tokens, "output_tokens": 0},
+    }  # fmt: skip
+    try:
+        await resp.prepare(request)
+        await resp.write(_event("message_start", {"type": "message_start", "message": message}))
+        sent = written = 0
+        while True:
+            generated, status = seq.generated, seq.status
+            if generated == sent and not seq.done:
+                await seq.wait(any_token=True)
+                continue
+            if status is Status.ABORTED:
+                break
+            payload = b""
+            if not sent and generated:
+                block = {"type": "text", "text": ""}
+                start = {"type": "content_block_start", "content_block": block, "index": 0}
+                payload += _event("content_block_start", start)
+            if generated > sent:
+                delta = {"type": "text_delta", "text": chunks.token_text * (generated - sent)}
+                payload += _event(
+                    "content_block_delta",
+                    {"type": "content_block_delta", "delta": delta, "index": 0},
+                )
+            if payload:
+                await resp.write(payload)
+                state.engine.stats.stream_chunks += 1
+            sent = generated
+            written += 1
+            if reset_after is not None and written >= reset_after:
+                state.fired("reset")
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
+            if status is Status.FINISHED:
+                end = b""
+                if sent:
+                    end += _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+                stop = {"stop_reason": _stop_reason(seq), "stop_sequence": None}
+                delta_event = {
+                    "type": "message_delta",
+                    "delta": stop,
+                    "usage": _anthropic_usage(seq),
+                }
+                end += _event("message_delta", delta_event)
+                end += _event("message_stop", {"type": "message_stop"})
+                await resp.write(end)
+                break
+            if interval:
+                await seq.wait(any_token=False, limit_s=interval)
+        await resp.write_eof()
+        return resp
+    except ConnectionResetError:
+        return resp
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    """Anthropic's Messages API as vLLM serves it: converted to a chat, generated as one."""
+    return await _generate(request, chat=True, anthropic=True)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -432,6 +579,7 @@ def create_replica_app(profile: Profile, options: ReplicaOptions | None = None) 
     app[REPLICA] = ReplicaState(profile, options)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/messages", messages)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
