@@ -14,9 +14,10 @@ from typing import get_args
 from gateway.api.base import Api
 from gateway.api.chat import CHAT
 from gateway.api.completions import COMPLETIONS
+from gateway.api.embeddings import EMBEDDINGS
 from gateway.policy.schema import Endpoint
 
-APIS: tuple[Api, ...] = (CHAT, COMPLETIONS)
+APIS: tuple[Api, ...] = (CHAT, COMPLETIONS, EMBEDDINGS)
 BY_NAME: dict[str, Api] = {api.name: api for api in APIS}
 BY_PATH: dict[str, Api] = {api.path: api for api in APIS}
 
@@ -26,4 +27,4 @@ if sorted(BY_NAME) != sorted(get_args(Endpoint)) or len(BY_PATH) != len(APIS):
         f" (gateway/policy/schema.py `Endpoint`) are {sorted(get_args(Endpoint))}"
     )
 
-__all__ = ["APIS", "BY_NAME", "BY_PATH", "CHAT", "COMPLETIONS", "Api"]
+__all__ = ["APIS", "BY_NAME", "BY_PATH", "CHAT", "COMPLETIONS", "EMBEDDINGS", "Api"]
