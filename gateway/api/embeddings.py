@@ -86,7 +86,33 @@ def _truncation(body: dict[str, Any]) -> int | None:
     return value or None  # 0: vLLM's params treat it as no truncation
 
 
-class EmbeddingsApi(OpenAIApi):
+class PoolingApi(OpenAIApi):
+    """What vLLM's pooling endpoints share: no output, no stream, usage always in the answer."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def check_no_stream(body: dict[str, Any]) -> None:
+        if lax_bool(body.get("stream"), "stream", False, nullable=True):
+            raise BadRequest("pooling requests do not stream", param="stream", code="invalid_value")
+
+    def upstream_fields(self, ctx: Ctx, changes: dict[str, Any]) -> None:
+        """Nothing: the answer always carries its usage."""
+
+    def read_usage(self, ctx: Ctx, usage: Any) -> None:
+        """`prompt_tokens`, the prompts' sum; the output is 0 whatever the answer says (vLLM's
+        `UsageInfo` writes `completion_tokens: 0`, OpenAI's none)."""
+        if not isinstance(usage, dict):
+            return
+        ctx.output_tokens = 0
+        prompt = usage.get("prompt_tokens")
+        if _tokens(prompt):
+            ctx.prompt_tokens = prompt
+        elif prompt is not None:
+            ctx.untrusted_usage = "prompt_tokens"
+
+
+class EmbeddingsApi(PoolingApi):
     """OpenAI's embeddings, as vLLM serves them (with its chat-style extension)."""
 
     __slots__ = ()
@@ -96,8 +122,7 @@ class EmbeddingsApi(OpenAIApi):
 
     def parse(self, ctx: Ctx, body: dict[str, Any], limits: ServerSpec) -> tuple[int, int | None]:
         """Prompts: one per text, id array or conversation; the output bound is 0."""
-        if lax_bool(body.get("stream"), "stream", False, nullable=True):
-            raise BadRequest("embeddings do not stream", param="stream", code="invalid_value")
+        self.check_no_stream(body)
         _truncation(body)
         convs = conversations(body)
         if convs is not None:
@@ -168,21 +193,6 @@ class EmbeddingsApi(OpenAIApi):
             return ctx.images * counter.image_cost
         floor = counter.floor if isinstance(counter, HFCounter) else None
         return _prompt_floor(ctx.body.get("input"), floor)
-
-    def upstream_fields(self, ctx: Ctx, changes: dict[str, Any]) -> None:
-        """Nothing: the answer always carries its usage."""
-
-    def read_usage(self, ctx: Ctx, usage: Any) -> None:
-        """`prompt_tokens`, the prompts' sum; the output is 0 whatever the answer says (vLLM's
-        `UsageInfo` writes `completion_tokens: 0`, OpenAI's none)."""
-        if not isinstance(usage, dict):
-            return
-        ctx.output_tokens = 0
-        prompt = usage.get("prompt_tokens")
-        if _tokens(prompt):
-            ctx.prompt_tokens = prompt
-        elif prompt is not None:
-            ctx.untrusted_usage = "prompt_tokens"
 
 
 EMBEDDINGS = EmbeddingsApi()

@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Endpoint = Literal["chat", "completions", "embeddings"]
+Endpoint = Literal["chat", "completions", "embeddings", "rerank", "score", "classify", "pooling"]
 PRIORITIES: tuple[str, ...] = ("critical", "standard", "sheddable")
 """Queue priorities, highest first: a tenant's tier, which `x-priority` may lower."""
 
