@@ -110,7 +110,9 @@ def _sweep_parser() -> argparse.ArgumentParser:
         " default: classification and generation, separately)",
     )
     p.add_argument(
-        "--endpoint", choices=["chat", "completions"], help="override every class's endpoint"
+        "--endpoint",
+        choices=["chat", "completions", "embeddings"],
+        help="override every class's endpoint",
     )
     p.add_argument(
         "--users", type=_numbers(int), help="closed-loop levels, e.g. 16,32,64,128 (the default)"

@@ -284,9 +284,7 @@ class PromptBuilder:
         rules: dict[tuple[str, int | None], RuleText] = dict(
             zip(keys, self.rule_sets([lengths[k] for k in keys]), strict=True)
         )
-        shapes: list[tuple[Kind, int]] = [
-            ("text" if p.session is not None else p.endpoint, p.isl) for p in planned
-        ]
+        shapes: list[tuple[Kind, int]] = [(_kind(p), p.isl) for p in planned]
         prefixes = [rules.get((p.cls, p.rule_set)) for p in planned]
         texts = self.texts(shapes, prefixes)
         conversations: dict[int, Conversation] = {}
@@ -312,8 +310,19 @@ def _keeps(prefix: RuleText, rendered: str, encoding: Any) -> bool:
     return tuple(encoding.ids[first : first + r]) == prefix.ids and offsets[first + r - 1][1] == end
 
 
+def _kind(planned: Planned) -> Kind:
+    """How a request's text is counted: an embedding's input is encoded as a completion's prompt
+    (with special tokens), a session's message as bare text."""
+    if planned.session is not None:
+        return "text"
+    return "completions" if planned.endpoint == "embeddings" else planned.endpoint
+
+
 def body(model: str, planned: Planned, prompt: str | list[Message], stream: bool) -> dict[str, Any]:
-    """A chat body carries the prompt as its one user message, or a session's messages."""
+    """A chat body carries the prompt as its one user message, or a session's messages; an
+    embedding request its `input` alone (no output, never streamed)."""
+    if planned.endpoint == "embeddings":
+        return {"model": model, "input": prompt}
     out: dict[str, Any] = {"model": model}
     if isinstance(prompt, list):
         out["messages"] = prompt

@@ -26,7 +26,11 @@ from loadtest.loadgen.progress import Progress
 from loadtest.loadgen.prompts import SESSION_HEADER, Body, Turn
 from loadtest.loadgen.workloads import Endpoint, Planned
 
-PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+PATHS: dict[Endpoint, str] = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+}
 JSON = {"Content-Type": "application/json"}
 UNFINISHED = "unfinished"
 
@@ -186,7 +190,7 @@ async def send(
             rec.status = resp.status
             if resp.status != 200:
                 await resp.read()
-            elif stream:
+            elif stream and planned.endpoint != "embeddings":
                 await _read_stream(resp, rec, started, reply)
             else:
                 answer = orjson.loads(await resp.read())
