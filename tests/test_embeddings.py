@@ -11,9 +11,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from gateway.api import EMBEDDINGS
+from gateway.cli import main as gateway
 from gateway.tokenizer.counters import HFCounter
 from loadtest.sim import ReplicaOptions, load_profile, start_replica
-from tests.conftest import accounted, basic_policy
+from tests.conftest import accounted, basic_policy, write_policy
 from tests.test_quotas import quota_policy
 from tests.test_tenants import ACME_KEY
 
@@ -161,3 +162,31 @@ async def test_each_input_form_counts_as_vllm_tokenizes_it(model: str) -> None:
     for body, expected in cases:
         counted = await EMBEDDINGS.count(body, counter, 10**6, 0)
         assert counted == (sum(expected), max(expected)), body
+
+
+async def test_an_embedding_classifies_as_prefill_heavy_by_its_shape(
+    sim, gateway_factory, tokenizer_dir, http
+) -> None:
+    policy = basic_policy(tokenizer_dir, [sim.url])
+    policy["classes"] = [
+        {"name": "prefill-heavy", "when": {"output_input_ratio": {"lte": 0.1}}},
+        {"name": "decode-heavy", "when": {}},
+    ]
+    gw = await gateway_factory(policy)
+    async with http.post(
+        f"{gw.url}/v1/embeddings", json={"model": "tiny", "input": "one short query"}
+    ) as resp:
+        assert resp.status == 200
+    await accounted(gw, 0)
+    (record,) = _log(gw)
+    assert (record["class"], record["estimate_source"]) == ("prefill-heavy", "max_tokens")
+
+
+def test_explain_shows_an_embedding_requests_decision(capsys, tmp_path, tokenizer_dir) -> None:
+    policy = str(write_policy(tmp_path, basic_policy(tokenizer_dir, ["http://127.0.0.1:1"])))
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"model": "tiny", "input": [[1, 2, 3], [4, 5]]}))
+    code = gateway(["explain", "--json", "--policy", policy, str(request)])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["endpoint"] == "embeddings"
+    assert (out["input_tokens"], out["expected_output_tokens"]) == (5, 0)
