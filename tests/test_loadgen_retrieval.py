@@ -42,3 +42,15 @@ async def test_a_retrieval_sweep_through_the_gateway(tokenizer_dir, gateway_fact
         }
     finally:
         await replica.close()
+
+
+def test_a_profile_keeps_the_embedding_requests_of_the_log() -> None:
+    from loadtest.loadgen.profile import build_profile
+
+    rows = [
+        {"pool": "main", "class": "any", "endpoint": "embeddings", "input_tokens": n,
+         "status": 200, "output_tokens": 0, "expected_output_tokens": 0}
+        for n in (100, 200)
+    ]  # fmt: skip
+    (cls,) = build_profile(rows).to_workload("prod").classes
+    assert cls.endpoint == "embeddings" and cls.isl.model_dump()["values"] == [100, 200]
