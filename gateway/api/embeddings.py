@@ -16,7 +16,9 @@ vLLM takes five shapes (entrypoints/pooling/embed/protocol.py `EmbeddingRequest`
 a request without output). A pooling request produces no output tokens: the output bound is 0,
 so it is expected at 0 and classifies as prefill-heavy; the answer's `usage` has
 `prompt_tokens` (the sum over the prompts) and `total_tokens`, and no meaningful
-`completion_tokens`. Embeddings do not stream: `stream` true is refused.
+`completion_tokens`. Embeddings do not stream: `stream` true is refused. A replica serving
+long texts in chunks (`--pooler-config` `enable_chunked_processing`, `max_embed_len` over
+`max_model_len`) is not modelled: the policy's `max_model_len` is what a prompt must fit.
 """
 
 from __future__ import annotations
