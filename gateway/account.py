@@ -104,7 +104,7 @@ class Accountant:
         is a replica undercharging or overcharging the tenant."""
         assert ctx.pool is not None
         prompt, counted = ctx.prompt_tokens, ctx.input_tokens
-        exact = ctx.pool.model.counter.exact and not ctx.images
+        exact = ctx.pool.model.counter.exact and ctx.api.exact and not ctx.images
         if prompt is not None and (
             prompt > max_model_len * ctx.sequences
             or (exact and (2 * prompt < counted or prompt > 2 * counted))

@@ -128,6 +128,12 @@ def _endpoint(body: dict[str, Any], given: str | None) -> str:
     """The endpoint `explain` runs the body through: `given`, else guessed from its shape."""
     if given:
         return given
+    if "query" in body:
+        return "rerank"
+    if any(side in body for side in ("text_1", "data_1", "queries")):
+        return "score"
+    if "input" in body:
+        return "embeddings"
     return "completions" if "prompt" in body and "messages" not in body else "chat"
 
 

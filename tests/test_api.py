@@ -14,7 +14,7 @@ from tests.conftest import basic_policy, write_policy
 
 def test_the_registry_names_exactly_the_policys_endpoints() -> None:
     assert sorted(BY_NAME) == sorted(get_args(Endpoint))
-    assert len(BY_PATH) == len(APIS)  # one path each
+    assert len(BY_PATH) == sum(1 + len(api.aliases) for api in APIS)  # no path shared
     assert BY_NAME["chat"] is CHAT and BY_NAME["completions"] is COMPLETIONS
     assert BY_NAME["messages"] is MESSAGES
 
@@ -24,4 +24,4 @@ async def test_each_api_is_a_post_route_of_the_gateway(tmp_path: Path) -> None:
     app = create_app(policy)
     served = {(r.method, r.resource.canonical) for r in app.router.routes() if r.resource}
     policy.close()
-    assert {("POST", api.path) for api in APIS} <= served
+    assert {("POST", path) for path in BY_PATH} <= served

@@ -138,7 +138,12 @@ async def test_unknown_priority_is_400(gw, http) -> None:
 
 @pytest.mark.parametrize(
     ("method", "path", "status"),
-    [("GET", "/v1/embeddings", 404), ("POST", "/admin", 404), ("GET", "/v1/chat/completions", 405)],
+    [
+        ("GET", "/v1/images/generations", 404),
+        ("POST", "/admin", 404),
+        ("GET", "/v1/chat/completions", 405),
+        ("GET", "/v1/embeddings", 405),
+    ],
 )
 async def test_not_an_open_proxy(gw, stub, http, method, path, status) -> None:
     async with http.request(method, f"{gw.url}{path}") as resp:

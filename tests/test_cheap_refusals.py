@@ -47,9 +47,11 @@ def spy_on(gw: RunningGateway, spy: Spy | None = None) -> Spy:
             await spy.enter("count_chat")
             return await super().count_chat(body, refuse_at)  # type: ignore[no-any-return]
 
-        async def count_prompts(self, prompt: Any, refuse_at: int | None = None) -> list[int]:
+        async def count_prompts(
+            self, prompt: Any, refuse_at: int | None = None, special: bool = True
+        ) -> list[int]:
             await spy.enter("count_prompts")
-            return await super().count_prompts(prompt, refuse_at)  # type: ignore[no-any-return]
+            return await super().count_prompts(prompt, refuse_at, special)  # type: ignore[no-any-return]
 
         async def prompt_ids(self, *args: Any, **kwargs: Any) -> list[int] | None:
             await spy.enter("prompt_ids")

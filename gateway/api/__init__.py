@@ -14,17 +14,36 @@ from typing import get_args
 from gateway.api.anthropic import MESSAGES
 from gateway.api.base import Api
 from gateway.api.chat import CHAT
+from gateway.api.classify import CLASSIFY
 from gateway.api.completions import COMPLETIONS
+from gateway.api.embeddings import EMBEDDINGS
+from gateway.api.pooling import POOLING
+from gateway.api.scoring import RERANK, SCORE
 from gateway.policy.schema import Endpoint
 
-APIS: tuple[Api, ...] = (CHAT, COMPLETIONS, MESSAGES)
+APIS: tuple[Api, ...] = (CHAT, COMPLETIONS, MESSAGES, EMBEDDINGS, RERANK, SCORE, CLASSIFY, POOLING)
 BY_NAME: dict[str, Api] = {api.name: api for api in APIS}
-BY_PATH: dict[str, Api] = {api.path: api for api in APIS}
+BY_PATH: dict[str, Api] = {path: api for api in APIS for path in (api.path, *api.aliases)}
 
-if sorted(BY_NAME) != sorted(get_args(Endpoint)) or len(BY_PATH) != len(APIS):
+if sorted(BY_NAME) != sorted(get_args(Endpoint)) or len(BY_PATH) != sum(
+    1 + len(api.aliases) for api in APIS
+):
     raise RuntimeError(
         f"gateway/api/ serves {sorted(BY_NAME)} at {sorted(BY_PATH)}; the policy's endpoints"
         f" (gateway/policy/schema.py `Endpoint`) are {sorted(get_args(Endpoint))}"
     )
 
-__all__ = ["APIS", "BY_NAME", "BY_PATH", "CHAT", "COMPLETIONS", "MESSAGES", "Api"]
+__all__ = [
+    "APIS",
+    "BY_NAME",
+    "BY_PATH",
+    "CHAT",
+    "CLASSIFY",
+    "COMPLETIONS",
+    "EMBEDDINGS",
+    "MESSAGES",
+    "POOLING",
+    "RERANK",
+    "SCORE",
+    "Api",
+]

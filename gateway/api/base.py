@@ -36,19 +36,25 @@ class Api(ABC):
     """One API shape: the endpoint-specific part of every stage.
 
     `name` is the endpoint as policies, metrics labels and the access log name it (a route's
-    `match.endpoint`: gateway/policy/schema.py `Endpoint`); `path` is where it is served and
-    what the replica is sent; `prompt_param` is the field a refusal about the prompt names.
+    `match.endpoint`: gateway/policy/schema.py `Endpoint`); `path` is where it is served (and
+    `aliases`, other paths vLLM serves it at: each is forwarded as the client called it);
+    `prompt_param` is the field a refusal about the prompt names. `exact`: with a tokenizer,
+    `count` is vLLM's own count, so a replica's `prompt_tokens` far from it is not believed;
+    an endpoint whose count is only an upper bound (vLLM's depends on the model's kind) says
+    False, and the replica's usage settles it.
     """
 
     __slots__ = ()
     name: ClassVar[str]
     path: ClassVar[str]
+    aliases: ClassVar[tuple[str, ...]] = ()
     prompt_param: ClassVar[str]
     # Whether the body's OpenAI sampling fields (`n`, `min_tokens`, `ignore_eos`,
     # `stream_options`) are read: an API whose replica ignores them leaves them unread.
     openai_fields: ClassVar[bool] = True
     # The bytes a whole stream ends with: once written, the client has its whole answer.
     stream_end: ClassVar[bytes]
+    exact: ClassVar[bool] = True
 
     @abstractmethod
     def parse(self, ctx: Ctx, body: dict[str, Any], limits: ServerSpec) -> tuple[int, int | None]:

@@ -11,7 +11,9 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Endpoint = Literal["chat", "completions", "messages"]
+Endpoint = Literal[
+    "chat", "completions", "messages", "embeddings", "rerank", "score", "classify", "pooling"
+]
 PRIORITIES: tuple[str, ...] = ("critical", "standard", "sheddable")
 """Queue priorities, highest first: a tenant's tier, which `x-priority` may lower."""
 

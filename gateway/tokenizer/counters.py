@@ -68,8 +68,11 @@ class TokenCounter(Protocol):
 
     async def count_chat(self, body: dict[str, Any], refuse_at: int | None = None) -> int: ...
 
-    async def count_prompts(self, prompt: Any, refuse_at: int | None = None) -> list[int]:
-        """Tokens of each prompt of a completions request."""
+    async def count_prompts(
+        self, prompt: Any, refuse_at: int | None = None, special: bool = True
+    ) -> list[int]:
+        """Tokens of each prompt of a completions (or embeddings) request; `special`: with the
+        tokenizer's special tokens (vLLM's `add_special_tokens`, true by default)."""
         ...
 
     async def chat_ids(self, body: dict[str, Any], special: bool = False) -> list[int] | None:
@@ -103,7 +106,9 @@ class CharCounter:
             self.PER_MESSAGE * len(messages)
         )
 
-    async def count_prompts(self, prompt: Any, refuse_at: int | None = None) -> list[int]:
+    async def count_prompts(
+        self, prompt: Any, refuse_at: int | None = None, special: bool = True
+    ) -> list[int]:
         if isinstance(prompt, str):
             return [self._count(prompt)]
         if isinstance(prompt[0], int):
@@ -228,14 +233,16 @@ class HFCounter:
     async def count_chat(self, body: dict[str, Any], refuse_at: int | None = None) -> int:
         return (await self._count_texts([await self._rendered(body)], False, refuse_at))[0]
 
-    async def count_prompts(self, prompt: Any, refuse_at: int | None = None) -> list[int]:
+    async def count_prompts(
+        self, prompt: Any, refuse_at: int | None = None, special: bool = True
+    ) -> list[int]:
         if isinstance(prompt, str):
-            return await self._count_texts([prompt], True, refuse_at)
+            return await self._count_texts([prompt], special, refuse_at)
         if isinstance(prompt[0], int):
             return [len(prompt)]
         if isinstance(prompt[0], list):
             return [len(p) for p in prompt]
-        return await self._count_texts(list(prompt), True, refuse_at, summed=False)
+        return await self._count_texts(list(prompt), special, refuse_at, summed=False)
 
     async def chat_ids(self, body: dict[str, Any], special: bool = False) -> list[int] | None:
         """Rendered by the template and encoded whole, as vLLM encodes a chat (`special`, as

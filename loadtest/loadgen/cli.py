@@ -111,7 +111,7 @@ def _sweep_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--endpoint",
-        choices=["chat", "completions", "messages"],
+        choices=["chat", "completions", "messages", "embeddings"],
         help="override every class's endpoint",
     )
     p.add_argument(

@@ -108,7 +108,7 @@ class Profile:
             WorkloadClass(
                 name=f"{g.pool}/{g.cls}",
                 weight=g.requests,
-                endpoint="completions" if g.endpoint == "completions" else "chat",
+                endpoint=g.endpoint if g.endpoint in ("completions", "embeddings") else "chat",
                 isl=_fit(g.isl_values, fit),
                 osl=_fit(g.osl_values, fit),
             )
@@ -171,13 +171,15 @@ def build_profile(records: Sequence[dict[str, Any]]) -> Profile:
     groups = []
     for (pool, cls), rows in sorted(by_group.items()):
         osl = [_osl(r) for r in rows]
+        endpoint = Counter(r.get("endpoint") or "chat" for r in rows).most_common(1)[0][0]
         groups.append(
             Group(
                 pool=pool,
                 cls=cls,
-                endpoint=Counter(r.get("endpoint") or "chat" for r in rows).most_common(1)[0][0],
+                endpoint=endpoint,
                 isl_values=[r["input_tokens"] for r in rows],
-                osl_values=[v for v in osl if v],
+                # an embedding has no output: its class keeps osl's placeholder, never sent
+                osl_values=[1] if endpoint == "embeddings" else [v for v in osl if v],
                 concurrency=concurrency(i for r in rows if (i := _interval(r))),
             )
         )

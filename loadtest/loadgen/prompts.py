@@ -284,9 +284,7 @@ class PromptBuilder:
         rules: dict[tuple[str, int | None], RuleText] = dict(
             zip(keys, self.rule_sets([lengths[k] for k in keys]), strict=True)
         )
-        shapes: list[tuple[Kind, int]] = [
-            ("text" if p.session is not None else _kind(p.endpoint), p.isl) for p in planned
-        ]
+        shapes: list[tuple[Kind, int]] = [(_kind(p), p.isl) for p in planned]
         prefixes = [rules.get((p.cls, p.rule_set)) for p in planned]
         texts = self.texts(shapes, prefixes)
         conversations: dict[int, Conversation] = {}
@@ -312,15 +310,21 @@ def _keeps(prefix: RuleText, rendered: str, encoding: Any) -> bool:
     return tuple(encoding.ids[first : first + r]) == prefix.ids and offsets[first + r - 1][1] == end
 
 
-def _kind(endpoint: str) -> Kind:
-    """How a prompt of `endpoint` is fitted: a messages request's one user message converts to
-    the same chat (vLLM's Anthropic serving), so it is fitted as a chat's."""
-    return "completions" if endpoint == "completions" else "chat"
+def _kind(planned: Planned) -> Kind:
+    """How a request's text is counted: an embedding's input is encoded as a completion's prompt
+    (with special tokens), a session's message as bare text, and a messages request's one user
+    message as the chat it converts to (vLLM's Anthropic serving)."""
+    if planned.session is not None:
+        return "text"
+    return "completions" if planned.endpoint in ("completions", "embeddings") else "chat"
 
 
 def body(model: str, planned: Planned, prompt: str | list[Message], stream: bool) -> dict[str, Any]:
     """A chat or messages body carries the prompt as its one user message, or a session's
-    messages (user and assistant turns with string content, valid in both APIs)."""
+    messages (user and assistant turns with string content, valid in both APIs); an embedding
+    request its `input` alone (no output, never streamed)."""
+    if planned.endpoint == "embeddings":
+        return {"model": model, "input": prompt}
     out: dict[str, Any] = {"model": model}
     if isinstance(prompt, list):
         out["messages"] = prompt

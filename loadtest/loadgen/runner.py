@@ -30,6 +30,7 @@ PATHS: dict[Endpoint, str] = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
     "messages": "/v1/messages",
+    "embeddings": "/v1/embeddings",
 }
 JSON = {"Content-Type": "application/json"}
 UNFINISHED = "unfinished"
@@ -211,7 +212,7 @@ async def send(
             rec.status = resp.status
             if resp.status != 200:
                 await resp.read()
-            elif stream:
+            elif stream and planned.endpoint != "embeddings":
                 await _read_stream(resp, rec, started, reply)
             else:
                 answer = orjson.loads(await resp.read())

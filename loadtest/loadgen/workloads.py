@@ -11,7 +11,7 @@ gateway's access log:
     classes:
       - name: classification
         weight: 3
-        endpoint: chat             # or completions, or messages (Anthropic's /v1/messages)
+        endpoint: chat             # or completions, messages (Anthropic's), embeddings (prefill only)
         isl: {type: normal, mean: 4000, std: 300, min: 1000}
         osl: 10                    # a bare number is {type: fixed, value: N}
       - name: generation
@@ -45,7 +45,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-Endpoint = Literal["chat", "completions", "messages"]
+Endpoint = Literal["chat", "completions", "messages", "embeddings"]
 
 
 class Spec(BaseModel):
@@ -212,11 +212,17 @@ AGENT = Workload(
         ),
     ],
 )  # fmt: skip
+# Retrieval: embedding requests (the chunks of a RAG index, a query), prefill-only work on the
+# pooling endpoint; `osl` is not sent (an embedding has no output), only a positive placeholder.
+RETRIEVAL = WorkloadClass(
+    name="retrieval", endpoint="embeddings", isl=Fixed(value=512), osl=Fixed(value=1)
+)
 BUILTIN: dict[str, Workload] = {
     "classification": Workload(name="classification", classes=[CLASSIFICATION]),
     "generation": Workload(name="generation", classes=[GENERATION]),
     "mixed": Workload(name="mixed", classes=[CLASSIFICATION, GENERATION]),
     "agent": AGENT,
+    "retrieval": Workload(name="retrieval", classes=[RETRIEVAL]),
 }
 
 

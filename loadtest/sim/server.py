@@ -23,7 +23,9 @@ and `sim_stream_packed_chunks_total` counts the chunks that carried several toke
 from __future__ import annotations
 
 import asyncio
+import base64 as b64
 import logging
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -492,6 +494,199 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, chat=False)
 
 
+def _embedding_bodies(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """One encoder body per prompt of an embeddings request, in vLLM's shapes: texts or token ids
+    (`input`), or conversations (`messages`, or `input` holding them) rendered without a
+    generation prompt."""
+    messages = body["messages"] if "messages" in body else body.get("input")
+    convs = (
+        [messages]
+        if isinstance(messages, list) and messages and isinstance(messages[0], dict)
+        else messages
+    )
+    if (
+        isinstance(convs, list)
+        and convs
+        and all(isinstance(c, list) and c and all(isinstance(m, dict) for m in c) for c in convs)
+    ):
+        options = {k: body[k] for k in ("add_special_tokens", "chat_template_kwargs") if k in body}
+        generation = body.get("add_generation_prompt", False)
+        return [
+            {"messages": c, "add_generation_prompt": generation, "chat": True, **options}
+            for c in convs
+        ]
+    prompt = body.get("input")
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and prompt and isinstance(prompt[0], int)
+    ):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise PromptError("'input' must be a string, an array of strings or token ids")
+    special = (
+        {"add_special_tokens": body["add_special_tokens"]} if "add_special_tokens" in body else {}
+    )
+    return [{"prompt": p, **special} for p in prompt]
+
+
+def _embedding(index: int, ids: Any, dimensions: int, base64: bool) -> dict[str, Any]:
+    """A deterministic unit-free vector per prompt: its shape is what a client reads."""
+    values = [((hash(tuple(ids[:8])) >> (4 * i)) & 0xFF) / 255.0 for i in range(dimensions)]
+    vector: Any = values
+    if base64:
+        vector = b64.b64encode(struct.pack(f"<{dimensions}f", *values)).decode()
+    return {"index": index, "object": "embedding", "embedding": vector}
+
+
+def _pair_bodies(body: dict[str, Any], path: str) -> list[dict[str, Any]]:
+    """A scoring request's pairs, as a cross-encoder (or an LLM reranker) sees them: each pair's
+    first and second text joined into one prompt."""
+    if "rerank" in path:
+        first, second = body.get("query"), body.get("documents")
+    else:
+        names = ("queries", "documents"), ("queries", "items"), ("data_1", "data_2")
+        one, two = next((n for n in names if n[0] in body and n[1] in body), ("text_1", "text_2"))
+        first, second = body.get(one), body.get(two)
+    firsts = [first] if isinstance(first, str) else first
+    seconds = [second] if isinstance(second, str) else second
+    if not (
+        isinstance(firsts, list)
+        and isinstance(seconds, list)
+        and firsts
+        and seconds
+        and all(isinstance(t, str) for t in [*firsts, *seconds])
+        and len(firsts) in (1, len(seconds))
+    ):
+        raise PromptError("a scoring request needs texts: one or as many first texts as second")
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    return [{"prompt": a + b} for a, b in zip(firsts, seconds, strict=True)]
+
+
+def _score(ids: Any) -> float:
+    return (hash(tuple(ids[:8])) & 0xFFFF) / 65535.0
+
+
+def _pooling_answer(
+    path: str, body: dict[str, Any], model: str, prompts: list[Any], tokens: int
+) -> dict[str, Any]:
+    """vLLM's answer of each pooling endpoint, its values deterministic from the prompt."""
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+    head = {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time())}
+    if "rerank" in path:
+        documents = (
+            body["documents"] if isinstance(body["documents"], list) else [body["documents"]]
+        )
+        results = sorted(
+            (
+                {"index": i, "document": {"text": documents[i]}, "relevance_score": _score(ids)}
+                for i, ids in enumerate(prompts)
+            ),
+            key=lambda r: -r["relevance_score"],
+        )
+        top_n = body.get("top_n") if type(body.get("top_n")) is int else 0
+        usage.pop("completion_tokens")
+        return {
+            "id": f"rerank-{uuid.uuid4().hex}",
+            "model": model,
+            "usage": usage,
+            "results": results[:top_n] if top_n > 0 else results,
+        }
+    if "score" in path:
+        data = [
+            {"index": i, "object": "score", "score": _score(ids)} for i, ids in enumerate(prompts)
+        ]
+    elif path == "/classify":
+        data = [
+            {"index": i, "label": "LABEL_0", "probs": [p := _score(ids), 1 - p], "num_classes": 2}
+            for i, ids in enumerate(prompts)
+        ]
+    elif path == "/pooling":
+        data = [
+            {"index": i, "object": "pooling", "data": _embedding(i, ids, 8, False)["embedding"]}
+            for i, ids in enumerate(prompts)
+        ]
+    else:
+        dimensions = body.get("dimensions") if type(body.get("dimensions")) is int else 8
+        base64 = body.get("encoding_format") == "base64"
+        data = [
+            _embedding(i, ids, max(1, min(dimensions, 4096)), base64)
+            for i, ids in enumerate(prompts)
+        ]
+    return {**head, "model": model, "data": data, "usage": usage}
+
+
+async def pooling(request: web.Request) -> web.Response:
+    """vLLM's pooling endpoints (`/v1/embeddings`, `/classify`, `/pooling`, `/rerank`, `/score`
+    and their aliases) as prefill-only work: each prompt is scheduled for its prefill (and the
+    one step that ends it); the answer is vLLM's, `usage` with the prompts' tokens. A scoring
+    pair is one prompt, its two texts joined (a cross-encoder's work)."""
+    state = request.app[REPLICA]
+    engine = state.engine
+    failure = state.dice.error(state.faults)
+    if failure is not None:
+        state.fired("error")
+        kind = "InternalServerError" if failure == 500 else "ServiceUnavailableError"
+        return error_response(failure, "injected fault", kind)
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        return bad_request(f"invalid JSON body: {exc}")
+    if not isinstance(body, dict):
+        return bad_request("the body must be a JSON object")
+    model = body.get("model")
+    if model not in state.model_names and model not in state.adapters:
+        return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    limit = state.profile.serving.max_model_len
+    path = request.path
+    scoring = "rerank" in path or "score" in path
+    prompts = []
+    try:
+        for one in _pair_bodies(body, path) if scoring else _embedding_bodies(body):
+            chat = one.pop("chat", False)
+            prompts.append(
+                await (
+                    state.encoder.encode_chat(one) if chat else state.encoder.encode_completion(one)
+                )
+            )
+    except PromptError as exc:
+        return bad_request(str(exc), "input")
+    for ids in prompts:
+        if len(ids) > limit:
+            return bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested"
+                f" {len(ids)} tokens in the input for embedding generation. Please reduce the"
+                " length of the input.",
+                "input",
+            )
+    seqs = [engine.submit(ids, 1, ignore_eos=True) for ids in prompts]
+    try:
+        for seq in seqs:
+            await seq.wait(any_token=False)
+            if seq.status is not Status.FINISHED:
+                return error_response(500, "the simulated engine failed", "InternalServerError")
+        tokens = sum(seq.prompt_tokens for seq in seqs)
+        answer = _pooling_answer(path, body, model, prompts, tokens)
+        return web.Response(
+            body=orjson.dumps(answer), content_type="application/json", headers=state.headers
+        )
+    finally:
+        for seq in seqs:
+            engine.abort(seq)
+
+
+# vLLM 0.32's pooling paths (entrypoints/pooling/*/api_router.py).
+POOLING_PATHS = (
+    "/v1/embeddings",
+    "/classify",
+    "/pooling",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+    "/score",
+    "/v1/score",
+)
+
+
 async def models(request: web.Request) -> web.Response:
     state = request.app[REPLICA]
     data = [
@@ -580,6 +775,8 @@ def create_replica_app(profile: Profile, options: ReplicaOptions | None = None) 
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/messages", messages)
+    for path in POOLING_PATHS:
+        app.router.add_post(path, pooling)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
