@@ -51,7 +51,7 @@ class Accountant:
         self.metrics = metrics
         self.access_log = access_log
         self._series: dict[tuple[str, str, str], _Series] = {}
-        self._outcomes: dict[tuple[str, str, str, int], Any] = {}
+        self._outcomes: dict[tuple[str, str, str, str, int], Any] = {}
         self._untrusted: set[str] = set()  # replicas whose untrusted usage was logged
 
     def _labels(self, ctx: Ctx) -> tuple[str, str, str]:
@@ -69,10 +69,11 @@ class Accountant:
         ctx.ended = time.perf_counter()
         read_usage(ctx)  # a whole answer's, decoded here: after the client has the answer
         labels = self._labels(ctx)
-        outcome = self._outcomes.get((*labels, ctx.status))
-        if outcome is None:  # statuses come from a small set: the children are kept
-            outcome = self._outcomes[(*labels, ctx.status)] = self.metrics.requests.labels(
-                *labels, str(ctx.status)
+        key = (*labels, ctx.endpoint, ctx.status)
+        outcome = self._outcomes.get(key)
+        if outcome is None:  # endpoints and statuses come from small sets: children are kept
+            outcome = self._outcomes[key] = self.metrics.requests.labels(
+                *labels, ctx.endpoint, str(ctx.status)
             )
         outcome.inc()
         if ctx.adapter and ctx.pool is not None:  # set only for an adapter the catalog knows

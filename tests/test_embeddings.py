@@ -59,10 +59,7 @@ async def test_the_sdk_embeds_a_batch_counted_as_prefill_only_work(gw, http) -> 
         for line in text.splitlines()
         if line.startswith("llm_requests_total{") and 'code="200"' in line
     ]
-    # Labelled by endpoint where the metrics carry it (issue 29); by pool and model here.
-    assert counted and all(
-        'endpoint="' not in line or 'endpoint="embeddings"' in line for line in counted
-    )
+    assert counted and all('endpoint="embeddings"' in line for line in counted)
 
 
 async def test_token_ids_and_chat_style_input_through_the_gateway(gw, http) -> None:

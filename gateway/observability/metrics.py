@@ -304,7 +304,10 @@ class Metrics:
             (*WORKLOAD, "tier"), buckets=QUEUE_BUCKETS, registry=r,
         )  # fmt: skip
         self.requests = Counter(
-            "llm_requests", "Requests by outcome.", (*WORKLOAD, "code"), registry=r
+            "llm_requests",
+            "Requests by endpoint and outcome.",
+            (*WORKLOAD, "endpoint", "code"),
+            registry=r,
         )
         # Labelled only with adapters the catalog knows (the policy's and at most
         # adapters.MAX_PER_POOL discovered per pool): a client's unknown name is a 404 first.
