@@ -325,9 +325,9 @@ async def _generate(
     return answer
 
 
-async def _serve(request: web.Request, chat: bool, anthropic: bool) -> web.StreamResponse:
-    state = request.app[REPLICA]
-    engine = state.engine
+async def _request_body(request: web.Request, state: ReplicaState) -> dict[str, Any] | web.Response:
+    """The request's JSON object, or the answer vLLM would give instead: an injected fault, a
+    body that is not a JSON object, a model it does not serve."""
     failure = state.dice.error(state.faults)
     if failure is not None:
         state.fired("error")
@@ -342,6 +342,16 @@ async def _serve(request: web.Request, chat: bool, anthropic: bool) -> web.Strea
     model = body.get("model")
     if model not in state.model_names and model not in state.adapters:
         return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    return body
+
+
+async def _serve(request: web.Request, chat: bool, anthropic: bool) -> web.StreamResponse:
+    state = request.app[REPLICA]
+    engine = state.engine
+    body = await _request_body(request, state)
+    if isinstance(body, web.Response):
+        return body
+    model = body["model"]
     encoder = state.encoder
     prompt_body = body
     if anthropic:
@@ -622,20 +632,10 @@ async def pooling(request: web.Request) -> web.Response:
     pair is one prompt, its two texts joined (a cross-encoder's work)."""
     state = request.app[REPLICA]
     engine = state.engine
-    failure = state.dice.error(state.faults)
-    if failure is not None:
-        state.fired("error")
-        kind = "InternalServerError" if failure == 500 else "ServiceUnavailableError"
-        return error_response(failure, "injected fault", kind)
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError as exc:
-        return bad_request(f"invalid JSON body: {exc}")
-    if not isinstance(body, dict):
-        return bad_request("the body must be a JSON object")
-    model = body.get("model")
-    if model not in state.model_names and model not in state.adapters:
-        return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    body = await _request_body(request, state)
+    if isinstance(body, web.Response):
+        return body
+    model = body["model"]
     limit = state.profile.serving.max_model_len
     path = request.path
     scoring = "rerank" in path or "score" in path
