@@ -30,6 +30,7 @@ import orjson
 from aiohttp import web
 
 from gateway.api.base import FINGERPRINT_CHARS, Api
+from gateway.api.chat import check_message_list
 from gateway.errors import BadRequest, GatewayError
 from gateway.parse import check_prompt_chars, lax_int, text_chars
 from gateway.tokenizer.chat_template import lax_bool
@@ -287,15 +288,7 @@ def _check_options(body: dict[str, Any], max_tokens: int | None) -> None:
 def check_messages(body: dict[str, Any], limits: ServerSpec, max_tokens: int | None) -> int:
     """Check a messages request (or a count_tokens one: no `max_tokens`) as vLLM's request
     model does, within the chat's limits; return its images."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty array", param="messages")
-    if len(messages) > limits.max_messages:
-        raise BadRequest(
-            f"{len(messages)} messages, over the {limits.max_messages} limit",
-            param="messages",
-            code="too_many_messages",
-        )
+    messages = check_message_list(body, limits)
     size = _Size()
     system = body.get("system")
     if system is not None:

@@ -158,10 +158,8 @@ def _check_tool_list(tools: Any) -> None:
         )
 
 
-def check_chat(body: dict[str, Any], limits: ServerSpec) -> int:
-    """Check a chat's shape, vLLM's refusals and the size of everything its template may render
-    (messages, tools, documents, template variables, all in `max_prompt_chars`) before anything
-    is rendered; return its image parts."""
+def check_message_list(body: dict[str, Any], limits: ServerSpec) -> list[Any]:
+    """A body's `messages`: a non-empty array within `max_messages`, or a 400."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
@@ -171,6 +169,14 @@ def check_chat(body: dict[str, Any], limits: ServerSpec) -> int:
             param="messages",
             code="too_many_messages",
         )
+    return messages
+
+
+def check_chat(body: dict[str, Any], limits: ServerSpec) -> int:
+    """Check a chat's shape, vLLM's refusals and the size of everything its template may render
+    (messages, tools, documents, template variables, all in `max_prompt_chars`) before anything
+    is rendered; return its image parts."""
+    messages = check_message_list(body, limits)
     parts = sum(
         len(content)
         for message in messages
