@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,19 +20,51 @@ import pytest
 from safetensors.numpy import save_file
 
 from loadtest.vllm_server import MAX_MODEL_LEN, SERVED_NAME, VLLMServer, serve_vllm
-from tests.conftest import basic_policy, eventually, gateway_factory, http, stub, stub_factory
+from tests.conftest import (
+    accounted,
+    basic_policy,
+    eventually,
+    gateway_factory,
+    http,
+    stub,
+    stub_factory,
+)
 
 __all__ = ["basic_policy", "eventually", "gateway_factory", "http", "stub", "stub_factory"]
 
 
-@pytest.fixture(scope="session")
-def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+def started_vllm(
+    tmp_path_factory: pytest.TempPathFactory, name: str, flags: Sequence[str] = ()
+) -> Iterator[VLLMServer]:
+    """vLLM serving the tiny model (with `flags`: `--convert embed`, say) until the generator is
+    closed, its log in a directory named `name`."""
     python, model_dir = os.environ.get("VLLM_PYTHON"), os.environ.get("VLLM_MODEL_DIR")
     if not python or not model_dir:
         pytest.fail("VLLM_PYTHON and VLLM_MODEL_DIR must be set: run `make test-vllm`")
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    with serve_vllm(python, Path(model_dir).resolve(), log) as server:
+    log = tmp_path_factory.mktemp(name) / "vllm.log"
+    with serve_vllm(python, Path(model_dir).resolve(), log, extra_args=list(flags)) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    yield from started_vllm(tmp_path_factory, "vllm")
+
+
+async def counted_and_reported(
+    gw: Any, http: aiohttp.ClientSession, calls: Sequence[tuple[str, dict[str, Any]]]
+) -> tuple[list[int], list[int]]:
+    """Each call's input tokens as the gateway's access log counted them, and as vLLM's usage
+    reported them (`usage.prompt_tokens`), in order."""
+    reported = []
+    for path, body in calls:
+        async with http.post(f"{gw.url}{path}", json={"model": SERVED_NAME, **body}) as resp:
+            answer = await resp.json()
+            assert resp.status == 200, (path, answer)
+            reported.append(answer["usage"]["prompt_tokens"])
+    await accounted(gw, len(calls) - 1)
+    logged = [json.loads(line) for line in gw.access_log.getvalue().splitlines()]
+    return [r["input_tokens"] for r in logged], reported
 
 
 LORA_NAME = "tiny-lora"

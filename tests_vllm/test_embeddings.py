@@ -5,16 +5,13 @@ form equal to the `usage.prompt_tokens` vLLM reports for it."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
 
-from loadtest.vllm_server import SERVED_NAME, VLLMServer, serve_vllm
-from tests.conftest import accounted
-from tests_vllm.conftest import vllm_policy
+from loadtest.vllm_server import SERVED_NAME, VLLMServer
+from tests_vllm.conftest import counted_and_reported, started_vllm, vllm_policy
 
 USER = {"role": "user", "content": "  the listing review, summarised: é 日本語 🙂  "}
 SYSTEM = {"role": "system", "content": "represent this for retrieval"}
@@ -33,14 +30,7 @@ INPUTS = [
 @pytest.fixture(scope="module")
 def vllm_embed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     """A second vLLM, for this module: the tiny model converted to an embedding model."""
-    python, model_dir = os.environ.get("VLLM_PYTHON"), os.environ.get("VLLM_MODEL_DIR")
-    if not python or not model_dir:
-        pytest.fail("VLLM_PYTHON and VLLM_MODEL_DIR must be set: run `make test-vllm`")
-    log = tmp_path_factory.mktemp("vllm-embed") / "vllm.log"
-    with serve_vllm(
-        python, Path(model_dir).resolve(), log, extra_args=["--convert", "embed"]
-    ) as server:
-        yield server
+    yield from started_vllm(tmp_path_factory, "vllm-embed", ["--convert", "embed"])
 
 
 async def test_the_sdk_embeds_through_the_gateway(vllm_embed, gateway_factory) -> None:
@@ -55,17 +45,11 @@ async def test_each_input_form_is_counted_as_vllm_counts_it(
     vllm_embed, gateway_factory, http
 ) -> None:
     gw = await gateway_factory(vllm_policy(vllm_embed))
-    usages = []
-    for body in INPUTS:
-        async with http.post(
-            f"{gw.url}/v1/embeddings", json={"model": SERVED_NAME, **body}
-        ) as resp:
-            answer = await resp.json()
-            assert resp.status == 200, (body, answer)
-            usages.append(answer["usage"]["prompt_tokens"])
-    await accounted(gw, len(INPUTS) - 1)
+    counted, usages = await counted_and_reported(
+        gw, http, [("/v1/embeddings", body) for body in INPUTS]
+    )
+    assert counted == usages
     logged = [json.loads(line) for line in gw.access_log.getvalue().splitlines()]
-    assert [r["input_tokens"] for r in logged] == usages
     assert all(r["output_tokens"] == 0 for r in logged)
 
 
@@ -80,14 +64,6 @@ async def test_other_pooling_endpoints_are_never_undercounted(
         ("/score", {"text_1": "the seller", "text_2": ["a listing", "the buyer"]}),
         ("/pooling", {"input": "the seller wrote the listing", "task": "embed"}),
     ]
-    usages = []
-    for path, body in calls:
-        async with http.post(f"{gw.url}{path}", json={"model": SERVED_NAME, **body}) as resp:
-            answer = await resp.json()
-            assert resp.status == 200, (path, answer)
-            usages.append(answer["usage"]["prompt_tokens"])
-    await accounted(gw, len(calls) - 1)
-    logged = [json.loads(line) for line in gw.access_log.getvalue().splitlines()]
-    counted = [r["input_tokens"] for r in logged]
+    counted, usages = await counted_and_reported(gw, http, calls)
     assert all(c >= u for c, u in zip(counted, usages, strict=True)), (counted, usages)
     assert counted[2] == usages[2]
