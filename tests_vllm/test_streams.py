@@ -63,9 +63,8 @@ async def test_disconnect_mid_stream_aborts_vllm(vllm, gateway_factory, http) ->
         assert last > before
         resp.close()  # the client hangs up with nearly all of the tokens to go
         left = time.monotonic()
-    # vLLM aborted it within seconds: the first scrape that reads its running gauge at 0 was sent
-    # soon after the hang-up. (An abort leaves the id in the scheduler's finished_req_ids,
-    # so has_requests() holds and the engine takes one more, empty, step whose stats read 0:
+    # Wait for vLLM's running gauge to read 0. (An abort leaves the id in the scheduler's
+    # finished_req_ids, so has_requests() holds and the engine takes one more, empty, step whose stats read 0:
     # vllm/v1/engine/core.py, EngineCore.step.)
     async with asyncio.timeout(30):
         while True:
@@ -82,11 +81,11 @@ async def test_disconnect_mid_stream_aborts_vllm(vllm, gateway_factory, http) ->
         f" {stopped_at - before:.0f} of {asked_for}, {stopped_at - last:.0f} after the last read"
         " before the hang-up"
     )
-    # Well within a second alone; in the whole suite, once, two (vLLM's own loop still busy with
-    # what earlier tests left it). That it was aborted, not finished, is asserted below.
-    assert asked - left < 5.0
+    # How soon is printed, not asserted: a second alone, seven once on a loaded CI machine whose
+    # vLLM made only ~600 tokens/s. That it was aborted, not finished, is what is asserted, in tokens:
+    # the running gauge read 0 with most of the sequence never made, and the counter stays there.
     # The gateway let go of it too.
-    await eventually(lambda: gw.inflight() == 0 and gw.inflight_tokens() == 0, within_s=1.0)
+    await eventually(lambda: gw.inflight() == 0 and gw.inflight_tokens() == 0, within_s=10.0)
     assert await scrape(http, gw.url, "llm_inflight_requests") == 0
     assert await scrape(http, gw.url, "llm_inflight_tokens") == 0
     # Nothing generates after that: the counter no longer moves, and the request made far less
