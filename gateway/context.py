@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from gateway.api.base import Api
     from gateway.authenticate import Tenant
     from gateway.errors import Refusal
+    from gateway.holders import Holder
     from gateway.pick.affinity import Affinity
     from gateway.policy.compile import Model, Pool
     from gateway.route import Route
@@ -42,6 +43,10 @@ class Ctx:
     min_output: int = 0  # the client's min_tokens: generated whatever the model would stop at
     forced_output: bool = False  # ignore_eos: generated to max_output (or the context's end)
     images: int = 0  # image parts in a chat's messages, counted by tokenize at the model's rate
+    continues: str | None = None  # a stored response the request continues (Responses API)
+    stores_as: str | None = None  # the id the replica stores this request's response under
+    # what the replica holding `continues` holds of it (gateway/holders.py)
+    holder: Holder | None = None
     # tokenize
     input_tokens: int = 0
     longest_prompt: int = 0  # several prompts in one completions request are checked one by one

@@ -43,6 +43,7 @@ class Refusal(StrEnum):
     HEADERS_TOO_LARGE = "headers_too_large"
     REQUEST_TIMEOUT = "request_timeout"
     MODEL_NOT_FOUND = "model_not_found"
+    RESPONSE_NOT_FOUND = "response_not_found"  # a stored response unknown, or its replica gone
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     INVALID_API_KEY = "invalid_api_key"  # a tenant's key, or the admin token
@@ -260,6 +261,15 @@ class ModelNotFound(GatewayError):
     """Raised when no route serves the requested model."""
 
     refusal = Refusal.MODEL_NOT_FOUND
+    status = 404
+    type = "invalid_request_error"
+
+
+class ResponseNotFound(GatewayError):
+    """Raised for a stored response (Responses API) the gateway knows no replica of, for this
+    tenant: never made, forgotten, another tenant's, or held by a replica that has left."""
+
+    refusal = Refusal.RESPONSE_NOT_FOUND
     status = 404
     type = "invalid_request_error"
 

@@ -308,7 +308,7 @@ async def _relay(
     `rename` rewrites each run of whole events, so an event split across reads is renamed once
     it is complete, and nothing waits longer than it does without it."""
     drop_usage = not ctx.client_wants_usage
-    stream_end = ctx.api.stream_end
+    api = ctx.api
     pending = b""
     deadline = min(first, total)
     while True:
@@ -330,7 +330,7 @@ async def _relay(
             out = rename.events(out)
         if out:
             await resp.write(out)
-            if out.endswith(stream_end):  # the client has it all: the stream's end may lag
+            if api.ended(out):  # the client has it all: the stream's end may lag
                 ctx.answered = True
     if pending:
         out = _scan(ctx, pending, drop_usage)

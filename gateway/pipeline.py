@@ -36,6 +36,7 @@ from gateway.errors import (
 )
 from gateway.estimate import estimate_output, force_length
 from gateway.forward import check_forwardable, client_left, forward
+from gateway.holders import pin
 from gateway.parse import parse_request
 from gateway.policy.compile import Policy
 from gateway.quota import Charge
@@ -173,6 +174,7 @@ async def handle(gateway: Gateway, request: web.Request, api: Api) -> web.Stream
                 ctx, body.media_type(request), raw, policy.spec.server,
                 threads.small if threads is not None else None,
             )  # fmt: skip
+            gateway.holders.look_up(ctx)
             before_count(ctx, policy)
             # Cheap refusals first: the tenant's windows before the tokenizer (`decide`'s
             # order, with the early charge between). From here `charge` is what `finally`
@@ -180,8 +182,10 @@ async def handle(gateway: Gateway, request: web.Request, api: Api) -> web.Stream
             charge = await gateway.quotas.reserve_early(ctx)
             await count_and_route(ctx, policy)
             spill(ctx, runtime.slots, policy.adapters, gateway.accountant.metrics.spillover)
+            pin(ctx, gateway.holders, runtime.slots, policy.pools)
             charge = await gateway.quotas.reserve(ctx, charge)
             resp = await admit_and_forward(ctx, request, runtime)
+            gateway.holders.remember(ctx)
         except GatewayError as exc:
             ctx.status, ctx.refusal, ctx.code = exc.status, exc.refusal, exc.code
             await gateway.quotas.describe(ctx)

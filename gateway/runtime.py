@@ -21,6 +21,7 @@ import aiohttp
 from gateway.account import Accountant
 from gateway.admit import LivePool
 from gateway.errors import ReloadFailed
+from gateway.holders import Holders
 from gateway.observability.loop_lag import watch_lag
 from gateway.observability.metrics import Metrics
 from gateway.observability.state_metrics import BackendUp
@@ -118,6 +119,7 @@ class Gateway:
         self.accountant = Accountant(Metrics(self), access_log)  # reads the above at scrape time
         self.accountant.metrics.registry.register(BackendUp(lambda: self.state))
         self.quotas = Quotas(self.state, self.accountant.metrics)
+        self.holders = Holders(policy.spec.server.max_stored_responses)  # outlives reloads
         self.sessions: dict[str, aiohttp.ClientSession] = {}  # health, /metrics, adapters
         self.draining = False
         self._checkers: dict[str, asyncio.Task[None]] = {}
@@ -291,6 +293,7 @@ class Gateway:
         if policy.digest != current.digest:
             previous = self.runtime
             self.runtime = Runtime.build(policy, previous, self.ledger)
+            self.holders.capacity = policy.spec.server.max_stored_responses
             await self._retire(previous, self._serve_pools())
             kept = {id(pool.picker) for pool in policy.pools.values()}
             retired = {id(p.picker): p.picker for p in current.pools.values()}

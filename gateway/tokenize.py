@@ -39,6 +39,10 @@ async def count_input(ctx: Ctx) -> None:
     refuse_at = limit - max(
         (ctx.max_output or 0) - 1, 0
     )  # the first count check_context_length refuses
+    # The turns a replica stores of the conversation the request continues: the stored
+    # response's prompt and output, which vLLM renders before the request's own.
+    history = ctx.holder.tokens if ctx.holder is not None else 0
+    refuse_at -= history
     images = 0
     if ctx.images:
         check_images(ctx)  # as `before_count` does: a caller may count without it
@@ -46,11 +50,10 @@ async def count_input(ctx: Ctx) -> None:
         if images >= refuse_at:
             raise _too_long(ctx, limit, images, "at least ")
     try:
-        ctx.input_tokens, ctx.longest_prompt = await ctx.api.count(
-            ctx.body, counter, refuse_at, images
-        )
+        tokens, longest = await ctx.api.count(ctx.body, counter, refuse_at, images)
     except TooManyTokens as exc:
-        raise _too_long(ctx, limit, images + exc.tokens, "at least ") from None
+        raise _too_long(ctx, limit, history + images + exc.tokens, "at least ") from None
+    ctx.input_tokens, ctx.longest_prompt = history + tokens, history + longest
 
 
 def _too_long(ctx: Ctx, limit: int, prompt: int, qualifier: str = "") -> ContextLengthExceeded:

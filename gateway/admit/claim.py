@@ -18,10 +18,12 @@ class Claim(NamedTuple):
     weight: float = 1.0
     affinity: Affinity | None = None  # what the pool's scorers weigh; None: its picker needs none
     adapter: str = ""  # the LoRA adapter asked for; "": the base model
+    replica: str = ""  # the one replica it may run on (a stored response's holder); "": any
 
     @classmethod
     def of(cls, ctx: Ctx, affinity: Affinity | None = None) -> Claim:
         tenant = ctx.tenant
+        replica = ctx.holder.replica if ctx.holder is not None else ""
         if tenant is None:
             return cls(
                 ctx.held_tokens,
@@ -29,6 +31,7 @@ class Claim(NamedTuple):
                 ctx.workload,
                 affinity=affinity,
                 adapter=ctx.adapter,
+                replica=replica,
             )
         return cls(
             ctx.held_tokens,
@@ -38,4 +41,5 @@ class Claim(NamedTuple):
             tenant.spec.weight,
             affinity,
             ctx.adapter,
+            replica,
         )

@@ -264,7 +264,10 @@ class LivePool:
     def _pick(self, replicas: Sequence[Replica], claim: Claim) -> Replica | None:
         """The one place the picker is asked. A LoRA request goes only to replicas that list its
         adapter, if any does: vLLM answers 404 for an adapter it has not loaded (one with a
-        runtime resolver may load it, so a pool where no replica lists it still tries)."""
+        runtime resolver may load it, so a pool where no replica lists it still tries). A
+        request pinned to a replica (a stored response's holder) waits for that one's room."""
+        if claim.replica:
+            replicas = [r for r in replicas if r.url == claim.replica]
         if claim.adapter:
             having = [r for r in replicas if claim.adapter in r.adapters]
             if having:

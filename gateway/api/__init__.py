@@ -18,10 +18,13 @@ from gateway.api.classify import CLASSIFY
 from gateway.api.completions import COMPLETIONS
 from gateway.api.embeddings import EMBEDDINGS
 from gateway.api.pooling import POOLING
+from gateway.api.responses import RESPONSES
 from gateway.api.scoring import RERANK, SCORE
 from gateway.policy.schema import Endpoint
 
-APIS: tuple[Api, ...] = (CHAT, COMPLETIONS, MESSAGES, EMBEDDINGS, RERANK, SCORE, CLASSIFY, POOLING)
+APIS: tuple[Api, ...] = (
+    CHAT, COMPLETIONS, MESSAGES, RESPONSES, EMBEDDINGS, RERANK, SCORE, CLASSIFY, POOLING
+)  # fmt: skip
 BY_NAME: dict[str, Api] = {api.name: api for api in APIS}
 BY_PATH: dict[str, Api] = {path: api for api in APIS for path in (api.path, *api.aliases)}
 
@@ -44,6 +47,7 @@ __all__ = [
     "MESSAGES",
     "POOLING",
     "RERANK",
+    "RESPONSES",
     "SCORE",
     "Api",
 ]

@@ -24,13 +24,14 @@ from __future__ import annotations
 import json
 import time
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
 
 from gateway.api.base import FINGERPRINT_CHARS, Api
 from gateway.api.chat import check_message_list
+from gateway.api.openai import is_tokens
 from gateway.errors import BadRequest, GatewayError
 from gateway.parse import check_prompt_chars, lax_int, text_chars
 from gateway.tokenizer.chat_template import lax_bool
@@ -531,10 +532,6 @@ def chat_for(body: dict[str, Any], counter: TokenCounter) -> dict[str, Any]:
     return to_chat(body, False, "none")
 
 
-def _tokens(value: Any) -> TypeGuard[int]:
-    return type(value) is int and value >= 0
-
-
 _STREAM_END = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
 _DELTA = b"event: content_block_delta"
 
@@ -601,20 +598,20 @@ class MessagesApi(Api):
         if not isinstance(usage, dict):
             return
         output = usage.get("output_tokens")
-        if not _tokens(output):
+        if not is_tokens(output):
             if output is not None:
                 ctx.untrusted_usage = "completion_tokens"
             return
         ctx.output_tokens = output
         prompt = usage.get("input_tokens")
-        if not _tokens(prompt):
+        if not is_tokens(prompt):
             if prompt is not None:
                 ctx.untrusted_usage = "prompt_tokens"
             return
         total = prompt
         for cached in ("cache_read_input_tokens", "cache_creation_input_tokens"):
             value = usage.get(cached)
-            if _tokens(value):
+            if is_tokens(value):
                 total += value
         ctx.prompt_tokens = total
 
@@ -627,7 +624,7 @@ class MessagesApi(Api):
         elif kind == "message_start":
             message = event.get("message")
             usage = message.get("usage") if isinstance(message, dict) else None
-            if isinstance(usage, dict) and _tokens(usage.get("input_tokens")):
+            if isinstance(usage, dict) and is_tokens(usage.get("input_tokens")):
                 ctx.prompt_tokens = usage["input_tokens"]
         return False
 

@@ -53,7 +53,7 @@ class Api(ABC):
     # `stream_options`) are read: an API whose replica ignores them leaves them unread.
     openai_fields: ClassVar[bool] = True
     # The bytes a whole stream ends with: once written, the client has its whole answer.
-    stream_end: ClassVar[bytes]
+    stream_end: ClassVar[bytes] = b""
     exact: ClassVar[bool] = True
 
     @abstractmethod
@@ -100,6 +100,10 @@ class Api(ABC):
     def usage_event(self, ctx: Ctx, event: dict[str, Any]) -> bool:
         """Read the usage a decoded stream event carries; whether the event only carries it (the
         gateway's to drop when the client did not ask for it)."""
+
+    def ended(self, out: bytes) -> bool:
+        """Whether a run of whole events just written ends the stream: the client has it all."""
+        return out.endswith(self.stream_end)
 
     @abstractmethod
     def deltas(self, events: bytes) -> int:

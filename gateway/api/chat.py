@@ -66,8 +66,9 @@ _TEMPLATE_FLAGS = (("add_generation_prompt", True), ("continue_final_message", F
 _TEXT_FIELDS = ("name", "tool_call_id", "reasoning", "reasoning_content", "task")
 
 
-def _message_chars(message: Any, index: int) -> tuple[int, int]:
-    """Characters a template may render of one message, and its images; bounded and checked."""
+def _message_chars(message: Any, index: int, typed: bool) -> tuple[int, int]:
+    """Characters a template may render of one message, and its images; bounded and checked
+    (against the message types of vLLM's chat request model when `typed`)."""
     param = f"messages[{index}]"
     role = message.get("role") if isinstance(message, dict) else None
     if not isinstance(role, str):
@@ -81,7 +82,8 @@ def _message_chars(message: Any, index: int) -> tuple[int, int]:
     calls = message.get("tool_calls")
     if isinstance(calls, str | dict):  # vLLM's request model lists any iterable but a list
         calls = message["tool_calls"] = list(calls)
-    check_message_type(message, index)  # tool calls included, where vLLM reads them
+    if typed:
+        check_message_type(message, index)  # tool calls included, where vLLM reads them
     chars, images = _content_chars(message.get("content"), index)
     for field in _TEXT_FIELDS:  # of any type: vLLM prints only strings, and only some
         chars += text_chars(message.get(field))
@@ -172,10 +174,12 @@ def check_message_list(body: dict[str, Any], limits: ServerSpec) -> list[Any]:
     return messages
 
 
-def check_chat(body: dict[str, Any], limits: ServerSpec) -> int:
+def check_chat(body: dict[str, Any], limits: ServerSpec, typed: bool = True) -> int:
     """Check a chat's shape, vLLM's refusals and the size of everything its template may render
     (messages, tools, documents, template variables, all in `max_prompt_chars`) before anything
-    is rendered; return its image parts."""
+    is rendered; return its image parts. `typed`: each message validates as one of the chat
+    request model's message types (a chat vLLM builds itself, as from a responses request,
+    passes through no such model)."""
     messages = check_message_list(body, limits)
     parts = sum(
         len(content)
@@ -215,7 +219,7 @@ def check_chat(body: dict[str, Any], limits: ServerSpec) -> int:
         raise BadRequest("'documents' must be an array", param="documents", code="invalid_type")
     chars = images = 0
     for index, message in enumerate(messages):
-        message_chars, message_images = _message_chars(message, index)
+        message_chars, message_images = _message_chars(message, index, typed)
         chars += message_chars
         images += message_images
     chars += text_chars(body.get("tools")) + text_chars(documents) + text_chars(kwargs)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.api.base import FINGERPRINT_CHARS, FINGERPRINT_IDS
 from gateway.api.chat import check_chat
 from gateway.api.completions import _prompt_floor, _prompt_shape
-from gateway.api.openai import OpenAIApi, _tokens
+from gateway.api.openai import OpenAIApi, is_tokens
 from gateway.errors import BadRequest
 from gateway.parse import check_prompt_chars
 from gateway.tokenizer.chat_template import lax_bool, message_text
@@ -108,7 +108,7 @@ class PoolingApi(OpenAIApi):
             return
         ctx.output_tokens = 0
         prompt = usage.get("prompt_tokens")
-        if _tokens(prompt):
+        if is_tokens(prompt):
             ctx.prompt_tokens = prompt
         elif prompt is not None:
             ctx.untrusted_usage = "prompt_tokens"

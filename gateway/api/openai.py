@@ -8,7 +8,7 @@ responses) subclasses `Api` instead and says its own.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from gateway.api.base import Api
 
@@ -22,8 +22,9 @@ if TYPE_CHECKING:
     from gateway.state.base import Window
 
 
-def _tokens(value: Any) -> bool:
-    return type(value) is int and value >= 0  # not a bool, a float, a string or negative
+def is_tokens(value: Any) -> TypeGuard[int]:
+    """A usage count as a replica may report it: not a bool, a float, a string or negative."""
+    return type(value) is int and value >= 0
 
 
 class OpenAIApi(Api):
@@ -47,12 +48,12 @@ class OpenAIApi(Api):
         if not isinstance(usage, dict):
             return
         completion, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
-        if not _tokens(completion):
+        if not is_tokens(completion):
             if completion is not None:
                 ctx.untrusted_usage = "completion_tokens"
             return
         ctx.output_tokens = completion
-        if _tokens(prompt):
+        if is_tokens(prompt):
             ctx.prompt_tokens = prompt
         elif prompt is not None:
             ctx.untrusted_usage = "prompt_tokens"

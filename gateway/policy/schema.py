@@ -12,7 +12,15 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Endpoint = Literal[
-    "chat", "completions", "messages", "embeddings", "rerank", "score", "classify", "pooling"
+    "chat",
+    "completions",
+    "messages",
+    "responses",
+    "embeddings",
+    "rerank",
+    "score",
+    "classify",
+    "pooling",
 ]
 PRIORITIES: tuple[str, ...] = ("critical", "standard", "sheddable")
 """Queue priorities, highest first: a tenant's tier, which `x-priority` may lower."""
@@ -561,6 +569,14 @@ class ServerSpec(Spec):
     )
     max_messages: PositiveInt = Field(
         2048, description="Messages in a chat request; beyond it: 400 `too_many_messages`."
+    )
+    max_stored_responses: PositiveInt = Field(
+        100_000,
+        description=(
+            "Stored responses (Responses API) whose replica the gateway remembers, to send"
+            " `previous_response_id`, `GET /v1/responses/{id}` and its cancel there; the least"
+            " recently used are forgotten first (about 200 bytes each)."
+        ),
     )
     max_content_parts: PositiveInt = Field(
         2048,

@@ -37,6 +37,7 @@ from gateway.runtime import Gateway
 from gateway.server import body, logs, vllm_endpoints
 from gateway.server.limits import RequestLimits, handler_args
 from gateway.server.model_cards import model_cards
+from gateway.server.stored_responses import relay
 
 log = logging.getLogger("gateway.server")
 
@@ -284,6 +285,8 @@ def create_app(policy: Policy, *, access_log: IO[bytes] | None = None) -> web.Ap
         # and no coroutine layer, per request.
         **{path: {"POST": partial(handle, gateway, api=api)} for path, api in BY_PATH.items()},
         "/v1/messages/count_tokens": {"POST": count_tokens},
+        "/v1/responses/{response_id}": {"GET": partial(relay, gateway)},
+        "/v1/responses/{response_id}/cancel": {"POST": partial(relay, gateway)},
         "/v1/models": {"GET": list_models},
         "/tokenize": {"POST": tokenize},
         "/detokenize": {"POST": detokenize},

@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions, /v1/completions   streaming (SSE) or not, vLLM's wire format
     POST /v1/messages                             Anthropic's, as vLLM serves it (a chat, converted)
+    POST /v1/responses, GET /v1/responses/{id}    OpenAI's Responses API (loadtest/sim/responses.py)
     GET  /v1/models, /health, /metrics            as vLLM serves them
     GET  /kv_event_sources                        where KV-cache events are published (kv_events.py)
     GET  /admin/faults, POST /admin/faults        read or replace the fault set (faults.py)
@@ -28,6 +29,7 @@ import logging
 import struct
 import time
 import uuid
+from array import array
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -39,6 +41,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import ValidationError
 
 from gateway.api.anthropic import to_chat
+from gateway.errors import BadRequest
+from loadtest.sim import responses
 from loadtest.sim.engine import Engine
 from loadtest.sim.faults import FaultDice, Faults
 from loadtest.sim.kv_events import KVEventPublisher, KVEventsConfig
@@ -95,6 +99,7 @@ class ReplicaState:
             seed=options.seed,
         )
         self.encoder: PromptEncoder = prompt_encoder(options.tokenizer)
+        self.responses = responses.ResponseStore()
         self.dice = FaultDice(options.seed + 1)
         self.faults = Faults()
         self.refuser: Callable[[float], None] | None = None  # set by start_replica
@@ -317,9 +322,9 @@ def _as_chat(body: dict[str, Any], encoder: PromptEncoder) -> dict[str, Any] | w
 
 
 async def _generate(
-    request: web.Request, chat: bool, anthropic: bool = False
+    request: web.Request, chat: bool, anthropic: bool = False, responses_api: bool = False
 ) -> web.StreamResponse:
-    answer = await _serve(request, chat, anthropic)
+    answer = await _serve(request, chat, anthropic, responses_api)
     if anthropic and answer.status >= 400 and isinstance(answer, web.Response):
         return _anthropic_error(answer)
     return answer
@@ -345,7 +350,9 @@ async def _request_body(request: web.Request, state: ReplicaState) -> dict[str, 
     return body
 
 
-async def _serve(request: web.Request, chat: bool, anthropic: bool) -> web.StreamResponse:
+async def _serve(
+    request: web.Request, chat: bool, anthropic: bool, responses_api: bool
+) -> web.StreamResponse:
     state = request.app[REPLICA]
     engine = state.engine
     body = await _request_body(request, state)
@@ -354,17 +361,32 @@ async def _serve(request: web.Request, chat: bool, anthropic: bool) -> web.Strea
     model = body["model"]
     encoder = state.encoder
     prompt_body = body
+    history: list[int] = []  # a stored conversation the request continues
     if anthropic:
         converted = _as_chat(body, encoder)
         if isinstance(converted, web.Response):
             return converted
         prompt_body = converted
+    elif responses_api:
+        previous = body.get("previous_response_id")
+        if previous is not None:
+            stored = state.responses.get(previous)
+            if stored is None:
+                return responses.not_found(previous)
+            history = stored.conversation
+        try:
+            prompt_body = responses.conversation(body)
+        except BadRequest as exc:
+            return bad_request(exc.message, "input")
+        prompt_body["max_tokens"] = body.get("max_output_tokens")
     try:
         ids = await (
             encoder.encode_chat(prompt_body) if chat else encoder.encode_completion(prompt_body)
         )
     except PromptError as exc:
         return bad_request(str(exc), "messages" if chat else "prompt")
+    if history:
+        ids = array("q", history) + ids
     max_tokens = _max_tokens(prompt_body, chat, len(ids), state.profile.serving.max_model_len)
     if isinstance(max_tokens, web.Response):
         return max_tokens
@@ -378,16 +400,32 @@ async def _serve(request: web.Request, chat: bool, anthropic: bool) -> web.Strea
     seq = engine.submit(ids, max_tokens, ignore_eos=ignore_eos)
     seq.arrival = received
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    if responses_api:
+        rid = responses.new_id(body)
     chunks = _Chunks(chat, rid, model, state.encoder.token_text)
+
+    def store(response: dict[str, Any]) -> None:
+        if body.get("store", True) is not False:
+            conversation = [*ids, *[0] * seq.generated]
+            state.responses.put(rid, responses.Stored(response, conversation))
+
     try:
         if body.get("stream"):
             if anthropic:
-                return await _anthropic_stream(request, state, seq, chunks)
+                return await _typed_stream(request, state, seq, _AnthropicFraming(chunks, seq))
+            if responses_api:
+                framing = _ResponsesFraming(chunks, seq, body, store)
+                return await _typed_stream(request, state, seq, framing)
             return await _stream(request, state, seq, chunks, body)
         await seq.wait(any_token=False)
         if seq.status is not Status.FINISHED:
             return error_response(500, "the simulated engine failed", "InternalServerError")
-        answer = _anthropic_answer(chunks, seq) if anthropic else _answer(chunks, seq)
+        if responses_api:
+            text = chunks.token_text * seq.generated
+            answer = responses.response_object(body, rid, model, "completed", text, seq)
+            store(answer)
+        else:
+            answer = _anthropic_answer(chunks, seq) if anthropic else _answer(chunks, seq)
         return web.Response(
             body=orjson.dumps(answer), content_type="application/json", headers=state.headers
         )
@@ -421,25 +459,88 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
-async def _anthropic_stream(
-    request: web.Request, state: ReplicaState, seq: Sequence, chunks: _Chunks
-) -> web.StreamResponse:
+class _AnthropicFraming:
     """vLLM's `message_stream_converter` over a text stream: `message_start` (the prompt's
     usage), a text block's start, one `content_block_delta` per chunk, its stop, `message_delta`
-    (stop reason and the final usage), `message_stop`. Faults as `_stream`'s."""
+    (stop reason and the final usage), `message_stop`."""
+
+    def __init__(self, chunks: _Chunks, seq: Sequence) -> None:
+        self.chunks, self.seq = chunks, seq
+
+    def start(self) -> bytes:
+        message: dict[str, Any] = {
+            "id": self.chunks.rid, "type": "message", "role": "assistant", "content": [],
+            "model": self.chunks.model, "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": self.seq.prompt_tokens, "output_tokens": 0},
+        }  # fmt: skip
+        return _event("message_start", {"type": "message_start", "message": message})
+
+    def first(self) -> bytes:
+        start = {"type": "content_block_start", "content_block": {"type": "text", "text": ""},
+                 "index": 0}  # fmt: skip
+        return _event("content_block_start", start)
+
+    def delta(self, text: str) -> bytes:
+        delta = {"type": "text_delta", "text": text}
+        return _event(
+            "content_block_delta", {"type": "content_block_delta", "delta": delta, "index": 0}
+        )
+
+    def end(self, sent: int) -> bytes:
+        end = b""
+        if sent:
+            end += _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+        stop = {"stop_reason": _stop_reason(self.seq), "stop_sequence": None}
+        usage = _anthropic_usage(self.seq)
+        end += _event("message_delta", {"type": "message_delta", "delta": stop, "usage": usage})
+        return end + _event("message_stop", {"type": "message_stop"})
+
+
+class _ResponsesFraming:
+    """The Responses API's typed events (loadtest/sim/responses.py); the answer is stored once
+    it is whole."""
+
+    def __init__(self, chunks: _Chunks, seq: Sequence, body: dict[str, Any], done: Any) -> None:
+        self.chunks, self.seq, self.body, self.done = chunks, seq, body, done
+        self.events = responses.EventWriter()
+        self.item = f"msg_{chunks.rid[5:]}"
+
+    def _response(self, status: str, seq: Sequence | None) -> dict[str, Any]:
+        text = self.chunks.token_text * self.seq.generated
+        return responses.response_object(
+            self.body, self.chunks.rid, self.chunks.model, status, text, seq
+        )
+
+    def start(self) -> bytes:
+        return b""
+
+    def first(self) -> bytes:
+        return responses.opening(self.events, self._response("in_progress", None), self.item)
+
+    def delta(self, text: str) -> bytes:
+        return responses.delta(self.events, self.item, text)
+
+    def end(self, sent: int) -> bytes:
+        response = self._response("completed", self.seq)
+        self.done(response)
+        opened = b"" if sent else self.first()
+        return opened + responses.closing(self.events, response, self.item)
+
+
+async def _typed_stream(
+    request: web.Request, state: ReplicaState, seq: Sequence, framing: Any
+) -> web.StreamResponse:
+    """A stream of typed events (Anthropic's, the Responses API's): `framing.start()`, its
+    `first()` before the first token, one `delta` per chunk, its `end` once finished. Faults
+    as `_stream`'s."""
     reset_after = state.dice.reset_after(state.faults)
     interval = state.stream_interval_s
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **state.headers}
     )
-    message: dict[str, Any] = {
-        "id": chunks.rid, "type": "message", "role": "assistant", "content": [],
-        "model": chunks.model, "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": seq.prompt_tokens, "output_tokens": 0},
-    }  # fmt: skip
     try:
         await resp.prepare(request)
-        await resp.write(_event("message_start", {"type": "message_start", "message": message}))
+        await resp.write(framing.start())
         sent = written = 0
         while True:
             generated, status = seq.generated, seq.status
@@ -448,21 +549,12 @@ async def _anthropic_stream(
                 continue
             if status is Status.ABORTED:
                 break
-            payload = b""
-            if not sent and generated:
-                block = {"type": "text", "text": ""}
-                start = {"type": "content_block_start", "content_block": block, "index": 0}
-                payload += _event("content_block_start", start)
+            payload = framing.first() if not sent and generated else b""
             if generated > sent:
-                delta = {"type": "text_delta", "text": chunks.token_text * (generated - sent)}
-                payload += _event(
-                    "content_block_delta",
-                    {"type": "content_block_delta", "delta": delta, "index": 0},
-                )
+                payload += framing.delta(state.encoder.token_text * (generated - sent))
             if payload:
                 await resp.write(payload)
                 state.engine.stats.stream_chunks += 1
-            sent = generated
             written += 1
             if reset_after is not None and written >= reset_after:
                 state.fired("reset")
@@ -470,19 +562,9 @@ async def _anthropic_stream(
                 request.transport.abort()
                 return resp
             if status is Status.FINISHED:
-                end = b""
-                if sent:
-                    end += _event("content_block_stop", {"type": "content_block_stop", "index": 0})
-                stop = {"stop_reason": _stop_reason(seq), "stop_sequence": None}
-                delta_event = {
-                    "type": "message_delta",
-                    "delta": stop,
-                    "usage": _anthropic_usage(seq),
-                }
-                end += _event("message_delta", delta_event)
-                end += _event("message_stop", {"type": "message_stop"})
-                await resp.write(end)
+                await resp.write(framing.end(generated))
                 break
+            sent = generated
             if interval:
                 await seq.wait(any_token=False, limit_s=interval)
         await resp.write_eof()
@@ -494,6 +576,11 @@ async def _anthropic_stream(
 async def messages(request: web.Request) -> web.StreamResponse:
     """Anthropic's Messages API as vLLM serves it: converted to a chat, generated as one."""
     return await _generate(request, chat=True, anthropic=True)
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    """OpenAI's Responses API as vLLM serves it: converted to a chat, generated as one."""
+    return await _generate(request, chat=True, responses_api=True)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -775,6 +862,10 @@ def create_replica_app(profile: Profile, options: ReplicaOptions | None = None) 
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/responses", create_response)
+    retrieve, cancel = responses.stored_handlers(lambda request: request.app[REPLICA].responses)
+    app.router.add_get("/v1/responses/{response_id}", retrieve)
+    app.router.add_post("/v1/responses/{response_id}/cancel", cancel)
     for path in POOLING_PATHS:
         app.router.add_post(path, pooling)
     app.router.add_get("/v1/models", models)

@@ -1,0 +1,356 @@
+"""`POST /v1/responses`: OpenAI's Responses API, counted as vLLM 0.32 serves it.
+
+vLLM turns a responses request into chat messages (vllm/entrypoints/openai/responses/utils.py
+`construct_input_messages`: `instructions` as a system message, a string `input` as the user's
+message, each input item as the message it stands for, tool calls merged into the assistant
+message before them) and its tools into chat function tools (`construct_tool_dicts`: namespace
+functions flattened to `<namespace>__<name>`, custom tools as a one-string function, built-in
+tools dropped), then renders them with the model's chat template (`add_generation_prompt`
+unless the last item is an unfinished message, which is continued; `reasoning.effort` as the
+template's `reasoning_effort`). `to_chat` is that conversion, and the chat's own counting
+(gateway/api/chat.py) renders and counts it, so the count is vLLM's.
+
+A request that continues a stored response (`previous_response_id`) is also the conversation the
+replica holds: the gateway sends it to that replica and counts the stored turns at what they
+cost (gateway/holders.py). `background` is refused: its generation outlives the request, so no
+slot could be held for it. The answer's usage is `usage.input_tokens` and `output_tokens`, in a
+stream on the terminal `response.completed` (or `.incomplete`, `.failed`) event; refusals are
+OpenAI's error shape, a broken stream ends with an `error` event.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from gateway.api.base import FINGERPRINT_CHARS
+from gateway.api.chat import REASONING_EFFORTS, check_chat
+from gateway.api.openai import OpenAIApi, is_tokens
+from gateway.errors import BadRequest
+from gateway.parse import lax_int
+from gateway.tokenizer.chat_template import lax_bool, message_text
+
+if TYPE_CHECKING:
+    from gateway.context import Ctx
+    from gateway.errors import GatewayError
+    from gateway.policy.schema import ServerSpec
+    from gateway.tokenizer.counters import TokenCounter
+
+# `custom_tool_parameters`: the one-string function a custom tool is shown to the model as.
+_CUSTOM_INPUT = "input"
+_CUSTOM_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        _CUSTOM_INPUT: {"type": "string", "description": "The freeform text payload for this tool."}
+    },
+    "required": [_CUSTOM_INPUT],
+    "additionalProperties": False,
+}
+_UNFINISHED = ("in_progress", "incomplete")
+_OUTPUT_ITEMS = ("function_call_output", "custom_tool_call_output")
+_TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+def _refuse(param: str, message: str) -> BadRequest:
+    return BadRequest(f"'{param}' {message}", param=param, code="invalid_type")
+
+
+def _string(item: dict[str, Any], field: str, where: str) -> str:
+    value = item.get(field)
+    if not isinstance(value, str):
+        raise _refuse(f"{where}.{field}", "is required and must be a string")
+    return value
+
+
+def _tool_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A `function_call` or `custom_tool_call` item as the chat tool call vLLM makes of it."""
+    name = _string(item, "name", where)
+    if item["type"] == "function_call":
+        namespace = item.get("namespace")
+        if namespace:
+            name = f"{namespace}__{name}"
+        arguments = _string(item, "arguments", where)
+    else:
+        payload = item.get("input") or ""
+        arguments = json.dumps({_CUSTOM_INPUT: payload}, ensure_ascii=False)
+    call_id = _string(item, "call_id", where)
+    return {"id": call_id, "function": {"name": name, "arguments": arguments}, "type": "function"}
+
+
+def _reasoning(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text: its content's first, else its summary's first."""
+    if item.get("encrypted_content"):
+        raise BadRequest("Encrypted content is not supported.", param="input")
+    for field in ("content", "summary"):
+        parts = item.get(field)
+        if isinstance(parts, list) and parts:
+            first = parts[0]
+            if not isinstance(first, dict) or not isinstance(first.get("text"), str):
+                raise _refuse(f"{where}.{field}[0].text", "is required and must be a string")
+            return str(first["text"])
+    if not isinstance(item.get("summary"), list):
+        raise BadRequest("Unsupported input item type: reasoning", param="input")
+    return ""
+
+
+def _assistant_text(content: Any) -> str | None:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and isinstance(content[0], dict):
+        text = content[0].get("text")
+        return text if isinstance(text, str) else None
+    return None
+
+
+def _merge(messages: list[dict[str, Any]], field: str, value: Any) -> bool:
+    """Put `value` in the previous assistant message's `field` if it has none yet (vLLM's
+    `_construct_message_from_response_item`); whether it went there."""
+    previous = messages[-1] if messages else None
+    if previous is None or previous.get("role") != "assistant":
+        return False
+    if field == "tool_calls":
+        previous.setdefault("tool_calls", []).append(value)
+        return True
+    if previous.get(field) is None:
+        previous[field] = value
+        return True
+    return False
+
+
+def _item_message(item: Any, index: int, messages: list[dict[str, Any]]) -> None:
+    """Append the chat message one input item stands for, or merge it into the one before."""
+    where = f"input[{index}]"
+    if not isinstance(item, dict):
+        raise _refuse(where, "must be an object")
+    kind = item.get("type")
+    if kind in ("function_call", "custom_tool_call"):
+        call = _tool_call(item, where)
+        if not _merge(messages, "tool_calls", call):
+            messages.append({"role": "assistant", "tool_calls": [call]})
+    elif kind == "reasoning":
+        text = _reasoning(item, where)
+        if not _merge(messages, "reasoning", text):
+            messages.append({"role": "assistant", "reasoning": text})
+    elif kind in _OUTPUT_ITEMS:
+        messages.append(
+            {"role": "tool", "content": item.get("output"), "tool_call_id": item.get("call_id")}
+        )
+    elif (
+        item.get("role") == "assistant"
+        and (said := _assistant_text(item.get("content"))) is not None
+    ):
+        if not _merge(messages, "content", said):
+            messages.append({"role": "assistant", "content": said})
+    elif "role" in item:
+        messages.append(item)
+    else:
+        raise BadRequest(f"Unsupported input item type: {kind}", param="input")
+
+
+def _function(tool: dict[str, Any], name: str, where: str) -> dict[str, Any]:
+    parameters = tool.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise _refuse(f"{where}.parameters", "must be an object")
+    function = {"name": name, "description": tool.get("description"), "parameters": parameters}
+    for flag in ("strict", "defer_loading"):
+        if tool.get(flag) is not None:
+            function[flag] = lax_bool(tool[flag], f"{where}.{flag}", False)
+    return {"type": "function", "function": function}
+
+
+def _chat_tools(tools: list[Any]) -> list[dict[str, Any]]:
+    """`construct_tool_dicts`: the function tools the template is shown, in request order."""
+    out = []
+    for index, tool in enumerate(tools):
+        where = f"tools[{index}]"
+        if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
+            raise _refuse(f"{where}.type", "is required and must be a string")
+        kind = tool["type"]
+        if kind == "function":
+            out.append(_function(tool, _string(tool, "name", where), where))
+        elif kind == "namespace":
+            namespace = _string(tool, "name", where)
+            inner = tool.get("tools")
+            if not isinstance(inner, list):
+                raise _refuse(f"{where}.tools", "is required and must be an array")
+            for number, function in enumerate(inner):
+                at = f"{where}.tools[{number}]"
+                if isinstance(function, dict) and function.get("type") == "function":
+                    name = f"{namespace}__{_string(function, 'name', at)}"
+                    out.append(_function(function, name, at))
+        elif kind == "custom":
+            custom = {**tool, "parameters": _CUSTOM_PARAMETERS}
+            out.append(_function(custom, _string(tool, "name", where), where))
+    return out
+
+
+def _continues(items: Any) -> bool:
+    """`should_continue_final_message`: the last item is an unfinished assistant message."""
+    if not isinstance(items, list) or not items or not isinstance(items[-1], dict):
+        return False
+    last = items[-1]
+    return last.get("type", "message") in ("message", "reasoning") and (
+        last.get("status") in _UNFINISHED
+    )
+
+
+def to_chat(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat request vLLM renders for a responses request (its shape is checked on the way:
+    a 400 for what vLLM refuses)."""
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise _refuse("instructions", "must be a string")
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+    elif isinstance(items, list):
+        turn: list[dict[str, Any]] = []  # merging looks only at this request's own items
+        for index, item in enumerate(items):
+            _item_message(item, index, turn)
+        messages += turn
+    else:
+        raise _refuse("input", "is required and must be a string or an array of items")
+    continued = _continues(items)
+    chat: dict[str, Any] = {
+        "messages": messages,
+        "add_generation_prompt": not continued,
+        "continue_final_message": continued,
+    }
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise _refuse("tools", "must be an array of tools")
+    if tools and (functions := _chat_tools(tools)):
+        chat["tools"] = functions
+    reasoning = body.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise _refuse("reasoning", "must be an object")
+    effort = (reasoning or {}).get("effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            efforts = ", ".join(sorted(REASONING_EFFORTS))
+            raise _refuse("reasoning.effort", f"must be one of {efforts}")
+        chat["reasoning_effort"] = effort
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        chat["chat_template_kwargs"] = kwargs
+    return chat
+
+
+class ResponsesApi(OpenAIApi):
+    """OpenAI's Responses API, as vLLM serves it."""
+
+    __slots__ = ()
+    name = "responses"
+    path = "/v1/responses"
+    prompt_param = "input"
+    openai_fields = False
+
+    def parse(self, ctx: Ctx, body: dict[str, Any], limits: ServerSpec) -> tuple[int, int | None]:
+        """One prompt, bounded by `max_output_tokens`; the conversation it continues, if any."""
+        if lax_bool(body.get("background"), "background", False, nullable=True):
+            raise BadRequest(
+                "background responses are not served through this gateway: their generation"
+                " outlives the request, so admission could hold no slot for it",
+                param="background",
+                code="background_not_supported",
+            )
+        items = body.get("input")
+        if isinstance(items, list) and len(items) > limits.max_messages:
+            raise BadRequest(
+                f"{len(items)} input items, over the {limits.max_messages} limit",
+                param="input",
+                code="too_many_messages",
+            )
+        previous = body.get("previous_response_id")
+        if previous is not None:
+            if not isinstance(previous, str) or not previous:
+                raise _refuse("previous_response_id", "must be a non-empty string")
+            ctx.continues = previous
+        chat = to_chat(body)
+        if not chat["messages"]:
+            raise BadRequest("'input' must not be empty without 'instructions'", param="input")
+        ctx.images = check_chat(chat, limits, typed=False)
+        if lax_bool(body.get("store", True), "store", True, nullable=True):
+            ctx.stores_as = f"resp_{uuid.uuid4().hex}"
+        ctx.forced_output = lax_bool(body.get("ignore_eos"), "ignore_eos", False, nullable=True)
+        if body.get("max_output_tokens") is None:
+            return 1, None
+        bound = lax_int(body, "max_output_tokens")
+        if bound < 1:
+            raise BadRequest("max_output_tokens must be at least 1", param="max_output_tokens")
+        return 1, bound
+
+    async def count(
+        self, body: dict[str, Any], counter: TokenCounter, refuse_at: int, images: int
+    ) -> tuple[int, int]:
+        """The chat vLLM converts it to, rendered and counted whole."""
+        text = await counter.count_chat(to_chat(body), refuse_at - images)
+        return images + text, images + text
+
+    async def prompt_ids(
+        self, body: dict[str, Any], counter: TokenCounter, special: bool | None = None
+    ) -> list[int] | None:
+        return await counter.chat_ids(to_chat(body), bool(special))
+
+    def fingerprint(self, body: dict[str, Any]) -> int:
+        """The start of the instructions, else of the input."""
+        lead = body.get("instructions") or body.get("input")
+        if isinstance(lead, list):
+            first = lead[0] if lead and isinstance(lead[0], dict) else {}
+            lead = message_text(first.get("content"))
+        return hash(str(lead)[:FINGERPRINT_CHARS])
+
+    def input_floor(self, ctx: Ctx, counter: TokenCounter) -> int:
+        return ctx.images * counter.image_cost
+
+    def upstream_fields(self, ctx: Ctx, changes: dict[str, Any]) -> None:
+        """The response's id (vLLM's `request_id`) is always the gateway's (`ctx.stores_as`,
+        made at parse): it knows which replica stores what before the answer, and no tenant
+        can name, and so overwrite, a response another tenant stored."""
+        changes["request_id"] = ctx.stores_as or f"resp_{uuid.uuid4().hex}"
+
+    def read_usage(self, ctx: Ctx, usage: Any) -> None:
+        if not isinstance(usage, dict):
+            return
+        output, prompt = usage.get("output_tokens"), usage.get("input_tokens")
+        if not is_tokens(output):
+            if output is not None:
+                ctx.untrusted_usage = "completion_tokens"
+            return
+        ctx.output_tokens = output
+        if is_tokens(prompt):
+            ctx.prompt_tokens = prompt
+        elif prompt is not None:
+            ctx.untrusted_usage = "prompt_tokens"
+
+    def usage_event(self, ctx: Ctx, event: dict[str, Any]) -> bool:
+        """The terminal event carries the whole response, usage included; the others that
+        carry a response (`response.created`, `.in_progress`) have no usage yet. None is only
+        usage: none is ever dropped."""
+        if event.get("type") in _TERMINAL:
+            response = event.get("response")
+            if isinstance(response, dict):
+                self.read_usage(ctx, response.get("usage"))
+        return False
+
+    def deltas(self, events: bytes) -> int:
+        """Delta events (text, reasoning, tool-call arguments): a token each, near enough."""
+        return events.count(b".delta\ndata: ")
+
+    def ended(self, out: bytes) -> bool:
+        """The terminal event went out: the client has the whole response."""
+        return any(b"event: " + kind.encode() + b"\n" in out for kind in _TERMINAL)
+
+    def stream_error(self, error: GatewayError) -> bytes:
+        """The Responses stream's `error` event."""
+        event = {"type": "error", "code": error.code, "message": error.message, "param": None}
+        return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+RESPONSES = ResponsesApi()

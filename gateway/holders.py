@@ -1,0 +1,115 @@
+"""Which replica holds which stored response: the Responses API's affinity.
+
+vLLM keeps the responses it stores in the memory of the replica that made them
+(vllm/entrypoints/openai/responses/serving.py `response_store`): a request that continues one
+(`previous_response_id`), and `GET /v1/responses/{id}` or its cancel, must reach that replica,
+which alone answers them. The gateway names every response it forwards (gateway/api/responses.py
+gives vLLM the `request_id` a response is stored under), so it records the holder as the answer
+ends and sends what follows there: to its pool, pinned to its replica (`Claim.replica`), queued
+for that replica's room like any request.
+
+The record is bounded (the least recently used go first) and belongs to its tenant: another
+tenant's id is as unknown as one never made. A response whose replica has left its pool is
+forgotten when next asked for, with an error that says so, not a wait for a replica that will not
+come back. Each gateway process keeps its own record: behind several gateway replicas a
+conversation's turns must reach the same gateway (session affinity on the Service, or
+`x-session-id` hashing at the load balancer); docs/api.md says so.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gateway.errors import ResponseNotFound
+
+if TYPE_CHECKING:
+    from gateway.admit import LivePool
+    from gateway.context import Ctx
+    from gateway.policy.compile import Pool
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Where a stored response lives, and what continuing it costs."""
+
+    tenant: str  # "" without tenants
+    pool: str
+    replica: str
+    tokens: int  # the stored conversation: the response's prompt and output
+
+
+def _tenant(ctx: Ctx) -> str:
+    return ctx.tenant.name if ctx.tenant is not None else ""
+
+
+class Holders:
+    """The bounded record of stored responses' replicas."""
+
+    __slots__ = ("_held", "capacity")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._held: OrderedDict[str, Holder] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def remember(self, ctx: Ctx) -> None:
+        """Record the replica that answered `ctx` whole, if the answer is stored there."""
+        if ctx.stores_as is None or ctx.status != 200 or ctx.refusal is not None:
+            return
+        assert ctx.pool is not None
+        prompt = ctx.prompt_tokens if ctx.prompt_tokens is not None else ctx.input_tokens
+        tokens = prompt + (ctx.output_tokens or 0)
+        self._held[ctx.stores_as] = Holder(_tenant(ctx), ctx.pool.name, ctx.replica, tokens)
+        self._held.move_to_end(ctx.stores_as)
+        while len(self._held) > self.capacity:
+            self._held.popitem(last=False)
+
+    def find(self, response_id: str, ctx: Ctx, param: str = "previous_response_id") -> Holder:
+        """The holder of the tenant's `response_id`, or a 404 naming `param`."""
+        holder = self._held.get(response_id)
+        if holder is None or holder.tenant != _tenant(ctx):
+            raise ResponseNotFound(f"Response with id '{response_id}' not found.", param=param)
+        self._held.move_to_end(response_id)
+        return holder
+
+    def look_up(self, ctx: Ctx) -> None:
+        """The stage after parse: the holder of the response the request continues, whose
+        stored turns its count includes (gateway/tokenize.py)."""
+        if ctx.continues is not None:
+            ctx.holder = self.find(ctx.continues, ctx)
+
+    def placed(
+        self,
+        response_id: str,
+        holder: Holder,
+        live: Mapping[str, LivePool],
+        param: str = "previous_response_id",
+    ) -> LivePool:
+        """The holder's pool while its replica is still in it; else the record is forgotten,
+        and the client told."""
+        pool = live.get(holder.pool)
+        if pool is None or all(r.url != holder.replica for r in pool.replicas):
+            self._held.pop(response_id, None)
+            raise ResponseNotFound(
+                f"Response with id '{response_id}' was stored by a replica that has left the"
+                " pool: it is gone.",
+                param=param,
+            )
+        return pool
+
+
+def pin(
+    ctx: Ctx, holders: Holders, live: Mapping[str, LivePool], pools: Mapping[str, Pool]
+) -> None:
+    """The stage after spill: a request that continues a stored response goes to the pool and
+    replica that hold it, whatever its route and the fallbacks said."""
+    if ctx.holder is None:
+        return
+    assert ctx.continues is not None
+    holders.placed(ctx.continues, ctx.holder, live)
+    ctx.pool = pools[ctx.holder.pool]

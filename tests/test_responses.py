@@ -1,0 +1,161 @@
+"""The official `openai` SDK's Responses API pointed at the gateway, in front of simulated vLLM
+replicas that serve `/v1/responses` and store what they answer, as an Agents SDK or Codex client
+would use it: created whole and streamed, continued by `previous_response_id` on the replica that
+holds the conversation, retrieved, refused in OpenAI's shape."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import orjson
+import pytest
+
+from loadtest.sim import Profile, ReplicaOptions, start_replica
+from tests.conftest import accounted, basic_policy, eventually
+from tests.test_simulator import write_profile
+
+HELLO = "review this product"
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Profile:
+    return write_profile(tmp_path)
+
+
+@pytest.fixture
+async def sims(tiny: Profile, tokenizer_dir: Path) -> AsyncIterator[list[Any]]:
+    """Two replicas counting prompts with the model's own tokenizer, as vLLM does."""
+    options = ReplicaOptions(time_scale=1000, tokenizer=tokenizer_dir)
+    replicas = [await start_replica(tiny, options) for _ in range(2)]
+    yield replicas
+    for replica in replicas:
+        await replica.close()
+
+
+@pytest.fixture
+async def gw(sims, gateway_factory, tokenizer_dir):
+    return await gateway_factory(basic_policy(tokenizer_dir, [r.url for r in sims]))
+
+
+def client(gw: Any, key: str = "unused") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
+
+
+def logged(gw: Any) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for line in gw.access_log.getvalue().splitlines()]
+
+
+async def test_create_counts_the_input_as_the_replica_does(gw) -> None:
+    async with client(gw) as sdk:
+        reply = await sdk.responses.create(
+            model="tiny", instructions="You are a terse reviewer.", input=HELLO,
+            max_output_tokens=4,
+        )  # fmt: skip
+    assert reply.status == "completed" and reply.output_text
+    assert reply.usage is not None and 1 <= reply.usage.output_tokens <= 4
+    await accounted(gw, 0)
+    (line,) = logged(gw)
+    assert line["endpoint"] == "responses" and line["status"] == 200
+    # The replica rendered the chat vLLM converts it to with the model's template; so did
+    # the gateway, before admitting it.
+    assert line["input_tokens"] == reply.usage.input_tokens
+    assert line["output_tokens"] == reply.usage.output_tokens
+
+
+async def test_stream_relays_typed_events_and_reads_usage_from_completed(gw) -> None:
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": HELLO}]},
+        {"type": "message", "role": "assistant", "content": "Which product?"},
+        {"role": "user", "content": "the kettle"},
+    ]
+    async with (
+        client(gw) as sdk,
+        sdk.responses.stream(model="tiny", input=items, max_output_tokens=6) as stream,
+    ):
+        kinds = [event.type async for event in stream]
+        final = await stream.get_final_response()
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds
+    assert final.output_text and final.usage is not None
+    await accounted(gw, 0)
+    (line,) = logged(gw)
+    assert line["input_tokens"] == final.usage.input_tokens
+    assert line["output_tokens"] == final.usage.output_tokens
+
+
+async def test_a_conversation_continues_on_the_replica_that_stores_it(gw, sims) -> None:
+    async with client(gw) as sdk:
+        first = await sdk.responses.create(model="tiny", input=HELLO, max_output_tokens=3)
+        turns = [first]
+        for _ in range(5):  # each turn on the holder of the one before, never the other replica
+            turns.append(
+                await sdk.responses.create(
+                    model="tiny", input="and then?", previous_response_id=turns[-1].id,
+                    max_output_tokens=3,
+                )
+            )  # fmt: skip
+        stored = await sdk.responses.retrieve(turns[-1].id)
+        with pytest.raises(openai.BadRequestError, match="synchronous"):
+            await sdk.responses.cancel(first.id)  # vLLM's answer, from the replica holding it
+    assert stored.id == turns[-1].id and stored.output_text == turns[-1].output_text
+    await accounted(gw, len(turns) - 1)
+    lines = logged(gw)
+    assert len({line["replica"] for line in lines}) == 1
+    # The stored turns are counted with the new input: each turn's count grows with the
+    # conversation, close to the replica's own.
+    counts = [line["input_tokens"] for line in lines]
+    assert counts == sorted(counts) and counts[-1] > 3 * counts[0]
+    for line, turn in zip(lines, turns, strict=True):
+        assert turn.usage is not None
+        assert abs(line["input_tokens"] - turn.usage.input_tokens) <= 4 * len(turns)
+        # And the tenant was settled on the replica's own count.
+        assert line["output_tokens"] == turn.usage.output_tokens
+
+
+async def test_unknown_and_other_tenants_responses_are_not_found(
+    sims, gateway_factory, tokenizer_dir
+) -> None:
+    policy = basic_policy(tokenizer_dir, [r.url for r in sims])
+    policy["tenants"] = {
+        name: {"keys": [f"sha256:{hashlib.sha256(f'key-{name}'.encode()).hexdigest()}"]}
+        for name in ("alice", "bob")
+    }
+    gw = await gateway_factory(policy)
+    async with client(gw, "key-alice") as alice, client(gw, "key-bob") as bob:
+        mine = await alice.responses.create(model="tiny", input=HELLO, max_output_tokens=2)
+        for call in (
+            bob.responses.retrieve(mine.id),
+            bob.responses.create(model="tiny", input="x", previous_response_id=mine.id),
+            alice.responses.create(model="tiny", input="x", previous_response_id="resp_none"),
+        ):
+            with pytest.raises(openai.NotFoundError) as caught:
+                await call
+            assert caught.value.code == "response_not_found"
+        assert (await alice.responses.retrieve(mine.id)).id == mine.id
+
+
+async def test_a_response_whose_replica_left_is_gone(gw, sims) -> None:
+    async with client(gw) as sdk:
+        first = await sdk.responses.create(model="tiny", input=HELLO, max_output_tokens=2)
+        holder = next(r for r in sims if r.state.responses.get(first.id) is not None)
+        pool = gw.gateway.slots["main"]
+        pool.replicas = [r for r in pool.replicas if r.url != holder.url]  # as a reload does
+        with pytest.raises(openai.NotFoundError, match="left the pool"):
+            await sdk.responses.create(model="tiny", input="more", previous_response_id=first.id)
+    await eventually(lambda: gw.gateway.slots["main"].inflight == 0)
+
+
+async def test_background_and_bad_input_are_refused_in_openai_shape(gw) -> None:
+    async with client(gw) as sdk:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await sdk.responses.create(model="tiny", input=HELLO, background=True)
+        assert caught.value.code == "background_not_supported"
+        with pytest.raises(openai.BadRequestError, match="Unsupported input item type"):
+            await sdk.responses.create(model="tiny", input=[{"type": "nonsense"}])
+        with pytest.raises(openai.BadRequestError) as caught:
+            await sdk.responses.create(model="tiny", input=HELLO, max_output_tokens=0)
+        assert caught.value.param == "max_output_tokens"
