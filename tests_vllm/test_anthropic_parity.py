@@ -29,7 +29,7 @@ import orjson
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway.api import MESSAGES
+from gateway.api import MESSAGES, Api
 from gateway.context import Ctx
 from gateway.errors import BadRequest
 from gateway.parse import parse
@@ -221,26 +221,31 @@ CASES: list[dict[str, Any]] = [
 ]
 
 
-async def gateway_count(policy: Any, model: str, request: dict[str, Any]) -> dict[str, Any]:
-    ctx = Ctx("parity", MESSAGES, MESSAGES.path, CIMultiDictProxy(CIMultiDict()), 0.0)
+async def gateway_count(
+    policy: Any, model: str, request: dict[str, Any], api: Api
+) -> dict[str, Any]:
+    """The pipeline's parse and `api`'s count of `request`, or its refusal."""
+    ctx = Ctx("parity", api, api.path, CIMultiDictProxy(CIMultiDict()), 0.0)
     counter = policy.models[model].counter
     try:
         parse(ctx, "application/json", orjson.dumps(request), policy.spec.server)
-        tokens, _ = await MESSAGES.count(ctx.body, counter, MAX_MODEL_LEN, 0)
+        tokens, _ = await api.count(ctx.body, counter, MAX_MODEL_LEN, 0)
     except BadRequest as exc:
         return {"refused": exc.status, "error": f"BadRequest: {exc}"[:500]}
     return {"tokens": tokens}
 
 
-async def collect(tmp_path: Path) -> list[str]:
-    bodies = {model: [{**copy.deepcopy(c), "model": model} for c in CASES] for model in MODELS}
+async def collect(tmp_path: Path, api: Api, cases: list[dict[str, Any]]) -> list[str]:
+    """`cases` counted on each real tokenizer by the gateway's `api` and by vLLM's own serving
+    of that API (tests_vllm/vllm_render.py); a line per disagreement."""
+    bodies = {model: [{**copy.deepcopy(c), "model": model} for c in cases] for model in MODELS}
     jobs = [
         {
             "tokenizer": str(directory(model)),
             "max_model_len": MAX_MODEL_LEN,
             "tool_parser": TOOL_PARSERS[model],
             "bodies": bodies[model],
-            "anthropic": True,
+            "api": api.name,
         }
         for model in MODELS
     ]
@@ -249,7 +254,7 @@ async def collect(tmp_path: Path) -> list[str]:
         ours = {}
         for model in MODELS:
             policy = load_policy(write_policy(tmp_path, model))
-            ours[model] = [await gateway_count(policy, model, b) for b in bodies[model]]
+            ours[model] = [await gateway_count(policy, model, b, api) for b in bodies[model]]
             policy.close()
         out, err = vllm.communicate(timeout=600)
     finally:
@@ -272,7 +277,7 @@ async def collect(tmp_path: Path) -> list[str]:
 
 
 def test_messages_count_as_vllm_counts_them(tmp_path: Path) -> None:
-    failures = asyncio.run(collect(tmp_path))
+    failures = asyncio.run(collect(tmp_path, MESSAGES, CASES))
     assert not failures, f"{len(failures)} mismatches:\n" + "\n".join(failures)
 
 

@@ -7,8 +7,9 @@ venv has no vLLM), as a script: it imports vLLM only, nothing of the repository.
     $VLLM_PYTHON tests_vllm/vllm_render.py < requests.json > results.json
 
 stdin: a list of jobs `{"tokenizer": DIR, "max_model_len": N, "tool_parser": NAME or null,
-"bodies": [BODY, ...], "anthropic": BOOL}` (`anthropic`: the bodies are `/v1/messages` ones,
-converted to a chat as vLLM's Anthropic serving converts them, then counted alike); stdout: `{"results": [[RESULT, ...], ...], "read": [...]}`, a result per
+"bodies": [BODY, ...], "api": "chat" | "messages" | "responses"}` (`messages`: the bodies are
+`/v1/messages` ones, converted to a chat as vLLM's Anthropic serving converts them, then counted
+alike; `responses`: `/v1/responses` ones, rendered by `render_responses`); stdout: `{"results": [[RESULT, ...], ...], "read": [...]}`, a result per
 body per job, `{"tokens": N, "prompt": RENDERED}` or `{"refused": STATUS, "error": "Type:
 message"}`, and the model-config attributes vLLM read.
 
@@ -239,12 +240,43 @@ async def render(online: Any, request: Any) -> dict[str, Any]:
     return {"tokens": len(engine_input["prompt_token_ids"]), "prompt": engine_input.get("prompt")}
 
 
+async def count_responses(online: Any, body: dict[str, Any]) -> dict[str, Any]:
+    """A `/v1/responses` body as vLLM's Responses serving renders it (no stored response to
+    continue): `ResponsesRequest` validated, its input checks, `render_responses`."""
+    from types import SimpleNamespace
+
+    from pydantic import ValidationError
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
+
+    try:
+        request = ResponsesRequest.model_validate(body)
+        serving = SimpleNamespace(
+            use_harmony=False,
+            enable_store=False,
+            create_error_response=online.create_error_response,
+        )
+        error = OpenAIServingResponses._validate_create_responses_input(serving, request)
+        result = error or await online.render_responses(request)
+    except ValidationError as exc:
+        return {"refused": 400, "error": f"RequestValidationError: {exc.errors()[0]['msg']}"}
+    except Exception as exc:
+        return refused(exc)
+    if not hasattr(result, "engine_input"):  # an ErrorResponse
+        return {"refused": result.error.code, "error": f"ErrorResponse: {result.error.message}"}
+    engine_input = result.engine_input
+    return {"tokens": len(engine_input["prompt_token_ids"]), "prompt": engine_input.get("prompt")}
+
+
+COUNTERS = {"chat": count, "messages": count_messages, "responses": count_responses}
+
+
 async def main() -> None:
     logging.disable(logging.WARNING)
     out = []
     for job in json.load(sys.stdin):
         online = build(job["tokenizer"], job["max_model_len"], job.get("tool_parser"))
-        counting = count_messages if job.get("anthropic") else count
+        counting = COUNTERS[job.get("api", "chat")]
         out.append([await counting(online, body) for body in job["bodies"]])
     json.dump({"results": out, "read": sorted(ModelConfig.READ)}, sys.stdout)
 

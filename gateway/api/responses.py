@@ -32,6 +32,7 @@ from gateway.api.openai import OpenAIApi, is_tokens
 from gateway.errors import BadRequest
 from gateway.parse import lax_int
 from gateway.tokenizer.chat_template import lax_bool, message_text
+from gateway.tokenizer.counters import specials_added
 
 if TYPE_CHECKING:
     from gateway.context import Ctx
@@ -289,14 +290,18 @@ class ResponsesApi(OpenAIApi):
     async def count(
         self, body: dict[str, Any], counter: TokenCounter, refuse_at: int, images: int
     ) -> tuple[int, int]:
-        """The chat vLLM converts it to, rendered and counted whole."""
-        text = await counter.count_chat(to_chat(body), refuse_at - images)
+        """The chat vLLM converts it to, rendered and counted whole, encoded with the
+        tokenizer's special tokens: a responses request's tokenization keeps
+        `TokenizeParams`' default `add_special_tokens` (a chat completion's turns it off), so
+        a template that prints its BOS gets a second one."""
+        extra = await specials_added(counter)
+        text = extra + await counter.count_chat(to_chat(body), refuse_at - images - extra)
         return images + text, images + text
 
     async def prompt_ids(
         self, body: dict[str, Any], counter: TokenCounter, special: bool | None = None
     ) -> list[int] | None:
-        return await counter.chat_ids(to_chat(body), bool(special))
+        return await counter.chat_ids(to_chat(body), special is not False)
 
     def fingerprint(self, body: dict[str, Any]) -> int:
         """The start of the instructions, else of the input."""

@@ -86,6 +86,12 @@ class TokenCounter(Protocol):
         ...
 
 
+async def specials_added(counter: TokenCounter) -> int:
+    """The tokens the tokenizer adds to a text encoded with its special tokens (a BOS, say):
+    what a rendered chat encoded with `add_special_tokens` has beyond its own."""
+    return (await counter.count_prompts("", None, True))[0]
+
+
 class CharCounter:
     """`tokenizer: estimate`: characters / `chars_per_token`, for models without a local tokenizer."""
 

@@ -378,7 +378,8 @@ async def _serve(
             prompt_body = responses.conversation(body)
         except BadRequest as exc:
             return bad_request(exc.message, "input")
-        prompt_body["max_tokens"] = body.get("max_output_tokens")
+        # Its tokenization keeps the special tokens a chat completion's leaves out.
+        prompt_body |= {"max_tokens": body.get("max_output_tokens"), "add_special_tokens": True}
     try:
         ids = await (
             encoder.encode_chat(prompt_body) if chat else encoder.encode_completion(prompt_body)
