@@ -87,6 +87,8 @@ def serve_vllm(
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the tiny model needs a sliver of it
+        # Stored responses, as an operator serving `previous_response_id` turns them on.
+        "VLLM_ENABLE_RESPONSES_API_STORE": "1",
     }
     args = [
         python, "-m", "vllm.entrypoints.openai.api_server",
