@@ -24,6 +24,14 @@ async def gw(stub, gateway_factory, tokenizer_dir):
 
 CASES = [
     ("chat/completions", b"{not json", "application/json", 400, "invalid_json"),
+    (
+        "chat/completions",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "reasoning_effort": []}',
+        "application/json",
+        400,
+        "invalid_request",
+    ),
+    ("responses", b'{"model": "tiny", "input": 7}', "application/json", 400, "invalid_type"),
     ("chat/completions", b"[1, 2]", "application/json", 400, "invalid_json"),
     (
         "chat/completions",

@@ -5,6 +5,7 @@ holds the conversation, retrieved, refused in OpenAI's shape."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,9 +14,19 @@ from typing import Any
 import openai
 import orjson
 import pytest
+from hypothesis import event as tally
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from multidict import CIMultiDict, CIMultiDictProxy
 
+from gateway.api import RESPONSES
+from gateway.context import Ctx
+from gateway.errors import BadRequest
+from gateway.parse import parse
+from gateway.policy.compile import load_policy
 from loadtest.sim import Profile, ReplicaOptions, start_replica
-from tests.conftest import accounted, basic_policy, eventually
+from loadtest.sim.faults import Faults
+from tests.conftest import accounted, basic_policy, eventually, write_policy
 from tests.test_simulator import write_profile
 
 HELLO = "review this product"
@@ -159,3 +170,87 @@ async def test_background_and_bad_input_are_refused_in_openai_shape(gw) -> None:
         with pytest.raises(openai.BadRequestError) as caught:
             await sdk.responses.create(model="tiny", input=HELLO, max_output_tokens=0)
         assert caught.value.param == "max_output_tokens"
+
+
+async def test_a_stream_the_replica_breaks_ends_with_an_error_event(gw, sims, http) -> None:
+    for replica in sims:
+        replica.state.set_faults(Faults(reset_after_chunks=1))
+    body = {"model": "tiny", "input": HELLO, "max_output_tokens": 40, "stream": True}
+    async with http.post(f"{gw.url}/v1/responses", json=body) as resp:
+        raw = await resp.read()
+    *relayed, last = raw.decode().split("\n\n")[:-1]
+    assert relayed[0].startswith("event: response.created")
+    name, data = last.split("\n")
+    assert name == "event: error"
+    error = orjson.loads(data.removeprefix("data: "))
+    assert error["type"] == "error" and error["code"] == "upstream_error"
+    await accounted(gw, 0)
+    (line,) = logged(gw)
+    assert line["reason"] == "upstream_error" and line["output_tokens"] >= 1
+    assert gw.gateway.slots["main"].inflight == 0
+
+
+scalars = st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=6)
+values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+item_types = st.sampled_from(
+    ["message", "function_call", "function_call_output", "custom_tool_call",
+     "custom_tool_call_output", "reasoning", "web_search_call", None]
+)  # fmt: skip
+item_fields = st.sampled_from(
+    ["role", "content", "call_id", "name", "arguments", "input", "output", "namespace",
+     "summary", "encrypted_content", "status", "id"]
+)  # fmt: skip
+items = st.builds(
+    lambda kind, extra: {**({"type": kind} if kind else {}), **extra},
+    item_types,
+    st.dictionaries(item_fields, values, max_size=4),
+)
+tools = st.builds(
+    lambda kind, extra: {"type": kind, **extra},
+    st.sampled_from(["function", "namespace", "custom", "web_search_preview", "mcp"]),
+    st.dictionaries(st.sampled_from(["name", "parameters", "tools", "strict"]), values, max_size=3),
+)
+bodies = st.fixed_dictionaries(
+    {"model": st.just("tiny"), "input": st.text(max_size=10) | st.lists(items, max_size=4)},
+    optional={
+        "instructions": values,
+        "tools": st.lists(tools, max_size=3) | values,
+        "reasoning": values | st.fixed_dictionaries({"effort": values}),
+        "max_output_tokens": values,
+        "previous_response_id": values,
+    },
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Any:
+    directory = tmp_path_factory.mktemp("responses-fuzz")
+    policy = load_policy(
+        write_policy(directory, basic_policy(tokenizer_dir, ["http://127.0.0.1:9"]))
+    )
+    yield policy
+    policy.close()
+
+
+@settings(max_examples=400, deadline=None, database=None)
+@given(body=bodies)
+def test_any_body_is_counted_or_refused_never_a_crash(
+    tiny_policy: Any, body: dict[str, Any]
+) -> None:
+    """Whatever the items' and tools' shapes, parse and the conversion end in a count or a
+    400: a body that passed the checks never crashes the template (a 500 for the client)."""
+    ctx = Ctx("fuzz", RESPONSES, RESPONSES.path, CIMultiDictProxy(CIMultiDict()), 0.0)
+    counter = tiny_policy.models["tiny"].counter
+    try:
+        parse(ctx, "application/json", orjson.dumps(body), tiny_policy.spec.server)
+        asyncio.run(RESPONSES.count(ctx.body, counter, 1 << 20, ctx.images))
+    except BadRequest as exc:
+        tally(f"refused {exc.param or ''}".split("[")[0])
+    else:
+        tally("counted")

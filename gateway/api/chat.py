@@ -208,7 +208,7 @@ def check_chat(body: dict[str, Any], limits: ServerSpec, typed: bool = True) -> 
             "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
         )
     effort = body.get("reasoning_effort")
-    if effort is not None and effort not in REASONING_EFFORTS:
+    if effort is not None and (not isinstance(effort, str) or effort not in REASONING_EFFORTS):
         raise BadRequest(
             f"'reasoning_effort' must be one of {', '.join(sorted(REASONING_EFFORTS))}",
             param="reasoning_effort",

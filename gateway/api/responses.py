@@ -233,7 +233,7 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
         raise _refuse("reasoning", "must be an object")
     effort = (reasoning or {}).get("effort")
     if effort is not None:
-        if effort not in REASONING_EFFORTS:
+        if not isinstance(effort, str) or effort not in REASONING_EFFORTS:
             efforts = ", ".join(sorted(REASONING_EFFORTS))
             raise _refuse("reasoning.effort", f"must be one of {efforts}")
         chat["reasoning_effort"] = effort
