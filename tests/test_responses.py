@@ -254,3 +254,11 @@ def test_any_body_is_counted_or_refused_never_a_crash(
         tally(f"refused {exc.param or ''}".split("[")[0])
     else:
         tally("counted")
+
+
+def test_prefix_affinity_reads_the_instructions_then_the_input() -> None:
+    from gateway.pick.affinity import prompt_text
+
+    as_string = prompt_text({"instructions": "Rules.", "input": "Hi"})
+    as_items = prompt_text({"instructions": "Rules.", "input": [{"role": "user", "content": "Hi"}]})
+    assert as_string == as_items == "system\x1fRules.\x1euser\x1fHi\x1e"

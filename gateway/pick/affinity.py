@@ -31,11 +31,18 @@ class Affinity(NamedTuple):
 
 def prompt_text(body: dict[str, Any]) -> str | list[int] | None:
     """The prompt in the order the replica's cache sees it: a chat's messages (role, then
-    text), a completion's first prompt (text or token ids); None when there is none."""
+    text), a responses request's instructions and input items, a completion's first prompt
+    (text or token ids); None when there is none."""
     messages = body.get("messages")
+    items = body.get("input")  # the Responses API's: a string is the user's message
+    if messages is None and isinstance(items, str):
+        messages = [{"role": "user", "content": items}]
+    elif messages is None and isinstance(items, list) and items and isinstance(items[0], dict):
+        messages = items
     if isinstance(messages, list):
-        # Anthropic's messages carry the system prompt beside them: it leads the prompt too.
-        system = body.get("system")
+        # Anthropic's messages carry the system prompt beside them, the Responses API's its
+        # instructions: it leads the prompt too.
+        system = body.get("system") or body.get("instructions")
         lead = f"system\x1f{message_text(system)}\x1e" if system else ""
         return lead + "".join(
             f"{m.get('role')}\x1f{message_text(m.get('content'))}\x1e"
