@@ -24,6 +24,9 @@ from gateway.context import Ctx
 from gateway.errors import BadRequest
 from gateway.parse import parse
 from gateway.policy.compile import load_policy
+from loadtest.loadgen.progress import Progress
+from loadtest.loadgen.sweep import SweepConfig, Target, run_sweep
+from loadtest.loadgen.workloads import Fixed, Session, Workload, WorkloadClass
 from loadtest.sim import Profile, ReplicaOptions, start_replica
 from loadtest.sim.faults import Faults
 from tests.conftest import accounted, basic_policy, eventually, write_policy
@@ -262,3 +265,25 @@ def test_prefix_affinity_reads_the_instructions_then_the_input() -> None:
     as_string = prompt_text({"instructions": "Rules.", "input": "Hi"})
     as_items = prompt_text({"instructions": "Rules.", "input": [{"role": "user", "content": "Hi"}]})
     assert as_string == as_items == "system\x1fRules.\x1euser\x1fHi\x1e"
+
+
+async def test_a_sweep_of_agent_sessions_on_the_responses_api(sims, gw, tokenizer_dir) -> None:
+    """The load generator speaks the Responses API: sessions whose turns are input items,
+    streamed, each turn's usage read from `response.completed`."""
+    turns = WorkloadClass(
+        name="agent", endpoint="responses", isl=Fixed(value=40), osl=Fixed(value=5),
+        session=Session(turns=3),
+    )  # fmt: skip
+    config = SweepConfig(
+        targets=(Target(gw.url, "tiny", str(tokenizer_dir)),),
+        workloads=(Workload(name="agent", classes=[turns]),),
+        users=(2,),
+        requests_per_level=6,
+        stream=True,
+    )
+    result = await run_sweep(config, Progress(live=False))
+    records = result.series[0].levels[0][1].records
+    assert records and all(r.ok and r.output_tokens == 5 for r in records), records
+    assert all(r.ttft_s is not None for r in records)
+    await accounted(gw, len(records) - 1)
+    assert {line["endpoint"] for line in logged(gw)} == {"responses"}

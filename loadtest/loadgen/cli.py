@@ -20,7 +20,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 from loadtest.loadgen import profile as profiling
 from loadtest.loadgen.compare import (
@@ -37,7 +37,7 @@ from loadtest.loadgen.roundrobin import __doc__ as roundrobin_doc
 from loadtest.loadgen.roundrobin import roundrobin_process, serve
 from loadtest.loadgen.sweep import SweepConfig, Target, run_sweep
 from loadtest.loadgen.turns import turn_table
-from loadtest.loadgen.workloads import BUILTIN, NAMED, dump_workload, load_workload
+from loadtest.loadgen.workloads import BUILTIN, NAMED, Endpoint, dump_workload, load_workload
 
 T = TypeVar("T")
 
@@ -111,7 +111,7 @@ def _sweep_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--endpoint",
-        choices=["chat", "completions", "messages", "embeddings"],
+        choices=get_args(Endpoint),
         help="override every class's endpoint",
     )
     p.add_argument(

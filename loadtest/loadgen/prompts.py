@@ -334,6 +334,9 @@ def body(model: str, planned: Planned, prompt: str | list[Message], stream: bool
         out["prompt"] = prompt
     if planned.endpoint == "messages":  # Anthropic's: max_tokens bounds the output, no ignore_eos
         return out | {"max_tokens": planned.osl, "stream": stream}
+    if planned.endpoint == "responses":  # the messages are its input items; usage always sent
+        return {"model": model, "input": out["messages"], "max_output_tokens": planned.osl,
+                "ignore_eos": True, "stream": stream}  # fmt: skip
     # ignore_eos makes the output exactly max_tokens long: the shape is the load test's, not the model's.
     out |= {"max_tokens": planned.osl, "ignore_eos": True, "stream": stream}
     if stream:

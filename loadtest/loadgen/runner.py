@@ -30,9 +30,11 @@ PATHS: dict[Endpoint, str] = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
     "messages": "/v1/messages",
+    "responses": "/v1/responses",
     "embeddings": "/v1/embeddings",
 }
 JSON = {"Content-Type": "application/json"}
+RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 UNFINISHED = "unfinished"
 
 # Transport failures by kind, most specific first (as httpx maps foreign errors onto its own).
@@ -127,6 +129,8 @@ def _text_in(chunk: dict[str, Any]) -> bool:
     if chunk.get("type") == "content_block_delta":
         delta = chunk.get("delta") or {}
         return bool(delta.get("text") or delta.get("thinking") or delta.get("partial_json"))
+    if str(chunk.get("type")).endswith(".delta"):  # the Responses API's text, reasoning, calls
+        return bool(chunk.get("delta"))
     for choice in chunk.get("choices") or ():
         delta = choice.get("delta")
         if delta is None:
@@ -144,6 +148,15 @@ def _content(chunk: dict[str, Any]) -> str:
         return str((chunk.get("delta") or {}).get("text") or "")
     if chunk.get("type") == "message":
         return "".join(b.get("text") or "" for b in chunk.get("content") or ())
+    if chunk.get("type") == "response.output_text.delta":
+        return str(chunk.get("delta") or "")
+    if chunk.get("object") == "response":  # a whole Responses API answer: its output messages
+        return "".join(
+            part.get("text") or ""
+            for item in chunk.get("output") or ()
+            if item.get("type") == "message"
+            for part in item.get("content") or ()
+        )
     pieces = []
     for choice in chunk.get("choices") or ():
         message = choice.get("delta") or choice.get("message") or {}
@@ -152,7 +165,8 @@ def _content(chunk: dict[str, Any]) -> str:
 
 
 def _usage(rec: RequestRecord, usage: dict[str, Any] | None) -> None:
-    if usage and "output_tokens" in usage:  # Anthropic's: the cache counts are prompt tokens too
+    if usage and "output_tokens" in usage:  # Anthropic's and the Responses API's (Anthropic's
+        # cache counts are prompt tokens too)
         rec.input_tokens = sum(
             usage.get(key) or 0
             for key in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
@@ -175,11 +189,15 @@ async def _read_stream(
             done = True
             break
         chunk = orjson.loads(payload)
-        if "error" in chunk:  # an error event mid-stream (vLLM's and the gateway's shapes)
+        kind = chunk.get("type")
+        if "error" in chunk or kind == "error":  # an error event mid-stream (every API's shape)
             rec.error = "stream_error"
             return
-        kind = chunk.get("type")
         if kind == "message_stop":  # an Anthropic stream's end
+            done = True
+            break
+        if kind in RESPONSE_ENDS:  # a Responses API stream's end, with the whole response
+            _usage(rec, (chunk.get("response") or {}).get("usage"))
             done = True
             break
         if kind == "message_start":

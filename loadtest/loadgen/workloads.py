@@ -11,7 +11,8 @@ gateway's access log:
     classes:
       - name: classification
         weight: 3
-        endpoint: chat             # or completions, messages (Anthropic's), embeddings (prefill only)
+        endpoint: chat             # or completions, messages (Anthropic's), responses (OpenAI's
+                                   # Responses API), embeddings (prefill only)
         isl: {type: normal, mean: 4000, std: 300, min: 1000}
         osl: 10                    # a bare number is {type: fixed, value: N}
       - name: generation
@@ -45,7 +46,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-Endpoint = Literal["chat", "completions", "messages", "embeddings"]
+Endpoint = Literal["chat", "completions", "messages", "responses", "embeddings"]
 
 
 class Spec(BaseModel):
