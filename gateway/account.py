@@ -111,6 +111,8 @@ class Accountant:
             or (exact and (2 * prompt < counted or prompt > 2 * counted))
         ):
             ctx.prompt_tokens, ctx.untrusted_usage = None, "prompt_tokens"
+        if ctx.cached_tokens is not None and ctx.cached_tokens > (ctx.prompt_tokens or counted):
+            ctx.cached_tokens, ctx.untrusted_usage = None, "cached_tokens"
         most = (ctx.max_output or max_model_len) * ctx.sequences
         if ctx.output_tokens is not None and ctx.output_tokens > most:
             ctx.output_tokens, ctx.untrusted_usage = None, "completion_tokens"
@@ -146,6 +148,9 @@ class Accountant:
         if ctx.tenant is not None:  # the configured name: label values bounded by the policy
             self.metrics.tenant_tokens.labels(ctx.tenant.name, "input").inc(ctx.input_tokens)
             self.metrics.tenant_tokens.labels(ctx.tenant.name, "output").inc(ctx.output_tokens or 0)
+            if ctx.cached_tokens:
+                tenant_cached = self.metrics.tenant_tokens.labels(ctx.tenant.name, "cached_input")
+                tenant_cached.inc(ctx.cached_tokens)
         if ctx.first_token is not None:
             series.ttft.observe(ctx.first_token - ctx.arrived)
             if ctx.output_tokens and ctx.output_tokens > 1:
@@ -174,6 +179,7 @@ class Accountant:
             "expected_output_tokens": ctx.expected_output,
             "estimate_source": ctx.estimate_source or None,
             "output_tokens": ctx.output_tokens,
+            "cached_tokens": ctx.cached_tokens,
             "queue_wait_s": None if ctx.queue_wait is None else round(ctx.queue_wait, 6),
             "ttft_s": None if first is None else round(first - arrived, 6),
             "e2e_s": round(ctx.ended - arrived, 6),  # set by `_account` before the record

@@ -72,6 +72,9 @@ class Ctx:
     first_token: float | None = None
     output_tokens: int | None = None
     prompt_tokens: int | None = None  # the replica's own count, when its usage reports one
+    # Of those, what its prefix cache served (vLLM's `prompt_tokens_details.cached_tokens`,
+    # with `--enable-prompt-tokens-details`): None when the usage does not say.
+    cached_tokens: int | None = None
     untrusted_usage: str = ""  # the usage field a replica reported out of bounds, if any
     # A whole answer and where its `"usage"` is: decoded by the accounting, after the client
     # has the answer (`forward.read_usage`), so its few µs are not on the client's path.

@@ -614,6 +614,9 @@ class MessagesApi(Api):
             if is_tokens(value):
                 total += value
         ctx.prompt_tokens = total
+        read = usage.get("cache_read_input_tokens")
+        if is_tokens(read):  # vLLM's `cached_tokens`, split off the input
+            ctx.cached_tokens = read
 
     def usage_event(self, ctx: Ctx, event: dict[str, Any]) -> bool:
         """`message_start` carries the prompt (output 0 so far), `message_delta` the final

@@ -27,6 +27,13 @@ def is_tokens(value: Any) -> TypeGuard[int]:
     return type(value) is int and value >= 0
 
 
+def read_cached(ctx: Ctx, details: Any) -> None:
+    """`cached_tokens` of a usage's prompt details (OpenAI's `prompt_tokens_details`, the
+    Responses API's `input_tokens_details`), when it is a count."""
+    if isinstance(details, dict) and is_tokens(cached := details.get("cached_tokens")):
+        ctx.cached_tokens = cached
+
+
 class OpenAIApi(Api):
     """The usage, upstream fields and refusals of OpenAI's completion APIs, as vLLM serves them."""
 
@@ -55,6 +62,7 @@ class OpenAIApi(Api):
         ctx.output_tokens = completion
         if is_tokens(prompt):
             ctx.prompt_tokens = prompt
+            read_cached(ctx, usage.get("prompt_tokens_details"))
         elif prompt is not None:
             ctx.untrusted_usage = "prompt_tokens"
 

@@ -28,7 +28,7 @@ import orjson
 
 from gateway.api.base import FINGERPRINT_CHARS
 from gateway.api.chat import REASONING_EFFORTS, check_chat
-from gateway.api.openai import OpenAIApi, is_tokens
+from gateway.api.openai import OpenAIApi, is_tokens, read_cached
 from gateway.errors import BadRequest
 from gateway.parse import lax_int
 from gateway.tokenizer.chat_template import lax_bool, message_text
@@ -331,6 +331,7 @@ class ResponsesApi(OpenAIApi):
         ctx.output_tokens = output
         if is_tokens(prompt):
             ctx.prompt_tokens = prompt
+            read_cached(ctx, usage.get("input_tokens_details"))
         elif prompt is not None:
             ctx.untrusted_usage = "prompt_tokens"
 

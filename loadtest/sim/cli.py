@@ -2,7 +2,8 @@
 
     llm-loadtest simulate --profile gemma-3-27b-tpu-v6e-2x2 --replicas 2 --base-port 18101 \\
         [--host 127.0.0.1] [--time-scale 50] [--tokenizer DIR] [--faults JSON|@FILE] \\
-        [--no-enable-prefix-caching] [--block-size N] [--kv-events-config JSON]
+        [--no-enable-prefix-caching] [--enable-prompt-tokens-details] [--block-size N] \\
+        [--kv-events-config JSON]
 
 Each replica is an independent engine with its own KV cache and metrics on port base+i. One
 process (uvloop) serves them all: the engines are cheap, and a 2-core machine also has to run
@@ -98,6 +99,11 @@ def parser() -> argparse.ArgumentParser:
         help="vLLM V1's automatic prefix caching (default: on, as in vLLM)",
     )
     p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage reports the prompt's tokens the prefix cache served, as vLLM's flag does",
+    )
+    p.add_argument(
         "--kv-events-config",
         type=kv_events_config,
         help="""vLLM's KV-cache events, e.g. '{"enable_kv_cache_events": true, "publisher":"""
@@ -179,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             lora_modules=loras,
             stream_interval_ms=args.stream_interval_ms,
             enable_prefix_caching=args.enable_prefix_caching,
+            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             kv_events_config=replica_kv_events(args.kv_events_config, i),
         )
         for i in range(args.replicas)

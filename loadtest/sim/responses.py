@@ -89,7 +89,7 @@ def response_object(
     if seq is not None:
         usage = {
             "input_tokens": seq.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": seq.cached_tokens},
             "output_tokens": seq.generated,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": seq.prompt_tokens + seq.generated,

@@ -73,6 +73,7 @@ class ReplicaOptions:
     stream_interval_ms: float | None = None  # None: 0 at time scale 1, else the default above
     fast_forward: bool = True  # decode spans; False steps one by one (tests compare the two)
     enable_prefix_caching: bool = True  # vLLM V1's default (--no-enable-prefix-caching: off)
+    enable_prompt_tokens_details: bool = False  # vLLM's flag: usage says the cache's share
     kv_events_config: KVEventsConfig | None = None  # vLLM's --kv-events-config; None: off
 
     def interval_s(self) -> float:
@@ -169,19 +170,25 @@ def _max_tokens(body: dict[str, Any], chat: bool, prompt: int, limit: int) -> in
     return requested
 
 
-def _usage(seq: Sequence) -> dict[str, int]:
-    return {
+def _usage(seq: Sequence, details: bool) -> dict[str, Any]:
+    """vLLM's `UsageInfo`; `details`: its `--enable-prompt-tokens-details`, the prompt's tokens
+    its prefix cache served."""
+    usage: dict[str, Any] = {
         "prompt_tokens": seq.prompt_tokens,
         "total_tokens": seq.prompt_tokens + seq.generated,
         "completion_tokens": seq.generated,
     }
+    if details:
+        usage["prompt_tokens_details"] = {"cached_tokens": seq.cached_tokens}
+    return usage
 
 
 class _Chunks:
     """Pre-encoded SSE chunks for one stream: only the text and the finish reason vary."""
 
-    def __init__(self, chat: bool, rid: str, model: str, token_text: str) -> None:
+    def __init__(self, chat: bool, rid: str, model: str, token_text: str, details: bool) -> None:
         self.chat = chat
+        self.details = details  # usage with `prompt_tokens_details`
         self.token_text = token_text  # one generated token's text (tokens.output_token_text)
         self.token_json = orjson.dumps(token_text)[1:-1]  # as it goes inside a JSON string
         self.object = "chat.completion.chunk" if chat else "text_completion"
@@ -218,7 +225,7 @@ class _Chunks:
             "created": self.created,
             "model": self.model,
             "choices": [],
-            "usage": _usage(seq),
+            "usage": _usage(seq, self.details),
         }
         return b"data: " + orjson.dumps(final) + b"\n\n"
 
@@ -293,7 +300,7 @@ def _answer(chunks: _Chunks, seq: Sequence) -> dict[str, Any]:
         "created": chunks.created,
         "model": chunks.model,
         "choices": [choice],
-        "usage": _usage(seq),
+        "usage": _usage(seq, chunks.details),
     }
 
 
@@ -403,7 +410,8 @@ async def _serve(
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     if responses_api:
         rid = responses.new_id(body)
-    chunks = _Chunks(chat, rid, model, state.encoder.token_text)
+    details = state.options.enable_prompt_tokens_details
+    chunks = _Chunks(chat, rid, model, state.encoder.token_text, details)
 
     def store(response: dict[str, Any]) -> None:
         if body.get("store", True) is not False:
@@ -439,8 +447,12 @@ def _stop_reason(seq: Sequence) -> str:
     return "max_tokens" if seq.finish_reason == "length" else "end_turn"
 
 
-def _anthropic_usage(seq: Sequence) -> dict[str, int]:
-    return {"input_tokens": seq.prompt_tokens, "output_tokens": seq.generated}
+def _anthropic_usage(seq: Sequence, details: bool) -> dict[str, int]:
+    """`_build_anthropic_usage`: the cache's share split off the input, when vLLM reports it."""
+    if not details:
+        return {"input_tokens": seq.prompt_tokens, "output_tokens": seq.generated}
+    return {"input_tokens": seq.prompt_tokens - seq.cached_tokens,
+            "cache_read_input_tokens": seq.cached_tokens, "output_tokens": seq.generated}  # fmt: skip
 
 
 def _anthropic_answer(chunks: _Chunks, seq: Sequence) -> dict[str, Any]:
@@ -452,7 +464,7 @@ def _anthropic_answer(chunks: _Chunks, seq: Sequence) -> dict[str, Any]:
         "content": [{"type": "text", "text": chunks.token_text * seq.generated}],
         "model": chunks.model,
         "stop_reason": _stop_reason(seq),
-        "usage": _anthropic_usage(seq),
+        "usage": _anthropic_usage(seq, chunks.details),
     }
 
 
@@ -492,7 +504,7 @@ class _AnthropicFraming:
         if sent:
             end += _event("content_block_stop", {"type": "content_block_stop", "index": 0})
         stop = {"stop_reason": _stop_reason(self.seq), "stop_sequence": None}
-        usage = _anthropic_usage(self.seq)
+        usage = _anthropic_usage(self.seq, self.chunks.details)
         end += _event("message_delta", {"type": "message_delta", "delta": stop, "usage": usage})
         return end + _event("message_stop", {"type": "message_stop"})
 
