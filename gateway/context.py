@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from gateway.authenticate import Tenant
     from gateway.errors import Refusal
     from gateway.holders import Holder
+    from gateway.observability.tracing import RequestTrace
     from gateway.pick.affinity import Affinity
     from gateway.policy.compile import Model, Pool
     from gateway.route import Route
@@ -84,6 +85,11 @@ class Ctx:
     # client that leaves after that was served (`forward.client_left`).
     answered: bool = False
     ratelimit_headers: dict[str, str] = field(default_factory=dict)  # the tenant's windows
+    # The times stages record for the trace's spans (perf_counter): counting, from its start to
+    # the route; the slot's grant (the queue's span ends there).
+    counted: tuple[float, float] | None = None
+    granted: float = 0.0
+    trace: RequestTrace | None = None  # the request's spans, when the policy traces
     # outcome
     status: int = 0
     refusal: Refusal | None = None  # what refused it (gateway/errors.py), or client_disconnect

@@ -364,7 +364,11 @@ async def forward(
     first = now + timeouts.first_token_s
     # The deadlines are the answer's watchdog's to keep, with `read_s`: one timer per request.
     head_by = min(first, total) if ctx.stream else total
+    if ctx.trace is not None:
+        ctx.trace.sending(replica_url, headers)
     up = await _post(ctx, upstream, replica_url, headers, timeouts, head_by, total)
+    if ctx.trace is not None:
+        ctx.trace.answered(up.status)
     if not ctx.stream or up.status != 200 or up.content_type != "text/event-stream":
         return await _answer(ctx, up, replica_url, max_response_bytes, rename, retry_503, total)
     try:

@@ -161,6 +161,8 @@ async def handle(gateway: Gateway, request: web.Request, api: Api) -> web.Stream
     )
     runtime = gateway.runtime
     policy = runtime.policy
+    if gateway.tracing is not None:
+        ctx.trace = gateway.tracing.begin(ctx, request.method)
     charge: Charge | None = None
     try:
         try:
@@ -180,7 +182,9 @@ async def handle(gateway: Gateway, request: web.Request, api: Api) -> web.Stream
             # order, with the early charge between). From here `charge` is what `finally`
             # settles, whatever ends the request (a refusal, or the client leaving mid-count).
             charge = await gateway.quotas.reserve_early(ctx)
+            counting = time.perf_counter()
             await count_and_route(ctx, policy)
+            ctx.counted = (counting, time.perf_counter())
             spill(ctx, runtime.slots, policy.adapters, gateway.accountant.metrics.spillover)
             pin(ctx, gateway.holders, runtime.slots, policy.pools)
             charge = await gateway.quotas.reserve(ctx, charge)
@@ -217,3 +221,5 @@ async def handle(gateway: Gateway, request: web.Request, api: Api) -> web.Stream
         gateway.accountant.account(ctx, policy.estimator)
         if charge is not None:  # after account, which completes the output count
             gateway.quotas.settle(ctx, charge)
+        if ctx.trace is not None:  # after account, which ends the request and reads its usage
+            ctx.trace.finish(ctx)

@@ -25,6 +25,7 @@ from gateway.holders import Holders
 from gateway.observability.loop_lag import watch_lag
 from gateway.observability.metrics import Metrics
 from gateway.observability.state_metrics import BackendUp
+from gateway.observability.tracing import Tracing
 from gateway.policy.compile import Policy, compile_policy, reference_problems
 from gateway.policy.load import PolicyError, load_spec
 from gateway.quota import Quotas
@@ -104,6 +105,14 @@ def _pool_changes(before: Policy, after: Policy) -> str:
     return "; ".join(parts) or "pools unchanged"
 
 
+def _tracing(policy: Policy, running: Tracing | None) -> Tracing | None:
+    """The policy's tracing: the running one while its section is unchanged."""
+    spec = policy.spec.tracing
+    if spec is None:
+        return None
+    return running if running is not None and running.spec == spec else Tracing(spec)
+
+
 class Gateway:
     """The running gateway: the current `Runtime`, upstream sessions, health checks, accounting."""
 
@@ -120,6 +129,7 @@ class Gateway:
         self.accountant.metrics.registry.register(BackendUp(lambda: self.state))
         self.quotas = Quotas(self.state, self.accountant.metrics)
         self.holders = Holders(policy.spec.server.max_stored_responses)  # outlives reloads
+        self.tracing = _tracing(policy, None)
         self.sessions: dict[str, aiohttp.ClientSession] = {}  # health, /metrics, adapters
         self.draining = False
         self._checkers: dict[str, asyncio.Task[None]] = {}
@@ -294,6 +304,10 @@ class Gateway:
             previous = self.runtime
             self.runtime = Runtime.build(policy, previous, self.ledger)
             self.holders.capacity = policy.spec.server.max_stored_responses
+            tracing = _tracing(policy, self.tracing)
+            if tracing is not self.tracing and self.tracing is not None:
+                await self.tracing.close()  # what it still holds is exported first
+            self.tracing = tracing
             await self._retire(previous, self._serve_pools())
             kept = {id(pool.picker) for pool in policy.pools.values()}
             retired = {id(p.picker): p.picker for p in current.pools.values()}
@@ -331,4 +345,6 @@ class Gateway:
             upstream.close()
         await self.quotas.close()
         await self.state.close()
+        if self.tracing is not None:
+            await self.tracing.close()
         self.policy.close()

@@ -499,7 +499,7 @@ class Held:
         ctx.replica = grant.replica.url
         pool.picker.granted(grant.replica, grant.claim)
         self._grant = grant
-        self._held = time.perf_counter()
+        self._held = ctx.granted = time.perf_counter()
         return grant
 
     async def __aexit__(

@@ -694,6 +694,36 @@ class AdminSpec(Spec):
     )
 
 
+class TracingSpec(Spec):
+    """OpenTelemetry traces: a server span per request, its stages' spans, and the context
+    forwarded to the replica so vLLM's own spans (`--otlp-traces-endpoint`) join the trace."""
+
+    endpoint: str = Field(
+        description=(
+            "The OTLP/HTTP traces endpoint spans are exported to (a collector's"
+            " `http://HOST:4318/v1/traces`)."
+        ),
+    )
+    sample_ratio: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description=(
+            "The share of new traces sampled; a request whose `traceparent` carries a sampling"
+            " decision keeps it (parent-based)."
+        ),
+    )
+    service_name: str = Field("llm-admission-gateway", description="The spans' `service.name`.")
+    timeout_s: float = Field(10.0, gt=0, description="Per export to the endpoint.")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _http(cls, value: str) -> str:
+        if urlsplit(value).scheme not in ("http", "https"):
+            raise ValueError("must be an http:// or https:// URL")
+        return value
+
+
 Tier = Literal["critical", "standard", "sheddable"]
 KeyHash = Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")]
 
@@ -801,6 +831,9 @@ class PolicySpec(Spec):
     server: ServerSpec = ServerSpec()
     admin: AdminSpec = AdminSpec()
     state: StateSpec = StateSpec()
+    tracing: TracingSpec | None = Field(
+        None, description="OpenTelemetry traces; none: no spans, and no cost."
+    )
     tenants: dict[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$")], TenantSpec] = Field(
         {},
         description=(

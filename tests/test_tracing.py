@@ -1,0 +1,149 @@
+"""Traces: the gateway's spans, exported over OTLP/HTTP to a receiver here (decoded with
+opentelemetry-proto, as a collector decodes them), continue the client's `traceparent`, and the
+replica gets the upstream span's context, so its own spans join the trace."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiohttp import web
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from tests.conftest import _serve, accounted, basic_policy, eventually
+from tests.test_tenants import hashed
+
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+KEY = "sk-tenant-traced-0123456789"
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3}
+
+
+@dataclass
+class Receiver:
+    url: str
+    spans: list[Any] = field(default_factory=list)
+
+    def named(self, name: str) -> list[Any]:
+        return [s for s in self.spans if s.name == name]
+
+
+@pytest.fixture
+async def receiver(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Receiver]:
+    """An OTLP/HTTP traces endpoint; the SDK's batches are sent every 50 ms."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    got = Receiver("")
+
+    async def export(request: web.Request) -> web.Response:
+        assert request.content_type == "application/x-protobuf"
+        message = ExportTraceServiceRequest.FromString(await request.read())
+        for resource in message.resource_spans:
+            for scope in resource.scope_spans:
+                got.spans.extend(scope.spans)
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", export)
+    runner, url = await _serve(app)
+    got.url = f"{url}/v1/traces"
+    yield got
+    await runner.cleanup()
+
+
+def traced(policy: dict[str, Any], receiver: Receiver, **tracing: Any) -> dict[str, Any]:
+    return {**policy, "tracing": {"endpoint": receiver.url, **tracing}}
+
+
+def attributes(span: Any) -> dict[str, Any]:
+    out = {}
+    for kv in span.attributes:
+        value = kv.value
+        out[kv.key] = getattr(value, value.WhichOneof("value"))
+    return out
+
+
+async def test_a_request_continues_the_clients_trace_into_the_replica(
+    receiver, stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    policy = basic_policy(tokenizer_dir, [stub.url])
+    policy["tenants"] = {"acme": {"keys": [hashed(KEY)]}}
+    gw = await gateway_factory(traced(policy, receiver))
+    headers = {
+        "Authorization": f"Bearer {KEY}",
+        "traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01",
+        "tracestate": "vendor=abc",
+    }
+    async with http.post(
+        f"{gw.url}/v1/chat/completions", json={**CHAT, "stream": True}, headers=headers
+    ) as resp:
+        assert resp.status == 200
+        await resp.read()
+    await accounted(gw, 0)
+    await eventually(lambda: len(receiver.spans) >= 5, within_s=10)
+    (server,) = receiver.named("POST /v1/chat/completions")
+    (upstream,) = receiver.named("upstream")
+    assert server.trace_id.hex() == CLIENT_TRACE and server.parent_span_id.hex() == CLIENT_SPAN
+    for name in ("count", "queue", "upstream", "stream"):
+        (child,) = receiver.named(name)
+        assert child.trace_id == server.trace_id and child.parent_span_id == server.span_id
+        assert server.start_time_unix_nano <= child.start_time_unix_nano
+        assert child.end_time_unix_nano <= server.end_time_unix_nano
+    # The replica was told the upstream span is its parent, in the client's trace.
+    sent = stub.stats.headers[-1]
+    assert sent["traceparent"] == f"00-{CLIENT_TRACE}-{upstream.span_id.hex()}-01"
+    assert sent["tracestate"] == "vendor=abc"
+    seen = attributes(server)
+    assert seen["gen_ai.request.model"] == "tiny" and seen["gen_ai.operation.name"] == "chat"
+    assert seen["gen_ai.usage.output_tokens"] == 3 and seen["gen_ai.usage.input_tokens"] > 0
+    assert seen["llm_gateway.tenant"] == "acme" and seen["llm_gateway.pool"] == "main"
+    assert seen["llm_gateway.replica"] == stub.url and seen["http.response.status_code"] == 200
+    assert not any(KEY in str(v) for span in receiver.spans for v in attributes(span).values())
+
+
+async def test_a_refusal_is_an_error_span_with_its_code(
+    receiver, stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    gw = await gateway_factory(traced(basic_policy(tokenizer_dir, [stub.url]), receiver))
+    async with http.post(f"{gw.url}/v1/chat/completions", json={**CHAT, "model": "nope"}) as resp:
+        assert resp.status == 404
+    await eventually(lambda: len(receiver.spans) >= 1, within_s=10)
+    (server,) = receiver.spans
+    assert server.status.code == server.status.STATUS_CODE_ERROR
+    assert attributes(server)["llm_gateway.refusal"] == "model_not_found"
+    assert server.parent_span_id == b""  # no traceparent: a new trace
+
+
+async def test_sampling_is_the_parents_else_the_ratio(
+    receiver, stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    gw = await gateway_factory(
+        traced(basic_policy(tokenizer_dir, [stub.url]), receiver, sample_ratio=0.0)
+    )
+    unsampled = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00"}
+    sampled = {"traceparent": f"00-{'1' * 32}-{CLIENT_SPAN}-01"}
+    for headers in ({}, unsampled, sampled):
+        async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT, headers=headers) as resp:
+            assert resp.status == 200
+    await accounted(gw, 2)
+    await eventually(lambda: len(receiver.spans) >= 4, within_s=10)
+    await asyncio.sleep(0.2)  # what else there was to export has been
+    assert {span.trace_id.hex() for span in receiver.spans} == {"1" * 32}
+    # Unsampled, the replica still gets the trace's context, marked unsampled.
+    assert stub.stats.headers[1]["traceparent"].startswith(f"00-{CLIENT_TRACE}-")
+    assert stub.stats.headers[1]["traceparent"].endswith("-00")
+
+
+async def test_without_tracing_a_clients_traceparent_passes_through(
+    stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [stub.url]))
+    traceparent = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
+    async with http.post(
+        f"{gw.url}/v1/chat/completions", json=CHAT, headers={"traceparent": traceparent}
+    ) as resp:
+        assert resp.status == 200
+    assert stub.stats.headers[-1]["traceparent"] == traceparent
+    assert gw.gateway.tracing is None
