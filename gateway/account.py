@@ -138,10 +138,11 @@ class Accountant:
         if series is None:
             series = self._series[labels] = _Series(self.metrics, labels)
         assert ctx.queue_wait is not None
-        series.queue_wait(ctx.priority).observe(ctx.queue_wait)
+        trace = ctx.trace.trace_id if ctx.trace is not None else None  # the exemplars'
+        series.queue_wait(ctx.priority).observe(ctx.queue_wait, trace)
         if not ctx.admitted:  # it waited, then timed out or left
             return
-        series.e2e.observe(ctx.ended - ctx.arrived)
+        series.e2e.observe(ctx.ended - ctx.arrived, trace)
         series.input_tokens.inc(ctx.input_tokens)
         if ctx.output_tokens:
             series.output_tokens.inc(ctx.output_tokens)
@@ -152,9 +153,10 @@ class Accountant:
                 tenant_cached = self.metrics.tenant_tokens.labels(ctx.tenant.name, "cached_input")
                 tenant_cached.inc(ctx.cached_tokens)
         if ctx.first_token is not None:
-            series.ttft.observe(ctx.first_token - ctx.arrived)
+            series.ttft.observe(ctx.first_token - ctx.arrived, trace)
             if ctx.output_tokens and ctx.output_tokens > 1:
-                series.tpot.observe((ctx.ended - ctx.first_token) / (ctx.output_tokens - 1))
+                tpot = (ctx.ended - ctx.first_token) / (ctx.output_tokens - 1)
+                series.tpot.observe(tpot, trace)
         if estimator is not None and ctx.status == 200 and ctx.output_tokens:
             estimator.observe(estimator.key(ctx), ctx.output_tokens // ctx.sequences)
 

@@ -147,3 +147,21 @@ async def test_without_tracing_a_clients_traceparent_passes_through(
         assert resp.status == 200
     assert stub.stats.headers[-1]["traceparent"] == traceparent
     assert gw.gateway.tracing is None
+
+
+async def test_latency_histograms_carry_the_trace_as_an_exemplar(
+    receiver, stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    gw = await gateway_factory(traced(basic_policy(tokenizer_dir, [stub.url]), receiver))
+    headers = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}
+    async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT, headers=headers) as resp:
+        assert resp.status == 200
+    await accounted(gw, 0)
+    openmetrics = {"Accept": "application/openmetrics-text; version=1.0.0"}
+    async with http.get(f"{gw.url}/metrics", headers=openmetrics) as resp:
+        assert resp.content_type == "application/openmetrics-text"
+        text = await resp.text()
+    e2e = [line for line in text.splitlines() if line.startswith("llm_request_e2e_seconds_bucket")]
+    assert any(f'# {{trace_id="{CLIENT_TRACE}"}}' in line for line in e2e), e2e
+    async with http.get(f"{gw.url}/metrics") as resp:  # Prometheus's text format has none
+        assert "trace_id" not in await resp.text()

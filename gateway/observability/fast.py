@@ -13,13 +13,14 @@ under their own lock, read at scrape time (`metrics._Gauges`).
 
 from __future__ import annotations
 
+import time
 from abc import abstractmethod
 from bisect import bisect_left
 from collections.abc import Sequence
 from itertools import accumulate
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, Exemplar, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
@@ -40,17 +41,24 @@ class CounterChild:
 
 
 class HistogramChild:
-    __slots__ = ("_bounds", "counts", "sum")
+    __slots__ = ("_bounds", "counts", "exemplars", "sum")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self._bounds = bounds
         self.counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; the last is +Inf
         self.sum = 0.0
+        # Per bucket, the last traced value's trace: made on the first (tracing off: never).
+        self.exemplars: list[Exemplar | None] | None = None
 
-    def observe(self, value: float) -> None:
+    def observe(self, value: float, trace_id: str | None = None) -> None:
         # The first bound >= value: Prometheus's `le`.
-        self.counts[bisect_left(self._bounds, value)] += 1
+        bucket = bisect_left(self._bounds, value)
+        self.counts[bucket] += 1
         self.sum += value
+        if trace_id is not None:
+            if self.exemplars is None:
+                self.exemplars = [None] * len(self.counts)
+            self.exemplars[bucket] = Exemplar({"trace_id": trace_id}, value, time.time())
 
 
 class _Family(Collector, Generic[Child, Family]):
@@ -134,5 +142,10 @@ class Histogram(_Family[HistogramChild, HistogramMetricFamily]):
     def _add(
         self, family: HistogramMetricFamily, values: tuple[str, ...], child: HistogramChild
     ) -> None:
-        buckets = list(zip(self._le, accumulate(child.counts), strict=True))
+        buckets: list[Any] = list(zip(self._le, accumulate(child.counts), strict=True))
+        if child.exemplars is not None:  # shown by the OpenMetrics exposition only
+            buckets = [
+                (le, count) if exemplar is None else (le, count, exemplar)
+                for (le, count), exemplar in zip(buckets, child.exemplars, strict=True)
+            ]
         family.add_metric(values, buckets, child.sum)

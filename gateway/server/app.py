@@ -15,6 +15,7 @@ from typing import IO, Any
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 
 from gateway.admit import Replica
 from gateway.api import BY_PATH, MESSAGES, Api, anthropic
@@ -260,10 +261,16 @@ async def admin_reload(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """Prometheus's text format, or OpenMetrics when the scraper asks for it (Prometheus does
+    with exemplar storage on): only OpenMetrics shows the latency histograms' exemplars, the
+    trace of a request that fell in each bucket."""
     registry = request.app[GATEWAY].accountant.metrics.registry
-    return web.Response(
-        body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
-    )
+    if "application/openmetrics-text" in request.headers.get("Accept", ""):
+        body = openmetrics.generate_latest(registry)  # type: ignore[no-untyped-call]
+        content_type = openmetrics.CONTENT_TYPE_LATEST
+    else:
+        body, content_type = generate_latest(registry), CONTENT_TYPE_LATEST
+    return web.Response(body=body, headers={"Content-Type": content_type})
 
 
 def create_app(policy: Policy, *, access_log: IO[bytes] | None = None) -> web.Application:
