@@ -8,7 +8,10 @@ medians. At one connection the added p50 comes from `loadtest.paired_latency`: d
 pass-through and both gateways side by side in alternating blocks.
 
     git worktree add /tmp/base <commit>
-    python -m loadtest.bench_ab --base /tmp/base --candidate . [--rounds 5]
+    python -m loadtest.bench_ab --base /tmp/base --candidate . [--rounds 5] [--traced]
+
+`--traced` gives the candidate's policy a `tracing` section sampling every request, exported to
+the stub (an OTLP/HTTP sink): with the same tree on both sides, what tracing costs.
 
 Identical code on both sides agreed within 1% at one connection over 4 rounds, yet one change
 worth ~1 µs measured 4% better in one run and 4% worse in two (docs/benchmarks.md): rerun with
@@ -40,15 +43,25 @@ from loadtest.overhead.policy import write_policy
 from loadtest.overhead.wrk import measure, run_wrk, static_lua
 
 
-def compare(trees: dict[str, Path], rounds: int, connections: list[int], duration: int) -> int:
+def compare(
+    trees: dict[str, Path], rounds: int, connections: list[int], duration: int, traced: bool
+) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
         workdir = Path(tmp)
         tokenizer = build_tokenizer(workdir, "loadtest.tiny_tokenizer")
         procs = Fleet(workdir)
         try:
             stub, passthrough = start_backends(procs)
-            policy = write_policy(workdir, tokenizer, stub.url, None, None)
-            sides = {name: start_gateway(procs, name, policy, tree) for name, tree in trees.items()}
+            policies = dict.fromkeys(trees, write_policy(workdir, tokenizer, stub.url, None, None))
+            if traced:  # the stub is the traces' sink
+                sink = f"{stub.url}/v1/traces"
+                policies["candidate"] = write_policy(
+                    workdir, tokenizer, stub.url, None, None, "traced.yaml", traces_to=sink
+                )
+            sides = {
+                name: start_gateway(procs, name, policies[name], tree)
+                for name, tree in trees.items()
+            }
             wait_started(stub, passthrough, list(sides.values()))
             script, body = workdir / "short.lua", workdir / "short.json"
             script.write_text(static_lua(dumps(short_chat())))
@@ -114,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="rounds (>= 1)")
     parser.add_argument("--connections", default="1,64", help="e.g. 1,64")
     parser.add_argument("--duration", type=int, default=4, help="seconds per run (>= 1)")
+    parser.add_argument(
+        "--traced",
+        action="store_true",
+        help="the candidate traces every request (OTLP/HTTP, to the stub): tracing's cost",
+    )
     args = parser.parse_args(argv)
     connections = [int(c) for c in args.connections.split(",")]
     if args.rounds < 1 or args.duration < 1 or min(connections) < 1:
@@ -122,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, tree in trees.items():
         if not (tree / "gateway" / "__main__.py").is_file():
             parser.error(f"--{name} {tree} holds no gateway/ package")
-    return compare(trees, args.rounds, connections, args.duration)
+    return compare(trees, args.rounds, connections, args.duration, args.traced)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 It is the zero-delay backend of the overhead benchmark and the replica of the gateway's tests: it
 speaks vLLM's wire format (chat and completions, `stream_options.include_usage` final chunk with
-`choices: []`, `data: [DONE]`) and records what the tests assert on — the bodies it received, how
+`choices: []`, `data: [DONE]`), takes OTLP/HTTP traces (`POST /v1/traces`, dropped), and records what the tests assert on — the bodies it received, how
 many requests it ran at once, and how many connections its clients closed mid-answer.
 
     python -m loadtest.stub_backend --port 9000 [--delay 0.5] [--chunk-delay 0.01] [--no-record]
@@ -165,6 +165,13 @@ async def health(request: web.Request) -> web.Response:
     return web.Response()
 
 
+async def traces(request: web.Request) -> web.Response:
+    """An OTLP/HTTP traces sink (a collector's answer, the spans dropped): the gateway's
+    traces have somewhere to go in a benchmark."""
+    await request.read()
+    return web.Response(body=b"", content_type="application/x-protobuf")
+
+
 def create_stub_app(config: StubConfig | None = None) -> web.Application:
     app = web.Application()
     app[STATS] = StubStats()
@@ -172,6 +179,7 @@ def create_stub_app(config: StubConfig | None = None) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", health)
+    app.router.add_post("/v1/traces", traces)
     return app
 
 
