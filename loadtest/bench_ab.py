@@ -8,10 +8,11 @@ medians. At one connection the added p50 comes from `loadtest.paired_latency`: d
 pass-through and both gateways side by side in alternating blocks.
 
     git worktree add /tmp/base <commit>
-    python -m loadtest.bench_ab --base /tmp/base --candidate . [--rounds 5] [--traced]
+    python -m loadtest.bench_ab --base /tmp/base --candidate . [--rounds 5] [--traced RATIO]
 
-`--traced` gives the candidate's policy a `tracing` section sampling every request, exported to
-the stub (an OTLP/HTTP sink): with the same tree on both sides, what tracing costs.
+`--traced 1` gives the candidate's policy a `tracing` section sampling every request (RATIO of
+them), exported to the stub (an OTLP/HTTP sink): with the same tree on both sides, what tracing
+costs.
 
 Identical code on both sides agreed within 1% at one connection over 4 rounds, yet one change
 worth ~1 µs measured 4% better in one run and 4% worse in two (docs/benchmarks.md): rerun with
@@ -44,7 +45,11 @@ from loadtest.overhead.wrk import measure, run_wrk, static_lua
 
 
 def compare(
-    trees: dict[str, Path], rounds: int, connections: list[int], duration: int, traced: bool
+    trees: dict[str, Path],
+    rounds: int,
+    connections: list[int],
+    duration: int,
+    traced: float | None,
 ) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
         workdir = Path(tmp)
@@ -53,10 +58,16 @@ def compare(
         try:
             stub, passthrough = start_backends(procs)
             policies = dict.fromkeys(trees, write_policy(workdir, tokenizer, stub.url, None, None))
-            if traced:  # the stub is the traces' sink
+            if traced is not None:  # the stub is the traces' sink
                 sink = f"{stub.url}/v1/traces"
                 policies["candidate"] = write_policy(
-                    workdir, tokenizer, stub.url, None, None, "traced.yaml", traces_to=sink
+                    workdir,
+                    tokenizer,
+                    stub.url,
+                    None,
+                    None,
+                    "traced.yaml",
+                    traces_to=(sink, traced),
                 )
             sides = {
                 name: start_gateway(procs, name, policies[name], tree)
@@ -129,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=int, default=4, help="seconds per run (>= 1)")
     parser.add_argument(
         "--traced",
-        action="store_true",
-        help="the candidate traces every request (OTLP/HTTP, to the stub): tracing's cost",
+        type=float,
+        metavar="RATIO",
+        help="the candidate traces this share of requests (OTLP/HTTP, to the stub): its cost",
     )
     args = parser.parse_args(argv)
     connections = [int(c) for c in args.connections.split(",")]

@@ -379,6 +379,7 @@ def test_the_dashboard_has_the_issues_panels_per_pool_and_class() -> None:
         return found[0]
 
     panel("rate(llm_requests_total", "pool, class")  # requests/s
+    panel("sum by (endpoint) (rate(llm_requests_total")  # each API's share
     panel("llm_input_tokens_total", "llm_output_tokens_total", "* 60")  # TPM
     for metric in ("e2e", "ttft", "tpot", "queue_wait"):
         name = f"llm_{'request_' if metric != 'queue_wait' else ''}{metric}_seconds_bucket"

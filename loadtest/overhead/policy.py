@@ -26,12 +26,12 @@ def write_policy(
     tokenizer_threads: int | None,
     name: str = "policy.yaml",
     counted: Mapping[str, Path] | None = None,
-    traces_to: str | None = None,
+    traces_to: tuple[str, float] | None = None,
 ) -> Path:
     """The tiny tokenizer's model and `counted`'s (model name: tokenizer directory, each counted
     by the backend `auto` chooses), a pool each of the one replica with caps that never queue,
     access log on; with `redis_url`, quotas and slots shared through Redis as several gateways
-    would run; with `traces_to`, every request traced to that OTLP/HTTP endpoint."""
+    would run; with `traces_to` (an OTLP/HTTP endpoint, a sample ratio), requests traced."""
     pool = {"replicas": [replica], "max_concurrency": 100000, "queue": {"max_depth": 1024}}
     models = {MODEL: tokenizer, **(counted or {})}
     policy: dict[str, Any] = {
@@ -55,7 +55,8 @@ def write_policy(
     if redis_url is not None:
         policy["state"] = {"backend": "redis", "url": redis_url, "gateways": 3}
     if traces_to is not None:
-        policy["tracing"] = {"endpoint": traces_to, "sample_ratio": 1.0}
+        endpoint, ratio = traces_to
+        policy["tracing"] = {"endpoint": endpoint, "sample_ratio": ratio}
     path = workdir / name
     path.write_text(json.dumps(policy, indent=2))  # JSON is YAML
     return path
