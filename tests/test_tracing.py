@@ -131,7 +131,7 @@ async def test_sampling_is_the_parents_else_the_ratio(
     await eventually(lambda: len(receiver.spans) >= 4, within_s=10)
     await asyncio.sleep(0.2)  # what else there was to export has been
     assert {span.trace_id.hex() for span in receiver.spans} == {"1" * 32}
-    # Unsampled, the replica still gets the trace's context, marked unsampled.
+    # Unsampled, the replica gets the client's context as it came, marked unsampled.
     assert stub.stats.headers[1]["traceparent"].startswith(f"00-{CLIENT_TRACE}-")
     assert stub.stats.headers[1]["traceparent"].endswith("-00")
 

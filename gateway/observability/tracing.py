@@ -11,8 +11,8 @@ never a key, never a prompt.
 
 Only the server span and the upstream span live while the request runs (the upstream one must
 exist before the request is sent, to be propagated); the others are made at the end from the
-times the stages already record, so a traced request costs a few spans and an untraced one
-(`ctx.trace` None, no `tracing` in the policy) nothing. Export is the SDK's batch processor on its
+times the stages already record, so a traced request costs a few spans, one the sampler leaves
+out only its sampling decision, and without `tracing` in the policy nothing (`ctx.trace` None). Export is the SDK's batch processor on its
 own thread, over OTLP/HTTP; sampling is parent-based with the policy's ratio for new traces.
 """
 
@@ -60,8 +60,10 @@ class Tracing:
         self._provider.add_span_processor(BatchSpanProcessor(exporter))
         self.tracer = self._provider.get_tracer("llm-admission-gateway")
 
-    def begin(self, ctx: Ctx, method: str) -> RequestTrace:
-        """The request's server span, a child of the client's `traceparent` if it sent one."""
+    def begin(self, ctx: Ctx, method: str) -> RequestTrace | None:
+        """The request's server span, a child of the client's `traceparent` if it sent one;
+        None when the sampler leaves it out: then nothing more is made for it, and a client's
+        `traceparent` goes to the replica as it came, its decision with it."""
         parent = _PROPAGATOR.extract(ctx.headers)
         wall = time.time_ns() - int((time.perf_counter() - ctx.arrived) * 1e9)
         span = self.tracer.start_span(
@@ -71,7 +73,7 @@ class Tracing:
             start_time=wall,
             attributes={"http.request.method": method, "http.route": ctx.api.path},
         )
-        return RequestTrace(self, span, wall, ctx.arrived)
+        return RequestTrace(self, span, wall, ctx.arrived) if span.is_recording() else None
 
     async def close(self) -> None:
         """Export what is left and stop (the SDK's shutdown blocks: on a thread)."""
@@ -90,10 +92,9 @@ class RequestTrace:
         self.head = 0.0  # perf_counter when the replica's answer began
 
     @property
-    def trace_id(self) -> str | None:
-        """The trace's id in hex while it is sampled: what an exemplar carries."""
-        context = self.span.get_span_context()
-        return format(context.trace_id, "032x") if context.trace_flags.sampled else None
+    def trace_id(self) -> str:
+        """The trace's id in hex: what an exemplar carries."""
+        return format(self.span.get_span_context().trace_id, "032x")
 
     def _at(self, perf: float) -> int:
         return self._wall + int((perf - self._perf) * 1e9)
