@@ -53,7 +53,7 @@ class Api(ABC):
     # `stream_options`) are read: an API whose replica ignores them leaves them unread.
     openai_fields: ClassVar[bool] = True
     # The bytes a whole stream ends with: once written, the client has its whole answer.
-    stream_end: ClassVar[bytes] = b""
+    stream_end: ClassVar[bytes]
     exact: ClassVar[bool] = True
 
     @abstractmethod
