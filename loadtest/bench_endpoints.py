@@ -67,6 +67,7 @@ BODIES: dict[str, dict[str, Any]] = {
     "chat": {"messages": [{"role": "user", "content": _TEXT}], "max_tokens": 16},
     "completions": {"prompt": _TEXT, "max_tokens": 16},
     "messages": {"messages": [{"role": "user", "content": _TEXT}], "max_tokens": 16},
+    "responses": {"input": _TEXT, "max_output_tokens": 16},
     "embeddings": {"input": _TEXT},
     "rerank": {"query": _TEXT, "documents": _DOCS},
     "score": {"text_1": _TEXT, "text_2": _DOCS},
