@@ -6,8 +6,8 @@ starts `llm-gateway serve`, sends the load generator's `platform` mix in one ope
 the article's two workloads, classification (4,000 tokens in, 10 out) and generation (500 in,
 1,000 out, streamed), with retrieval (512-token embedding requests) and an agent on Anthropic's
 messages API (6-turn conversations, 150 tokens out a turn, and 2,000-in / 40-out calls) beside
-them — and prints, per workload, how the gateway handled it. Bounded: a fixed arrival schedule, a deadline,
-and every process and replica stopped at the end.
+them — and prints, per workload, how the gateway handled it. Bounded: a fixed arrival schedule,
+a deadline, and every process and replica stopped at the end.
 
 One clock: the fleet's. The replicas run `--time-scale` times faster than real time, so every time
 and rate the demo reads or prints is in simulated seconds: `--rate` and `--duration`, the
