@@ -158,9 +158,11 @@ def table(rows: list[Row]) -> str:
 
 
 def run(args: argparse.Namespace) -> list[Row]:
-    missing = sorted(set(BY_NAME) - set(BODIES))
-    if missing:
-        raise RuntimeError(f"no request in BODIES for {missing}: add one line each")
+    if set(BODIES) != set(BY_NAME):
+        raise RuntimeError(
+            f"BODIES has requests for {sorted(BODIES)}; the gateway admits {sorted(BY_NAME)}:"
+            " one line per endpoint it admits"
+        )
     with tempfile.TemporaryDirectory(prefix="bench-endpoints-") as tmp:
         workdir = Path(tmp)
         tokenizer = build_tokenizer(workdir, "loadtest.tiny_tokenizer")
