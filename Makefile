@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The real-vLLM suite's tiny model; vLLM's own environment is cached outside the repository.
 TINY_LLAMA := loadtest/out/tiny-llama
 
-.PHONY: test test-vllm lint demo schema bench-overhead bench-vllm soak clean
+.PHONY: test test-vllm lint demo schema bench-overhead bench-endpoints bench-vllm soak clean
 
 $(STAMP): pyproject.toml
 	python=$$(PYTHON='$(PYTHON)' tests/setup/python.sh) && tests/setup/venv.sh "$$python" $(VENV)
@@ -46,6 +46,9 @@ demo: $(STAMP)
 
 bench-overhead: $(STAMP)
 	$(BIN)/python -m loadtest.bench_overhead
+
+bench-endpoints: $(STAMP)
+	$(BIN)/python -m loadtest.bench_endpoints
 
 soak: $(STAMP)
 	$(BIN)/python -m loadtest.soak

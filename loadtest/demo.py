@@ -2,10 +2,12 @@
 
 It builds a small real tokenizer (no download) where the demo policy points, starts one simulated
 vLLM replica for every replica URL in the policy (a TPU v6e profile chosen by the pool's model),
-starts `llm-gateway serve`, sends the article's two workloads mixed in one open-loop stream —
-classification (4,000 tokens in, 10 out) and generation (500 in, 1,000 out, streamed) — and
-prints, per workload, how the gateway handled it. Bounded: a fixed arrival schedule, a deadline,
-and every process and replica stopped at the end.
+starts `llm-gateway serve`, sends the load generator's `platform` mix in one open-loop stream —
+the article's two workloads, classification (4,000 tokens in, 10 out) and generation (500 in,
+1,000 out, streamed), with retrieval (512-token embedding requests) and an agent on Anthropic's
+messages API (6-turn conversations, 150 tokens out a turn, and 2,000-in / 40-out calls) beside
+them — and prints, per workload, how the gateway handled it. Bounded: a fixed arrival schedule,
+a deadline, and every process and replica stopped at the end.
 
 One clock: the fleet's. The replicas run `--time-scale` times faster than real time, so every time
 and rate the demo reads or prints is in simulated seconds: `--rate` and `--duration`, the
@@ -13,7 +15,7 @@ latencies, and the policy's own times (demo.yaml states them as for a real fleet
 runs on the wall clock, so it gets a copy of the policy, `OUT/gateway-policy.yaml`, with every
 `*_s` value divided by the time scale.
 
-    python -m loadtest.demo [--policy policies/demo.yaml] [--port 18080] [--rate 1.2]
+    python -m loadtest.demo [--policy policies/demo.yaml] [--port 18080] [--rate 1.5]
                             [--duration 200] [--time-scale 10] [--out loadtest/out/demo]
 """
 
@@ -153,12 +155,13 @@ def workloads(
     by_class: dict[str, list[RequestRecord]] = defaultdict(list)
     for rec in records:
         by_class[rec.cls].append(rec)
-    # Exact prompts: the gateway's input count is the workload's ISL.
-    name_of = {rec.isl: rec.cls for rec in records}
+    # Exact prompts: the gateway's input count on an endpoint is the workload's ISL (a session
+    # turn's, its whole history).
+    name_of = {(rec.endpoint, rec.isl): rec.cls for rec in records}
     decided: dict[str, Counter[tuple[str, str]]] = defaultdict(Counter)
     refusals: dict[str, dict[tuple[int, str], list[float]]] = defaultdict(lambda: defaultdict(list))
     for line in access:
-        name = name_of.get(line["input_tokens"], "-")
+        name = name_of.get((line["endpoint"], line["input_tokens"]), "-")
         decided[name][(line["class"] or "-", line["pool"] or "-")] += 1
         if line["status"] != 200:
             refused = (line["status"], line["reason"] or "-")
@@ -207,7 +210,10 @@ def story(found: list[Outcome], policy: dict[str, Any], time_scale: float) -> st
         line = f"{w.name}: {ok} of {len(w.records)} completed"
         if w.route:
             line += f" in pool {w.route[1]} (cap {pool.get('max_concurrency')} a replica)"
-        line += f", P95 TTFT {_s(ttft)}"
+        if ttft is None:  # an embedding is one answer, not a stream
+            line += f", P95 E2E {_s(w.quantile('e2e_s', 95, time_scale))}"
+        else:
+            line += f", P95 TTFT {_s(ttft)}"
         if wait is not None:
             line += f" (queue max wait {wait:g}s)"
         lines.append(line + ".")
@@ -219,12 +225,14 @@ def story(found: list[Outcome], policy: dict[str, Any], time_scale: float) -> st
             )
         if not w.refusals:
             lines.append("  None refused.")
-    lines.append(
-        "A queue_wait_too_long refusal comes at once, with the predicted wait as Retry-After:"
-        " the client learns now what it would learn after waiting max_wait_s in the queue."
-        if any(code == "queue_wait_too_long" for w in found for _, code in w.refusals)
-        else "Nothing was refused before waiting its queue's max wait."
-    )
+    codes = {code for w in found for _, code in w.refusals}
+    if "queue_wait_too_long" in codes:
+        lines.append(
+            "A queue_wait_too_long refusal comes at once, with the predicted wait as Retry-After:"
+            " the client learns now what it would learn after waiting max_wait_s in the queue."
+        )
+    elif codes <= {"queue_timeout"}:
+        lines.append("Nothing was refused before waiting its queue's max wait.")
     return "\n".join(lines)
 
 
@@ -246,12 +254,12 @@ async def run(
     async with contextlib.AsyncExitStack() as stack:
         replicas = await start_replicas(policy, tokenizer, args.time_scale, stack)
         url = await stack.enter_async_context(processes.gateway(policy_path, args.port, args.out))
-        print(f"gateway up at {url}, {replicas} simulated replicas; sending"
-              f" {args.rate:g} req/s of mixed traffic for {args.duration:g}s ...",
-              flush=True)  # fmt: skip
+        print(f"gateway up at {url}, {replicas} simulated replicas; sending {args.rate:g} req/s"
+              f" of classification, generation, retrieval and agent traffic for"
+              f" {args.duration:g}s ...", flush=True)  # fmt: skip
         config = SweepConfig(
             targets=(Target(url, "gemma-3", tokenizer),),
-            workloads=(load_workload("mixed"),),
+            workloads=(load_workload("platform"),),
             rates=(args.rate * args.time_scale,),  # the load generator sends on the wall clock
             duration_s=args.duration / args.time_scale,
             max_seconds_per_level=DEADLINE_S,
@@ -267,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--policy", type=Path, default=ROOT / "policies" / "demo.yaml")
     parser.add_argument("--port", type=int, default=18080, help="the gateway's port")
-    parser.add_argument("--rate", type=float, default=1.2, help="arrivals per simulated second")
+    parser.add_argument("--rate", type=float, default=1.5, help="arrivals per simulated second")
     parser.add_argument(
         "--duration", type=float, default=200.0, help="simulated seconds of arrivals"
     )

@@ -1,5 +1,6 @@
-"""`make demo`'s entry point runs to the end: simulated replicas, the gateway, a mixed load, a report,
-all in one clock (simulated seconds), the gateway on a copy of the policy scaled to the wall clock."""
+"""`make demo`'s entry point runs to the end: simulated replicas, the gateway, a mixed load
+(classification, generation, retrieval, an agent), a report, all in one clock (simulated seconds),
+the gateway on a copy of the policy scaled to the wall clock."""
 
 from __future__ import annotations
 
@@ -30,13 +31,24 @@ def test_demo_runs_and_reports_each_workload_in_its_pool(tmp_path, tokenizer_dir
     out = tmp_path / "out"
     result = subprocess.run(
         [sys.executable, "-m", "loadtest.demo", "--policy", str(path), "--port", str(free_port()),
-         "--rate", "0.8", "--duration", "40", "--out", str(out)],
+         "--rate", "1.5", "--duration", "40", "--out", str(out)],
         capture_output=True, text=True, timeout=170, cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     report = (out / "demo.md").read_text()
-    assert "| classification |" in report and "prefill_heavy -> classify-27b" in report
-    assert "| generation |" in report and "decode_heavy -> generate-12b" in report
+    rows = {line.split(" | ")[0][2:]: line for line in report.splitlines() if line.startswith("| ")}
+    # Each workload of the mix in the pool its class goes to: the article's two, retrieval
+    # (prefill only, whatever its length) and the agent's calls beside classification, the
+    # agent's conversation turns (150 out) beside generation.
+    for workload, route in {
+        "classification": "prefill_heavy -> classify-27b",
+        "generation": "decode_heavy -> generate-12b",
+        "retrieval": "prefill_only -> classify-27b",
+        "agent-calls": "prefill_heavy -> classify-27b",
+        "agent-turns": "decode_heavy -> generate-12b",
+    }.items():
+        assert f" | {route} | " in rows[workload], rows
+    assert "retrieval: " in result.stdout and "completed in pool classify-27b" in result.stdout
     assert {p.name for p in out.iterdir()} >= {
         "report.md", "results.json", "access.jsonl", "throughput.png", "latency.png"
     }  # fmt: skip
@@ -45,7 +57,10 @@ def test_demo_runs_and_reports_each_workload_in_its_pool(tmp_path, tokenizer_dir
     # One clock: the policy's times, the rate and every figure printed are simulated seconds; only
     # the gateway's copy of the policy is on the wall clock (time scale 10).
     assert "in simulated seconds" in result.stdout and "wall" not in result.stdout
-    assert "sending 0.8 req/s of mixed traffic for 40s" in result.stdout
+    assert (
+        "sending 1.5 req/s of classification, generation, retrieval and agent traffic for 40s"
+        in result.stdout
+    )
     assert "| generation | " in result.stdout and "| 4 x 1 | 30.00s |" in result.stdout
     assert "completed in pool generate-12b" in result.stdout
     copy = yaml.safe_load((out / "gateway-policy.yaml").read_text())

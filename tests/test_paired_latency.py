@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from loadtest.paired_latency import measure
+from loadtest.paired_latency import added, measure
 from tests.conftest import _serve
 
 
@@ -75,6 +75,25 @@ async def test_each_target_gets_whole_blocks_and_the_first_of_each_are_not_count
     assert result["slow"]["p50_ms"] >= 4.0 > result["direct"]["p50_ms"]
 
 
+async def test_with_a_baseline_each_counted_request_is_paired_with_the_baselines_in_its_slot(
+    targets: tuple[dict[str, int], list[str]],
+) -> None:
+    ports, _ = targets
+    result = await measure(ports, b'{"n": 1}', rotations=3, block=4, skip=1, baseline="direct")
+    assert "added" not in result["direct"]
+    assert result["slow"]["added"]["pairs"] == 3 * 3
+    # The flaky target's failed 4th request of each block has no pair: 2 a rotation are left.
+    assert result["flaky"]["added"]["pairs"] == 3 * 2
+    assert result["flaky"]["p95_ms"] is not None
+
+
+def test_added_is_the_median_and_p95_of_the_differences_where_both_answered() -> None:
+    target = [0.003, None, 0.010, 0.004, 0.005]
+    baseline = [0.001, 0.001, None, 0.001, 0.001]
+    assert added(target, baseline) == pytest.approx({"p50_ms": 3.0, "p95_ms": 4.0, "pairs": 3})
+    assert added([None], [0.001]) == {"p50_ms": None, "p95_ms": None, "pairs": 0}
+
+
 async def test_the_time_limit_ends_it_between_rotations(
     targets: tuple[dict[str, int], list[str]],
 ) -> None:
@@ -93,9 +112,11 @@ async def test_the_command_prints_how_it_measured(
     body.write_text(json.dumps({"n": 2}))
     argv = [sys.executable, "-m", "loadtest.paired_latency", "--body", str(body)]
     argv += ["--rotations", "2", "--block", "3", "--skip", "1", f"direct={ports['direct']}"]
+    argv += [f"slow={ports['slow']}", "--baseline", "direct"]
     proc = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.PIPE)
     out, _ = await asyncio.wait_for(proc.communicate(), 60)  # the servers run on this loop
     assert proc.returncode == 0
     printed = json.loads(out)
     assert printed["targets"]["direct"]["requests"] == 2 * 2
+    assert printed["targets"]["slow"]["added"]["pairs"] == 2 * 2
     assert "2 rotations of a block of 3 requests" in printed["shape"]

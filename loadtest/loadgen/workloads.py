@@ -218,12 +218,26 @@ AGENT = Workload(
 RETRIEVAL = WorkloadClass(
     name="retrieval", endpoint="embeddings", isl=Fixed(value=512), osl=Fixed(value=1)
 )
+# One fleet serving all four (`make demo`): of 1.5 arrivals a second, classification and
+# generation 0.6 each, retrieval 0.2, agent calls 0.08 and agent conversations 0.02 (0.12 turns).
+_AGENT_TURNS, _AGENT_CALLS = AGENT.classes
+PLATFORM = Workload(
+    name="platform",
+    classes=[
+        CLASSIFICATION.model_copy(update={"weight": 0.6}),
+        GENERATION.model_copy(update={"weight": 0.6}),
+        RETRIEVAL.model_copy(update={"weight": 0.2}),
+        _AGENT_CALLS.model_copy(update={"weight": 0.08}),
+        _AGENT_TURNS.model_copy(update={"weight": 0.02}),
+    ],
+)
 BUILTIN: dict[str, Workload] = {
     "classification": Workload(name="classification", classes=[CLASSIFICATION]),
     "generation": Workload(name="generation", classes=[GENERATION]),
     "mixed": Workload(name="mixed", classes=[CLASSIFICATION, GENERATION]),
     "agent": AGENT,
     "retrieval": Workload(name="retrieval", classes=[RETRIEVAL]),
+    "platform": PLATFORM,
 }
 
 

@@ -14,6 +14,7 @@ point; each module here is one part of a run, and imports only the ones above it
 - `report`: the Markdown report and its verdicts.
 - `run`: one whole run, in order.
 
-`loadtest.bench_ab`, `loadtest.bench_instructions`, `loadtest.bench_vllm`, `loadtest.soak` and
-`loadtest.paired_latency` reuse `fleet`, `policy`, `bodies`, `wrk`, `paired` and `ttfb`.
+`loadtest.bench_ab`, `loadtest.bench_endpoints`, `loadtest.bench_instructions`,
+`loadtest.bench_vllm`, `loadtest.soak` and `loadtest.paired_latency` reuse `fleet`, `policy`,
+`bodies`, `wrk`, `paired` and `ttfb`.
 """

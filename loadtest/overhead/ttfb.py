@@ -3,7 +3,7 @@
 `measure_ttfb` runs the client as its own process (`python -m loadtest.bench_overhead
 --ttfb-client PORT`, internal), so its CPU is the child's and not the benchmark's; the client is a
 small asyncio raw-socket loop on uvloop, bounded in time and in requests. `read_response` and
-`chat_request` serve `loadtest.paired_latency` as well.
+`post_request` serve `loadtest.paired_latency` as well.
 """
 
 from __future__ import annotations
@@ -127,16 +127,16 @@ async def _ttfb_connection(
         writer.close()
 
 
-def chat_request(body: bytes, port: int) -> bytes:
-    """A whole HTTP/1.1 chat-completions request with `body`, as the raw-socket clients send it."""
+def post_request(body: bytes, port: int, path: str = CHAT_PATH) -> bytes:
+    """A whole HTTP/1.1 POST of `body` to `path`, as the raw-socket clients send it."""
     return (
-        f"POST {CHAT_PATH} HTTP/1.1\r\nHost: {HOST}:{port}\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: {HOST}:{port}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode() + body
 
 
 async def _ttfb_main(port: int, body: bytes, duration: float, connections: int) -> dict[str, Any]:
-    request = chat_request(body, port)
+    request = post_request(body, port)
     out: dict[str, list[float]] = {"ttfb": [], "total": [], "errors": [], "warmup": []}
     now = time.perf_counter()
     measure_from, stop_at = now + 1.0, now + 1.0 + duration
