@@ -90,7 +90,10 @@ def upstream_body(ctx: Ctx) -> bytes:
     `priority` is the gateway's to set.
 
     The client's own `priority` never goes upstream: on replicas scheduling by priority it would
-    let a tenant jump the queue its tier puts it in. The pool's is sent instead, or none."""
+    let a tenant jump the queue its tier puts it in. The pool's is sent instead, or none. A body
+    the gateway did not read goes as it came."""
+    if not ctx.api.reads_body:
+        return ctx.raw
     changes: dict[str, Any] = {}
     if ctx.requested_model != ctx.upstream_model:
         changes["model"] = ctx.upstream_model

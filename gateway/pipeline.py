@@ -40,7 +40,7 @@ from gateway.holders import pin
 from gateway.parse import parse_request
 from gateway.policy.compile import Policy
 from gateway.quota import Charge
-from gateway.route import find_candidates, route
+from gateway.route import find_candidates, route, route_unread
 from gateway.server import body
 from gateway.spill import spill
 from gateway.tokenize import check_context_length, check_images, count_input
@@ -171,20 +171,24 @@ async def handle(gateway: Gateway, request: web.Request, api: Api) -> web.Stream
             authenticate(ctx, policy.tenants)  # before the body: strangers cost no read
             check_forwardable(request.raw_headers)
             raw = await body.read(request, policy.spec.server.max_body_bytes)
-            threads = policy.tokenizer_threads
-            await parse_request(
-                ctx, body.media_type(request), raw, policy.spec.server,
-                threads.small if threads is not None else None,
-            )  # fmt: skip
-            gateway.holders.look_up(ctx)
-            before_count(ctx, policy)
-            # Cheap refusals first: the tenant's windows before the tokenizer (`decide`'s
-            # order, with the early charge between). From here `charge` is what `finally`
-            # settles, whatever ends the request (a refusal, or the client leaving mid-count).
-            charge = await gateway.quotas.reserve_early(ctx)
-            counting = time.perf_counter()
-            await count_and_route(ctx, policy)
-            ctx.counted = (counting, time.perf_counter())
+            if api.reads_body:
+                threads = policy.tokenizer_threads
+                await parse_request(
+                    ctx, body.media_type(request), raw, policy.spec.server,
+                    threads.small if threads is not None else None,
+                )  # fmt: skip
+                gateway.holders.look_up(ctx)
+                before_count(ctx, policy)
+                # Cheap refusals first: the tenant's windows before the tokenizer (`decide`'s
+                # order, with the early charge between). From here `charge` is what `finally`
+                # settles, whatever ends the request (a refusal, or the client leaving mid-count).
+                charge = await gateway.quotas.reserve_early(ctx)
+                counting = time.perf_counter()
+                await count_and_route(ctx, policy)
+                ctx.counted = (counting, time.perf_counter())
+            else:  # a passthrough path: routed by its path, its body unread, relayed as it comes
+                ctx.raw, ctx.stream = raw, True
+                route_unread(ctx, policy.passthrough)
             spill(ctx, runtime.slots, policy.adapters, gateway.accountant.metrics.spillover)
             pin(ctx, gateway.holders, runtime.slots, policy.pools)
             charge = await gateway.quotas.reserve(ctx, charge)

@@ -45,6 +45,7 @@ class Route:
     accepts_request: Check  # its endpoint and header conditions
     accepts_class: Check
     fallbacks: tuple[Fallback, ...] = ()
+    passthrough: tuple[str, ...] = ()  # more paths its pool serves, bodies unread
 
     @property
     def label(self) -> str:
@@ -71,7 +72,17 @@ def compile_route(index: int, spec: RouteSpec, pools: Mapping[str, Pool]) -> Rou
             )
             for f in spec.fallback
         ),
+        passthrough=tuple(spec.passthrough),
     )
+
+
+def route_unread(ctx: Ctx, passthrough: Mapping[str, Route]) -> None:
+    """The route and pool of a request to a passthrough path: the route naming the path, for
+    whatever model; its body is not read, so the pool's model stands for the requested one."""
+    route = passthrough[ctx.path]
+    ctx.candidates = (route,)
+    ctx.route, ctx.pool, ctx.model = route, route.pool, route.pool.model
+    ctx.requested_model = route.pool.spec.model
 
 
 def find_candidates(ctx: Ctx, routes: tuple[Route, ...], adapters: Adapters) -> None:

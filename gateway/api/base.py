@@ -55,6 +55,9 @@ class Api(ABC):
     # The bytes a whole stream ends with: once written, the client has its whole answer.
     stream_end: ClassVar[bytes]
     exact: ClassVar[bool] = True
+    # Whether the pipeline reads the body (parse, count, classify); an API that does not
+    # (gateway/api/passthrough.py) is routed by its path and forwarded as it came.
+    reads_body: ClassVar[bool] = True
 
     @abstractmethod
     def parse(self, ctx: Ctx, body: dict[str, Any], limits: ServerSpec) -> tuple[int, int | None]:

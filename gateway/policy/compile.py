@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway.api import BY_PATH
 from gateway.authenticate import Tenant, compile_tenants
 from gateway.classify import Workload, compile_class
 from gateway.estimate import OutputEstimator
@@ -48,6 +49,8 @@ class Policy:
     pools: dict[str, Pool]
     workloads: tuple[Workload, ...]
     routes: tuple[Route, ...]
+    passthrough: dict[str, Route]
+    """The routes' passthrough paths, each to its route."""
     picker: Picker
     estimator: OutputEstimator
     served_models: tuple[str, ...]
@@ -142,7 +145,22 @@ def _references(spec: PolicySpec) -> list[Problem]:
         + _alias_tokenizers(spec)
         + _adapter_problems(spec)
         + _fallback_problems(spec)
+        + _passthrough_problems(spec)
     )
+
+
+def _passthrough_problems(spec: PolicySpec) -> list[Problem]:
+    """A passthrough path is named by one route only, and is none of the APIs' own paths."""
+    problems, seen = [], set()
+    for index, route in enumerate(spec.routes):
+        for i, path in enumerate(route.passthrough):
+            where = ("routes", index, "passthrough", i)
+            if path in BY_PATH:
+                problems.append(Problem(where, f"{path} is the gateway's {BY_PATH[path].name} API"))
+            elif path in seen:
+                problems.append(Problem(where, f"{path} is named by an earlier route already"))
+            seen.add(path)
+    return problems
 
 
 def _scorer_problems(spec: PolicySpec) -> list[Problem]:
@@ -310,13 +328,15 @@ def compile_policy(
     }
     bases = {name: pool.model for name, pool in spec.pools.items()}
     served = _served(spec)
+    routes = tuple(compile_route(i, r, pools) for i, r in enumerate(spec.routes))
     return Policy(
         path=loaded.path,
         spec=spec,
         models=models,
         pools=pools,
         workloads=tuple(compile_class(c) for c in spec.classes),
-        routes=tuple(compile_route(i, r, pools) for i, r in enumerate(spec.routes)),
+        routes=routes,
+        passthrough={path: route for route in routes for path in route.passthrough},
         picker=plugins["picker"],
         estimator=plugins["output_estimator"],
         served_models=served,

@@ -512,6 +512,14 @@ class RouteSpec(Spec):
             " sees it in `x-gateway-model`. Off: every fallback serves the same model."
         ),
     )
+    passthrough: list[Annotated[str, Field(pattern=r"^/[A-Za-z0-9._~/-]+$")]] = Field(
+        [],
+        description=(
+            "More paths this route's pool serves (`/v1/audio/transcriptions`, say): a `POST`"
+            " there is authenticated, charged one request, admitted by request count and"
+            " forwarded as it came, its body unread (multipart included), not counted."
+        ),
+    )
 
 
 class PluginSpec(Spec):

@@ -19,6 +19,7 @@ from prometheus_client.openmetrics import exposition as openmetrics
 
 from gateway.admit import Replica
 from gateway.api import BY_PATH, MESSAGES, Api, anthropic
+from gateway.api.passthrough import PASSTHROUGH
 from gateway.authenticate import identify
 from gateway.errors import (
     AdminDisabled,
@@ -101,6 +102,17 @@ async def not_found(request: web.Request) -> web.Response:
     return renderer(request.path)(error, None)
 
 
+async def passthrough_or_not_found(gateway: Gateway, request: web.Request) -> web.StreamResponse:
+    """A path none of the gateway's routes serve: a `POST` to a path a policy route names for its
+    pool (`routes[].passthrough`, looked up in the running policy, so a reload changes them) is
+    admitted and forwarded; anything else is a 404 (a 405 for another method there)."""
+    if request.path not in gateway.policy.passthrough:
+        return await not_found(request)
+    if request.method != "POST":
+        return await method_not_allowed({"POST"})(request)
+    return await handle(gateway, request, PASSTHROUGH)
+
+
 def method_not_allowed(allowed: set[str], render: Render = _openai) -> Handler:
     allow = ",".join(sorted(allowed))
 
@@ -113,11 +125,14 @@ def method_not_allowed(allowed: set[str], render: Render = _openai) -> Handler:
 
 
 def add_routes(
-    app: web.Application, server: ServerSpec | None, routes: dict[str, dict[str, Handler]]
+    app: web.Application,
+    server: ServerSpec | None,
+    routes: dict[str, dict[str, Handler]],
+    unrouted: Handler = not_found,
 ) -> None:
     """`routes` (path -> method -> handler), each guarded; any other method on those paths is a
-    405 naming the allowed ones, and any other path a 404, both in the path's error shape
-    (`renderer`; the router's own answers are plain text)."""
+    405 naming the allowed ones, and any other path goes to `unrouted` (a 404), both in the
+    path's error shape (`renderer`; the router's own answers are plain text)."""
     for path, methods in routes.items():
         render = renderer(path)
         for method, handler in methods.items():
@@ -127,7 +142,7 @@ def add_routes(
         allowed = {*methods, *(("HEAD",) if "GET" in methods else ())}
         refuse = method_not_allowed(allowed, render)
         app.router.add_route("*", path, guarded(refuse, server, render))
-    app.router.add_route("*", "/{path:.*}", guarded(not_found, server))
+    app.router.add_route("*", "/{path:.*}", guarded(unrouted, server))
 
 
 def _json(data: object, status: int = 200) -> web.Response:
@@ -305,7 +320,7 @@ def create_app(policy: Policy, *, access_log: IO[bytes] | None = None) -> web.Ap
     }
     if server.metrics_port is None:
         routes["/metrics"] = {"GET": metrics}
-    add_routes(app, server, routes)
+    add_routes(app, server, routes, partial(passthrough_or_not_found, gateway))
     return app
 
 

@@ -3,6 +3,7 @@
     POST /v1/chat/completions, /v1/completions   streaming (SSE) or not, vLLM's wire format
     POST /v1/messages                             Anthropic's, as vLLM serves it (a chat, converted)
     POST /v1/responses, GET /v1/responses/{id}    OpenAI's Responses API (loadtest/sim/responses.py)
+    POST /v1/audio/transcriptions                 a multipart upload: prefill work, a short text
     GET  /v1/models, /health, /metrics            as vLLM serves them
     GET  /kv_event_sources                        where KV-cache events are published (kv_events.py)
     GET  /admin/faults, POST /admin/faults        read or replace the fault set (faults.py)
@@ -596,6 +597,33 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     return await _generate(request, chat=True, responses_api=True)
 
 
+AUDIO_BYTES_PER_TOKEN = 1000  # the encoder's frames a transcription prefills, per upload byte
+TRANSCRIPT_TOKENS = 8
+
+
+async def transcriptions(request: web.Request) -> web.Response:
+    """`POST /v1/audio/transcriptions` as a multipart upload (`file`, `model`): prefill work in
+    proportion to the audio's bytes, a short transcript generated, `{"text": ...}` answered. No
+    speech model runs: it is the work, not the words, that a gateway in front has to admit."""
+    state = request.app[REPLICA]
+    form = await request.post()
+    model, audio = form.get("model"), form.get("file")
+    if model not in state.model_names:
+        return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    if not isinstance(audio, web.FileField):
+        return bad_request("file: Field required", "file")
+    size = len(audio.file.read())
+    limit = state.profile.serving.max_model_len - TRANSCRIPT_TOKENS
+    seq = state.engine.submit(
+        max(1, min(size // AUDIO_BYTES_PER_TOKEN, limit)), TRANSCRIPT_TOKENS, ignore_eos=True
+    )
+    try:
+        await seq.wait(any_token=False)
+    finally:
+        state.engine.abort(seq)
+    return web.json_response({"text": state.encoder.token_text * seq.generated})
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, chat=True)
 
@@ -876,6 +904,7 @@ def create_replica_app(profile: Profile, options: ReplicaOptions | None = None) 
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/responses", create_response)
+    app.router.add_post("/v1/audio/transcriptions", transcriptions)
     retrieve, cancel = responses.stored_handlers(lambda request: request.app[REPLICA].responses)
     app.router.add_get("/v1/responses/{response_id}", retrieve)
     app.router.add_post("/v1/responses/{response_id}/cancel", cancel)
