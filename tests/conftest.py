@@ -125,6 +125,18 @@ def basic_policy(tokenizer: str | Path, replicas: list[str], **pool: Any) -> dic
     }
 
 
+@pytest.fixture(scope="session")
+def tiny_policy(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Iterator[Any]:
+    """The tiny model's compiled policy, its pool on a port nothing serves: for what runs
+    without a replica (parse, count, explain)."""
+    directory = tmp_path_factory.mktemp("tiny-policy")
+    policy = load_policy(
+        write_policy(directory, basic_policy(tokenizer_dir, ["http://127.0.0.1:9"]))
+    )
+    yield policy
+    policy.close()
+
+
 @pytest.fixture
 async def gateway_factory(
     tmp_path: Path,

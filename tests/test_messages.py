@@ -12,14 +12,11 @@ from typing import Any
 import orjson
 import pytest
 from aiohttp import ClientSession, web
-from hypothesis import event as tally
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.api import MESSAGES
 from gateway.api.anthropic import anthropic_status, to_chat
-from gateway.context import Ctx
 from gateway.errors import (
     BadRequest,
     BodyTooLarge,
@@ -35,10 +32,9 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from gateway.parse import parse
-from gateway.policy.compile import load_policy
 from gateway.policy.schema import ServerSpec
-from tests.conftest import _serve, accounted, basic_policy, write_policy
+from tests.conftest import _serve, accounted, basic_policy
+from tests.fuzzing import counted_or_refused, values
 
 HELLO = {"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -378,14 +374,6 @@ async def test_a_tool_change_outside_a_system_message_is_refused(gw, http) -> No
         assert status == 400 and 'role "system"' in answer["error"]["message"]
 
 
-scalars = st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=6)
-values = st.recursive(
-    scalars,
-    lambda inner: (
-        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
-    ),
-    max_leaves=8,
-)
 block_types = st.sampled_from(
     ["text", "image", "tool_use", "tool_result", "tool_reference", "thinking",
      "redacted_thinking", "tool_addition", "tool_removal", "video"]
@@ -422,16 +410,6 @@ bodies = st.fixed_dictionaries(
 )
 
 
-@pytest.fixture(scope="module")
-def tiny_policy(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Any:
-    directory = tmp_path_factory.mktemp("messages-fuzz")
-    policy = load_policy(
-        write_policy(directory, basic_policy(tokenizer_dir, ["http://127.0.0.1:9"]))
-    )
-    yield policy
-    policy.close()
-
-
 @settings(max_examples=400, deadline=None, database=None)
 @given(body=bodies)
 def test_any_body_is_counted_or_refused_never_a_crash(
@@ -439,15 +417,7 @@ def test_any_body_is_counted_or_refused_never_a_crash(
 ) -> None:
     """Whatever the shape, the checks and the conversion end in a count or a 400: a body that
     passed the checks never crashes the conversion or the template (a 500 for the client)."""
-    ctx = Ctx("fuzz", MESSAGES, MESSAGES.path, CIMultiDictProxy(CIMultiDict()), 0.0)
-    counter = tiny_policy.models["tiny"].counter
-    try:
-        parse(ctx, "application/json", orjson.dumps(body), tiny_policy.spec.server)
-        asyncio.run(MESSAGES.count(ctx.body, counter, 1 << 20, ctx.images))
-    except BadRequest as exc:
-        tally(f"refused {exc.param or ''}".split("[")[0])
-    else:
-        tally("counted")
+    counted_or_refused(tiny_policy, MESSAGES, body)
 
 
 def test_prefix_affinity_hashes_the_system_prompt_first() -> None:

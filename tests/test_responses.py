@@ -5,7 +5,6 @@ holds the conversation, retrieved, refused in OpenAI's shape."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,22 +13,17 @@ from typing import Any
 import openai
 import orjson
 import pytest
-from hypothesis import event as tally
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.api import RESPONSES
-from gateway.context import Ctx
-from gateway.errors import BadRequest
-from gateway.parse import parse
-from gateway.policy.compile import load_policy
 from loadtest.loadgen.progress import Progress
 from loadtest.loadgen.sweep import SweepConfig, Target, run_sweep
 from loadtest.loadgen.workloads import Fixed, Session, Workload, WorkloadClass
 from loadtest.sim import Profile, ReplicaOptions, start_replica
 from loadtest.sim.faults import Faults
-from tests.conftest import accounted, basic_policy, eventually, write_policy
+from tests.conftest import accounted, basic_policy, eventually
+from tests.fuzzing import counted_or_refused, values
 from tests.test_simulator import write_profile
 
 HELLO = "review this product"
@@ -193,14 +187,6 @@ async def test_a_stream_the_replica_breaks_ends_with_an_error_event(gw, sims, ht
     assert gw.gateway.slots["main"].inflight == 0
 
 
-scalars = st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=6)
-values = st.recursive(
-    scalars,
-    lambda inner: (
-        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
-    ),
-    max_leaves=8,
-)
 item_types = st.sampled_from(
     ["message", "function_call", "function_call_output", "custom_tool_call",
      "custom_tool_call_output", "reasoning", "web_search_call", None]
@@ -231,16 +217,6 @@ bodies = st.fixed_dictionaries(
 )
 
 
-@pytest.fixture(scope="module")
-def tiny_policy(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Any:
-    directory = tmp_path_factory.mktemp("responses-fuzz")
-    policy = load_policy(
-        write_policy(directory, basic_policy(tokenizer_dir, ["http://127.0.0.1:9"]))
-    )
-    yield policy
-    policy.close()
-
-
 @settings(max_examples=400, deadline=None, database=None)
 @given(body=bodies)
 def test_any_body_is_counted_or_refused_never_a_crash(
@@ -248,15 +224,7 @@ def test_any_body_is_counted_or_refused_never_a_crash(
 ) -> None:
     """Whatever the items' and tools' shapes, parse and the conversion end in a count or a
     400: a body that passed the checks never crashes the template (a 500 for the client)."""
-    ctx = Ctx("fuzz", RESPONSES, RESPONSES.path, CIMultiDictProxy(CIMultiDict()), 0.0)
-    counter = tiny_policy.models["tiny"].counter
-    try:
-        parse(ctx, "application/json", orjson.dumps(body), tiny_policy.spec.server)
-        asyncio.run(RESPONSES.count(ctx.body, counter, 1 << 20, ctx.images))
-    except BadRequest as exc:
-        tally(f"refused {exc.param or ''}".split("[")[0])
-    else:
-        tally("counted")
+    counted_or_refused(tiny_policy, RESPONSES, body)
 
 
 def test_prefix_affinity_reads_the_instructions_then_the_input() -> None:

@@ -8,7 +8,7 @@ responses) subclasses `Api` instead and says its own.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any, ClassVar, TypeGuard
 
 from gateway.api.base import Api
 
@@ -27,7 +27,7 @@ def is_tokens(value: Any) -> TypeGuard[int]:
     return type(value) is int and value >= 0
 
 
-def read_cached(ctx: Ctx, details: Any) -> None:
+def _read_cached(ctx: Ctx, details: Any) -> None:
     """`cached_tokens` of a usage's prompt details (OpenAI's `prompt_tokens_details`, the
     Responses API's `input_tokens_details`), when it is a count."""
     if isinstance(details, dict) and is_tokens(cached := details.get("cached_tokens")):
@@ -49,12 +49,18 @@ class OpenAIApi(Api):
                 "include_usage": True,
             }
 
+    # The usage's fields: the output's count, the prompt's, the prompt's details.
+    usage_fields: ClassVar[tuple[str, str, str]] = (
+        "completion_tokens", "prompt_tokens", "prompt_tokens_details"
+    )  # fmt: skip
+
     def read_usage(self, ctx: Ctx, usage: Any) -> None:
         """The replica's counts, when they are counts; a field that is not is noted (a replica's
         answer is input too: `account` settles on the gateway's own numbers then)."""
         if not isinstance(usage, dict):
             return
-        completion, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
+        output_field, prompt_field, details = self.usage_fields
+        completion, prompt = usage.get(output_field), usage.get(prompt_field)
         if not is_tokens(completion):
             if completion is not None:
                 ctx.untrusted_usage = "completion_tokens"
@@ -62,7 +68,7 @@ class OpenAIApi(Api):
         ctx.output_tokens = completion
         if is_tokens(prompt):
             ctx.prompt_tokens = prompt
-            read_cached(ctx, usage.get("prompt_tokens_details"))
+            _read_cached(ctx, usage.get(details))
         elif prompt is not None:
             ctx.untrusted_usage = "prompt_tokens"
 

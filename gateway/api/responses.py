@@ -28,7 +28,7 @@ import orjson
 
 from gateway.api.base import FINGERPRINT_CHARS
 from gateway.api.chat import REASONING_EFFORTS, check_chat
-from gateway.api.openai import OpenAIApi, is_tokens, read_cached
+from gateway.api.openai import OpenAIApi
 from gateway.errors import BadRequest
 from gateway.parse import lax_int
 from gateway.tokenizer.chat_template import lax_bool, message_text
@@ -251,6 +251,7 @@ class ResponsesApi(OpenAIApi):
     path = "/v1/responses"
     prompt_param = "input"
     openai_fields = False
+    usage_fields = ("output_tokens", "input_tokens", "input_tokens_details")
 
     def parse(self, ctx: Ctx, body: dict[str, Any], limits: ServerSpec) -> tuple[int, int | None]:
         """One prompt, bounded by `max_output_tokens`; the conversation it continues, if any."""
@@ -319,21 +320,6 @@ class ResponsesApi(OpenAIApi):
         made at parse): it knows which replica stores what before the answer, and no tenant
         can name, and so overwrite, a response another tenant stored."""
         changes["request_id"] = ctx.stores_as or f"resp_{uuid.uuid4().hex}"
-
-    def read_usage(self, ctx: Ctx, usage: Any) -> None:
-        if not isinstance(usage, dict):
-            return
-        output, prompt = usage.get("output_tokens"), usage.get("input_tokens")
-        if not is_tokens(output):
-            if output is not None:
-                ctx.untrusted_usage = "completion_tokens"
-            return
-        ctx.output_tokens = output
-        if is_tokens(prompt):
-            ctx.prompt_tokens = prompt
-            read_cached(ctx, usage.get("input_tokens_details"))
-        elif prompt is not None:
-            ctx.untrusted_usage = "prompt_tokens"
 
     def usage_event(self, ctx: Ctx, event: dict[str, Any]) -> bool:
         """The terminal event carries the whole response, usage included; the others that
