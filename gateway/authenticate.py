@@ -37,6 +37,12 @@ def _digest(entry: str) -> bytes:
     return hashlib.sha256(entry.encode()).digest()
 
 
+def key_entry(key: str) -> str:
+    """What a tenant's `keys` takes for `key`: its SHA-256, never the key (`llm-gateway
+    hash-key` prints it)."""
+    return _HASH_PREFIX + _digest(key).hex()
+
+
 def _entries(name: str, spec: TenantSpec, base: Path) -> tuple[list[str], list[Problem]]:
     entries, problems = list(spec.keys), []
     if spec.keys_file is not None:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import gc
+import getpass
 import logging
 import signal
 import sys
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any, get_args
 import orjson
 
 from gateway import __version__
+from gateway.authenticate import key_entry
 from gateway.policy.load import LoadedSpec, PolicyError
 from gateway.policy.schema import Endpoint
 
@@ -421,6 +423,22 @@ def schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def hash_key(args: argparse.Namespace) -> int:
+    """Print, for each key on standard input (one a line; asked for without echo at a
+    terminal), the entry a tenant's `keys` takes. Never from the command line: argv is in the
+    shell's history and in every process listing."""
+    if sys.stdin.isatty():
+        keys = [getpass.getpass("API key (not echoed): ").strip()]
+    else:
+        keys = [line.strip() for line in sys.stdin.read().splitlines() if line.strip()]
+    if not keys or not all(keys):
+        print("llm-gateway hash-key: no key on standard input", file=sys.stderr)
+        return 2
+    for key in keys:
+        print(key_entry(key))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llm-gateway", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -491,6 +509,12 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=explain)
     p = sub.add_parser("schema", help="print the policy JSON Schema (policies/schema.json)")
     p.set_defaults(func=schema)
+    p = sub.add_parser(
+        "hash-key",
+        help="print what a tenant's `keys` takes for each key read from standard input",
+        description=hash_key.__doc__,
+    )
+    p.set_defaults(func=hash_key)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,
