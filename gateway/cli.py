@@ -67,9 +67,12 @@ async def _serve(policy_path: str, host: str, port: int) -> int:
         app, handler_cancellation=True, access_log=None, shutdown_timeout=server.drain_grace_s
     )
     await runner.setup()
-    await web.TCPSite(runner, host, port, backlog=1024).start()
+    tls = app[GATEWAY].listener_tls
+    context = tls.context if tls is not None else None
+    await web.TCPSite(runner, host, port, backlog=1024, ssl_context=context).start()
+    scheme = "https" if context is not None else "http"
     for address in runner.addresses:
-        log.info("listening on http://%s:%s (policy %s)", address[0], address[1], policy_path)
+        log.info("listening on %s://%s:%s (policy %s)", scheme, address[0], address[1], policy_path)
     runners = [runner]
     if server.metrics_port is not None:  # its labels name tenants and replicas: not public
         metrics = GatewayRunner(create_metrics_app(app), access_log=None)

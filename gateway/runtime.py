@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO
 
 import aiohttp
@@ -33,6 +34,7 @@ from gateway.replicas import adapters, discovery
 from gateway.replicas.health import HealthChecker
 from gateway.state import SlotLedger, State
 from gateway.state.build import build_state
+from gateway.tls import ListenerTls, replica_context
 from gateway.upstream import Upstream
 
 log = logging.getLogger("gateway.runtime")
@@ -62,7 +64,9 @@ class Runtime:
         upstreams = {}
         for name, pool in policy.pools.items():
             carried = previous.upstreams.get(name) if previous is not None else None
-            upstreams[name] = carried if carried is not None else Upstream()
+            if carried is None:
+                carried = Upstream(replica_context(pool.spec.tls_ca_file, _base(policy)))
+            upstreams[name] = carried
             kept = previous.slots.get(name) if previous is not None else None
             if kept is None:
                 slots[name] = LivePool(name, pool.spec, pool.picker, ledger)
@@ -105,6 +109,11 @@ def _pool_changes(before: Policy, after: Policy) -> str:
     return "; ".join(parts) or "pools unchanged"
 
 
+def _base(policy: Policy) -> Path:
+    """What the policy's relative file names are relative to: its own directory."""
+    return Path(policy.path).parent
+
+
 def _tracing(policy: Policy, running: Tracing | None) -> Tracing | None:
     """The policy's tracing: the running one while its section is unchanged."""
     spec = policy.spec.tracing
@@ -123,6 +132,9 @@ class Gateway:
         self.ledger: SlotLedger | None
         self.state, self.ledger = build_state(policy.spec.state)
         self.runtime = Runtime.build(policy, None, self.ledger)
+        tls = policy.spec.server.tls  # the listener opens once: its context outlives reloads
+        self.listener_tls = ListenerTls(tls, _base(policy)) if tls is not None else None
+        self._tls_watch: asyncio.Task[None] | None = None
         self._retiring: dict[str, LivePool] = {}  # removed pools, for `retiring`
         self.reload_errors = 0
         self.accountant = Accountant(Metrics(self), access_log)  # reads the above at scrape time
@@ -162,8 +174,9 @@ class Gateway:
         and return their tasks."""
         for name, slots in self.runtime.slots.items():
             if name not in self.sessions:
+                tls = self.runtime.upstreams[name].tls  # the pool's CA bundle, or the system's
                 self.sessions[name] = aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+                    connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ssl=tls or True),
                     auto_decompress=False,
                     skip_auto_headers=("Accept-Encoding", "User-Agent"),
                 )
@@ -249,6 +262,19 @@ class Gateway:
         self._lag = asyncio.create_task(
             watch_lag(self.accountant.metrics.loop_lag), name="loop-lag"
         )
+        if self.listener_tls is not None:
+            self._tls_watch = asyncio.create_task(self._watch_tls(), name="tls-watch")
+
+    @property
+    def tls_reload_errors(self) -> int:
+        return self.listener_tls.reload_errors if self.listener_tls is not None else 0
+
+    async def _watch_tls(self) -> None:
+        """Load a renewed certificate when its files change (`gateway/tls.py`)."""
+        assert self.listener_tls is not None
+        while True:
+            await asyncio.sleep(self.policy.spec.admin.watch_interval_s or PASSIVE_WATCH_S)
+            self.listener_tls.refresh(self.policy.spec.server.tls, _base(self.policy))
 
     async def _watch(self) -> None:
         """Reload when the policy file changes (a ConfigMap update swaps it under us)."""
@@ -301,6 +327,8 @@ class Gateway:
             lambda: compile_policy(load_spec(current.path, reference_problems), previous=current)
         )
         if policy.digest != current.digest:
+            if (policy.spec.server.tls is None) != (self.listener_tls is None):
+                log.warning("server.tls turned on or off: the listener changes at the next start")
             previous = self.runtime
             self.runtime = Runtime.build(policy, previous, self.ledger)
             self.holders.capacity = policy.spec.server.max_stored_responses
@@ -332,6 +360,7 @@ class Gateway:
             *self._adapters.values(),
             *([self._watcher] if self._watcher else []),
             *([self._lag] if self._lag else []),
+            *([self._tls_watch] if self._tls_watch else []),
         ]
         for task in tasks:
             task.cancel()

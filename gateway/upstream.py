@@ -425,10 +425,10 @@ class Answer:
 class Upstream:
     """Kept-alive connections to a pool's replicas, by replica URL."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
         self._targets: dict[str, _Target] = {}
         self._idle: dict[str, list[_Connection]] = {}
-        self._tls: ssl.SSLContext | None = None
+        self.tls = tls  # https:// replicas are verified with it; None: the system's trust store
         self._closed = False
 
     def _target(self, url: str) -> _Target:
@@ -447,7 +447,7 @@ class Upstream:
         loop = asyncio.get_running_loop()
         tls = None
         if target.tls:
-            tls = self._tls = self._tls or ssl.create_default_context()
+            tls = self.tls = self.tls or ssl.create_default_context()
         try:
             async with asyncio.timeout(connect_s):
                 _, conn = await loop.create_connection(

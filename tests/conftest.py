@@ -194,7 +194,7 @@ async def serving(
             while True:
                 line = (await proc.stderr.readline()).decode()
                 assert line, "gateway exited before listening"
-                if match := re.search(r"listening on (http://\S+)", line):
+                if match := re.search(r"listening on (https?://\S+)", line):
                     break
         drain = asyncio.create_task(proc.stderr.read())  # or a chatty gateway fills the pipe
         yield proc, match.group(1)

@@ -58,6 +58,9 @@ class Source(Protocol):
 
     reload_errors: int
 
+    @property
+    def tls_reload_errors(self) -> int: ...
+
 
 class _Gauges(Collector):
     def __init__(self, source: Source) -> None:
@@ -228,9 +231,14 @@ class _Gauges(Collector):
             "llm_policy_reload_errors", "Policy reloads refused (the running policy stayed)."
         )
         errors.add_metric([], self.source.reload_errors)
+        tls = CounterMetricFamily(
+            "llm_tls_reload_errors",
+            "Renewed listener certificates that did not load (the running one stayed).",
+        )
+        tls.add_metric([], self.source.tls_reload_errors)
         return [requests, tokens, depth, leases, capacity, up, failing, ejections, drift, observed,
                 shed, index, blocks, held, events, precise_blocks, desired, forecast, backends,
-                *tokenizer, info, errors]  # fmt: skip
+                *tokenizer, info, errors, tls]  # fmt: skip
 
     def _tokenizer_threads(self) -> list[Metric]:
         """The tokenizer pools' size, jobs, CPU and waits; none while no model tokenizes."""

@@ -323,6 +323,14 @@ class PoolSpec(Spec):
             " unreserved idle slots. The reservations must leave at least one slot unreserved."
         ),
     )
+    tls_ca_file: str | None = Field(
+        None,
+        description=(
+            "CA bundle (PEM) `https://` replicas' certificates are verified against, relative to"
+            " the policy file; unset: the system's trust store. Read when the pool's connections"
+            " are first made: a changed bundle takes effect at the next start."
+        ),
+    )
     api_key_env: str | None = Field(
         None, description="Environment variable holding the replicas' API key (sent as Bearer)."
     )
@@ -532,6 +540,20 @@ class PluginsSpec(Spec):
     output_estimator: PluginSpec = PluginSpec(type="rolling-quantile")
 
 
+class ListenerTlsSpec(Spec):
+    """HTTPS on the listener: the certificate (PEM, the chain after it) and its private key."""
+
+    cert_file: str = Field(
+        description=(
+            "The certificate chain (PEM), relative to the policy file; reloaded when it changes"
+            " (a renewed Secret), without a restart."
+        )
+    )
+    key_file: str = Field(
+        description="Its private key (PEM, unencrypted), relative to the policy file."
+    )
+
+
 class ServerSpec(Spec):
     """The listener: request limits, client time-outs, drain, and tokenization resources.
 
@@ -539,6 +561,13 @@ class ServerSpec(Spec):
     shape (docs/api.md, Errors).
     """
 
+    tls: ListenerTlsSpec | None = Field(
+        None,
+        description=(
+            "HTTPS on the listener (the API port; the metrics port stays HTTP); unset: HTTP."
+            " Turning it on or off takes a restart; a renewed certificate does not."
+        ),
+    )
     max_body_bytes: PositiveInt = Field(
         8 * 1024 * 1024, description="Largest request body; beyond it: 413 `request_too_large`."
     )
