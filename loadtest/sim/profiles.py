@@ -67,6 +67,13 @@ class ModelArch(Spec):
         None, description="The published total, checked against the derived one (within 2%)."
     )
     dtype_bytes: PositiveInt = 2
+    tied_embeddings: bool = Field(
+        True,
+        description=(
+            "The output head is the token embedding (Gemma); false: a matrix of its own (Llama),"
+            " held in HBM beside it."
+        ),
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelArch:
@@ -92,12 +99,15 @@ class ModelArch(Spec):
 
     @property
     def embedding_params(self) -> int:
-        """The token embedding; Gemma ties it to the output head, so it is stored once."""
+        """The output head (vocabulary x hidden), which a step reads; with tied embeddings
+        (Gemma) it is the token embedding too, stored once."""
         return self.vocab_size * self.hidden_size
 
     @property
     def total_params(self) -> int:
-        return self.layer_params + self.embedding_params + self.vision_params
+        """What HBM holds: an untied model's input embedding besides its head."""
+        heads = 1 if self.tied_embeddings else 2
+        return self.layer_params + heads * self.embedding_params + self.vision_params
 
     @property
     def global_layers(self) -> int:
