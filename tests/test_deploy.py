@@ -1,4 +1,5 @@
-"""deploy/ checked by the real tools: kustomize renders it, the Kubernetes schemas accept every core
+"""deploy/ checked by the real tools: kustomize and helm render it (the Helm chart with its TPU and
+GPU values files too, the same checks on every fleet), the Kubernetes schemas accept every core
 object, promtool checks and unit-tests the alerts, and a real Prometheus scrapes a running gateway
 under traffic and evaluates every expression of the rules, the adapter config and the dashboard.
 
@@ -32,12 +33,14 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 OVERLAY = DEPLOY / "overlays" / "gke-tpu-v6e"
 ADAPTER = DEPLOY / "prometheus-adapter"
+CHART = DEPLOY / "helm" / "llm-admission-gateway"
 RULES_TEST = Path(__file__).resolve().parent / "deploy" / "rules_test.yaml"
 CRD_GROUP = "monitoring.coreos.com/"
 MIN_KUBERNETES = (1, 33)  # the oldest minor GKE's regular channel still runs
 
 INSTALL = {
     "kubectl": "python tests/setup/install_kubectl.py .venv/bin",
+    "helm": "python tests/setup/install_kubectl.py .venv/bin",
     "promtool": "apt-get install -y prometheus",
     "prometheus": "apt-get install -y prometheus",
 }
@@ -61,9 +64,43 @@ def kustomize(directory: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
 
+def helm(*values: str) -> list[dict[str, Any]]:
+    """Render the chart as `helm install -n llm` would on a cluster with the Prometheus
+    Operator's CRDs, with the chart's `values` files."""
+    files = [arg for name in values for arg in ("-f", str(CHART / name))]
+    out = subprocess.run(
+        [tool("helm"), "template", "llm", str(CHART), "--namespace", "llm",
+         "--api-versions", "monitoring.coreos.com/v1", *files],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+# The fleets deploy/ installs: the article's TPU fleet with kustomize and with the chart, and the
+# chart's GPU fleet.
+FLEETS: dict[str, Callable[[], list[dict[str, Any]]]] = {
+    "kustomize-tpu": lambda: kustomize(OVERLAY),
+    "helm-tpu": lambda: helm("values-gke-tpu-v6e.yaml"),
+    "helm-gpu": lambda: helm("values-gpu-nvidia.yaml"),
+}
+
+
 @pytest.fixture(scope="module")
 def rendered() -> list[dict[str, Any]]:
+    """The kustomize overlay: what the rules' and the dashboard's checks run on (the chart
+    renders the same files)."""
     return kustomize(OVERLAY)
+
+
+@pytest.fixture(scope="module", params=list(FLEETS))
+def fleet(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return FLEETS[request.param]()
+
+
+@pytest.fixture(scope="module", params=["kustomize-tpu", "helm-tpu"])
+def tpu_fleet(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return FLEETS[request.param]()
 
 
 def one(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
@@ -114,7 +151,7 @@ def test_kustomize_renders_every_tree_with_kustomize_v5() -> None:
 
 
 def test_every_core_object_validates_against_current_kubernetes_schemas(
-    rendered: list[dict[str, Any]],
+    fleet: list[dict[str, Any]],
 ) -> None:
     try:
         import kubernetes_validate
@@ -122,30 +159,28 @@ def test_every_core_object_validates_against_current_kubernetes_schemas(
         pytest.fail("kubernetes-validate is not installed: pip install -e '.[dev]'")
     version = kubernetes_validate.latest_version()
     assert tuple(int(x) for x in version.split(".")[:2]) >= MIN_KUBERNETES, version
-    core = [
-        o for o in [*rendered, *kustomize(ADAPTER)] if not o["apiVersion"].startswith(CRD_GROUP)
-    ]
+    core = [o for o in [*fleet, *kustomize(ADAPTER)] if not o["apiVersion"].startswith(CRD_GROUP)]
     assert len(core) >= 15
     for obj in core:
         for v in (version, f"{MIN_KUBERNETES[0]}.{MIN_KUBERNETES[1]}.0"):
             kubernetes_validate.validate(obj, v, strict=True)
     # The validator does reject: an unknown field in a Deployment's container.
-    broken = json.loads(json.dumps(one(rendered, "Deployment", "llm-gateway")))
+    broken = json.loads(json.dumps(one(fleet, "Deployment", "llm-gateway")))
     broken["spec"]["template"]["spec"]["containers"][0]["livenessProbes"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, version, strict=True)
 
 
 def test_the_gateway_deployment_drains_within_its_grace_period_unprivileged(
-    rendered: list[dict[str, Any]],
+    fleet: list[dict[str, Any]],
 ) -> None:
-    pod = one(rendered, "Deployment", "llm-gateway")["spec"]["template"]["spec"]
+    pod = one(fleet, "Deployment", "llm-gateway")["spec"]["template"]["spec"]
     (gateway,) = pod["containers"]
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert gateway["livenessProbe"]["httpGet"]["path"] == "/healthz"
     # preStop, then /readyz fails for readiness_delay_s, then in-flight work gets drain_grace_s:
     # all of it must end before the kubelet's SIGKILL.
-    server = deployed_policy(rendered)["server"]
+    server = deployed_policy(fleet)["server"]
     sleep = float(gateway["lifecycle"]["preStop"]["exec"]["command"][1])
     drain = sleep + server["readiness_delay_s"] + server["drain_grace_s"]
     assert pod["terminationGracePeriodSeconds"] > drain, drain
@@ -156,9 +191,12 @@ def test_the_gateway_deployment_drains_within_its_grace_period_unprivileged(
     env = {e["name"]: e for e in gateway["env"]}
     assert env["LLM_GATEWAY_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]["name"]
     mounts = {m["mountPath"] for m in gateway["volumeMounts"]}
-    assert "/etc/llm-gateway" in mounts and "/models/gemma-3-tokenizer" in mounts
-    pdb = one(rendered, "PodDisruptionBudget", "llm-gateway")
-    assert pdb["spec"]["selector"]["matchLabels"] == pod_labels(rendered, "llm-gateway")
+    assert "/etc/llm-gateway" in mounts
+    for model in deployed_policy(fleet)["models"].values():  # each tokenizer on a volume
+        tokenizer = Path(model["tokenizer"])
+        assert any(tokenizer == Path(m) or Path(m) in tokenizer.parents for m in mounts), tokenizer
+    pdb = one(fleet, "PodDisruptionBudget", "llm-gateway")
+    assert pdb["spec"]["selector"]["matchLabels"] == pod_labels(fleet, "llm-gateway")
 
 
 def pod_labels(objects: list[dict[str, Any]], deployment: str) -> dict[str, str]:
@@ -166,18 +204,18 @@ def pod_labels(objects: list[dict[str, Any]], deployment: str) -> dict[str, str]
 
 
 def test_each_pool_has_a_tpu_deployment_and_a_headless_service_its_dns_name_resolves_to(
-    rendered: list[dict[str, Any]],
+    tpu_fleet: list[dict[str, Any]],
 ) -> None:
-    policy = deployed_policy(rendered)
+    policy = deployed_policy(tpu_fleet)
     assert set(policy["pools"]) == {"classify-27b", "generate-12b", "generate-27b"}
     for name, pool in policy["pools"].items():
         host, _, port = pool["dns"].rpartition(":")
         service_name, namespace = host.split(".")[:2]
-        service = one(rendered, "Service", service_name)
+        service = one(tpu_fleet, "Service", service_name)
         assert service["metadata"]["namespace"] == namespace
         assert service["spec"]["clusterIP"] == "None", "a ClusterIP would defeat per-replica caps"
         assert [p["port"] for p in service["spec"]["ports"]] == [int(port)]
-        deployment = one(rendered, "Deployment", service_name)
+        deployment = one(tpu_fleet, "Deployment", service_name)
         assert deployment["metadata"]["labels"]["llm.gateway/pool"] == name
         spec = deployment["spec"]["template"]["spec"]
         assert spec["nodeSelector"] == {
@@ -195,17 +233,64 @@ def test_each_pool_has_a_tpu_deployment_and_a_headless_service_its_dns_name_reso
         assert "VLLM_TPU_BUCKET_PADDING_GAP" in {e["name"] for e in vllm["env"]}
         assert vllm["readinessProbe"]["httpGet"]["path"] == "/health"
         assert vllm["ports"][0]["containerPort"] == int(port)
-    redis = one(rendered, "StatefulSet", "redis")
+    redis = one(tpu_fleet, "StatefulSet", "redis")
     assert redis["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
 
 
+def test_the_chart_lints_with_each_values_file() -> None:
+    for values in ([], ["-f", str(CHART / "values-gke-tpu-v6e.yaml")],
+                   ["-f", str(CHART / "values-gpu-nvidia.yaml")]):  # fmt: skip
+        out = subprocess.run(
+            [tool("helm"), "lint", "--strict", str(CHART), *values],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_every_fleets_pools_resolve_to_headless_services_and_its_policy_checks(
+    fleet: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """Whatever the accelerator: each pool's `dns` names a headless Service of its own vLLM
+    Deployment, whose --max-num-seqs is the pool's cap and whose accelerators are its tensor
+    parallel size; the policy passes `llm-gateway check`; the tokenizers the policy names are
+    what the gateway's init container fetches (the chart) or mounts (kustomize)."""
+    policy = deployed_policy(fleet)
+    for name, pool in policy["pools"].items():
+        host, _, port = pool["dns"].rpartition(":")
+        service = one(fleet, "Service", host.split(".")[0])
+        assert service["spec"]["clusterIP"] == "None"
+        deployment = one(fleet, "Deployment", service["metadata"]["name"])
+        assert deployment["metadata"]["labels"]["llm.gateway/pool"] == name
+        (vllm,) = deployment["spec"]["template"]["spec"]["containers"]
+        flags = dict(a.removeprefix("--").split("=", 1) for a in vllm["args"])
+        assert int(flags["max-num-seqs"]) == pool["max_concurrency"]
+        assert flags["served-model-name"] == pool["model"]
+        assert vllm["ports"][0]["containerPort"] == int(port)
+        accelerators = {
+            k: v for k, v in vllm["resources"]["limits"].items() if k not in ("cpu", "memory")
+        }
+        tensor_parallel = flags.get("tensor-parallel-size", "1")
+        assert accelerators in ({"google.com/tpu": "4"}, {"nvidia.com/gpu": tensor_parallel})
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    check = subprocess.run(
+        [sys.executable, "-m", "gateway", "check", str(path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
+    pod = one(fleet, "Deployment", "llm-gateway")["spec"]["template"]["spec"]
+    tokenizers = {m["tokenizer"] for m in policy["models"].values()}
+    for init in pod.get("initContainers", []):
+        assert set(init["args"][2::2]) == tokenizers  # directory, repo, directory, repo, ...
+
+
 def test_the_deployed_policy_is_the_articles_fleet_on_headless_services_and_checks(
-    rendered: list[dict[str, Any]], tmp_path: Path
+    tpu_fleet: list[dict[str, Any]], tmp_path: Path
 ) -> None:
     """deploy/'s copy of policies/gemma3-tpu-v6e.yaml differs only where Kubernetes needs it:
     replicas from DNS, drain timings the pod's grace period is sized for, and the Redis that
     the gateways share their tenants' windows in."""
-    deployed = deployed_policy(rendered)
+    deployed = deployed_policy(tpu_fleet)
     example = yaml.safe_load((ROOT / "policies" / "gemma3-tpu-v6e.yaml").read_text())
     for pool in (*deployed["pools"].values(), *example["pools"].values()):
         pool.pop("dns", None)
@@ -215,7 +300,7 @@ def test_the_deployed_policy_is_the_articles_fleet_on_headless_services_and_chec
     assert deployed == example
     path = tmp_path / "policy.yaml"
     path.write_text(
-        one(rendered, "ConfigMap", gateway_policy_name(rendered))["data"]["policy.yaml"]
+        one(tpu_fleet, "ConfigMap", gateway_policy_name(tpu_fleet))["data"]["policy.yaml"]
     )
     check = subprocess.run(
         [sys.executable, "-m", "gateway", "check", str(path)],
@@ -225,18 +310,18 @@ def test_the_deployed_policy_is_the_articles_fleet_on_headless_services_and_chec
 
 
 def test_the_policys_redis_is_the_statefulsets_and_counts_the_deployments_gateways(
-    rendered: list[dict[str, Any]],
+    fleet: list[dict[str, Any]],
 ) -> None:
     """While Redis is down each gateway takes 1/`gateways` of every limit: a count that drifts
     from the Deployment's replicas over- or under-serves every tenant."""
-    state = deployed_policy(rendered)["state"]
-    assert state["gateways"] == one(rendered, "Deployment", "llm-gateway")["spec"]["replicas"]
+    state = deployed_policy(fleet)["state"]
+    assert state["gateways"] == one(fleet, "Deployment", "llm-gateway")["spec"]["replicas"]
     host, port = state["url"].removeprefix("redis://").split("/")[0].split(":")
     service_name, namespace = host.split(".")[:2]
-    service = one(rendered, "Service", service_name)
+    service = one(fleet, "Service", service_name)
     assert service["metadata"]["namespace"] == namespace
     assert [p["port"] for p in service["spec"]["ports"]] == [int(port)]
-    assert service["spec"]["selector"] == pod_labels_of(one(rendered, "StatefulSet", "redis"))
+    assert service["spec"]["selector"] == pod_labels_of(one(fleet, "StatefulSet", "redis"))
 
 
 def pod_labels_of(workload: dict[str, Any]) -> dict[str, str]:
@@ -244,14 +329,12 @@ def pod_labels_of(workload: dict[str, Any]) -> dict[str, str]:
 
 
 def test_one_hpa_per_vllm_deployment_on_the_gateways_signals_never_cpu(
-    rendered: list[dict[str, Any]],
+    fleet: list[dict[str, Any]],
 ) -> None:
     served = {r["name"]["as"] for r in adapter_rules()}
-    vllm = {d["metadata"]["name"]: d for d in kinds(rendered, "Deployment") if d is not None}
+    vllm = {d["metadata"]["name"]: d for d in kinds(fleet, "Deployment") if d is not None}
     vllm.pop("llm-gateway")
-    hpas = {
-        h["spec"]["scaleTargetRef"]["name"]: h for h in kinds(rendered, "HorizontalPodAutoscaler")
-    }
+    hpas = {h["spec"]["scaleTargetRef"]["name"]: h for h in kinds(fleet, "HorizontalPodAutoscaler")}
     assert set(hpas) == set(vllm)
     for name, hpa in hpas.items():
         assert hpa["apiVersion"] == "autoscaling/v2"
@@ -297,18 +380,18 @@ def monitored_service(objects: list[dict[str, Any]]) -> dict[str, Any]:
     return selected[0]
 
 
-def test_servicemonitor_and_podmonitor_select_real_ports(rendered: list[dict[str, Any]]) -> None:
-    monitor = one(rendered, "ServiceMonitor", "llm-gateway")
+def test_servicemonitor_and_podmonitor_select_real_ports(fleet: list[dict[str, Any]]) -> None:
+    monitor = one(fleet, "ServiceMonitor", "llm-gateway")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
-    service = monitored_service(rendered)
+    service = monitored_service(fleet)
     assert service["metadata"]["namespace"] in monitor["spec"]["namespaceSelector"]["matchNames"]
     ports = {p["name"] for p in service["spec"]["ports"]}
     for endpoint in monitor["spec"]["endpoints"]:
         assert endpoint["port"] in ports and endpoint["path"] == "/metrics"
         assert re.fullmatch(r"\d+s", endpoint["interval"])
-    pods = one(rendered, "PodMonitor", "vllm")
+    pods = one(fleet, "PodMonitor", "vllm")
     assert pods["apiVersion"] == "monitoring.coreos.com/v1"
-    for deployment in kinds(rendered, "Deployment"):
+    for deployment in kinds(fleet, "Deployment"):
         if deployment["metadata"]["name"] == "llm-gateway":
             continue
         template = deployment["spec"]["template"]
@@ -321,19 +404,17 @@ def test_servicemonitor_and_podmonitor_select_real_ports(rendered: list[dict[str
 
 
 def test_metrics_are_served_on_their_own_port_which_the_client_service_does_not_expose(
-    rendered: list[dict[str, Any]],
+    fleet: list[dict[str, Any]],
 ) -> None:
     """/metrics names tenants and replica URLs: the policy moves it to `server.metrics_port`, the
     container names that port `metrics`, and only the metrics Service (scraped) reaches it."""
-    metrics_port = deployed_policy(rendered)["server"]["metrics_port"]
-    (gateway,) = one(rendered, "Deployment", "llm-gateway")["spec"]["template"]["spec"][
-        "containers"
-    ]
+    metrics_port = deployed_policy(fleet)["server"]["metrics_port"]
+    (gateway,) = one(fleet, "Deployment", "llm-gateway")["spec"]["template"]["spec"]["containers"]
     container_ports = {p["name"]: p["containerPort"] for p in gateway["ports"]}
     assert container_ports["metrics"] == metrics_port != container_ports["http"]
-    public = one(rendered, "Service", "llm-gateway")["spec"]["ports"]
+    public = one(fleet, "Service", "llm-gateway")["spec"]["ports"]
     assert [p["targetPort"] for p in public] == ["http"]
-    private = one(rendered, "Service", "llm-gateway-metrics")["spec"]["ports"]
+    private = one(fleet, "Service", "llm-gateway-metrics")["spec"]["ports"]
     assert [p["targetPort"] for p in private] == ["metrics"]
 
 

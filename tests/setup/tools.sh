@@ -29,5 +29,5 @@ if ((${#packages[@]})); then
         exit 1
     fi
 fi
-command -v kubectl >/dev/null || "$venv/bin/python" "$(dirname "$0")/install_kubectl.py" "$venv/bin"
+{ command -v kubectl >/dev/null && command -v helm >/dev/null; } || "$venv/bin/python" "$(dirname "$0")/install_kubectl.py" "$venv/bin"
 "$venv/bin/python" -m loadtest.real_tokenizers >/dev/null
