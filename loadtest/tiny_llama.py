@@ -5,7 +5,13 @@ checkpoint, made here without a download: the tokenizer comes from `loadtest.tin
 (Gemma-style chat template), the weights are random with a fixed seed and saved with
 `save_pretrained`. It needs torch, which only vLLM's environment has, so run it with that python:
 
-    $VLLM_PYTHON -m loadtest.tiny_llama DIR
+    $VLLM_PYTHON -m loadtest.tiny_llama DIR [LABELS]
+
+With LABELS, the same body with a sequence-classification head of that many labels, its weights
+in the checkpoint (seeded like the rest): what vLLM's `/classify` serves (and, with one label,
+`/rerank` and `/score`). A causal LM converted by vLLM's `--convert classify` has no such weights
+to load: its head's values are whatever memory held, and a NaN among them fails the answer's
+JSON encoding at random.
 """
 
 from __future__ import annotations
@@ -15,7 +21,12 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+)
 
 from loadtest.tiny_tokenizer import build as build_tokenizer
 from loadtest.vllm_server import MAX_MODEL_LEN
@@ -33,8 +44,9 @@ SHAPE = {
 SEED = 0
 
 
-def build(directory: str | Path) -> Path:
-    """Write tokenizer, config and random weights to `directory`; return it."""
+def build(directory: str | Path, labels: int | None = None) -> Path:
+    """Write tokenizer, config and random weights to `directory` (a classifier of `labels`
+    labels, with them); return it."""
     path = build_tokenizer(directory)
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     config = LlamaConfig(
@@ -47,10 +59,19 @@ def build(directory: str | Path) -> Path:
         **SHAPE,
     )
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    if labels is None:
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    else:
+        config.num_labels = labels
+        model = LlamaForSequenceClassification(config).to(torch.bfloat16)
     model.save_pretrained(str(path))
     return path
 
 
 if __name__ == "__main__":
-    print(build(sys.argv[1] if len(sys.argv) > 1 else "tiny-llama"))
+    print(
+        build(
+            sys.argv[1] if len(sys.argv) > 1 else "tiny-llama",
+            int(sys.argv[2]) if len(sys.argv) > 2 else None,
+        )
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,15 +35,26 @@ __all__ = ["basic_policy", "eventually", "gateway_factory", "http", "stub", "stu
 
 
 def started_vllm(
-    tmp_path_factory: pytest.TempPathFactory, name: str, flags: Sequence[str] = ()
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    flags: Sequence[str] = (),
+    labels: int | None = None,
 ) -> Iterator[VLLMServer]:
-    """vLLM serving the tiny model (with `flags`: `--convert embed`, say) until the generator is
+    """vLLM serving the tiny model (with `flags`: `--convert embed`, say; as a classifier of
+    `labels` labels, its head in the checkpoint: loadtest/tiny_llama.py) until the generator is
     closed, its log in a directory named `name`."""
     python, model_dir = os.environ.get("VLLM_PYTHON"), os.environ.get("VLLM_MODEL_DIR")
     if not python or not model_dir:
         pytest.fail("VLLM_PYTHON and VLLM_MODEL_DIR must be set: run `make test-vllm`")
-    log = tmp_path_factory.mktemp(name) / "vllm.log"
-    with serve_vllm(python, Path(model_dir).resolve(), log, extra_args=list(flags)) as server:
+    directory = tmp_path_factory.mktemp(name)
+    model = Path(model_dir).resolve()
+    if labels is not None:
+        model = directory / "model"
+        subprocess.run(
+            [python, "-m", "loadtest.tiny_llama", str(model), str(labels)],
+            check=True, capture_output=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )  # fmt: skip
+    with serve_vllm(python, model, directory / "vllm.log", extra_args=list(flags)) as server:
         yield server
 
 

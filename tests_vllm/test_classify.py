@@ -1,6 +1,6 @@
-"""`/classify` through the gateway to real vLLM serving the tiny model as a classifier
-(`--convert classify`): each input form's count equals vLLM's usage. (vLLM serves `/rerank`
-and `/score` only for a one-label classifier, which the converted tiny model is not: a 404.)"""
+"""`/classify` through the gateway to real vLLM serving the tiny model as a two-label classifier
+(its head in the checkpoint): each input form's count equals vLLM's usage. (vLLM serves `/rerank`
+and `/score` only for a one-label classifier, which this one is not: a 404.)"""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from tests_vllm.conftest import counted_and_reported, started_vllm, vllm_policy
 
 @pytest.fixture(scope="module")
 def vllm_classify(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """A second vLLM, for this module: the tiny model converted to a classifier."""
-    yield from started_vllm(tmp_path_factory, "vllm-classify", ["--convert", "classify"])
+    """A second vLLM, for this module: the tiny model as a classifier."""
+    yield from started_vllm(tmp_path_factory, "vllm-classify", labels=2)
 
 
 async def test_each_classify_input_is_counted_as_vllm_counts_it(

@@ -1,6 +1,6 @@
 """`/rerank` and `/score` through the gateway to real vLLM serving the tiny model as a one-label
-classifier (`--convert classify`, `num_labels` 1): an LLM used as a cross-encoder, each pair one
-prompt. The gateway's count of a pair (its two texts alone) is never under vLLM's usage."""
+classifier (its head in the checkpoint): an LLM used as a cross-encoder, each pair one prompt.
+The gateway's count of a pair (its two texts alone) is never under vLLM's usage."""
 
 from __future__ import annotations
 
@@ -14,11 +14,7 @@ from tests_vllm.conftest import counted_and_reported, started_vllm, vllm_policy
 
 @pytest.fixture(scope="module")
 def vllm_reranker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    yield from started_vllm(
-        tmp_path_factory,
-        "vllm-rerank",
-        ["--convert", "classify", "--hf-overrides", '{"num_labels": 1}'],
-    )
+    yield from started_vllm(tmp_path_factory, "vllm-rerank", labels=1)
 
 
 async def test_pairs_are_never_undercounted(vllm_reranker, gateway_factory, http) -> None:
