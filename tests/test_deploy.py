@@ -64,13 +64,13 @@ def kustomize(directory: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
 
-def helm(*values: str) -> list[dict[str, Any]]:
-    """Render the chart as `helm install -n llm` would on a cluster with the Prometheus
-    Operator's CRDs, with the chart's `values` files."""
+def helm(*values: str, operator: bool = True) -> list[dict[str, Any]]:
+    """Render the chart as `helm install -n llm` would, with the chart's `values` files, on a
+    cluster with the Prometheus Operator's CRDs (or, `operator=False`, without them)."""
     files = [arg for name in values for arg in ("-f", str(CHART / name))]
+    apis = ["--api-versions", "monitoring.coreos.com/v1"] if operator else []
     out = subprocess.run(
-        [tool("helm"), "template", "llm", str(CHART), "--namespace", "llm",
-         "--api-versions", "monitoring.coreos.com/v1", *files],
+        [tool("helm"), "template", "llm", str(CHART), "--namespace", "llm", *apis, *files],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -245,6 +245,17 @@ def test_the_chart_lints_with_each_values_file() -> None:
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_chart_installs_on_a_cluster_without_the_prometheus_operator() -> None:
+    """Without the Operator's CRDs its objects are left out (an install would fail on them);
+    the rest, the dashboard's ConfigMap included, is rendered all the same."""
+    with_operator = helm("values-gpu-nvidia.yaml")
+    without = helm("values-gpu-nvidia.yaml", operator=False)
+    monitors = [o for o in with_operator if o["apiVersion"].startswith(CRD_GROUP)]
+    assert {o["kind"] for o in monitors} == {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+    assert without == [o for o in with_operator if o not in monitors]
+    assert one(without, "ConfigMap", "llm-gateway-dashboard")
 
 
 def test_every_fleets_pools_resolve_to_headless_services_and_its_policy_checks(
