@@ -64,13 +64,13 @@ def kustomize(directory: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
 
-def helm(*values: str) -> list[dict[str, Any]]:
-    """Render the chart as `helm install -n llm` would on a cluster with the Prometheus
-    Operator's CRDs, with the chart's `values` files."""
+def helm(*values: str, operator: bool = True) -> list[dict[str, Any]]:
+    """Render the chart as `helm install -n llm` would, with the chart's `values` files, on a
+    cluster with the Prometheus Operator's CRDs (or, `operator=False`, without them)."""
     files = [arg for name in values for arg in ("-f", str(CHART / name))]
+    apis = ["--api-versions", "monitoring.coreos.com/v1"] if operator else []
     out = subprocess.run(
-        [tool("helm"), "template", "llm", str(CHART), "--namespace", "llm",
-         "--api-versions", "monitoring.coreos.com/v1", *files],
+        [tool("helm"), "template", "llm", str(CHART), "--namespace", "llm", *apis, *files],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -245,6 +245,17 @@ def test_the_chart_lints_with_each_values_file() -> None:
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_chart_installs_on_a_cluster_without_the_prometheus_operator() -> None:
+    """Without the Operator's CRDs its objects are left out (an install would fail on them);
+    the rest, the dashboard's ConfigMap included, is rendered all the same."""
+    with_operator = helm("values-gpu-nvidia.yaml")
+    without = helm("values-gpu-nvidia.yaml", operator=False)
+    monitors = [o for o in with_operator if o["apiVersion"].startswith(CRD_GROUP)]
+    assert {o["kind"] for o in monitors} == {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+    assert without == [o for o in with_operator if o not in monitors]
+    assert one(without, "ConfigMap", "llm-gateway-dashboard")
 
 
 def test_every_fleets_pools_resolve_to_headless_services_and_its_policy_checks(
@@ -787,3 +798,39 @@ def test_the_dockerfile_runs_as_the_deployments_non_root_user_with_no_model_insi
     assert lines[0].startswith("#") and any(
         line.startswith("FROM python:3.11-slim") for line in lines
     )
+
+
+def image_env() -> dict[str, str]:
+    """The environment the Dockerfile's final stage sets (`ENV` lines, continuations joined)."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    final = text.rsplit("\nFROM ", 1)[1]
+    pairs = [p for line in final.splitlines() if line.startswith("ENV ") for p in line.split()[1:]]
+    return dict(pair.split("=", 1) for pair in pairs)
+
+
+def hub_offline(env: dict[str, str]) -> bool:
+    """Whether huggingface_hub, under this environment, refuses to reach the Hub."""
+    out = subprocess.run(
+        [sys.executable, "-c", "from huggingface_hub import constants; print(constants.HF_HUB_OFFLINE)"],
+        env=env, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    return out.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("values", ["values.yaml", "values-gpu-nvidia.yaml"])
+def test_the_tokenizer_init_container_reaches_the_hub_which_the_gateway_never_does(
+    values: str,
+) -> None:
+    """The init container runs the gateway's image, whose HF_HUB_OFFLINE=1 would make its
+    download fail before trying: it must turn that off, and only it."""
+    pod = one(helm(values), "Deployment", "llm-gateway")["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    (gateway,) = pod["containers"]
+
+    def env_of(container: dict[str, Any]) -> dict[str, str]:
+        return {**image_env(), **{e["name"]: e["value"] for e in container["env"] if "value" in e}}
+
+    assert hub_offline(image_env())
+    assert not hub_offline(env_of(init))
+    assert hub_offline(env_of(gateway))
+    assert "/models" in {m["mountPath"] for m in init["volumeMounts"]}
