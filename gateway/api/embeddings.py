@@ -32,7 +32,7 @@ from gateway.api.openai import OpenAIApi, is_tokens
 from gateway.errors import BadRequest
 from gateway.parse import check_prompt_chars
 from gateway.tokenizer.chat_template import lax_bool, message_text
-from gateway.tokenizer.counters import HFCounter, specials_added
+from gateway.tokenizer.counters import HFCounter
 
 if TYPE_CHECKING:
     from gateway.context import Ctx
@@ -161,7 +161,7 @@ class EmbeddingsApi(PoolingApi):
             special = body.get("add_special_tokens", True) is not False
             counts = await counter.count_prompts(body["input"], refuse, special)
         else:
-            extra = await specials_added(counter) if body.get("add_special_tokens") else 0
+            extra = counter.specials if body.get("add_special_tokens") else 0
             counts = [
                 extra + await counter.count_chat(chat_view(body, conv), refuse) for conv in convs
             ]

@@ -32,7 +32,6 @@ from gateway.api.openai import OpenAIApi
 from gateway.errors import BadRequest
 from gateway.parse import lax_int
 from gateway.tokenizer.chat_template import lax_bool, message_text
-from gateway.tokenizer.counters import specials_added
 
 if TYPE_CHECKING:
     from gateway.context import Ctx
@@ -295,7 +294,7 @@ class ResponsesApi(OpenAIApi):
         tokenizer's special tokens: a responses request's tokenization keeps
         `TokenizeParams`' default `add_special_tokens` (a chat completion's turns it off), so
         a template that prints its BOS gets a second one."""
-        extra = await specials_added(counter)
+        extra = counter.specials
         text = extra + await counter.count_chat(to_chat(body), refuse_at - images - extra)
         return images + text, images + text
 

@@ -65,6 +65,9 @@ class TokenCounter(Protocol):
 
     image_cost: int
     exact: bool
+    # The tokens the tokenizer adds to a text encoded with its special tokens (a BOS, say): what
+    # a rendered chat encoded with `add_special_tokens` has beyond its own. Found at load.
+    specials: int
 
     async def count_chat(self, body: dict[str, Any], refuse_at: int | None = None) -> int: ...
 
@@ -86,17 +89,12 @@ class TokenCounter(Protocol):
         ...
 
 
-async def specials_added(counter: TokenCounter) -> int:
-    """The tokens the tokenizer adds to a text encoded with its special tokens (a BOS, say):
-    what a rendered chat encoded with `add_special_tokens` has beyond its own."""
-    return (await counter.count_prompts("", None, True))[0]
-
-
 class CharCounter:
     """`tokenizer: estimate`: characters / `chars_per_token`, for models without a local tokenizer."""
 
     PER_MESSAGE = 4  # role markers and separators a chat template adds around each message
     exact = False
+    specials = 0  # characters carry no special tokens
 
     def __init__(self, chars_per_token: float, image_tokens: int | None = None) -> None:
         self.chars_per_token = chars_per_token
@@ -166,6 +164,7 @@ class HFCounter:
         placeholder = self._image_placeholder()
         self.image_cost = max(0, (image_tokens or 0) - placeholder)
         self.floor = TokenFloor.of(tokenizer.backend_tokenizer, config)
+        self.specials = encoder.counts([""], True)[0]
 
     @classmethod
     def load(
