@@ -255,3 +255,14 @@ async def test_a_sweep_of_agent_sessions_on_the_responses_api(sims, gw, tokenize
     assert all(r.ttft_s is not None for r in records)
     await accounted(gw, len(records) - 1)
     assert {line["endpoint"] for line in logged(gw)} == {"responses"}
+
+
+async def test_a_large_stored_response_is_retrieved_whole(gw) -> None:
+    async with client(gw) as sdk:
+        made = await sdk.responses.create(
+            model="tiny", input=HELLO, max_output_tokens=2000,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        stored = await sdk.responses.retrieve(made.id)
+    assert len(made.output_text) >= 8000
+    assert stored.output_text == made.output_text

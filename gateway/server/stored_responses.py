@@ -23,6 +23,7 @@ from gateway.runtime import Gateway
 
 _PARAM = "response_id"
 _RELAYED = ("Content-Type",)
+_CHUNK = 65536
 
 
 async def relay(gateway: Gateway, request: web.Request) -> web.Response:
@@ -43,13 +44,15 @@ async def relay(gateway: Gateway, request: web.Request) -> web.Response:
             asyncio.timeout(timeouts.total_s),
             gateway.sessions[holder.pool].request(request.method, url, headers=headers) as up,
         ):
-            body = await up.content.read(limit + 1)
-            if len(body) > limit:
-                raise ResponseTooLarge(
-                    f"the replica's answer is over the gateway's {limit}-byte limit"
-                )
+            body = bytearray()  # `read(n)` returns what has arrived, up to n: read to the end
+            while chunk := await up.content.read(_CHUNK):
+                body += chunk
+                if len(body) > limit:
+                    raise ResponseTooLarge(
+                        f"the replica's answer is over the gateway's {limit}-byte limit"
+                    )
             kept = {name: up.headers[name] for name in _RELAYED if name in up.headers}
-            return web.Response(status=up.status, body=body, headers=kept)
+            return web.Response(status=up.status, body=bytes(body), headers=kept)
     except TimeoutError:
         raise UpstreamTimeout("the replica did not answer in time") from None
     except aiohttp.ClientError:
