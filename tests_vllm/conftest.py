@@ -148,13 +148,18 @@ def vllm_policy(server: VLLMServer, **pool: Any) -> dict[str, Any]:
     return policy
 
 
+_SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=120)
 _SAMPLE = re.compile(r"^(?P<name>[^{\s]+)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$", re.M)
 
 
 async def scrape_all(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
     """Every series of the exposition at `url`/metrics, each the sum of its samples: one read, so
-    the values are of one instant."""
-    async with http.get(f"{url}/metrics") as resp:
+    the values are of one instant.
+
+    One bound for the whole scrape, no connect time-out of its own: with vLLM's CPU engine and the
+    gateway sharing a 2-core runner, a connection has waited past aiohttp's 30 s connect default,
+    which failed a test on a slow scrape rather than on what it asserts."""
+    async with http.get(f"{url}/metrics", timeout=_SCRAPE_TIMEOUT) as resp:
         text = await resp.text()
     sums: dict[str, float] = {}
     for m in _SAMPLE.finditer(text):
