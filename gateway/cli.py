@@ -384,13 +384,38 @@ def _lines(decision: dict[str, Any]) -> list[str]:
     return [f"{key:<{width}}  {value}" for key, value in shown.items()]
 
 
+def _api_key(source: str, request: str) -> str:
+    """The tenant key `explain --api-key-file` names: the first line of a file, or of standard
+    input (`-`; asked for without echo at a terminal). Never an argument: argv is in the shell's
+    history and in every process listing."""
+    if source != "-":
+        lines = Path(source).read_text().splitlines()
+    elif request == "-":
+        raise OSError("standard input holds the request; give the key in a file")
+    elif sys.stdin is None:
+        raise OSError("standard input is closed")
+    elif sys.stdin.isatty():
+        lines = [getpass.getpass("API key (not echoed): ")]
+    else:
+        lines = sys.stdin.read().splitlines()
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise OSError("no key in it")
+    return key
+
+
 def explain(args: argparse.Namespace) -> int:
     from gateway.errors import GatewayError
 
     headers = list(args.header)
-    if args.api_key is not None:  # the server resolves the tenant from this header alone
+    if args.api_key_file is not None:  # the server resolves the tenant from this header alone
+        try:
+            key = _api_key(args.api_key_file, args.request)
+        except OSError as exc:
+            print(f"cannot read the key from {args.api_key_file}: {exc}", file=sys.stderr)
+            return 1
         headers = [(k, v) for k, v in headers if k.lower() != "authorization"]
-        headers.append(("Authorization", f"Bearer {args.api_key}"))
+        headers.append(("Authorization", f"Bearer {key}"))
     try:
         decision = asyncio.run(
             _explain(
@@ -461,7 +486,11 @@ def main(argv: list[str] | None = None) -> int:
         "--load-tokenizers", action="store_true", help="also load every tokenizer directory"
     )
     p.set_defaults(func=check)
-    p = sub.add_parser("explain", help="show how a request would be handled, offline")
+    p = sub.add_parser(
+        "explain",
+        help="show how a request would be handled, offline",
+        allow_abbrev=False,  # `--api-key SECRET` must fail, not read a file named SECRET
+    )
     p.add_argument("--policy", required=True, help="the policy file (YAML)")
     p.add_argument(
         "--endpoint",
@@ -479,10 +508,10 @@ def main(argv: list[str] | None = None) -> int:
         help="a request header, as curl's -H (repeatable): route `header` rules, x-priority",
     )
     p.add_argument(
-        "--api-key",
-        metavar="KEY",
-        help="the tenant key (sent as `Authorization: Bearer KEY`); the output names the tenant,"
-        " never the key",
+        "--api-key-file",
+        metavar="FILE",
+        help="a file whose first line is the tenant key, or - for standard input (sent as"
+        " `Authorization: Bearer KEY`); the output names the tenant, never the key",
     )
     p.add_argument(
         "--tokenizer-fallback",

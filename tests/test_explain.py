@@ -75,7 +75,11 @@ def test_the_tenant_and_its_quota_are_explained_never_the_key(
 ) -> None:
     path = tenant_policy(tmp_path, tokenizer_dir)
     request = chat(tmp_path, max_tokens=20)
-    code, out, err = explain(capsys, "--json", "--policy", path, "--api-key", SECRET, request)
+    key = tmp_path / "key"
+    key.write_text(f"{SECRET}\n")
+    code, out, err = explain(
+        capsys, "--json", "--policy", path, "--api-key-file", str(key), request
+    )
     decision = json.loads(out)
     assert code == 0
     assert (decision["tenant"], decision["tier"], decision["priority"]) == (
@@ -90,7 +94,7 @@ def test_the_tenant_and_its_quota_are_explained_never_the_key(
         f"tokens {reserved} of 5000/min on pool main",
     ]
     code, human, err2 = explain(
-        capsys, "--policy", path, "--api-key", SECRET, "-H", "x-priority: sheddable", request
+        capsys, "--policy", path, "--api-key-file", str(key), "-H", "x-priority: sheddable", request
     )
     assert code == 0
     assert "tenant                  search-team" in human
@@ -107,7 +111,9 @@ def test_the_key_may_come_as_a_header_and_a_wrong_one_is_refused(
     bearer = f"Authorization: Bearer {SECRET}"
     code, out, _ = explain(capsys, "--json", "--policy", path, "-H", bearer, request)
     assert (code, json.loads(out)["tenant"]) == (0, "search-team")
-    code, out, err = explain(capsys, "--policy", path, "--api-key", "sk-wrong-key", request)
+    wrong = tmp_path / "wrong-key"
+    wrong.write_text("sk-wrong-key")
+    code, out, err = explain(capsys, "--policy", path, "--api-key-file", str(wrong), request)
     assert (code, out) == (2, "")
     assert err == "refused: 401 invalid_api_key: Incorrect API key provided.\n"
     code, out, _ = explain(capsys, "--json", "--policy", path, request)
@@ -115,6 +121,28 @@ def test_the_key_may_come_as_a_header_and_a_wrong_one_is_refused(
     decision = json.loads(out)
     assert decision["tenant"] is None
     assert decision["quota"] == "no key given: the gateway answers 401"
+
+
+def test_the_key_comes_from_standard_input_never_from_the_command_line(
+    capsys, monkeypatch, tmp_path, tokenizer_dir
+) -> None:
+    path = tenant_policy(tmp_path, tokenizer_dir)
+    request = chat(tmp_path)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(f"{SECRET}\n".encode())))
+    code, out, err = explain(capsys, "--json", "--policy", path, "--api-key-file", "-", request)
+    assert (code, json.loads(out)["tenant"]) == (0, "search-team")
+    assert SECRET not in out + err
+    # Standard input cannot hold both; an empty key file is said, not sent as no key.
+    code, out, err = explain(capsys, "--policy", path, "--api-key-file", "-", "-")
+    assert (code, out) == (1, "")
+    assert "standard input holds the request" in err
+    (tmp_path / "empty").write_text("\n")
+    code, _, err = explain(
+        capsys, "--policy", path, "--api-key-file", str(tmp_path / "empty"), request
+    )
+    assert code == 1 and "no key in it" in err
+    with pytest.raises(SystemExit):  # the old argv flag is gone, not silently ignored
+        explain(capsys, "--policy", path, "--api-key", SECRET, request)
 
 
 def estimate_twin(tmp_path: Path, tokenizer: str) -> str:
