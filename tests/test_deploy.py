@@ -455,7 +455,7 @@ def test_prometheusrule_has_the_operators_fields_and_a_runbook_per_alert(
     used = " ".join(r["expr"] for r in alerts.values())
     for metric in ("llm_queue_wait_seconds_bucket", "llm_rejections_total", "llm_replica_up",
                    "llm_replica_ejections_total", "llm_pool_capacity", "llm_state_backend_up",
-                   "llm_policy_reload_errors_total"):  # fmt: skip
+                   "llm_policy_reload_errors_total", "llm_tls_reload_errors_total"):  # fmt: skip
         assert metric in used, metric
 
 
