@@ -14,11 +14,11 @@ if TYPE_CHECKING:
     from gateway.api.base import Api
     from gateway.authenticate import Tenant
     from gateway.errors import Refusal
-    from gateway.holders import Holder
     from gateway.observability.tracing import RequestTrace
     from gateway.pick.affinity import Affinity
     from gateway.policy.compile import Model, Pool
     from gateway.route import Route
+    from gateway.state import Holder
 
 CLIENT_CLOSED = 499  # nginx's code for "the client went away"; bounded, so fine as a label
 

@@ -9,21 +9,26 @@ ends and sends what follows there: to its pool, pinned to its replica (`Claim.re
 for that replica's room like any request.
 
 The record is bounded (the least recently used go first) and belongs to its tenant: another
-tenant's id is as unknown as one never made. A response whose replica has left its pool is
-forgotten when next asked for, with an error that says so, not a wait for a replica that will not
-come back. Each gateway process keeps its own record: behind several gateway replicas a
-conversation's turns must reach the same gateway (session affinity on the Service, or
-`x-session-id` hashing at the load balancer); docs/api.md says so.
+tenant's id is as unknown as one never made, and so is any id the gateway could not have made
+(it looks no further for it). A response whose replica has left its pool is forgotten when next
+asked for, with an error that says so, not a wait for a replica that will not come back.
+
+Gateways that share state through Redis share the record too (`state.HolderRecord`), so a
+conversation's turns may reach any of them: each holder is written there before the answer that
+made it is sent whole (a stream's last event goes first, by a Redis round trip), and a gateway
+that does not know an id asks Redis and keeps the answer. Redis unreachable, a gateway knows the
+holders it recorded itself.
 """
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gateway.errors import ResponseNotFound
+from gateway.state import Holder, HolderRecord
 
 if TYPE_CHECKING:
     from gateway.admit import LivePool
@@ -31,14 +36,8 @@ if TYPE_CHECKING:
     from gateway.policy.compile import Pool
 
 
-@dataclass(frozen=True, slots=True)
-class Holder:
-    """Where a stored response lives, and what continuing it costs."""
-
-    tenant: str  # "" without tenants
-    pool: str
-    replica: str
-    tokens: int  # the stored conversation: the response's prompt and output
+# The ids the gateway gives the responses it forwards (gateway/api/responses.py).
+_MINTED = re.compile(r"resp_[0-9a-f]{32}")
 
 
 def _tenant(ctx: Ctx) -> str:
@@ -48,42 +47,53 @@ def _tenant(ctx: Ctx) -> str:
 class Holders:
     """The bounded record of stored responses' replicas."""
 
-    __slots__ = ("_held", "capacity")
+    __slots__ = ("_held", "capacity", "shared")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, shared: HolderRecord | None = None) -> None:
         self.capacity = capacity
+        self.shared = shared  # the other gateways' record too, when they share state
         self._held: OrderedDict[str, Holder] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def remember(self, ctx: Ctx) -> None:
+    def _keep(self, response_id: str, holder: Holder) -> None:
+        self._held[response_id] = holder
+        self._held.move_to_end(response_id)
+        while len(self._held) > self.capacity:
+            self._held.popitem(last=False)
+
+    async def remember(self, ctx: Ctx) -> None:
         """Record the replica that answered `ctx` whole, if the answer is stored there."""
         if ctx.stores_as is None or ctx.status != 200 or ctx.refusal is not None:
             return
         assert ctx.pool is not None
         prompt = ctx.prompt_tokens if ctx.prompt_tokens is not None else ctx.input_tokens
-        tokens = prompt + (ctx.output_tokens or 0)
-        self._held[ctx.stores_as] = Holder(_tenant(ctx), ctx.pool.name, ctx.replica, tokens)
-        self._held.move_to_end(ctx.stores_as)
-        while len(self._held) > self.capacity:
-            self._held.popitem(last=False)
+        holder = Holder(_tenant(ctx), ctx.pool.name, ctx.replica, prompt + (ctx.output_tokens or 0))
+        self._keep(ctx.stores_as, holder)
+        if self.shared is not None:
+            await self.shared.record(ctx.stores_as, holder)
 
-    def find(self, response_id: str, ctx: Ctx, param: str = "previous_response_id") -> Holder:
+    async def find(self, response_id: str, ctx: Ctx, param: str = "previous_response_id") -> Holder:
         """The holder of the tenant's `response_id`, or a 404 naming `param`."""
         holder = self._held.get(response_id)
+        if holder is not None:
+            self._held.move_to_end(response_id)
+        elif self.shared is not None and _MINTED.fullmatch(response_id):
+            holder = await self.shared.holder(response_id)
+            if holder is not None:
+                self._keep(response_id, holder)
         if holder is None or holder.tenant != _tenant(ctx):
             raise ResponseNotFound(f"Response with id '{response_id}' not found.", param=param)
-        self._held.move_to_end(response_id)
         return holder
 
-    def look_up(self, ctx: Ctx) -> None:
+    async def look_up(self, ctx: Ctx) -> None:
         """The stage after parse: the holder of the response the request continues, whose
         stored turns its count includes (gateway/tokenize.py)."""
         if ctx.continues is not None:
-            ctx.holder = self.find(ctx.continues, ctx)
+            ctx.holder = await self.find(ctx.continues, ctx)
 
-    def placed(
+    async def placed(
         self,
         response_id: str,
         holder: Holder,
@@ -95,6 +105,8 @@ class Holders:
         pool = live.get(holder.pool)
         if pool is None or all(r.url != holder.replica for r in pool.replicas):
             self._held.pop(response_id, None)
+            if self.shared is not None:
+                await self.shared.forget(response_id)
             raise ResponseNotFound(
                 f"Response with id '{response_id}' was stored by a replica that has left the"
                 " pool: it is gone.",
@@ -103,7 +115,7 @@ class Holders:
         return pool
 
 
-def pin(
+async def pin(
     ctx: Ctx, holders: Holders, live: Mapping[str, LivePool], pools: Mapping[str, Pool]
 ) -> None:
     """The stage after spill: a request that continues a stored response goes to the pool and
@@ -111,5 +123,5 @@ def pin(
     if ctx.holder is None:
         return
     assert ctx.continues is not None
-    holders.placed(ctx.continues, ctx.holder, live)
+    await holders.placed(ctx.continues, ctx.holder, live)
     ctx.pool = pools[ctx.holder.pool]

@@ -177,7 +177,7 @@ async def handle(gateway: Gateway, request: web.Request, api: Api) -> web.Stream
                     ctx, body.media_type(request), raw, policy.spec.server,
                     threads.small if threads is not None else None,
                 )  # fmt: skip
-                gateway.holders.look_up(ctx)
+                await gateway.holders.look_up(ctx)
                 before_count(ctx, policy)
                 # Cheap refusals first: the tenant's windows before the tokenizer (`decide`'s
                 # order, with the early charge between). From here `charge` is what `finally`
@@ -190,10 +190,10 @@ async def handle(gateway: Gateway, request: web.Request, api: Api) -> web.Stream
                 ctx.raw, ctx.stream = raw, True
                 route_unread(ctx, policy.passthrough)
             spill(ctx, runtime.slots, policy.adapters, gateway.accountant.metrics.spillover)
-            pin(ctx, gateway.holders, runtime.slots, policy.pools)
+            await pin(ctx, gateway.holders, runtime.slots, policy.pools)
             charge = await gateway.quotas.reserve(ctx, charge)
             resp = await admit_and_forward(ctx, request, runtime)
-            gateway.holders.remember(ctx)
+            await gateway.holders.remember(ctx)
         except GatewayError as exc:
             ctx.status, ctx.refusal, ctx.code = exc.status, exc.refusal, exc.code
             await gateway.quotas.describe(ctx)

@@ -130,7 +130,7 @@ class Gateway:
         # `state` section needs a restart).
         self.state: State
         self.ledger: SlotLedger | None
-        self.state, self.ledger = build_state(policy.spec.state)
+        self.state, self.ledger, holder_record = build_state(policy.spec.state)
         self.runtime = Runtime.build(policy, None, self.ledger)
         tls = policy.spec.server.tls  # the listener opens once: its context outlives reloads
         self.listener_tls = ListenerTls(tls, _base(policy)) if tls is not None else None
@@ -140,7 +140,7 @@ class Gateway:
         self.accountant = Accountant(Metrics(self), access_log)  # reads the above at scrape time
         self.accountant.metrics.registry.register(BackendUp(lambda: self.state))
         self.quotas = Quotas(self.state, self.accountant.metrics)
-        self.holders = Holders(policy.spec.server.max_stored_responses)  # outlives reloads
+        self.holders = Holders(policy.spec.server.max_stored_responses, holder_record)
         self.tracing = _tracing(policy, None)
         self.sessions: dict[str, aiohttp.ClientSession] = {}  # health, /metrics, adapters
         self.draining = False

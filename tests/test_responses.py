@@ -1,10 +1,12 @@
 """The official `openai` SDK's Responses API pointed at the gateway, in front of simulated vLLM
 replicas that serve `/v1/responses` and store what they answer, as an Agents SDK or Codex client
 would use it: created whole and streamed, continued by `previous_response_id` on the replica that
-holds the conversation, retrieved, refused in OpenAI's shape."""
+holds the conversation, retrieved, refused in OpenAI's shape; behind two gateways that share
+state through Redis, with the turns alternating between them."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,16 +15,20 @@ from typing import Any
 import openai
 import orjson
 import pytest
+import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.api import RESPONSES
+from gateway.state import Holder
+from gateway.state.failover import FailoverState
+from gateway.state.redis import RedisState
 from loadtest.loadgen.progress import Progress
 from loadtest.loadgen.sweep import SweepConfig, Target, run_sweep
 from loadtest.loadgen.workloads import Fixed, Session, Workload, WorkloadClass
 from loadtest.sim import Profile, ReplicaOptions, start_replica
 from loadtest.sim.faults import Faults
-from tests.conftest import accounted, basic_policy, eventually
+from tests.conftest import RedisServer, accounted, basic_policy, eventually
 from tests.fuzzing import counted_or_refused, values
 from tests.test_simulator import write_profile
 
@@ -266,3 +272,113 @@ async def test_a_large_stored_response_is_retrieved_whole(gw) -> None:
         stored = await sdk.responses.retrieve(made.id)
     assert len(made.output_text) >= 8000
     assert stored.output_text == made.output_text
+
+
+# --- behind two gateways that share state through a real `redis-server`: a conversation's turns
+# alternate between them, as a load balancer without affinity sends them ---------------------
+
+KEYS = {name: f"key-{name}-0123456789" for name in ("alice", "bob")}
+
+
+def shared_policy(tokenizer_dir: Path, replicas: list[str], server: RedisServer) -> dict[str, Any]:
+    policy = basic_policy(tokenizer_dir, replicas)
+    policy["state"] = {"backend": "redis", "url": server.url, "timeout_s": 0.3, "gateways": 2}
+    policy["tenants"] = {
+        name: {"keys": [f"sha256:{hashlib.sha256(key.encode()).hexdigest()}"]}
+        for name, key in KEYS.items()
+    }
+    return policy
+
+
+def holders(server: RedisServer) -> dict[str, list[Any]]:
+    """Every holder record in Redis, by response id."""
+    db = redis.Redis(port=server.port)
+    return {k.decode()[7:]: orjson.loads(db.get(k)) for k in db.scan_iter("holder:*")}
+
+
+async def test_a_conversation_alternating_gateways_stays_on_the_replica_that_stores_it(
+    sims, fresh_redis, gateway_factory, tokenizer_dir
+) -> None:
+    policy = shared_policy(tokenizer_dir, [r.url for r in sims], fresh_redis)
+    first_gw, second_gw = await gateway_factory(policy), await gateway_factory(policy)
+    async with client(first_gw, KEYS["alice"]) as one, client(second_gw, KEYS["alice"]) as two:
+        turns = [await one.responses.create(model="tiny", input=HELLO, max_output_tokens=3)]
+        for sdk in (two, one, two, one):
+            turns.append(
+                await sdk.responses.create(
+                    model="tiny", input="and then?", previous_response_id=turns[-1].id,
+                    max_output_tokens=3,
+                )
+            )  # fmt: skip
+        stored = await two.responses.retrieve(turns[0].id)  # made by the first gateway
+    assert stored.id == turns[0].id and stored.output_text == turns[0].output_text
+    await accounted(first_gw, 2)  # turns 0, 2 and 4
+    await accounted(second_gw, 1)  # turns 1 and 3
+    lines = logged(first_gw) + logged(second_gw)
+    assert len(lines) == len(turns)
+    assert len({line["replica"] for line in lines}) == 1  # never the other replica
+    # The second gateway counted the stored turns it continued, which the first had recorded.
+    assert all(line["input_tokens"] > lines[0]["input_tokens"] for line in logged(second_gw))
+    recorded = holders(fresh_redis)
+    assert set(recorded) == {turn.id for turn in turns}
+    assert {tuple(v[:3]) for v in recorded.values()} == {("alice", "main", lines[0]["replica"])}
+
+
+async def test_another_tenant_and_an_id_no_gateway_made_are_not_found(
+    sims, fresh_redis, gateway_factory, tokenizer_dir
+) -> None:
+    policy = shared_policy(tokenizer_dir, [r.url for r in sims], fresh_redis)
+    first_gw, second_gw = await gateway_factory(policy), await gateway_factory(policy)
+    async with client(first_gw, KEYS["alice"]) as alice, client(second_gw, KEYS["bob"]) as bob:
+        mine = await alice.responses.create(model="tiny", input=HELLO, max_output_tokens=2)
+        # A record that is not a gateway's (another version, or written by hand) is no record.
+        redis.Redis(port=fresh_redis.port).set(f"holder:resp_{'0' * 32}", b"not json")
+        for call in (
+            bob.responses.retrieve(mine.id),
+            bob.responses.create(model="tiny", input="x", previous_response_id=mine.id),
+            bob.responses.create(model="tiny", input="x", previous_response_id=f"resp_{'0' * 32}"),
+            bob.responses.retrieve("holder:*"),
+        ):
+            with pytest.raises(openai.NotFoundError) as caught:
+                await call
+            assert caught.value.code == "response_not_found"
+    await accounted(second_gw, 0)
+
+
+async def test_redis_down_each_gateway_still_knows_its_own(
+    sims, fresh_redis, gateway_factory, tokenizer_dir
+) -> None:
+    policy = shared_policy(tokenizer_dir, [r.url for r in sims], fresh_redis)
+    first_gw, second_gw = await gateway_factory(policy), await gateway_factory(policy)
+    async with client(first_gw, KEYS["alice"]) as one, client(second_gw, KEYS["alice"]) as two:
+        made = await one.responses.create(model="tiny", input=HELLO, max_output_tokens=2)
+        fresh_redis.stop()
+        with pytest.raises(openai.NotFoundError):  # the second never saw it, and cannot ask
+            await two.responses.retrieve(made.id)
+        turn = await one.responses.create(
+            model="tiny", input="more", previous_response_id=made.id, max_output_tokens=2
+        )
+        assert (await one.responses.retrieve(turn.id)).id == turn.id
+        fresh_redis.start()  # empty: what Redis had is gone, what each gateway recorded is not
+        assert (await one.responses.retrieve(made.id)).id == made.id
+        with pytest.raises(openai.NotFoundError):
+            await two.responses.retrieve(turn.id)
+
+
+async def test_a_record_lives_its_ttl_from_its_last_use(redis_server: RedisServer) -> None:
+    shared = RedisState(redis_server.url, holder_ttl_s=0.5)
+    record = FailoverState(shared, on_failure="closed", gateways=2)
+    held = Holder("alice", "main", "http://127.0.0.1:9", 42)
+    try:
+        await shared.client.flushdb()
+        await record.record("resp_a", held)
+        for _ in range(3):  # read within its TTL, it lives on
+            await asyncio.sleep(0.3)
+            assert await record.holder("resp_a") == held
+        await asyncio.sleep(0.7)
+        assert await record.holder("resp_a") is None
+        await record.record("resp_b", held)
+        await record.forget("resp_b")
+        assert await record.holder("resp_b") is None
+    finally:
+        await record.close()

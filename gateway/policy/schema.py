@@ -857,6 +857,14 @@ class StateSpec(Spec):
             " it): the slots of a gateway that dies return to the others this long after."
         ),
     )
+    stored_response_ttl_s: PositiveFloat = Field(
+        86400.0,
+        description=(
+            "How long Redis remembers which replica stores a response (Responses API), so any"
+            " gateway sends its next turn, `GET` and cancel there; from the last turn that"
+            " wrote or read it."
+        ),
+    )
 
 
 class PolicySpec(Spec):

@@ -32,8 +32,8 @@ async def relay(gateway: Gateway, request: web.Request) -> web.Response:
     runtime = gateway.runtime
     authenticate(ctx, runtime.policy.tenants)
     response_id = request.match_info[_PARAM]
-    holder = gateway.holders.find(response_id, ctx, _PARAM)
-    gateway.holders.placed(response_id, holder, runtime.slots, _PARAM)
+    holder = await gateway.holders.find(response_id, ctx, _PARAM)
+    await gateway.holders.placed(response_id, holder, runtime.slots, _PARAM)
     key = runtime.api_keys[holder.pool]
     timeouts = runtime.policy.pools[holder.pool].spec.timeouts
     limit = runtime.max_response_bytes

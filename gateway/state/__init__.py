@@ -1,5 +1,6 @@
-"""Shared admission state behind two protocols (base.py): `State`, the quota windows, in memory for
-one gateway or in Redis for several, and `SlotLedger`, the replicas' slots, only for several.
+"""Shared admission state behind three protocols (base.py): `State`, the quota windows, in memory
+for one gateway or in Redis for several; `SlotLedger`, the replicas' slots, and `HolderRecord`,
+which replica stores each response, only for several.
 
 Modules: base.py (the protocols and their values), memory.py (`MemoryState`), redis.py (the Redis
 backends and their Lua), failover.py (`FailoverState`: Redis behind `on_failure`), build.py
@@ -8,6 +9,8 @@ backends and their Lua), failover.py (`FailoverState`: Redis behind `on_failure`
 
 from gateway.state.base import (
     WINDOW_S,
+    Holder,
+    HolderRecord,
     Limit,
     Reservation,
     SlotClaim,
@@ -21,6 +24,8 @@ from gateway.state.memory import MemoryState
 
 __all__ = [
     "WINDOW_S",
+    "Holder",
+    "HolderRecord",
     "Limit",
     "MemoryState",
     "Reservation",

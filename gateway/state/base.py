@@ -1,13 +1,17 @@
-"""The two state protocols: what admission shares across requests and, with Redis, across gateways.
+"""The state protocols: what admission shares across requests and, with Redis, across gateways.
 
 - `State`, the tenants' quota windows: every gateway has one (`MemoryState` alone, the Redis
   backends behind `FailoverState` when several share).
 - `SlotLedger`, the replicas' slots as leases: only gateways that share replicas have one
   (`FailoverState` again). A gateway alone has none, not an empty one: its pools' own counts
   are every slot there is, and the pool (gateway/admit/pool.py) takes a slot without an await.
+- `HolderRecord`, which replica stores each response (the Responses API): again only gateways
+  that share, so a conversation's next turn may reach any of them. A gateway alone keeps its
+  own record (gateway/holders.py) and needs no other.
 
-They are two because their users are: the quota stage calls `State`, the pool's leases
-(gateway/admit/leases.py) call `SlotLedger`; one object may implement both. Each call that
+They are apart because their users are: the quota stage calls `State`, the pool's leases
+(gateway/admit/leases.py) call `SlotLedger`, the holder stages `HolderRecord`; one object may
+implement all three. Each call that
 changes state is one atomic read-modify-write, so the Redis backend is one Lua script per call;
 the in-memory one gets atomicity from the event loop (its methods never await). A backend that
 fails closed raises `StateUnreachable`, a plain exception: state/ knows nothing of HTTP, and the
@@ -162,4 +166,32 @@ class SlotLedger(Protocol):
     async def share_waiting(self, pool: str, waiting: Sequence[int]) -> tuple[int, ...] | None:
         """Report this gateway's waiters in `pool` per tier; all gateways' (recent reports) per
         tier, or None."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Where a stored response lives, and what continuing it costs."""
+
+    tenant: str  # "" without tenants
+    pool: str
+    replica: str
+    tokens: int  # the stored conversation: the response's prompt and output
+
+
+class HolderRecord(Protocol):
+    """Which replica stores each response, for every gateway that shares: a record lives
+    `ttl_s` after it was last written or read. Nothing here refuses: a record that cannot be
+    reached is one this gateway does not know (it still knows its own)."""
+
+    async def record(self, response_id: str, holder: Holder) -> None:
+        """Keep `holder` as where `response_id` is stored."""
+        ...
+
+    async def holder(self, response_id: str) -> Holder | None:
+        """Where `response_id` is stored; None if no gateway recorded it (or it expired)."""
+        ...
+
+    async def forget(self, response_id: str) -> None:
+        """Drop a record whose replica has gone."""
         ...

@@ -1,5 +1,5 @@
-"""`FailoverState`: the Redis backends behind the policy's `on_failure`, one object serving as both
-the `State` and the `SlotLedger` of a gateway that shares them.
+"""`FailoverState`: the Redis backends behind the policy's `on_failure`, one object serving as the
+`State`, the `SlotLedger` and the `HolderRecord` of a gateway that shares them.
 
 Kept apart from the backends (redis.py) because it is policy, not storage: which failures count
 (`FAILURES`), when Redis is tried again, what failing open falls back to (a `MemoryState` at
@@ -15,7 +15,15 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Literal, TypeVar
 
-from gateway.state.base import Limit, Reservation, SlotClaim, StateUnreachable, Window, WindowFull
+from gateway.state.base import (
+    Holder,
+    Limit,
+    Reservation,
+    SlotClaim,
+    StateUnreachable,
+    Window,
+    WindowFull,
+)
 from gateway.state.memory import MemoryState
 from gateway.state.redis import FAILURES, RedisState
 
@@ -176,6 +184,19 @@ class FailoverState:
     async def share_waiting(self, pool: str, waiting: Sequence[int]) -> tuple[int, ...] | None:
         everyone = await self._shared(self.shared.share_waiting(pool, waiting))
         return None if isinstance(everyone, _Down) else everyone
+
+    # --- stored responses' holders: unreachable is unknown, never refused (the gateway still
+    # has its own record), so the failure policy does not apply ---
+
+    async def record(self, response_id: str, holder: Holder) -> None:
+        await self._shared(self.shared.record(response_id, holder))
+
+    async def holder(self, response_id: str) -> Holder | None:
+        found = await self._shared(self.shared.holder(response_id))
+        return None if isinstance(found, _Down) else found
+
+    async def forget(self, response_id: str) -> None:
+        await self._shared(self.shared.forget(response_id))
 
     async def close(self) -> None:
         await self.shared.close()

@@ -15,6 +15,10 @@ clocks may disagree. Tests may inject a clock (as with `MemoryState`) to move ti
 sleeping a minute; production never does. Keys expire a window after their last write, so a
 tenant gone idle leaves nothing behind.
 
+The holder record (its `HolderRecord` calls) is one plain key per stored response,
+`holder:<id>`, holding the holder as a JSON array and expiring `holder_ttl_s` after it was last
+written or read.
+
 Every call is bounded by `socket_timeout` / `socket_connect_timeout` and by an overall
 deadline (`gateway.deadline`): a slow or dead Redis turns into an error within `timeout_s`, which
 `FailoverState` turns into local limits or a refusal. redis-py retries a call once, at once, inside
@@ -26,20 +30,30 @@ from __future__ import annotations
 import asyncio
 import itertools
 import uuid
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
+import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.deadline import Deadline
-from gateway.state.base import WINDOW_S, Limit, Reservation, SlotClaim, Window, WindowFull
+from gateway.state.base import (
+    WINDOW_S,
+    Holder,
+    Limit,
+    Reservation,
+    SlotClaim,
+    Window,
+    WindowFull,
+)
 
 # What a call raises when Redis fails (down, hung past `timeout_s`, a stale connection twice),
 # as opposed to a bug: the errors `FailoverState` answers with its failure policy.
 FAILURES = (RedisError, OSError, TimeoutError)
+T = TypeVar("T")
 
 # Every script's clock: the caller's (tests move time) or, given '', Redis' own TIME.
 _CLOCK = """
@@ -280,6 +294,22 @@ def _keys(windows: Iterable[str]) -> list[str]:
     return [f"{key}:{part}" for key in windows for part in ("z", "a", "u")]
 
 
+def _holder(raw: bytes | str | None) -> Holder | None:
+    """A record as stored; anything else (written by another version, or not by a gateway) is
+    no record rather than an error."""
+    if raw is None:
+        return None
+    try:
+        tenant, pool, replica, tokens = orjson.loads(raw)
+    except (orjson.JSONDecodeError, TypeError, ValueError):
+        return None
+    if not (isinstance(tenant, str) and isinstance(pool, str) and isinstance(replica, str)):
+        return None
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        return None
+    return Holder(tenant, pool, replica, tokens)
+
+
 def _windows(values: Sequence[Any]) -> tuple[Window, ...]:
     return tuple(
         Window(limit=int(values[i]), remaining=int(values[i + 1]), reset_s=float(values[i + 2]))
@@ -302,10 +332,12 @@ class RedisState:
         clock: Callable[[], float] | None = None,
         max_connections: int = 64,
         lease_ttl_s: float = 10.0,
+        holder_ttl_s: float = 86400.0,
     ) -> None:
         self.clock = clock  # tests only: None reads Redis' TIME
         self.timeout_s = timeout_s
         self.lease_ttl_s = lease_ttl_s
+        self._holder_ttl_ms = max(1, round(holder_ttl_s * 1000))
         # A blocking pool: a burst over `max_connections` waits (within `timeout_s`) for a
         # connection rather than failing over, as redis-py's default pool would.
         pool = aioredis.BlockingConnectionPool.from_url(
@@ -329,10 +361,13 @@ class RedisState:
     def _now(self) -> str:
         return "" if self.clock is None else repr(float(self.clock()))
 
-    async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
-        """One script call, never longer than `timeout_s` however the socket behaves."""
+    async def _bounded(self, call: Awaitable[T]) -> T:
+        """One call, never longer than `timeout_s` however the socket behaves."""
         with Deadline(asyncio.get_running_loop().time() + self.timeout_s):
-            return await script(keys=keys, args=args)
+            return await call
+
+    async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        return await self._bounded(script(keys=keys, args=args))
 
     async def reserve(self, limits: Sequence[Limit]) -> Reservation | WindowFull:
         charge_id = f"{self._prefix}:{next(self._ids)}"
@@ -393,6 +428,20 @@ class RedisState:
         args = [self._now(), self.lease_ttl_s, self._prefix, ",".join(map(str, waiting))]
         totals = [int(n) for n in await self._run(self._waiting, keys, args)]
         return tuple(totals + [0] * (len(waiting) - len(totals)))
+
+    # --- stored responses' holders (the `HolderRecord` calls) -------------------------------
+
+    async def record(self, response_id: str, holder: Holder) -> None:
+        value = orjson.dumps([holder.tenant, holder.pool, holder.replica, holder.tokens])
+        key = f"holder:{response_id}"
+        await self._bounded(self.client.set(key, value, px=self._holder_ttl_ms))
+
+    async def holder(self, response_id: str) -> Holder | None:
+        key = f"holder:{response_id}"  # read, it lives on: a conversation in use is kept
+        return _holder(await self._bounded(self.client.getex(key, px=self._holder_ttl_ms)))
+
+    async def forget(self, response_id: str) -> None:
+        await self._bounded(self.client.delete(f"holder:{response_id}"))
 
     async def close(self) -> None:
         await self.client.aclose()
