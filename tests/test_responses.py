@@ -296,11 +296,17 @@ def holders(server: RedisServer) -> dict[str, list[Any]]:
     return {k.decode()[7:]: orjson.loads(db.get(k)) for k in db.scan_iter("holder:*")}
 
 
-async def test_a_conversation_alternating_gateways_stays_on_the_replica_that_stores_it(
-    sims, fresh_redis, gateway_factory, tokenizer_dir
-) -> None:
+@pytest.fixture
+async def pair(sims, fresh_redis, gateway_factory, tokenizer_dir) -> tuple[Any, Any]:
+    """Two gateways in front of the same replicas, sharing state through Redis."""
     policy = shared_policy(tokenizer_dir, [r.url for r in sims], fresh_redis)
-    first_gw, second_gw = await gateway_factory(policy), await gateway_factory(policy)
+    return await gateway_factory(policy), await gateway_factory(policy)
+
+
+async def test_a_conversation_alternating_gateways_stays_on_the_replica_that_stores_it(
+    pair, fresh_redis
+) -> None:
+    first_gw, second_gw = pair
     async with client(first_gw, KEYS["alice"]) as one, client(second_gw, KEYS["alice"]) as two:
         turns = [await one.responses.create(model="tiny", input=HELLO, max_output_tokens=3)]
         for sdk in (two, one, two, one):
@@ -324,11 +330,8 @@ async def test_a_conversation_alternating_gateways_stays_on_the_replica_that_sto
     assert {tuple(v[:3]) for v in recorded.values()} == {("alice", "main", lines[0]["replica"])}
 
 
-async def test_another_tenant_and_an_id_no_gateway_made_are_not_found(
-    sims, fresh_redis, gateway_factory, tokenizer_dir
-) -> None:
-    policy = shared_policy(tokenizer_dir, [r.url for r in sims], fresh_redis)
-    first_gw, second_gw = await gateway_factory(policy), await gateway_factory(policy)
+async def test_another_tenant_and_an_id_no_gateway_made_are_not_found(pair, fresh_redis) -> None:
+    first_gw, second_gw = pair
     async with client(first_gw, KEYS["alice"]) as alice, client(second_gw, KEYS["bob"]) as bob:
         mine = await alice.responses.create(model="tiny", input=HELLO, max_output_tokens=2)
         # A record that is not a gateway's (another version, or written by hand) is no record.
@@ -345,11 +348,8 @@ async def test_another_tenant_and_an_id_no_gateway_made_are_not_found(
     await accounted(second_gw, 0)
 
 
-async def test_redis_down_each_gateway_still_knows_its_own(
-    sims, fresh_redis, gateway_factory, tokenizer_dir
-) -> None:
-    policy = shared_policy(tokenizer_dir, [r.url for r in sims], fresh_redis)
-    first_gw, second_gw = await gateway_factory(policy), await gateway_factory(policy)
+async def test_redis_down_each_gateway_still_knows_its_own(pair, fresh_redis) -> None:
+    first_gw, second_gw = pair
     async with client(first_gw, KEYS["alice"]) as one, client(second_gw, KEYS["alice"]) as two:
         made = await one.responses.create(model="tiny", input=HELLO, max_output_tokens=2)
         fresh_redis.stop()
