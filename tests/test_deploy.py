@@ -292,7 +292,7 @@ def test_every_fleets_pools_resolve_to_headless_services_and_its_policy_checks(
     pod = one(fleet, "Deployment", "llm-gateway")["spec"]["template"]["spec"]
     tokenizers = {m["tokenizer"] for m in policy["models"].values()}
     for init in pod.get("initContainers", []):
-        assert set(init["args"][2::2]) == tokenizers  # directory, repo, directory, repo, ...
+        assert set(init["args"][1::2]) == tokenizers  # the script, then directory, repo, ...
 
 
 def test_the_deployed_policy_is_the_articles_fleet_on_headless_services_and_checks(

