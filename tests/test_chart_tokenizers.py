@@ -160,3 +160,25 @@ async def test_a_gated_tokenizer_without_the_token_fails_the_pod_start_saying_wh
     done = await asyncio.to_thread(run_init, init, tmp_path / "models", hub, None)
     assert done.returncode != 0  # the init container fails: the gateway never starts uncounted
     assert "401" in done.stderr and "Llama-3.1-8B-Instruct" in done.stderr
+
+
+def documented_download() -> str:
+    """docs/operations.md's `hf download` for a cluster without egress, as one shell line."""
+    text = (CHART.parent.parent.parent / "docs" / "operations.md").read_text()
+    block = text.split("Fill it\nwith the same files the init container fetches:\n\n```sh\n")[1]
+    return block.split("```")[0].replace("\\\n", " ")
+
+
+async def test_the_documented_download_fetches_what_the_init_container_does(
+    hub: Hub, tmp_path: Path
+) -> None:
+    command = documented_download().replace("/mnt/", f"{tmp_path}/")
+    env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HF_ENDPOINT": hub.url,
+           "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "hf-home")}  # fmt: skip
+    done = await asyncio.to_thread(
+        subprocess.run, command, shell=True, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    fetched = {p.name for p in (tmp_path / "gemma-3-tokenizer").iterdir()} - {".cache"}
+    allowed = set(yaml.safe_load((CHART / "values.yaml").read_text())["tokenizerFiles"])
+    assert fetched == set(hub.files("google/gemma-3-27b-it")) & allowed
