@@ -360,9 +360,13 @@ async def test_a_stream_the_replica_breaks_ends_with_an_error_event_not_a_hang(
 # --- a client that leaves -----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("pause_s", [0.05, 60], ids=["streaming", "silent"])
 async def test_a_client_that_leaves_mid_stream_ends_the_replicas_request(
-    replica_app, tokenizer_dir, gateway_factory, http
+    replica_app, tokenizer_dir, gateway_factory, http, pause_s
 ) -> None:
+    """Whether the replica is still sending (the next delta would reach no one) or silent (a
+    long stretch of audio to decode), the gateway closes its connection: that is how the
+    replica learns to stop."""
     ended = asyncio.Event()
 
     async def streams(request: web.Request) -> web.StreamResponse:
@@ -370,9 +374,9 @@ async def test_a_client_that_leaves_mid_stream_ends_the_replicas_request(
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         try:
-            for _ in range(600):  # 30 s of deltas, unless the gateway hangs up
+            for _ in range(600):  # deltas for 30 s or more, unless the gateway hangs up
                 await resp.write(b'data: {"type": "transcript.text.delta", "delta": "a"}\n\n')
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(pause_s)
         finally:
             ended.set()
         return resp
