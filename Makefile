@@ -29,7 +29,8 @@ test: $(STAMP)
 test-vllm: $(STAMP)
 	VLLM_PYTHON=$$(tests_vllm/vllm_env.sh) && \
 	HF_HUB_OFFLINE=1 "$$VLLM_PYTHON" -m loadtest.tiny_llama $(TINY_LLAMA) && \
-	VLLM_PYTHON=$$VLLM_PYTHON VLLM_MODEL_DIR=$(TINY_LLAMA) $(BIN)/python -m pytest -q tests_vllm
+	VLLM_PYTHON=$$VLLM_PYTHON VLLM_MODEL_DIR=$(TINY_LLAMA) PATH="$(abspath $(BIN)):$$PATH" \
+		$(BIN)/python -m pytest -q tests_vllm
 
 # The Dockerfile built by buildah (daemonless, as root) on a Debian stand-in for its base, which
 # CI cannot pull; the image then checks the chart's policy (.ci/image.sh says why and how).
