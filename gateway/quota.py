@@ -59,7 +59,15 @@ from gateway.authenticate import Tenant
 from gateway.context import Ctx
 from gateway.errors import GatewayError, OverQuota, QuotaExceeded, StateUnavailable
 from gateway.observability.metrics import Metrics
-from gateway.state.base import Limit, Reservation, State, StateUnreachable, Window, WindowFull
+from gateway.state.base import (
+    Correction,
+    Limit,
+    Reservation,
+    State,
+    StateUnreachable,
+    Window,
+    WindowFull,
+)
 
 log = logging.getLogger("gateway.quota")
 
@@ -209,7 +217,7 @@ def input_floor(ctx: Ctx) -> int:
     return ctx.api.input_floor(ctx, ctx.model.counter)
 
 
-def _spread(parts: Sequence[tuple[str, str, int]], use: int) -> list[tuple[str, str, int, int]]:
+def _spread(parts: Sequence[tuple[str, str, int]], use: int) -> list[Correction]:
     """Each token part with what it is corrected to, `use` spread over a window's parts in order:
     each takes up to what it reserved, the last the rest, so while the charges are in the window
     their sum becomes `use`, and once they have left only an excess is charged (`State.adjust`)."""
@@ -222,7 +230,7 @@ def _spread(parts: Sequence[tuple[str, str, int]], use: int) -> list[tuple[str, 
         for i, (charge_id, amount) in enumerate(charges):
             actual = left if i == len(charges) - 1 else min(left, amount)
             left -= actual
-            out.append((charge_id, key, amount, actual))
+            out.append(Correction(key, charge_id, amount, actual))
     return out
 
 
@@ -262,12 +270,12 @@ class Quotas:
         if call.cancelled() or call.exception() is not None:
             return
         result = call.result()
-        if isinstance(result, Reservation):
-            for limit in tokens:
-                self._correct(limit.key, result.id, limit.amount, 0)
+        if isinstance(result, Reservation) and tokens:
+            self._correct([Correction(limit.key, result.id, limit.amount, 0) for limit in tokens])
 
-    def _correct(self, key: str, charge_id: str, reserved: int, actual: int) -> asyncio.Task[None]:
-        task = asyncio.create_task(self.state.adjust(key, charge_id, reserved, actual))
+    def _correct(self, corrections: list[Correction]) -> asyncio.Task[None]:
+        """One call for all of a request's corrections: its windows are one tenant's."""
+        task = asyncio.create_task(self.state.adjust(corrections))
         self._track(task)
         return task
 
@@ -353,10 +361,10 @@ class Quotas:
         here, so a client leaving meanwhile loses none) and its headers left to `describe`."""
         assert ctx.tenant is not None
         error = self._refuse(ctx.tenant, item, retry_after_s)
-        releases = [self._correct(key, i, amount, 0) for i, key, amount in charge.parts]
+        releases = [Correction(key, i, amount, 0) for i, key, amount in charge.parts]
         charge.parts.clear()
         if releases:
-            await asyncio.wait(releases)
+            await asyncio.wait([self._correct(releases)])
         ctx.ratelimit_headers = {}
         return error
 
@@ -398,8 +406,8 @@ class Quotas:
         it really prefilled (images expanded by its processor, say) is what the tenant used."""
         prompt = ctx.input_tokens if ctx.prompt_tokens is None else ctx.prompt_tokens
         actual = prompt + (ctx.output_tokens or 0) if ctx.admitted else 0
-        for charge_id, key, reserved, corrected in _spread(charge.parts, actual):
-            self._correct(key, charge_id, reserved, corrected)
+        if charge.parts:
+            self._correct(_spread(charge.parts, actual))
         charge.parts.clear()
 
     def _done(self, task: asyncio.Task[Any]) -> None:

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.state import Limit, MemoryState, Reservation, WindowFull
+from gateway.state import Correction, Limit, MemoryState, Reservation, WindowFull
 from gateway.state.base import StateUnreachable
 from gateway.state.failover import FailoverState
 from gateway.state.redis import RedisState
@@ -61,14 +61,17 @@ async def test_redis_answers_as_the_in_memory_state_does(
                 continue
             assert isinstance(theirs, Reservation)
             if now:
-                await memory.adjust(keys[0], mine.id, amount, actual)
-                await shared.adjust(keys[0], theirs.id, amount, actual)
+                await memory.adjust([Correction(keys[0], mine.id, amount, actual)])
+                await shared.adjust([Correction(keys[0], theirs.id, amount, actual)])
             else:
                 later.append((mine.id, theirs.id, amount, actual))
-        clock.now += 30  # some corrections come after their charge has left the window
-        for mine_id, their_id, amount, actual in later:
-            await memory.adjust(keys[0], mine_id, amount, actual)
-            await shared.adjust(keys[0], their_id, amount, actual)
+        clock.now += 30  # some corrections come after their charge has left the window, in one call
+        await memory.adjust(
+            [Correction(keys[0], m, amount, actual) for m, _, amount, actual in later]
+        )
+        await shared.adjust(
+            [Correction(keys[0], t, amount, actual) for _, t, amount, actual in later]
+        )
         probe = [Limit(keys[0], 0, limit), Limit(keys[1], 0, 5)]
         assert await memory.peek(probe) == pytest.approx(await shared.peek(probe))
     finally:

@@ -9,6 +9,7 @@ backends and their Lua), failover.py (`FailoverState`: Redis behind `on_failure`
 
 from gateway.state.base import (
     WINDOW_S,
+    Correction,
     Holder,
     HolderRecord,
     Limit,
@@ -24,6 +25,7 @@ from gateway.state.memory import MemoryState
 
 __all__ = [
     "WINDOW_S",
+    "Correction",
     "Holder",
     "HolderRecord",
     "Limit",

@@ -86,6 +86,16 @@ class WindowFull:
     windows: tuple[Window, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Correction:
+    """Charge `charge_id` in window `key`, `reserved` when made, is really `actual`."""
+
+    key: str
+    charge_id: str
+    reserved: int
+    actual: int
+
+
 class State(Protocol):
     async def reserve(self, limits: Sequence[Limit]) -> Reservation | WindowFull:
         """Charge every limit, all or none: a request refused for RPM spends no tokens. Raises
@@ -98,10 +108,11 @@ class State(Protocol):
         `StateUnreachable` as `reserve` does."""
         ...
 
-    async def adjust(self, key: str, reservation_id: str, reserved: int, actual: int) -> None:
-        """Correct a charge of `reserved` in window `key` to `actual`, once, when the request ends.
+    async def adjust(self, corrections: Sequence[Correction]) -> None:
+        """Make each correction, once, when its request ends: one call for all of a request's
+        charges (its windows are one tenant's, one Redis Cluster slot).
 
-        While the charge is in the window it is rewritten in place (it keeps its time). Once it
+        While a charge is in its window it is rewritten in place (it keeps its time). Once it
         has left, only an excess is still owed and is charged now, without a limit check: the
         tokens were spent. A refund of a charge already gone is nothing.
         """

@@ -16,6 +16,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Literal, TypeVar
 
 from gateway.state.base import (
+    Correction,
     Holder,
     Limit,
     Reservation,
@@ -132,15 +133,24 @@ class FailoverState:
             raise self._refuse()
         return await self.local.peek(self._scaled(limits))
 
-    async def adjust(self, key: str, reservation_id: str, reserved: int, actual: int) -> None:
-        if reservation_id.startswith(_LOCAL):
-            await self.local.adjust(key, reservation_id[len(_LOCAL) :], reserved, actual)
+    async def adjust(self, corrections: Sequence[Correction]) -> None:
+        """Each correction where its charge was made: `local:` ones here, the rest in Redis."""
+        local = [
+            Correction(fix.key, fix.charge_id[len(_LOCAL) :], fix.reserved, fix.actual)
+            for fix in corrections
+            if fix.charge_id.startswith(_LOCAL)
+        ]
+        if local:
+            await self.local.adjust(local)
+        shared = [fix for fix in corrections if not fix.charge_id.startswith(_LOCAL)]
+        if not shared:
             return
         try:
-            await self.shared.adjust(key, reservation_id, reserved, actual)
+            await self.shared.adjust(shared)
         except FAILURES as exc:  # called once: a lost correction is logged, never retried
             self._failed(exc)
-            log.warning("correction of charge %s in %s lost: %r", reservation_id, key, exc)
+            lost = ", ".join(f"{fix.charge_id} in {fix.key}" for fix in shared)
+            log.warning("correction of charges %s lost: %r", lost, exc)
 
     # --- replica slots: failing open counts locally (the caller keeps 1/gateways of a cap) ---
 

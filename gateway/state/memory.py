@@ -13,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from gateway.state.base import WINDOW_S, Limit, Reservation, Window, WindowFull
+from gateway.state.base import WINDOW_S, Correction, Limit, Reservation, Window, WindowFull
 
 
 class _Charge:
@@ -100,15 +100,16 @@ class MemoryState:
         now = self.clock()
         return tuple(self._log(limit.key, now).window(limit.limit, now) for limit in limits)
 
-    async def adjust(self, key: str, reservation_id: str, reserved: int, actual: int) -> None:
+    async def adjust(self, corrections: Sequence[Correction]) -> None:
         now = self.clock()
-        log = self._log(key, now)
-        charge = log.by_id.get(reservation_id)
-        if charge is not None:
-            log.used += actual - charge.amount
-            charge.amount = actual
-        elif actual > reserved:
-            log.add(_Charge(f"{reservation_id}+", now, actual - reserved))
+        for fix in corrections:
+            log = self._log(fix.key, now)
+            charge = log.by_id.get(fix.charge_id)
+            if charge is not None:
+                log.used += fix.actual - charge.amount
+                charge.amount = fix.actual
+            elif fix.actual > fix.reserved:
+                log.add(_Charge(f"{fix.charge_id}+", now, fix.actual - fix.reserved))
 
     async def close(self) -> None:
         return None

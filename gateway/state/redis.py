@@ -42,6 +42,7 @@ from redis.exceptions import RedisError
 from gateway.deadline import Deadline
 from gateway.state.base import (
     WINDOW_S,
+    Correction,
     Holder,
     Limit,
     Reservation,
@@ -176,16 +177,18 @@ return out
 _ADJUST = (
     _PRELUDE
     + """
-local now, span, id = clock(), tonumber(ARGV[2]), ARGV[3]
-local reserved, actual, k = tonumber(ARGV[4]), tonumber(ARGV[5]), BASE[1]
-local used = expire(k, now - span)
-local held = redis.call('HGET', k .. ':a', id)
-if held then
-  redis.call('HSET', k .. ':a', id, actual)
-  redis.call('SET', k .. ':u', used + actual - tonumber(held))
-  touch(k, span)
-elseif actual > reserved then
-  charge(k, id .. '+', now, actual - reserved, used, span)
+local now, span = clock(), tonumber(ARGV[2])
+for i, k in ipairs(BASE) do
+  local id, reserved, actual = ARGV[3 * i], tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2])
+  local used = expire(k, now - span)
+  local held = redis.call('HGET', k .. ':a', id)
+  if held then
+    redis.call('HSET', k .. ':a', id, actual)
+    redis.call('SET', k .. ':u', used + actual - tonumber(held))
+    touch(k, span)
+  elseif actual > reserved then
+    charge(k, id .. '+', now, actual - reserved, used, span)
+  end
 end
 return 1
 """
@@ -387,9 +390,11 @@ class RedisState:
         args: list[Any] = [self._now(), WINDOW_S, *(limit.limit for limit in limits)]
         return _windows(await self._run(self._peek, _keys(limit.key for limit in limits), args))
 
-    async def adjust(self, key: str, reservation_id: str, reserved: int, actual: int) -> None:
-        args = [self._now(), WINDOW_S, reservation_id, reserved, actual]
-        await self._run(self._adjust, _keys([key]), args)
+    async def adjust(self, corrections: Sequence[Correction]) -> None:
+        args: list[Any] = [self._now(), WINDOW_S]
+        for fix in corrections:
+            args += [fix.charge_id, fix.reserved, fix.actual]
+        await self._run(self._adjust, _keys(fix.key for fix in corrections), args)
 
     # --- replica slots as leases (the `SlotLedger` calls, undecorated: `FailoverState` adds
     # the failure policy) ------------------------------------------------------------------
