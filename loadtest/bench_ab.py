@@ -10,6 +10,10 @@ pass-through and both gateways side by side in alternating blocks.
     git worktree add /tmp/base <commit>
     python -m loadtest.bench_ab --base /tmp/base --candidate . [--rounds 5] [--traced RATIO]
 
+`--state redis` runs both with their slots and a tenant's windows in one local redis-server
+(`gateways: 3`), every request carrying the tenant's key: what shared state costs per request,
+and whether a change to it made it cheaper.
+
 `--traced 1` gives the candidate's policy a `tracing` section sampling every request (RATIO of
 them), exported to the stub (an OTLP/HTTP sink): with the same tree on both sides, what tracing
 costs.
@@ -37,11 +41,14 @@ from loadtest.overhead.fleet import (
     build_tokenizer,
     start_backends,
     start_gateway,
+    start_redis,
     wait_started,
 )
 from loadtest.overhead.paired import measure_paired
 from loadtest.overhead.policy import write_policy
 from loadtest.overhead.wrk import measure, run_wrk, static_lua
+
+TENANT_KEY = "sk-bench-ab-tenant"  # loopback only, hashed in the policy
 
 
 def compare(
@@ -50,6 +57,7 @@ def compare(
     connections: list[int],
     duration: int,
     traced: float | None,
+    shared: bool = False,
 ) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
         workdir = Path(tmp)
@@ -57,17 +65,21 @@ def compare(
         procs = Fleet(workdir)
         try:
             stub, passthrough = start_backends(procs)
-            policies = dict.fromkeys(trees, write_policy(workdir, tokenizer, stub.url, None, None))
+            redis_url = start_redis(procs) if shared else None
+            key = TENANT_KEY if shared else None
+            policy = write_policy(workdir, tokenizer, stub.url, redis_url, None, tenant_key=key)
+            policies = dict.fromkeys(trees, policy)
             if traced is not None:  # the stub is the traces' sink
                 sink = f"{stub.url}/v1/traces"
                 policies["candidate"] = write_policy(
                     workdir,
                     tokenizer,
                     stub.url,
-                    None,
+                    redis_url,
                     None,
                     "traced.yaml",
                     traces_to=(sink, traced),
+                    tenant_key=key,
                 )
             sides = {
                 name: start_gateway(procs, name, policies[name], tree)
@@ -75,7 +87,8 @@ def compare(
             }
             wait_started(stub, passthrough, list(sides.values()))
             script, body = workdir / "short.lua", workdir / "short.json"
-            script.write_text(static_lua(dumps(short_chat())))
+            auth = {"Authorization": f"Bearer {TENANT_KEY}"} if shared else None
+            script.write_text(static_lua(dumps(short_chat()), auth))
             body.write_text(dumps(short_chat()))
             services = [stub, passthrough, *sides.values()]
             for c in connections:  # warm up: connections, caches, the estimator's window
@@ -97,7 +110,7 @@ def compare(
                         measure_paired(
                             {"direct": stub, "pass-through": passthrough, **sides}, services, body
                         )
-                        if c == 1
+                        if c == 1 and not shared  # its client sends no key
                         else None
                     )
                     for name in sides:
@@ -108,6 +121,7 @@ def compare(
                         line.append(
                             f"{name}: req/s {gw.rps / pt.rps:.3f}x, CPU {cpu:.3f}x"
                             + ("" if added is None else f", added p50 {added:.3f}x")
+                            + (f", {gw.errors} FAILED" if gw.errors else "")
                         )
                     other = max(
                         [r.other_cores for r in runs.values()]
@@ -139,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connections", default="1,64", help="e.g. 1,64")
     parser.add_argument("--duration", type=int, default=4, help="seconds per run (>= 1)")
     parser.add_argument(
+        "--state",
+        choices=["memory", "redis"],
+        default="memory",
+        help="redis: slots and a tenant's windows in a local redis-server, every request with the"
+        " tenant's key, as gateways sharing state run (one connection: no paired latency)",
+    )
+    parser.add_argument(
         "--traced",
         type=float,
         metavar="RATIO",
@@ -152,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, tree in trees.items():
         if not (tree / "gateway" / "__main__.py").is_file():
             parser.error(f"--{name} {tree} holds no gateway/ package")
-    return compare(trees, args.rounds, connections, args.duration, args.traced)
+    shared = args.state == "redis"
+    return compare(trees, args.rounds, connections, args.duration, args.traced, shared)
 
 
 if __name__ == "__main__":

@@ -173,7 +173,8 @@ return out
 """
 )
 
-# KEYS: the window's three keys. ARGV: now, window, id, reserved, actual.
+# KEYS: the three keys of each correction's window (one window may come twice). ARGV: now,
+# window, then id, reserved, actual per correction.
 _ADJUST = (
     _PRELUDE
     + """

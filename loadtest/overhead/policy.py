@@ -7,6 +7,7 @@ counts and classifies a body, so the report states the gateway's own figures.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -27,11 +28,14 @@ def write_policy(
     name: str = "policy.yaml",
     counted: Mapping[str, Path] | None = None,
     traces_to: tuple[str, float] | None = None,
+    tenant_key: str | None = None,
 ) -> Path:
     """The tiny tokenizer's model and `counted`'s (model name: tokenizer directory, each counted
     by the backend `auto` chooses), a pool each of the one replica with caps that never queue,
     access log on; with `redis_url`, quotas and slots shared through Redis as several gateways
-    would run; with `traces_to` (an OTLP/HTTP endpoint, a sample ratio), requests traced."""
+    would run; with `traces_to` (an OTLP/HTTP endpoint, a sample ratio), requests traced; with
+    `tenant_key`, one tenant holding it, with token and request windows too large to refuse:
+    what charging and correcting its windows costs, never a 429."""
     pool = {"replicas": [replica], "max_concurrency": 100000, "queue": {"max_depth": 1024}}
     models = {MODEL: tokenizer, **(counted or {})}
     policy: dict[str, Any] = {
@@ -54,6 +58,9 @@ def write_policy(
         policy["server"]["tokenizer_threads"] = tokenizer_threads
     if redis_url is not None:
         policy["state"] = {"backend": "redis", "url": redis_url, "gateways": 3}
+    if tenant_key is not None:
+        digest = hashlib.sha256(tenant_key.encode()).hexdigest()
+        policy["tenants"] = {"bench": {"keys": [f"sha256:{digest}"], "tpm": 10**12, "rpm": 10**12}}
     if traces_to is not None:
         endpoint, ratio = traces_to
         policy["tracing"] = {"endpoint": endpoint, "sample_ratio": ratio}

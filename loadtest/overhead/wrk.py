@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,12 +38,18 @@ def _lua_string(text: str) -> str:
     return f"[{'=' * level}[{text}]{'=' * level}]"
 
 
-def static_lua(body: str) -> str:
-    """The same body on every request: wrk builds it once, the cheapest load to generate."""
+def static_lua(body: str, headers: Mapping[str, str] | None = None) -> str:
+    """The same body (and `headers`) on every request: wrk builds it once, the cheapest load to
+    generate."""
+    extra = "".join(
+        f"wrk.headers[ {_lua_string(k)} ] = {_lua_string(v)}\n" for k, v in (headers or {}).items()
+    )
     return (
         'wrk.method = "POST"\n'
         'wrk.headers["Content-Type"] = "application/json"\n'
-        f"wrk.body = {_lua_string(body)}\n" + _DONE_LUA
+        + extra
+        + f"wrk.body = {_lua_string(body)}\n"
+        + _DONE_LUA
     )
 
 
