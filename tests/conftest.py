@@ -254,6 +254,27 @@ class RedisServer:
             self.process = None
 
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@pytest.fixture
+async def replica_app() -> AsyncIterator[Callable[..., Awaitable[str]]]:
+    """Serve a test's own handler as a replica on loopback, at `path` (chat completions unless
+    named): a replica that misbehaves as the test needs. Returns its URL; stopped after the test."""
+    runners: list[web.AppRunner] = []
+
+    async def start(handler: Handler, path: str = "/v1/chat/completions") -> str:
+        app = web.Application()
+        app.router.add_post(path, handler)
+        runner, url = await _serve(app)
+        runners.append(runner)
+        return url
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator[RedisServer]:
     server = RedisServer()

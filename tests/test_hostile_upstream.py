@@ -12,7 +12,6 @@ import json
 import logging
 import socket
 import tracemalloc
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -22,9 +21,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import _serve, basic_policy, eventually, longest_loop_gap
-
-ChatHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+from tests.conftest import basic_policy, eventually, longest_loop_gap
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
 MiB = 1024 * 1024
@@ -70,23 +67,6 @@ def settled(gw: Any) -> bool:
         and gw.waiting() == 0
         and all(p.retrying == 0 for p in pools)
     )
-
-
-@pytest.fixture
-async def replica_app() -> AsyncIterator[Callable[[ChatHandler], Awaitable[str]]]:
-    """Serve a test's own chat-completions handler as a replica on loopback; returns its URL."""
-    runners: list[web.AppRunner] = []
-
-    async def start(handler: ChatHandler) -> str:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", handler)
-        runner, url = await _serve(app)
-        runners.append(runner)
-        return url
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
 
 
 async def open_stream(request: web.Request) -> web.StreamResponse:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import io
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.policy.load import PolicyError
 from loadtest.sim import Profile, ReplicaOptions, start_replica
-from tests.conftest import _serve, accounted, basic_policy, eventually, write_policy
+from tests.conftest import Handler, _serve, accounted, basic_policy, eventually, write_policy
 from tests.test_simulator import write_profile
 from tests.test_tenants import hashed
 
@@ -138,25 +137,6 @@ def test_a_path_is_one_routes_and_never_an_apis(tmp_path: Path, tokenizer_dir: P
 
 # --- a replica that fails: what the client is told, and that nothing is left held -------------
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@pytest.fixture
-async def replica_app() -> AsyncIterator[Callable[[Handler], Awaitable[str]]]:
-    """Serve a test's own transcription handler as a replica on loopback; returns its URL."""
-    runners: list[web.AppRunner] = []
-
-    async def start(handler: Handler) -> str:
-        app = web.Application()
-        app.router.add_post(TRANSCRIBE, handler)
-        runner, url = await _serve(app)
-        runners.append(runner)
-        return url
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
-
 
 def dead_url() -> str:
     """A loopback port nobody listens on: connections are refused at once."""
@@ -237,7 +217,7 @@ async def test_a_replicas_500_reaches_the_client_as_it_sent_it(
         await request.read()
         return web.json_response({"error": error}, status=500)
 
-    gw = await gateway_factory(audio_policy(tokenizer_dir, await replica_app(fails)))
+    gw = await gateway_factory(audio_policy(tokenizer_dir, await replica_app(fails, TRANSCRIBE)))
     with pytest.raises(openai.InternalServerError) as caught:
         await transcribe(gw)
     assert caught.value.status_code == 500 and caught.value.body == error  # as chat relays it
@@ -258,7 +238,10 @@ async def test_a_503_is_retried_on_another_replica_with_the_same_upload(
 
         return handler
 
-    busy, ok = await replica_app(answering(503)), await replica_app(answering(200))
+    busy, ok = (
+        await replica_app(answering(503), TRANSCRIBE),
+        await replica_app(answering(200), TRANSCRIBE),
+    )
     policy = audio_policy(tokenizer_dir, busy)
     policy["pools"]["main"]["replicas"] = [busy, ok]
     policy["pools"]["main"]["health"] = {"interval_s": 0}
@@ -291,7 +274,7 @@ async def test_a_replica_that_hangs_is_a_504_and_is_told_to_stop(
             ended.set()
         return web.json_response({"text": "too late"})
 
-    policy = audio_policy(tokenizer_dir, await replica_app(hangs))
+    policy = audio_policy(tokenizer_dir, await replica_app(hangs, TRANSCRIBE))
     policy["pools"]["main"]["timeouts"] = timeouts
     gw = await gateway_factory(policy)
     with pytest.raises(openai.InternalServerError) as caught:
@@ -320,7 +303,7 @@ async def test_a_replica_that_dies_mid_answer_is_a_502_not_a_hang(
         request.transport.close()  # 13 bytes of 1000, then gone
         return resp
 
-    gw = await gateway_factory(audio_policy(tokenizer_dir, await replica_app(dies)))
+    gw = await gateway_factory(audio_policy(tokenizer_dir, await replica_app(dies, TRANSCRIBE)))
     with pytest.raises(openai.InternalServerError) as caught:
         await transcribe(gw)
     assert caught.value.status_code == 502
@@ -344,7 +327,7 @@ async def test_a_stream_the_replica_breaks_ends_with_an_error_event_not_a_hang(
         request.transport.close()  # mid-stream, no terminating chunk
         return resp
 
-    gw = await gateway_factory(audio_policy(tokenizer_dir, await replica_app(breaks)))
+    gw = await gateway_factory(audio_policy(tokenizer_dir, await replica_app(breaks, TRANSCRIBE)))
     async with asyncio.timeout(10), http.post(gw.url + TRANSCRIBE, data=upload()) as resp:
         assert resp.status == 200  # sent before the break
         text = await resp.read()
@@ -381,7 +364,7 @@ async def test_a_client_that_leaves_mid_stream_ends_the_replicas_request(
             ended.set()
         return resp
 
-    gw = await gateway_factory(audio_policy(tokenizer_dir, await replica_app(streams)))
+    gw = await gateway_factory(audio_policy(tokenizer_dir, await replica_app(streams, TRANSCRIBE)))
     async with asyncio.timeout(10):  # the first delta is relayed as it comes, not held
         resp = await http.post(gw.url + TRANSCRIBE, data=upload())
         assert resp.status == 200 and await resp.content.readuntil(b"\n\n")
@@ -405,7 +388,7 @@ async def test_a_client_that_leaves_while_the_replica_works_ends_the_replicas_re
             ended.set()
         return web.json_response({"text": "too late"})
 
-    gw = await gateway_factory(audio_policy(tokenizer_dir, await replica_app(works)))
+    gw = await gateway_factory(audio_policy(tokenizer_dir, await replica_app(works, TRANSCRIBE)))
     client = asyncio.create_task(http.post(gw.url + TRANSCRIBE, data=upload()))
     await asyncio.wait_for(received.wait(), 5)
     client.cancel()  # the client gives up before any answer
@@ -426,7 +409,7 @@ async def test_an_upload_the_client_abandons_never_reaches_the_replica(
         got.append(await request.read())
         return web.json_response({"text": "hello"})
 
-    gw = await gateway_factory(audio_policy(tokenizer_dir, await replica_app(replica)))
+    gw = await gateway_factory(audio_policy(tokenizer_dir, await replica_app(replica, TRANSCRIBE)))
     host, port = gw.url.removeprefix("http://").split(":")
     _, writer = await asyncio.open_connection(host, int(port))
     head = f"POST {TRANSCRIBE} HTTP/1.1\r\nHost: {host}\r\nContent-Type: audio/wav\r\n"
@@ -452,7 +435,7 @@ async def test_an_upload_over_max_body_bytes_is_a_413_and_never_reaches_the_repl
         got.append(await request.read())
         return web.json_response({"text": "hello"})
 
-    policy = audio_policy(tokenizer_dir, await replica_app(replica))
+    policy = audio_policy(tokenizer_dir, await replica_app(replica, TRANSCRIBE))
     policy["server"] = {"max_body_bytes": len(AUDIO) - 1}
     gw = await gateway_factory(policy)
     async with http.post(gw.url + TRANSCRIBE, data=AUDIO) as resp:

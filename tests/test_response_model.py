@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -15,7 +14,7 @@ from aiohttp import web
 
 from gateway.policy.compile import load_policy
 from gateway.policy.load import PolicyError
-from tests.conftest import _serve, basic_policy, write_policy
+from tests.conftest import basic_policy, write_policy
 
 ALIAS = "tiny-alias"  # basic_policy routes it to the pool of model `tiny`
 # What a client may legitimately write: the rewrite must leave the text of an answer alone.
@@ -72,22 +71,6 @@ async def test_a_model_asked_by_its_own_name_is_left_as_the_replica_says(
     gw = await gateway_factory(policy(tokenizer_dir, stub.url, "requested"))
     async with http.post(f"{gw.url}/v1/chat/completions", json=chat("tiny")) as resp:
         assert (resp.status, (await resp.json())["model"]) == (200, "tiny")
-
-
-@pytest.fixture
-async def replica_app() -> AsyncIterator[Callable[[Any], Awaitable[str]]]:
-    runners: list[web.AppRunner] = []
-
-    async def start(handler: Any) -> str:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", handler)
-        runner, url = await _serve(app)
-        runners.append(runner)
-        return url
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
 
 
 def chunk(content: str | None) -> bytes:
