@@ -188,6 +188,33 @@ def test_an_alias_inside_its_own_anchor_is_refused_at_its_line(tmp_path) -> None
     assert result.stderr.startswith(f"{path}:2: (yaml): alias *loop is inside its own anchor")
 
 
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path) -> None:
+    """PyYAML keeps the last of two equal keys without a word; a policy refuses it."""
+    path = tmp_path / "x.yaml"
+    path.write_text(
+        "models: {m: {tokenizer: estimate}}\npools:\n  p:\n    model: m\n"
+        "    max_concurrency: 4\n    replicas: [http://127.0.0.1:1]\n    max_concurrency: 8\n"
+    )
+    result = check(path)
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"{path}:7: (yaml): key 'max_concurrency' first given")
+    assert f'in "{path}", line 5, column 5' in result.stderr
+
+
+def test_merge_keys_may_be_overridden(tmp_path) -> None:
+    """`<<: *base` then a key of the base's is ordinary YAML: the explicit key wins."""
+    demo = (Path(__file__).parents[1] / "policies" / "minimal.yaml").read_text()
+    path = tmp_path / "x.yaml"
+    path.write_text(
+        demo.replace("  classify:\n", "  classify: &base\n", 1).replace(
+            "  generate:\n", "  generate:\n    <<: *base\n", 1
+        )
+    )
+    assert "<<: *base" in path.read_text()
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+
+
 def test_alias_over_different_tokenizers_is_refused(tmp_path) -> None:
     path = tmp_path / "x.yaml"
     path.write_text(

@@ -149,6 +149,8 @@ class _PolicyLoader(yaml.SafeLoader):
         finally:
             self.depth -= 1
             self.open_anchors.discard(anchor)
+        if isinstance(node, yaml.MappingNode):
+            self._unique_keys(node)
         values, depth = self._expanded(node)
         if values > MAX_VALUES:
             raise self._refused(
@@ -159,6 +161,22 @@ class _PolicyLoader(yaml.SafeLoader):
                 f"nested more than {MAX_DEPTH} levels deep once its aliases are expanded", event
             )
         return node
+
+    @staticmethod
+    def _unique_keys(node: yaml.MappingNode) -> None:
+        """Refuse a key given twice in one mapping. PyYAML keeps the last silently, so an
+        operator's edit further down would undo an earlier one with no word, and every error
+        would point at the mapping that was thrown away."""
+        seen: dict[str, yaml.Node] = {}
+        for key, _ in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue
+            first = seen.setdefault(key.value, key)
+            if first is not key:
+                raise yaml.composer.ComposerError(
+                    f"key {key.value!r} first given", first.start_mark,
+                    "given again: a mapping's keys must be unique", key.start_mark,
+                )  # fmt: skip
 
     def _expanded(self, node: yaml.Node | None) -> tuple[int, int]:
         """Values and depth of `node` with its aliases expanded, from its children's."""
