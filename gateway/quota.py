@@ -37,9 +37,12 @@ to what was really used: input + output tokens if a replica served it (both from
 or the chunks counted when the stream broke or the client left), 0 if it never reached one. The
 request itself stays counted against RPM.
 
-`/tokenize` and `/detokenize` are charged to the tenant's overall RPM (`reserve_request`), before
-their body is read, and never to TPM: they generate no tokens and use no replica of any pool or
-model, so only the tenant's overall request rate applies to them.
+`/tokenize`, `/detokenize` and `/v1/messages/count_tokens` are charged to the tenant's overall
+windows (`reserve_counting`): a request and a token before their body is read, then the token
+corrected to the tokens they counted or decoded. They generate nothing and use no replica, but
+the tokenizer threads they use are every tenant's: a tenant refused every chat made the gateway
+count 474k tokens in 6 s through `count_tokens` alone. Like a chat's, the count is known only
+once made, so a window with any room left admits one; the next waits for the window.
 
 Every response for a limited tenant carries OpenAI's `x-ratelimit-{limit,remaining,reset}-
 {tokens,requests}` headers, as the windows stood after the reservation (or the refusal), and
@@ -457,19 +460,33 @@ class Quotas:
         ctx.ratelimit_headers = {}
         return error
 
-    async def reserve_request(
+    async def reserve_counting(
         self, tenant: Tenant, headers: dict[str, str], api: Api | None = None
-    ) -> None:
-        """Charge one request to `tenant`'s overall RPM, for `/tokenize` or `/detokenize`, or raise
-        429; `headers` gets the window's `x-ratelimit-*-requests` either way. Never TPM: they
-        generate no tokens; never a model's or pool's window: no replica serves them."""
-        scoped = [s for s in _windows(tenant, 0, 0, None, None) if s.kind == "requests"]
+    ) -> Charge | None:
+        """Charge one request to `tenant`'s overall RPM and one token (all it provably costs
+        before its body is read) to its overall TPM, for `/tokenize`, `/detokenize` or
+        `/v1/messages/count_tokens`, or raise 429; `headers` gets the windows' `x-ratelimit-*`
+        either way. `settle_counted` corrects the token to the tokens the call handled: the
+        tokenizer time every tenant shares is paid for like a prompt's, so a tenant refused
+        every chat cannot have the gateway count for it instead. Never a model's or pool's
+        window: no replica serves them. None when there is nothing to correct."""
+        scoped = _windows(tenant, 1, 1, None, None)
         if not scoped:
-            return
+            return None
         result = await self._reserve(scoped)
         headers.update(_headers(zip(scoped, result.windows, strict=True), api))
         if isinstance(result, WindowFull):
             raise self._refuse(tenant, scoped[result.index], result.retry_after_s)
+        charge = Charge()
+        self._record(charge, result, scoped)
+        return charge
+
+    def settle_counted(self, charge: Charge, tokens: int) -> None:
+        """Correct a `reserve_counting` charge to the `tokens` counted or decoded; never
+        awaits."""
+        if charge.parts:
+            self._correct(_spread(charge.parts, tokens))
+        charge.parts.clear()
 
     async def describe(self, ctx: Ctx) -> None:
         """Give a response refused before the quota stage (a 400 of a known tenant) the headers
