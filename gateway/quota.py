@@ -6,7 +6,7 @@ all-or-nothing reservations that together charge each window exactly once:
 
 1. `reserve_early`, once the request's candidates are known and before it is counted: 1 request
    to each RPM window, and to each TPM window what the request provably costs at least (its
-   expected output, which needs no count, plus a floor on its input: token ids are counted by
+   output bound, which needs no count, plus a floor on its input: token ids are counted by
    length, a completion's text by `TokenFloor`, a chat's images at the model's rate; a chat's
    text has no floor before its template renders it, since templates may drop content). Only
    the windows every pool the request may end on shares are known then: the tenant's overall
@@ -31,11 +31,13 @@ it was charged, by its id). A request
 refused by step 1 charges nothing, as a refusal always did; its `Retry-After` (exact for RPM) is
 when its floor fits, so for TPM the whole request may be refused again then, with a later one.
 
-A request larger than a whole window is refused for good (`request_over_limit`) only on its own
+A TPM window is charged the input and all the output a request may produce (`reservation`): its
+own bound, or for a request that states none the one `bound_output` gives it and the forward
+stage writes upstream; never the learned estimate, which a tenant can teach short answers. A
+request larger than a whole window is refused for good (`request_over_limit`) only on its own
 numbers; see `_charged`. When the response ends, however it ended, the token charge is corrected
-to what was really used: input + output tokens if a replica served it (both from the usage chunk,
-or the chunks counted when the stream broke or the client left), 0 if it never reached one. The
-request itself stays counted against RPM.
+to what the tenant got (`used`): the replica's usage when it is believed, else the reservation
+(0 if it never reached a replica). The request itself stays counted against RPM.
 
 `/tokenize`, `/detokenize` and `/v1/messages/count_tokens` are charged to the tenant's overall
 windows (`reserve_counting`): a request and a token before their body is read, then the token
