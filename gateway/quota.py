@@ -287,9 +287,10 @@ def used(ctx: Ctx, burst: int) -> int:
     - Never reached a replica: 0. A replica's error answer (4xx, 5xx, a time-out before the
       first byte): the input alone, as counted: the client got no output.
     - The replica's usage, when believed (`account` checks every field is a count within the
-      request's bounds) and within the reservation plus `burst` (a prompt the replica counts
-      higher than the gateway's count: images, an estimate): its `prompt_tokens` (else the
-      gateway's count) and its output.
+      request's bounds): its `prompt_tokens` (else the gateway's count) and its output, up to
+      the reservation plus `burst`. Past the reservation only a prompt the replica counts higher
+      than the gateway can take it (images its processor expands, an estimate-counted model);
+      `burst` bounds what a replica's word alone adds to a window.
     - Otherwise (no usage: the client left a stream, the stream broke, the replica sent none;
       or a usage out of bounds): the reservation, which is all the replica was allowed to
       produce, or input plus the chunks the gateway relayed if that is more (a replica that
@@ -304,8 +305,7 @@ def used(ctx: Ctx, burst: int) -> int:
     reserved = reservation(ctx)
     if ctx.usage_believed and ctx.output_tokens is not None:
         prompt = ctx.input_tokens if ctx.prompt_tokens is None else ctx.prompt_tokens
-        if prompt + ctx.output_tokens <= reserved + burst:
-            return prompt + ctx.output_tokens
+        return min(prompt + ctx.output_tokens, reserved + burst)
     return max(reserved, ctx.input_tokens + ctx.chunks)
 
 

@@ -328,3 +328,25 @@ async def test_a_bound_is_cut_to_what_the_window_can_take_whole(
     assert status == 200
     assert replica.bodies[0]["max_completion_tokens"] == 300 - counted
     assert headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+async def test_a_replicas_word_adds_at_most_the_burst_to_a_window(
+    replica_app, gateway_factory, http
+) -> None:
+    """On a model counted by estimate the replica's prompt count is the better one and is
+    believed; but a replica claiming 5,000 prompt tokens for a short chat is charged no more
+    than the reservation plus the tenant's `burst_tokens`: one replica's word cannot empty a
+    tenant's window."""
+
+    async def overstates(request: web.Request) -> web.Response:
+        await request.read()
+        usage = {"prompt_tokens": 5000, "completion_tokens": 3}
+        return web.json_response({"choices": [{"index": 0, "text": "x"}], "usage": usage})
+
+    url = await replica_app(overstates)
+    gw = await gateway_factory(quota_policy("estimate", [url], tpm=100_000, burst_tokens=100))
+    await with_clock(gw)
+    assert await _send(http, gw, "chat", _body("chat", SYSTEM, 3)) == 200
+    await accounted(gw, 0)
+    logged = orjson.loads(gw.access_log.getvalue().splitlines()[-1])
+    assert await _window_used(gw, 100_000) == logged["input_tokens"] + 3 + 100

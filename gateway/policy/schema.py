@@ -819,11 +819,11 @@ class TenantSpec(Spec):
         512,
         ge=0,
         description=(
-            "How far a request's usage, as the replica reports it, may exceed what was reserved"
-            " for it and still be believed and charged (a prompt the replica counts higher than"
-            " the gateway: images its processor expands, a `tokenizer: estimate` model). Past it"
-            " the usage is not believed and the reservation (or the gateway's own count of what"
-            " it relayed, if more) is charged. About one answer's worth by default."
+            "How far a request's charge may exceed what was reserved for it on the replica's"
+            " word: its usage is charged up to the reservation plus this (a prompt the replica"
+            " counts higher than the gateway: images its processor expands, a `tokenizer:"
+            " estimate` model), so a replica's claim adds at most this to a window. About one"
+            " answer's worth by default."
         ),
     )
     models: dict[str, WindowLimits] = Field(
