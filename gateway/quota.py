@@ -178,13 +178,11 @@ def reservation(ctx: Ctx, input_tokens: int | None = None) -> int:
 
 
 def _stated_output(ctx: Ctx) -> int:
-    """The output the request itself says it makes: all of its bound when the client set it
-    (or `ignore_eos` to the context's end), else its `min_tokens` (a bound the gateway set is
-    cut to the window, so a refusal no wait can lift rests on the client's numbers only)."""
+    """The output the request itself says it makes: all of its bound when the client set it,
+    else its `min_tokens` (a bound the gateway set is cut to the window, so a refusal no wait
+    can lift rests on the client's numbers only)."""
     if ctx.max_output is not None and not ctx.bounded_by_gateway:
         return ctx.max_output * ctx.sequences
-    if ctx.estimate_source == "forced":
-        return ctx.expected_output * ctx.sequences
     return ctx.min_output * ctx.sequences
 
 
