@@ -84,6 +84,8 @@ class Accountant:
             self.metrics.rejections.labels(labels[1], ctx.refusal.label).inc()
         if ctx.admitted and ctx.pool is not None:
             self._bound_usage(ctx, ctx.pool.model.spec.max_model_len)
+            # Read before the fallbacks below fill the output in from the relayed chunks.
+            ctx.usage_believed = ctx.output_tokens is not None and not ctx.untrusted_usage
         if ctx.output_tokens is None and ctx.chunks and ctx.stream:
             # The stream broke or the client left before the usage chunk: count what was sent.
             ctx.output_tokens = ctx.chunks

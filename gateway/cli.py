@@ -291,7 +291,7 @@ async def _explain(
     from gateway.policy.compile import compile_policy, reference_problems
     from gateway.policy.load import load_spec
     from gateway.policy.schema import COUNT_BY_CHARS, PRIORITIES
-    from gateway.quota import tenant_windows
+    from gateway.quota import reservation, tenant_windows
     from gateway.tokenizer.counters import HFCounter
 
     loaded, missing = _without_tokenizers(
@@ -335,7 +335,7 @@ async def _explain(
     if keyless:
         quota = "no key given: the gateway answers 401"
     elif tenant is not None:
-        charged = tenant_windows(tenant, ctx, ctx.held_tokens)
+        charged = tenant_windows(tenant, ctx, reservation(ctx))
         quota = [f"{w.kind} {w.limit.amount} of {w.limit.limit}/min{w.where}" for w in charged]
         quota = quota or "unlimited"
     # Which library encoded the rendered prompt (gateway/tokenizer/backends.py), or the character estimate.

@@ -41,6 +41,9 @@ class Ctx:
     priority: int = 1  # the tier, or lower if `x-priority` asks
     sequences: int = 1  # completions generated: n x prompts
     max_output: int | None = None  # the client's max_tokens / max_completion_tokens
+    # `max_output` is the gateway's, not the client's: written into the replica's body so it
+    # cannot generate more than the tenant's TPM window reserved (gateway/quota.py).
+    bounded_by_gateway: bool = False
     min_output: int = 0  # the client's min_tokens: generated whatever the model would stop at
     forced_output: bool = False  # ignore_eos: generated to max_output (or the context's end)
     images: int = 0  # image parts in a chat's messages, counted by tokenize at the model's rate
@@ -77,6 +80,9 @@ class Ctx:
     # with `--enable-prompt-tokens-details`): None when the usage does not say.
     cached_tokens: int | None = None
     untrusted_usage: str = ""  # the usage field a replica reported out of bounds, if any
+    # The output (and prompt) counts came from the replica's usage, every field in bounds: what
+    # the quota settles on; otherwise it settles on the reservation (gateway/quota.py).
+    usage_believed: bool = False
     # A whole answer and where its `"usage"` is: decoded by the accounting, after the client
     # has the answer (`forward.read_usage`), so its few µs are not on the client's path.
     unread_usage: tuple[bytearray, int] | None = None

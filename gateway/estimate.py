@@ -62,9 +62,10 @@ def estimate_output(ctx: Ctx, estimator: OutputEstimator, default_tokens: int) -
 
     A request that forces its length is not estimated: `ignore_eos` generates `max_tokens`
     (without it, to the context's end: `force_length` once counted), and `min_tokens` at least
-    that many, whatever the tenant's past answers taught the estimator."""
+    that many, whatever the tenant's past answers taught the estimator. A bound the gateway
+    gave (gateway/quota.py `bound_output`) is no client's number: it only caps the estimate."""
     ctx.fingerprint = ctx.api.fingerprint(ctx.body)
-    bound = ctx.max_output
+    bound = None if ctx.bounded_by_gateway else ctx.max_output
     learned = None if ctx.forced_output else estimator.estimate(estimator.key(ctx))
     if learned is not None and (bound is None or learned < bound):
         ctx.expected_output, ctx.estimate_source = max(learned, ctx.min_output), "learned"
@@ -72,12 +73,20 @@ def estimate_output(ctx: Ctx, estimator: OutputEstimator, default_tokens: int) -
         ctx.expected_output, ctx.estimate_source = bound, "max_tokens"
     else:
         ctx.expected_output, ctx.estimate_source = max(default_tokens, ctx.min_output), "default"
+    if ctx.bounded_by_gateway and ctx.max_output is not None:
+        ctx.expected_output = min(ctx.expected_output, ctx.max_output)
 
 
 def force_length(ctx: Ctx, max_model_len: int) -> None:
     """Once counted: an `ignore_eos` request without `max_tokens` generates to the end of the
-    context, as vLLM's default `max_tokens` is what the context leaves."""
-    if ctx.forced_output and ctx.max_output is None:
+    context, as vLLM's default `max_tokens` is what the context leaves; a bound the gateway gave
+    (gateway/quota.py `bound_output`) is cut to what the context leaves."""
+    if ctx.bounded_by_gateway and ctx.max_output is not None:
+        room = max_model_len - ctx.longest_prompt
+        if 0 < room < ctx.max_output:
+            ctx.max_output = room
+            ctx.expected_output = min(ctx.expected_output, room)
+    elif ctx.forced_output and ctx.max_output is None:
         ctx.expected_output = max(max_model_len - ctx.longest_prompt, 0)
         ctx.estimate_source = "forced"
 

@@ -86,8 +86,9 @@ def upstream_priority(ctx: Ctx) -> int | None:
 
 
 def upstream_body(ctx: Ctx) -> bytes:
-    """The client's bytes, re-encoded only when the model is rewritten, usage must be asked, or
-    `priority` is the gateway's to set.
+    """The client's bytes, re-encoded only when the model is rewritten, usage must be asked,
+    the output bound is the gateway's (`Ctx.bounded_by_gateway`), or `priority` is the
+    gateway's to set.
 
     The client's own `priority` never goes upstream: on replicas scheduling by priority it would
     let a tenant jump the queue its tier puts it in. The pool's is sent instead, or none. A body
@@ -98,6 +99,9 @@ def upstream_body(ctx: Ctx) -> bytes:
     if ctx.requested_model != ctx.upstream_model:
         changes["model"] = ctx.upstream_model
     ctx.api.upstream_fields(ctx, changes)
+    if ctx.bounded_by_gateway:  # the output the tenant's window reserved: all it may produce
+        assert ctx.api.bound_field is not None
+        changes[ctx.api.bound_field] = ctx.max_output
     priority = upstream_priority(ctx)
     if priority is not None:
         changes["priority"] = priority

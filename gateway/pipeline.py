@@ -39,7 +39,7 @@ from gateway.forward import check_forwardable, client_left, forward
 from gateway.holders import pin
 from gateway.parse import parse_request
 from gateway.policy.compile import Policy
-from gateway.quota import Charge
+from gateway.quota import Charge, bound_output
 from gateway.route import find_candidates, route, route_unread
 from gateway.server import body
 from gateway.spill import spill
@@ -53,13 +53,15 @@ log = logging.getLogger("gateway.pipeline")
 
 def before_count(ctx: Ctx, policy: Policy) -> None:
     """What is known of a request before its prompt is counted: its candidate routes (hence its
-    model), its images' validity, and its expected output (the estimator reads the body and
-    the tenant, never the count). Enough for the tenant's windows to refuse it
+    model), its images' validity, its output bound (the gateway's, for a TPM-limited tenant's
+    request that gives none) and its expected output (the estimator reads the body and the
+    tenant, never the count). Enough for the tenant's windows to refuse it
     (`Quotas.reserve_early`) before the tokenizer spends time on it."""
     find_candidates(ctx, policy.routes, policy.adapters)
     assert ctx.model is not None
     if ctx.images:
         check_images(ctx)
+    bound_output(ctx, ctx.model.spec.default_output_tokens)
     estimate_output(ctx, policy.estimator, ctx.model.spec.default_output_tokens)
 
 

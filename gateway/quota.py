@@ -6,7 +6,7 @@ all-or-nothing reservations that together charge each window exactly once:
 
 1. `reserve_early`, once the request's candidates are known and before it is counted: 1 request
    to each RPM window, and to each TPM window what the request provably costs at least (its
-   expected output, which needs no count, plus a floor on its input: token ids are counted by
+   output bound, which needs no count, plus a floor on its input: token ids are counted by
    length, a completion's text by `TokenFloor`, a chat's images at the model's rate; a chat's
    text has no floor before its template renders it, since templates may drop content). Only
    the windows every pool the request may end on shares are known then: the tenant's overall
@@ -31,15 +31,20 @@ it was charged, by its id). A request
 refused by step 1 charges nothing, as a refusal always did; its `Retry-After` (exact for RPM) is
 when its floor fits, so for TPM the whole request may be refused again then, with a later one.
 
-A request larger than a whole window is refused for good (`request_over_limit`) only on its own
+A TPM window is charged the input and all the output a request may produce (`reservation`): its
+own bound, or for a request that states none the one `bound_output` gives it and the forward
+stage writes upstream; never the learned estimate, which a tenant can teach short answers. A
+request larger than a whole window is refused for good (`request_over_limit`) only on its own
 numbers; see `_charged`. When the response ends, however it ended, the token charge is corrected
-to what was really used: input + output tokens if a replica served it (both from the usage chunk,
-or the chunks counted when the stream broke or the client left), 0 if it never reached one. The
-request itself stays counted against RPM.
+to what the tenant got (`used`): the replica's usage when it is believed, else the reservation
+(0 if it never reached a replica). The request itself stays counted against RPM.
 
-`/tokenize` and `/detokenize` are charged to the tenant's overall RPM (`reserve_request`), before
-their body is read, and never to TPM: they generate no tokens and use no replica of any pool or
-model, so only the tenant's overall request rate applies to them.
+`/tokenize`, `/detokenize` and `/v1/messages/count_tokens` are charged to the tenant's overall
+windows (`reserve_counting`): a request and a token before their body is read, then the token
+corrected to the tokens they counted or decoded. They generate nothing and use no replica, but
+the tokenizer threads they use are every tenant's: a tenant refused every chat made the gateway
+count 474k tokens in 6 s through `count_tokens` alone. Like a chat's, the count is known only
+once made, so a window with any room left admits one; the next waits for the window.
 
 Every response for a limited tenant carries OpenAI's `x-ratelimit-{limit,remaining,reset}-
 {tokens,requests}` headers, as the windows stood after the reservation (or the refusal), and
@@ -56,7 +61,7 @@ from typing import Any
 
 from gateway.api.base import Api
 from gateway.authenticate import Tenant
-from gateway.context import Ctx
+from gateway.context import CLIENT_CLOSED, Ctx
 from gateway.errors import GatewayError, OverQuota, QuotaExceeded, StateUnavailable
 from gateway.observability.metrics import Metrics
 from gateway.state.base import (
@@ -133,12 +138,51 @@ def _headers(pairs: Iterable[tuple[_Scoped, Window]], api: Api | None = None) ->
     return out
 
 
+def has_tpm(tenant: Tenant) -> bool:
+    """Whether any TPM window of the tenant's (overall, a model's, a pool's) may charge tokens."""
+    spec = tenant.spec
+    return spec.tpm is not None or any(
+        limits.tpm is not None for limits in (*spec.models.values(), *spec.pools.values())
+    )
+
+
+def bound_output(ctx: Ctx, default_tokens: int) -> None:
+    """Give a request that states no output bound the tenant's (`max_output_tokens`, else the
+    model's `default_output_tokens`) when the tenant has a TPM window: the quota reserves what a
+    request may produce, and without a bound vLLM generates to the end of the context. The
+    bound is written into the replica's body (gateway/forward.py `upstream_body`), so what was
+    reserved is all the replica may produce. Set before the estimate, which treats it as a
+    client's bound; `force_length` and `Quotas.reserve` cut it to the context and the window."""
+    tenant = ctx.tenant
+    if ctx.max_output is not None or ctx.api.bound_field is None or tenant is None:
+        return
+    if not has_tpm(tenant):
+        return
+    ctx.max_output = max(tenant.spec.max_output_tokens or default_tokens, ctx.min_output)
+    ctx.bounded_by_gateway = True
+
+
+def _output_bound(ctx: Ctx) -> int:
+    """The most output the request may produce over all its sequences: its bound (its own or
+    the gateway's), else (a tenant with no TPM window: no token charge) the estimate."""
+    per_sequence = ctx.expected_output if ctx.max_output is None else ctx.max_output
+    return per_sequence * ctx.sequences
+
+
+def reservation(ctx: Ctx, input_tokens: int | None = None) -> int:
+    """What a request reserves of its tenant's TPM: its input (`input_tokens`, else the count)
+    and all the output it may produce. The learned estimate has no part in it: a tenant that
+    teaches the estimator short answers must not then be let through at the estimate's rate."""
+    counted = ctx.input_tokens if input_tokens is None else input_tokens
+    return counted + _output_bound(ctx)
+
+
 def _stated_output(ctx: Ctx) -> int:
-    """The output the request itself says it makes: all that was reserved when its own numbers
-    fixed it (its `max_tokens`, or `ignore_eos` to the context's end), else its `min_tokens`
-    (a learned or default output is the gateway's guess)."""
-    if ctx.estimate_source in ("max_tokens", "forced"):
-        return ctx.expected_output * ctx.sequences
+    """The output the request itself says it makes: all of its bound when the client set it,
+    else its `min_tokens` (a bound the gateway set is cut to the window, so a refusal no wait
+    can lift rests on the client's numbers only)."""
+    if ctx.max_output is not None and not ctx.bounded_by_gateway:
+        return ctx.max_output * ctx.sequences
     return ctx.min_output * ctx.sequences
 
 
@@ -151,8 +195,8 @@ def _charged(reserved: int, stated: int, tpm: int) -> int:
     """What to charge a window of `tpm` for a request of `reserved` tokens (`stated` certain).
 
     A refusal that no wait can lift must rest on the client's own numbers: a reservation larger
-    than the whole window only because its output was estimated is cut to the window, so the
-    request runs once the window is empty, and its charge is settled to real use afterwards.
+    than the whole window only because of the bound the gateway gave it is cut to the window
+    (and the bound with it, by `Quotas.reserve`), so the request runs once the window is empty.
     Non-decreasing in both arguments, so lower bounds of them give a lower bound of the charge
     (what `reserve_early` relies on).
     """
@@ -195,6 +239,23 @@ def tenant_windows(tenant: Tenant, ctx: Ctx, tokens: int) -> list[_Scoped]:
     return _windows(tenant, tokens, stated, ctx.served_model or None, pool)
 
 
+def _fit_bound(ctx: Ctx, scoped: Sequence[_Scoped]) -> bool:
+    """Cut the gateway's bound to what the tightest TPM window can take whole (as `_charged`
+    cut its charge), so the replica is never let produce more than is reserved; whether it
+    changed. Never below 1 or the request's `min_tokens`: then the window refuses it."""
+    assert ctx.max_output is not None
+    room = (
+        min((s.limit.amount for s in scoped if s.kind == "tokens"), default=reservation(ctx))
+        - ctx.input_tokens
+    )
+    fits = max(room // ctx.sequences, ctx.min_output, 1)
+    if fits >= ctx.max_output:
+        return False
+    ctx.max_output = fits
+    ctx.expected_output = min(ctx.expected_output, fits)
+    return True
+
+
 def _shared_scopes(ctx: Ctx) -> tuple[str | None, str | None]:
     """The model and the pool every place the request may end on shares, before it is counted:
     its candidate routes' pools and their fallbacks (the class, hence the route, and a spill
@@ -215,6 +276,35 @@ def input_floor(ctx: Ctx) -> int:
     (gateway/api/), by the model's counter."""
     assert ctx.model is not None
     return ctx.api.input_floor(ctx, ctx.model.counter)
+
+
+def used(ctx: Ctx, burst: int) -> int:
+    """The tokens a request's tenant got, as its charge is settled: never less than it may have
+    got, as far as the gateway can tell.
+
+    - Never reached a replica: 0. A replica's error answer (4xx, 5xx, a time-out before the
+      first byte): the input alone, as counted: the client got no output.
+    - The replica's usage, when believed (`account` checks every field is a count within the
+      request's bounds): its `prompt_tokens` (else the gateway's count) and its output, up to
+      the reservation plus `burst`. Past the reservation only a prompt the replica counts higher
+      than the gateway can take it (images its processor expands, an estimate-counted model);
+      `burst` bounds what a replica's word alone adds to a window.
+    - Otherwise (no usage: the client left a stream, the stream broke, the replica sent none;
+      or a usage out of bounds): the reservation, which is all the replica was allowed to
+      produce, or input plus the chunks the gateway relayed if that is more (a replica that
+      ignored the bound). Settling on the relayed chunks instead would charge a client that
+      left a stream of multi-token chunks (speculative decoding, `--stream-interval`) a
+      tenth of what it got.
+    """
+    if not ctx.admitted:
+        return 0
+    if ctx.status >= 400 and ctx.status != CLIENT_CLOSED:
+        return ctx.input_tokens
+    reserved = reservation(ctx)
+    if ctx.usage_believed and ctx.output_tokens is not None:
+        prompt = ctx.input_tokens if ctx.prompt_tokens is None else ctx.prompt_tokens
+        return min(prompt + ctx.output_tokens, reserved + burst)
+    return max(reserved, ctx.input_tokens + ctx.chunks)
 
 
 def _spread(parts: Sequence[tuple[str, str, int]], use: int) -> list[Correction]:
@@ -302,7 +392,7 @@ class Quotas:
         if ctx.tenant is None:
             return None
         floor = input_floor(ctx)
-        reserved = floor + ctx.expected_output * ctx.sequences
+        reserved = reservation(ctx, floor)
         stated = floor + _stated_output(ctx)
         scoped = _windows(ctx.tenant, reserved, stated, *_shared_scopes(ctx))
         if not scoped:
@@ -331,7 +421,9 @@ class Quotas:
         if ctx.tenant is None:
             return early
         tenant = ctx.tenant
-        scoped = tenant_windows(tenant, ctx, ctx.held_tokens)
+        scoped = tenant_windows(tenant, ctx, reservation(ctx))
+        if ctx.bounded_by_gateway and _fit_bound(ctx, scoped):
+            scoped = tenant_windows(tenant, ctx, reservation(ctx))
         charge = early if early is not None else Charge()
         over = next((s for s in scoped if s.limit.amount > s.limit.limit), None)
         if over is not None:
@@ -368,19 +460,33 @@ class Quotas:
         ctx.ratelimit_headers = {}
         return error
 
-    async def reserve_request(
+    async def reserve_counting(
         self, tenant: Tenant, headers: dict[str, str], api: Api | None = None
-    ) -> None:
-        """Charge one request to `tenant`'s overall RPM, for `/tokenize` or `/detokenize`, or raise
-        429; `headers` gets the window's `x-ratelimit-*-requests` either way. Never TPM: they
-        generate no tokens; never a model's or pool's window: no replica serves them."""
-        scoped = [s for s in _windows(tenant, 0, 0, None, None) if s.kind == "requests"]
+    ) -> Charge | None:
+        """Charge one request to `tenant`'s overall RPM and one token (all it provably costs
+        before its body is read) to its overall TPM, for `/tokenize`, `/detokenize` or
+        `/v1/messages/count_tokens`, or raise 429; `headers` gets the windows' `x-ratelimit-*`
+        either way. `settle_counted` corrects the token to the tokens the call handled: the
+        tokenizer time every tenant shares is paid for like a prompt's, so a tenant refused
+        every chat cannot have the gateway count for it instead. Never a model's or pool's
+        window: no replica serves them. None when there is nothing to correct."""
+        scoped = _windows(tenant, 1, 1, None, None)
         if not scoped:
-            return
+            return None
         result = await self._reserve(scoped)
         headers.update(_headers(zip(scoped, result.windows, strict=True), api))
         if isinstance(result, WindowFull):
             raise self._refuse(tenant, scoped[result.index], result.retry_after_s)
+        charge = Charge()
+        self._record(charge, result, scoped)
+        return charge
+
+    def settle_counted(self, charge: Charge, tokens: int) -> None:
+        """Correct a `reserve_counting` charge to the `tokens` counted or decoded; never
+        awaits."""
+        if charge.parts:
+            self._correct(_spread(charge.parts, tokens))
+        charge.parts.clear()
 
     async def describe(self, ctx: Ctx) -> None:
         """Give a response refused before the quota stage (a 400 of a known tenant) the headers
@@ -399,15 +505,11 @@ class Quotas:
         ctx.ratelimit_headers = _headers(zip(scoped, windows, strict=True), ctx.api)
 
     def settle(self, ctx: Ctx, charge: Charge) -> None:
-        """Correct the token charges to real usage. Call after `account`, which fills in output
-        tokens from the chunks counted when a stream broke; never raises, never awaits.
-
-        The replica's `prompt_tokens` wins over the gateway's count when it reports one: what
-        it really prefilled (images expanded by its processor, say) is what the tenant used."""
-        prompt = ctx.input_tokens if ctx.prompt_tokens is None else ctx.prompt_tokens
-        actual = prompt + (ctx.output_tokens or 0) if ctx.admitted else 0
+        """Correct the token charges to what the tenant got (`used`). Call after `account`,
+        which decides whether the replica's usage is believed; never raises, never awaits."""
         if charge.parts:
-            self._correct(_spread(charge.parts, actual))
+            assert ctx.tenant is not None
+            self._correct(_spread(charge.parts, used(ctx, ctx.tenant.spec.burst_tokens)))
         charge.parts.clear()
 
     def _done(self, task: asyncio.Task[Any]) -> None:

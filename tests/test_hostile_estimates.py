@@ -114,11 +114,9 @@ async def test_a_reservation_cut_to_the_window_is_settled_to_what_was_used(
         await resp.read()
     await accounted(gw, logged)
     first = last_record(gw)
-    used = first["input_tokens"] + first["output_tokens"]
-    small = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    status, answer = await send(http, gw, B_KEY, small)
-    assert status == 200, answer  # the first charge came back down to its real use
-    assert used + last_record(gw)["input_tokens"] + 1 <= 300
+    # The bound the gateway gave it is cut with it: the replica may produce no more than fits.
+    assert stub.stats.bodies[-1]["max_completion_tokens"] == 300 - first["input_tokens"]
+    assert first["input_tokens"] + first["output_tokens"] == 300
 
 
 class Clock:
@@ -188,8 +186,10 @@ async def test_a_request_that_forces_its_length_reserves_that_length(
     assert last_record(gw)["expected_output_tokens"] == 150  # at least what it forces
     status, _ = await send(http, gw, B_KEY, review("the same listing", ignore_eos=True))
     record = last_record(gw)
-    assert record["estimate_source"] == "forced"  # to the context's end, once counted
-    assert record["expected_output_tokens"] + record["input_tokens"] == 8192
+    # No bound of its own: a TPM-limited tenant's request generates to the gateway's bound
+    # (the model's default), not to the context's end, and reserves it.
+    assert (record["estimate_source"], record["expected_output_tokens"]) == ("default", 512)
+    assert stub.stats.bodies[-1]["max_completion_tokens"] == 512
 
 
 async def test_min_tokens_over_max_tokens_is_refused_as_vllm_refuses_it(
@@ -208,8 +208,11 @@ async def test_a_forced_length_over_the_whole_window_is_refused_for_good(
     """A forced length is the request's own number, as `max_tokens` is: one over the tenant's
     whole window is `request_over_limit`, not cut to the window to run and overspend it."""
     gw = await gateway_factory(two_tenants(tokenizer_dir, stub.url, tpm=2000))
-    for forcing in ({"ignore_eos": True}, {"min_tokens": 3000}):
-        status, answer = await send(http, gw, B_KEY, review("the same listing", **forcing))
-        assert (status, answer["error"]["code"]) == (429, "request_over_limit"), forcing
+    status, answer = await send(http, gw, B_KEY, review("the same listing", min_tokens=3000))
+    assert (status, answer["error"]["code"]) == (429, "request_over_limit")
+    # Without `max_tokens`, `ignore_eos` runs to the bound the gateway gives, within the window.
+    status, _ = await send(http, gw, B_KEY, review("the same listing", ignore_eos=True))
+    assert status == 200
+    assert stub.stats.bodies[-1]["max_completion_tokens"] == 512
     status, _ = await send(http, gw, B_KEY, review("the same listing", min_tokens=100))
     assert status == 200

@@ -150,7 +150,8 @@ async def test_the_tenant_is_settled_on_the_replicas_prompt_tokens(
 ) -> None:
     stub = await stub_factory(prompt_tokens=1234)
     policy = image_policy(tokenizer_dir, [stub.url], image_tokens=IMAGE_TOKENS)
-    policy["tenants"] = {"acme": {"keys": [hashed(ACME_KEY)], "tpm": 100_000}}
+    # The replica's count is above the reservation by more than the default burst (512).
+    policy["tenants"] = {"acme": {"keys": [hashed(ACME_KEY)], "tpm": 100_000, "burst_tokens": 1000}}
     gw = await gateway_factory(policy)
     body = chat_body(2, max_tokens=5, stream=stream)
     async with http.post(f"{gw.url}/v1/chat/completions", json=body, headers=AUTH) as resp:

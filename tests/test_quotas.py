@@ -100,35 +100,11 @@ async def test_a_tenant_at_10000_tpm_gets_its_third_4000_token_request_refused_u
     assert 'llm_tenant_tokens_total{direction="input",tenant="acme"}' in text
 
 
-async def test_the_charge_is_corrected_to_real_usage(
-    stub, gateway_factory, tokenizer_dir, http
-) -> None:
-    policy = quota_policy(tokenizer_dir, [stub.url], tpm=10_000)
-    policy["models"]["tiny"]["default_output_tokens"] = 3000  # reserved; the stub writes 16
-    gw = await gateway_factory(policy)
-    await with_clock(gw)
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "no max_tokens"}]}
-    counted = await gw.gateway.policy.models["tiny"].counter.count_chat(body)
-
-    status, _, headers = await chat(http, gw, body)
-    assert status == 200
-    assert headers["x-ratelimit-remaining-tokens"] == str(10_000 - counted - 3000)
-    status, _, headers = await chat(http, gw, {**body, "stream": True})
-    assert status == 200
-    # The first now counts what it used (input + 16 generated); the second is still reserved.
-    expected = 10_000 - (counted + 16) - (counted + 3000)
-    assert headers["x-ratelimit-remaining-tokens"] == str(expected)
-    status, _, headers = await chat(http, gw, {**body, "max_tokens": 1})
-    assert headers["x-ratelimit-remaining-tokens"] == str(10_000 - 3 * counted - 2 * 16 - 1)
-    async with http.get(f"{gw.url}/metrics") as resp:
-        text = await resp.text()
-    assert f'llm_tenant_tokens_total{{direction="input",tenant="acme"}} {3 * counted}.0' in text
-    assert 'llm_tenant_tokens_total{direction="output",tenant="acme"} 33.0' in text
-
-
-async def test_a_client_that_leaves_mid_stream_is_charged_what_was_relayed(
+async def test_a_client_that_leaves_mid_stream_is_charged_its_reservation(
     stub_factory, gateway_factory, tokenizer_dir, http
 ) -> None:
+    """Its usage never came: it is charged all it may have got, what was reserved (the relayed
+    chunks undercount multi-token ones: tests/test_quota_promise.py)."""
     stub = await stub_factory(chunk_delay_s=0.05)
     gw = await gateway_factory(quota_policy(tokenizer_dir, [stub.url], tpm=100_000))
     await with_clock(gw)
@@ -143,14 +119,9 @@ async def test_a_client_that_leaves_mid_stream_is_charged_what_was_relayed(
             await resp.content.readuntil(b"\n\n")
     await eventually(lambda: b"client_disconnect" in gw.access_log.getvalue())
     await eventually(lambda: gw.gateway.quotas.pending == 0)
-    relayed = [
-        line for line in gw.access_log.getvalue().splitlines() if b"client_disconnect" in line
-    ]
-    output = int(relayed[0].split(b'"output_tokens":')[1].split(b",")[0])
-    assert 2 <= output < 500
     status, _, headers = await chat(http, gw, {**body, "max_tokens": 1})
     assert status == 200
-    remaining = 100_000 - (counted + output) - (counted + 1)
+    remaining = 100_000 - (counted + 500) - (counted + 1)
     assert headers["x-ratelimit-remaining-tokens"] == str(remaining)
 
 

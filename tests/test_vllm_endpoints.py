@@ -14,7 +14,8 @@ import aiohttp
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import basic_policy
+from gateway.api.anthropic import chat_for
+from tests.conftest import basic_policy, eventually
 from tests.test_tenants import ACME_KEY, tenant_policy
 
 MESSAGES = [
@@ -176,3 +177,43 @@ async def test_version_is_the_gateways(gateway_factory, stub, tokenizer_dir, htt
     async with http.get(f"{gw.url}/version") as resp:
         assert resp.status == 200
         assert await resp.json() == {"version": version("llm-admission-gateway")}
+
+
+async def test_counting_is_paid_from_the_tenants_tpm_window(
+    gateway_factory, stub, tokenizer_dir, http
+):
+    """Issue 35 item 12: a 5,000 TPM tenant, refused any large chat, had the gateway count 552
+    prompts of 474k tokens in 6 s through `count_tokens`, charged a request each and no token.
+    Now each count is charged its tokens: once the window is spent, counting is refused too."""
+    policy = tenant_policy(tokenizer_dir, [stub.url])
+    policy["tenants"]["acme"]["tpm"] = 5000
+    gw = await gateway_factory(policy)
+    key = {"Authorization": f"Bearer {ACME_KEY}"}
+    body = {"model": "tiny", "max_tokens": 1, "messages": [
+        {"role": "user", "content": "count every word of this " * 100}]}  # fmt: skip
+    counted, statuses = 0, []
+    for _ in range(12):
+        status, answer = await call(http, gw.url, "/v1/messages/count_tokens", body, **key)
+        statuses.append(status)
+        if status == 200:
+            counted += answer["input_tokens"]
+        else:
+            assert (status, answer["error"]["type"]) == (429, "rate_limit_error")
+        await eventually(lambda: gw.gateway.quotas.pending == 0)
+    each = counted // statuses.count(200)
+    assert 429 in statuses
+    assert counted <= 5000 + each  # the window, and the one count its last token let through
+    tokenize = {"model": "tiny", "prompt": "hello"}
+    status, answer = await call(http, gw.url, "/tokenize", tokenize, **key)
+    assert status == 429  # the same window pays for /tokenize
+
+
+async def test_count_tokens_counts_a_model_counted_by_estimate(gateway_factory, stub, http):
+    """`/v1/messages` admits an estimate-counted model's requests on their estimate, and
+    `count_tokens` answers the same count (it was a 400 `no_tokenizer`)."""
+    gw = await gateway_factory(basic_policy("estimate", [stub.url]))
+    body = {"model": "tiny", "max_tokens": 5, "messages": MESSAGES[1:]}
+    status, answer = await call(http, gw.url, "/v1/messages/count_tokens", body)
+    counter = gw.gateway.policy.models["tiny"].counter
+    assert status == 200, answer
+    assert answer["input_tokens"] == await counter.count_chat(chat_for(body, counter)) > 0

@@ -543,6 +543,7 @@ class MessagesApi(Api):
     name = "messages"
     path = "/v1/messages"
     prompt_param = "messages"
+    bound_field = "max_tokens"
     openai_fields = False
     stream_end = _STREAM_END
 

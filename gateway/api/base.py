@@ -55,6 +55,9 @@ class Api(ABC):
     # The bytes a whole stream ends with: once written, the client has its whole answer.
     stream_end: ClassVar[bytes]
     exact: ClassVar[bool] = True
+    # The body field that bounds the output, where the gateway writes its own bound for a
+    # request that states none (gateway/quota.py `bound_output`); None: nothing is generated.
+    bound_field: ClassVar[str | None] = None
     # Whether the pipeline reads the body (parse, count, classify); an API that does not
     # (gateway/api/passthrough.py) is routed by its path and forwarded as it came.
     reads_body: ClassVar[bool] = True

@@ -62,6 +62,7 @@ class CompletionsApi(OpenAIApi):
     name = "completions"
     path = "/v1/completions"
     prompt_param = "prompt"
+    bound_field = "max_tokens"
 
     def parse(self, ctx: Ctx, body: dict[str, Any], limits: ServerSpec) -> tuple[int, int | None]:
         if "prompt" not in body:

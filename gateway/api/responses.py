@@ -249,6 +249,7 @@ class ResponsesApi(OpenAIApi):
     name = "responses"
     path = "/v1/responses"
     prompt_param = "input"
+    bound_field = "max_output_tokens"
     openai_fields = False
     usage_fields = ("output_tokens", "input_tokens", "input_tokens_details")
 

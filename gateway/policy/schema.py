@@ -804,6 +804,28 @@ class TenantSpec(Spec):
     rpm: PositiveInt | None = Field(
         None, description="Requests per minute over a sliding 60-second window; none: unlimited."
     )
+    max_output_tokens: PositiveInt | None = Field(
+        None,
+        description=(
+            "With a TPM window (the tenant's, a model's or a pool's): the output bound a request"
+            " that states none is given, reserved against the window and written into what the"
+            " replica is sent (`max_tokens`, `max_output_tokens`), so the replica cannot generate"
+            " more than was reserved: such an answer ends with finish reason `length` there."
+            " Cut to what the context and the window leave. None: the model's"
+            " `default_output_tokens`."
+        ),
+    )
+    burst_tokens: int = Field(
+        512,
+        ge=0,
+        description=(
+            "How far a request's charge may exceed what was reserved for it on the replica's"
+            " word: its usage is charged up to the reservation plus this (a prompt the replica"
+            " counts higher than the gateway: images its processor expands, a `tokenizer:"
+            " estimate` model), so a replica's claim adds at most this to a window. About one"
+            " answer's worth by default."
+        ),
+    )
     models: dict[str, WindowLimits] = Field(
         {}, description="Limits per served model (a name under `models`), on top of tpm / rpm."
     )

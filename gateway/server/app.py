@@ -157,25 +157,34 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def _metered(
     request: web.Request,
-    answer: Callable[[Policy, dict[str, Any]], Awaitable[object]],
+    answer: Callable[[Policy, dict[str, Any]], Awaitable[tuple[object, int]]],
     api: Api | None = None,
 ) -> web.Response:
-    """A `/tokenize` or `/detokenize` call: the key checked and one request charged to the
-    tenant's RPM before the body is read (a tenant out of requests costs no read, no decode and
-    no tokenizer time), then the body decoded within the limits every request has and
-    answered. Every answer to a limited tenant carries its `x-ratelimit-*-requests` headers."""
+    """A `/tokenize`, `/detokenize` or `count_tokens` call: the key checked and one request and
+    a token charged to the tenant's windows before the body is read (a tenant out of either
+    costs no read, no decode and no tokenizer time), then the body decoded within the limits
+    every request has and answered, and the token charge corrected to the tokens the answer
+    handled (a refusal: none). Every answer to a limited tenant carries its `x-ratelimit-*`
+    headers."""
     gateway = request.app[GATEWAY]
     policy = gateway.policy
     tenant = identify(request.headers, policy.tenants)
     ratelimit: dict[str, str] = {}
+    charge = None
+    handled = 1  # a client that leaves mid-count keeps the token reserved before it
     try:
         if tenant is not None:
-            await gateway.quotas.reserve_request(tenant, ratelimit, api)
+            charge = await gateway.quotas.reserve_counting(tenant, ratelimit, api)
         raw = await body.read(request, policy.spec.server.max_body_bytes)
         decoded = decode_body(body.media_type(request), raw, policy.spec.server)
-        response = _json(await answer(policy, decoded))
+        data, handled = await answer(policy, decoded)
+        response = _json(data)
     except GatewayError as exc:
+        handled = 0
         response = exc.response() if api is None else api.error_response(exc)
+    finally:
+        if charge is not None:
+            gateway.quotas.settle_counted(charge, handled)
     response.headers.update(ratelimit)
     return response
 

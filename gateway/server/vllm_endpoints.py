@@ -9,7 +9,11 @@ counts the model's requests, so a client that tokenizes here sees the count admi
 without a replica's time. A name resolves as a request's would (models, aliases, adapters, by the
 routes for that form), and the body passes the same limits as a chat or completions request.
 
-Models counted by `tokenizer: estimate` have no token ids: asking for them is a 400 that says so.
+Models counted by `tokenizer: estimate` have no token ids: asking for them is a 400 that says so;
+`count_tokens` counts them by estimate, as `/v1/messages` admits them.
+
+Each answer comes with the tokens it handled (counted, or decoded), for the tenant's TPM: the
+gateway's tokenizer time is paid for like a prompt's (gateway/quota.py `reserve_counting`).
 """
 
 from __future__ import annotations
@@ -103,9 +107,9 @@ def _check_chat(body: dict[str, Any], limits: ServerSpec) -> dict[str, Any]:
 
 async def tokenize(
     policy: Policy, body: dict[str, Any], headers: CIMultiDictProxy[str]
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], int]:
     """vLLM's `TokenizeResponse` for a decoded body: `count`, `max_model_len`, `tokens`,
-    `token_strs` (null unless `return_token_strs`)."""
+    `token_strs` (null unless `return_token_strs`); and the count."""
     limits = policy.spec.server
     chat = "messages" in body
     api = CHAT if chat else COMPLETIONS
@@ -122,19 +126,20 @@ async def tokenize(
     counter = _counter(model)
     ids = await api.prompt_ids(body, counter, special)
     assert ids is not None  # a text, or a chat: always encoded
-    return {
+    answer = {
         "count": len(ids),
         "max_model_len": model.spec.max_model_len,
         "tokens": ids,
         "token_strs": await counter.token_strs(ids) if strs else None,
     }
+    return answer, len(ids)
 
 
 async def detokenize(
     policy: Policy, body: dict[str, Any], headers: CIMultiDictProxy[str]
-) -> dict[str, str]:
-    """vLLM's `DetokenizeResponse`, `{"prompt": text}`; an id outside the vocabulary is a 400
-    (vLLM's decode skips or fails on it)."""
+) -> tuple[dict[str, str], int]:
+    """vLLM's `DetokenizeResponse`, `{"prompt": text}`, and the ids decoded; an id outside the
+    vocabulary is a 400 (vLLM's decode skips or fails on it)."""
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(
         type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens
@@ -146,22 +151,23 @@ async def detokenize(
     unknown = next((t for t in tokens if t >= counter.vocab_size), None)
     if unknown is not None:
         raise BadRequest(f"Token id {unknown} is out of vocabulary", param="tokens")
-    return {"prompt": await counter.decode(tokens)}
+    return {"prompt": await counter.decode(tokens)}, len(tokens)
 
 
 async def count_tokens(
     policy: Policy, body: dict[str, Any], headers: CIMultiDictProxy[str]
-) -> dict[str, Any]:
-    """Anthropic's `messages.count_tokens` as vLLM answers it (`AnthropicCountTokensResponse`):
-    the chat its messages convert to, rendered and encoded whole, as `/v1/messages` counts
-    them (gateway/api/anthropic.py). A count is the tokenizer's alone: images, whose tokens
-    are the replica's processor's, are refused as `/tokenize` refuses them."""
+) -> tuple[dict[str, Any], int]:
+    """Anthropic's `messages.count_tokens` as vLLM answers it (`AnthropicCountTokensResponse`),
+    and the count: the chat its messages convert to, rendered and counted whole by the model's
+    counter, as `/v1/messages` counts them (gateway/api/anthropic.py), an estimate's included.
+    A count is the tokenizer's alone: images, whose tokens are the replica's processor's, are
+    refused as `/tokenize` refuses them."""
     if check_messages(body, policy.spec.server, None):
         raise BadRequest(
             "images are not counted by the gateway: their tokens are the replica's",
             param="messages",
             code="images_not_supported",
         )
-    counter = _counter(resolve(policy, body, headers, (MESSAGES,)))
+    counter = resolve(policy, body, headers, (MESSAGES,)).counter
     tokens = await counter.count_chat(chat_for(body, counter))
-    return {"input_tokens": tokens, "context_management": {"original_input_tokens": tokens}}
+    return {"input_tokens": tokens, "context_management": {"original_input_tokens": tokens}}, tokens
