@@ -35,7 +35,7 @@ from gateway.replicas.health import HealthChecker
 from gateway.state import SlotLedger, State
 from gateway.state.build import build_state
 from gateway.tls import ListenerTls, replica_context
-from gateway.upstream import Upstream
+from gateway.upstream import Upstream, replica_session
 
 log = logging.getLogger("gateway.runtime")
 PASSIVE_WATCH_S = 5.0  # with watching off, how often to look whether a reload turned it on
@@ -175,11 +175,7 @@ class Gateway:
         for name, slots in self.runtime.slots.items():
             if name not in self.sessions:
                 tls = self.runtime.upstreams[name].tls  # the pool's CA bundle, or the system's
-                self.sessions[name] = aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ssl=tls or True),
-                    auto_decompress=False,
-                    skip_auto_headers=("Accept-Encoding", "User-Agent"),
-                )
+                self.sessions[name] = replica_session(tls)
             if name not in self._checkers:
                 checker = HealthChecker(slots, self.sessions[name])
                 self._checkers[name] = asyncio.create_task(checker.run(), name=f"health:{name}")

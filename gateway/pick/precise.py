@@ -43,6 +43,7 @@ from gateway.pick import zmtp
 from gateway.pick.kv_events import EngineBlocks, token_blocks
 from gateway.pick.scorers import Scorer, _Params
 from gateway.policy.plugins import PluginError, register
+from gateway.upstream import replica_session
 
 if TYPE_CHECKING:
     from gateway.admit import Claim, Replica
@@ -331,7 +332,7 @@ class PrecisePrefixScorer(Scorer):
             parts = urlsplit(url)
             return [(template.format(host=parts.hostname, port=parts.port), b"")]
         if self._http is None:
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+            self._http = replica_session(timeout=aiohttp.ClientTimeout(total=5))
         async with self._http.get(f"{url}/kv_event_sources") as resp:
             resp.raise_for_status()
             sources = await resp.json(content_type=None)
