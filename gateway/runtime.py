@@ -114,6 +114,14 @@ def _base(policy: Policy) -> Path:
     return Path(policy.path).parent
 
 
+def _warn_unscraped(policy: Policy, metrics_port: int | None) -> None:
+    if metrics_port is None and policy.tenants:
+        log.warning(
+            "with tenants, /metrics (their names, their token counts, replica URLs) is not"
+            " served on the public port: set server.metrics_port (read at start) to scrape it"
+        )
+
+
 def _tracing(policy: Policy, running: Tracing | None) -> Tracing | None:
     """The policy's tracing: the running one while its section is unchanged."""
     spec = policy.spec.tracing
@@ -134,6 +142,8 @@ class Gateway:
         self.runtime = Runtime.build(policy, None, self.ledger)
         tls = policy.spec.server.tls  # the listener opens once: its context outlives reloads
         self.listener_tls = ListenerTls(tls, _base(policy)) if tls is not None else None
+        self.metrics_port = policy.spec.server.metrics_port  # its listener, too, opens once
+        _warn_unscraped(policy, self.metrics_port)
         self._tls_watch: asyncio.Task[None] | None = None
         self._retiring: dict[str, LivePool] = {}  # removed pools, for `retiring`
         self.reload_errors = 0
@@ -157,6 +167,13 @@ class Gateway:
     @property
     def policy(self) -> Policy:
         return self.runtime.policy
+
+    @property
+    def metrics_public(self) -> bool:
+        """Whether the public port serves `/metrics` and names replicas in `/readyz`: only with
+        no port of their own and no tenants (the running policy's), as the labels name tenants,
+        their token counts and replica URLs; a gateway with tenants faces strangers."""
+        return self.metrics_port is None and not self.policy.tenants
 
     @property
     def slots(self) -> dict[str, LivePool]:
@@ -325,6 +342,9 @@ class Gateway:
         if policy.digest != current.digest:
             if (policy.spec.server.tls is None) != (self.listener_tls is None):
                 log.warning("server.tls turned on or off: the listener changes at the next start")
+            if policy.spec.server.metrics_port != self.metrics_port:
+                log.warning("server.metrics_port changed: its listener moves at the next start")
+            _warn_unscraped(policy, self.metrics_port)
             previous = self.runtime
             self.runtime = Runtime.build(policy, previous, self.ledger)
             self.holders.capacity = policy.spec.server.max_stored_responses

@@ -158,10 +158,10 @@ async def test_latency_histograms_carry_the_trace_as_an_exemplar(
         assert resp.status == 200
     await accounted(gw, 0)
     openmetrics = {"Accept": "application/openmetrics-text; version=1.0.0"}
-    async with http.get(f"{gw.url}/metrics", headers=openmetrics) as resp:
+    async with http.get(f"{gw.metrics_url}/metrics", headers=openmetrics) as resp:
         assert resp.content_type == "application/openmetrics-text"
         text = await resp.text()
     e2e = [line for line in text.splitlines() if line.startswith("llm_request_e2e_seconds_bucket")]
     assert any(f'# {{trace_id="{CLIENT_TRACE}"}}' in line for line in e2e), e2e
-    async with http.get(f"{gw.url}/metrics") as resp:  # Prometheus's text format has none
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:  # Prometheus's text format has none
         assert "trace_id" not in await resp.text()
