@@ -287,7 +287,7 @@ class Gateway:
         assert self.listener_tls is not None
         while True:
             await asyncio.sleep(self.policy.spec.admin.watch_interval_s or PASSIVE_WATCH_S)
-            self.listener_tls.refresh(self.policy.spec.server.tls, _base(self.policy))
+            await self.listener_tls.refresh(self.policy.spec.server.tls, _base(self.policy))
 
     async def _watch(self) -> None:
         """Reload when the policy file changes (a ConfigMap update swaps it under us)."""
