@@ -13,9 +13,10 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import aiohttp
 
@@ -160,7 +161,7 @@ class Gateway:
         self._adapters: dict[str, asyncio.Task[None]] = {}
         self._reload_lock = asyncio.Lock()
         self._closing = False
-        self._stopping: set[asyncio.Task[None]] = set()  # a removed pool's, not yet stopped
+        self._stopping: set[asyncio.Task[None]] = set()  # what a reload left running
         self._watcher: asyncio.Task[None] | None = None
         self._lag: asyncio.Task[None] | None = None
 
@@ -224,9 +225,7 @@ class Gateway:
         for name in gone:
             previous.upstreams[name].close()
             self._retiring[name] = slots = previous.slots[name]
-            winding = asyncio.create_task(self._wind_down(slots), name=f"retire:{name}")
-            self._stopping.add(winding)
-            winding.add_done_callback(self._stopping.discard)
+            self._in_background(self._wind_down(slots), f"retire:{name}")
         if stopped:
             _, pending = await asyncio.wait(stopped, timeout=RETIRE_WAIT_S)
             self._stopping |= pending  # one that swallowed its cancellation: `close` waits on it
@@ -236,6 +235,12 @@ class Gateway:
             session = self.sessions.pop(name, None)
             if session is not None:
                 await session.close()
+
+    def _in_background(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """What a reload leaves running after it returns; `close` waits on what is left."""
+        task = asyncio.create_task(work, name=name)
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
 
     async def _wind_down(self, slots: LivePool) -> None:
         """A removed pool until its last request ends: its leases still renewed (with shared
@@ -350,7 +355,7 @@ class Gateway:
             self.holders.capacity = policy.spec.server.max_stored_responses
             tracing = _tracing(policy, self.tracing)
             if tracing is not self.tracing and self.tracing is not None:
-                await self.tracing.close()  # what it still holds is exported first
+                self._in_background(self.tracing.close(), "tracing-close")  # not under the lock
             self.tracing = tracing
             await self._retire(previous, self._serve_pools())
             kept = {id(pool.picker) for pool in policy.pools.values()}
