@@ -5,6 +5,7 @@ replica gets the upstream span's context, so its own spans join the trace."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -226,3 +227,25 @@ async def test_a_stop_with_nothing_in_flight_does_not_wait_for_the_collector(
         proc.terminate()
         async with asyncio.timeout(15):
             assert await proc.wait() == 0
+
+
+async def test_bad_trace_context_headers_are_logged_rate_limited_and_never_quoted(
+    receiver, stub, gateway_factory, tokenizer_dir, http, caplog
+) -> None:
+    """OpenTelemetry warns of every `traceparent` over its length and every malformed
+    `tracestate` member, quoting the member: one request each made a log line, with whatever
+    the client put there."""
+    gw = await gateway_factory(traced(basic_policy(tokenizer_dir, [stub.url]), receiver))
+    secret = "sk-live-0123456789abcdef"
+    long_parent = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01" + "0" * 600}
+    bad_state = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "tracestate": f"{secret} x"}
+    with caplog.at_level(logging.WARNING, logger="opentelemetry"):
+        for headers in [long_parent] * 25 + [bad_state] * 25:
+            async with http.post(
+                f"{gw.url}/v1/chat/completions", json=CHAT, headers=headers
+            ) as resp:
+                assert resp.status == 200
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("opentelemetry.trace")]
+    assert 2 <= len(lines) <= 20, lines  # each kind within its burst of 10 a minute
+    assert any("maximum length of 512" in line for line in lines)
+    assert not any(secret in line for line in lines)
