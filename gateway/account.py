@@ -168,6 +168,7 @@ class Accountant:
         return {
             "ts": time.time(),
             "request_id": ctx.request_id,
+            "upstream_request_id": ctx.upstream_id or None,
             "tenant": ctx.tenant.name if ctx.tenant else None,
             "endpoint": ctx.endpoint,
             "model": ctx.requested_model,

@@ -30,6 +30,7 @@ class Ctx:
     path: str
     headers: CIMultiDictProxy[str]
     arrived: float  # time.perf_counter() when the request came in
+    upstream_id: str = ""  # the replica's `x-request-id`: the gateway's own, never a client's
     # authenticate
     tenant: Tenant | None = None  # None: the policy has no tenants
     tier: int = 0  # the highest priority this request may have (0, critical, without tenants)

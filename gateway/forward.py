@@ -200,11 +200,12 @@ def _forwarded_for(peer: str) -> str:
 def upstream_headers(
     headers: CIMultiDictProxy[str], ctx: Ctx, api_key: str | None, peer: str | None = None
 ) -> CIMultiDict[str]:
-    """The client's end-to-end headers, the gateway's request id, the peer appended to
+    """The client's end-to-end headers, the gateway's own request id (`Ctx.upstream_id`, in
+    place of the client's), the peer appended to
     `X-Forwarded-For` (and to `Forwarded` when the client sent one) as any proxy does, and the
     credentials the policy says (docs/api.md, "Endpoints and headers")."""
     out = _end_to_end(headers, _DROP_REQUEST)
-    out["x-request-id"] = ctx.request_id
+    out["x-request-id"] = ctx.upstream_id
     if peer:
         out["X-Forwarded-For"] = ", ".join([*out.popall("X-Forwarded-For", []), peer])
         if "Forwarded" in out:

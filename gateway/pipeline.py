@@ -13,10 +13,9 @@ in the `Ctx`, and asks to write the refusal in its clients' shape.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
+import os
 import time
-import uuid
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -81,15 +80,16 @@ async def decide(ctx: Ctx, policy: Policy) -> None:
     await count_and_route(ctx, policy)
 
 
-_ID_PREFIX = uuid.uuid4().hex[:16]  # unique per process, so ids from several gateways never clash
-_ID_SEQ = itertools.count(1)
-
-
-def _request_id(request: web.Request) -> str:
+def _request_ids(request: web.Request) -> tuple[str, str]:
+    """The request's id, which the client is echoed and the logs name: the client's
+    `x-request-id` when it sent a usable one, else the gateway's own; and the id the replica is
+    sent, the gateway's own always. vLLM makes that its engine's request id: a client's would
+    let a tenant collide with another's request, and a counter would let it guess one."""
+    own = os.urandom(16).hex()  # 128 random bits: unique, and no other id tells it
     given = request.headers.get("x-request-id")
     if given and len(given) <= 128 and given.isascii() and given.isprintable():
-        return given
-    return f"{_ID_PREFIX}{next(_ID_SEQ):016x}"
+        return given, own
+    return own, own
 
 
 async def admit_and_forward(ctx: Ctx, request: web.Request, runtime: Runtime) -> web.StreamResponse:
@@ -154,8 +154,10 @@ async def handle(gateway: Gateway, request: web.Request, api: Api) -> web.Stream
     """One request from its arrival to its accounting: the stages in order, each filling its part
     of the `Ctx` or raising a `GatewayError` that becomes the client's refusal; `finally` accounts
     for every request and settles its charge, however it ended."""
+    request_id, upstream_id = _request_ids(request)
     ctx = Ctx(
-        request_id=_request_id(request),
+        request_id=request_id,
+        upstream_id=upstream_id,
         api=api,
         path=request.path,
         headers=request.headers,

@@ -13,9 +13,10 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import aiohttp
 
@@ -35,7 +36,7 @@ from gateway.replicas.health import HealthChecker
 from gateway.state import SlotLedger, State
 from gateway.state.build import build_state
 from gateway.tls import ListenerTls, replica_context
-from gateway.upstream import Upstream
+from gateway.upstream import Upstream, replica_session
 
 log = logging.getLogger("gateway.runtime")
 PASSIVE_WATCH_S = 5.0  # with watching off, how often to look whether a reload turned it on
@@ -114,6 +115,14 @@ def _base(policy: Policy) -> Path:
     return Path(policy.path).parent
 
 
+def _warn_unscraped(policy: Policy, metrics_port: int | None) -> None:
+    if metrics_port is None and policy.tenants:
+        log.warning(
+            "with tenants, /metrics (their names, their token counts, replica URLs) is not"
+            " served on the public port: set server.metrics_port (read at start) to scrape it"
+        )
+
+
 def _tracing(policy: Policy, running: Tracing | None) -> Tracing | None:
     """The policy's tracing: the running one while its section is unchanged."""
     spec = policy.spec.tracing
@@ -134,6 +143,8 @@ class Gateway:
         self.runtime = Runtime.build(policy, None, self.ledger)
         tls = policy.spec.server.tls  # the listener opens once: its context outlives reloads
         self.listener_tls = ListenerTls(tls, _base(policy)) if tls is not None else None
+        self.metrics_port = policy.spec.server.metrics_port  # its listener, too, opens once
+        _warn_unscraped(policy, self.metrics_port)
         self._tls_watch: asyncio.Task[None] | None = None
         self._retiring: dict[str, LivePool] = {}  # removed pools, for `retiring`
         self.reload_errors = 0
@@ -150,13 +161,20 @@ class Gateway:
         self._adapters: dict[str, asyncio.Task[None]] = {}
         self._reload_lock = asyncio.Lock()
         self._closing = False
-        self._stopping: set[asyncio.Task[None]] = set()  # a removed pool's, not yet stopped
+        self._stopping: set[asyncio.Task[None]] = set()  # what a reload left running
         self._watcher: asyncio.Task[None] | None = None
         self._lag: asyncio.Task[None] | None = None
 
     @property
     def policy(self) -> Policy:
         return self.runtime.policy
+
+    @property
+    def metrics_public(self) -> bool:
+        """Whether the public port serves `/metrics` and names replicas in `/readyz`: only with
+        no port of their own and no tenants (the running policy's), as the labels name tenants,
+        their token counts and replica URLs; a gateway with tenants faces strangers."""
+        return self.metrics_port is None and not self.policy.tenants
 
     @property
     def slots(self) -> dict[str, LivePool]:
@@ -175,11 +193,7 @@ class Gateway:
         for name, slots in self.runtime.slots.items():
             if name not in self.sessions:
                 tls = self.runtime.upstreams[name].tls  # the pool's CA bundle, or the system's
-                self.sessions[name] = aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ssl=tls or True),
-                    auto_decompress=False,
-                    skip_auto_headers=("Accept-Encoding", "User-Agent"),
-                )
+                self.sessions[name] = replica_session(tls)
             if name not in self._checkers:
                 checker = HealthChecker(slots, self.sessions[name])
                 self._checkers[name] = asyncio.create_task(checker.run(), name=f"health:{name}")
@@ -211,9 +225,7 @@ class Gateway:
         for name in gone:
             previous.upstreams[name].close()
             self._retiring[name] = slots = previous.slots[name]
-            winding = asyncio.create_task(self._wind_down(slots), name=f"retire:{name}")
-            self._stopping.add(winding)
-            winding.add_done_callback(self._stopping.discard)
+            self._in_background(self._wind_down(slots), f"retire:{name}")
         if stopped:
             _, pending = await asyncio.wait(stopped, timeout=RETIRE_WAIT_S)
             self._stopping |= pending  # one that swallowed its cancellation: `close` waits on it
@@ -223,6 +235,12 @@ class Gateway:
             session = self.sessions.pop(name, None)
             if session is not None:
                 await session.close()
+
+    def _in_background(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """What a reload leaves running after it returns; `close` waits on what is left."""
+        task = asyncio.create_task(work, name=name)
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
 
     async def _wind_down(self, slots: LivePool) -> None:
         """A removed pool until its last request ends: its leases still renewed (with shared
@@ -274,7 +292,7 @@ class Gateway:
         assert self.listener_tls is not None
         while True:
             await asyncio.sleep(self.policy.spec.admin.watch_interval_s or PASSIVE_WATCH_S)
-            self.listener_tls.refresh(self.policy.spec.server.tls, _base(self.policy))
+            await self.listener_tls.refresh(self.policy.spec.server.tls, _base(self.policy))
 
     async def _watch(self) -> None:
         """Reload when the policy file changes (a ConfigMap update swaps it under us)."""
@@ -329,12 +347,15 @@ class Gateway:
         if policy.digest != current.digest:
             if (policy.spec.server.tls is None) != (self.listener_tls is None):
                 log.warning("server.tls turned on or off: the listener changes at the next start")
+            if policy.spec.server.metrics_port != self.metrics_port:
+                log.warning("server.metrics_port changed: its listener moves at the next start")
+            _warn_unscraped(policy, self.metrics_port)
             previous = self.runtime
             self.runtime = Runtime.build(policy, previous, self.ledger)
             self.holders.capacity = policy.spec.server.max_stored_responses
             tracing = _tracing(policy, self.tracing)
             if tracing is not self.tracing and self.tracing is not None:
-                await self.tracing.close()  # what it still holds is exported first
+                self._in_background(self.tracing.close(), "tracing-close")  # not under the lock
             self.tracing = tracing
             await self._retire(previous, self._serve_pools())
             kept = {id(pool.picker) for pool in policy.pools.values()}

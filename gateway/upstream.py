@@ -6,7 +6,8 @@ writing each body, tracing hooks, cookies, URL building, a timer rescheduled on 
 this machine a pass-through built on it costs ~590,000 instructions per short request, and the
 same pass-through with this client ~255,000 (`loadtest.bench_instructions`): more than half of a
 proxy's cost was the general client. Forwarding needs one request shape, so it gets its own
-client; health checks, `/metrics` reads and adapter lists (a few GETs a second) stay on aiohttp.
+client; health checks, `/metrics` reads and adapter lists (a few GETs a second) stay on aiohttp,
+in sessions made only by `replica_session`.
 
 What it guarantees, as aiohttp did for the forward stage:
 - Time-outs: `connect_s` for a new connection; `read_s` for any silence from the replica,
@@ -18,6 +19,11 @@ What it guarantees, as aiohttp did for the forward stage:
 - Bounds a hostile replica cannot move: the head at most `MAX_HEAD_BYTES` and `MAX_HEADERS`
   fields, the body buffered at most `HIGH_WATER` bytes ahead of its reader (reading pauses).
 - No header injection: a name or value with CR or LF is refused before anything is sent.
+- No redirect is followed, by either client: a replica that answers 3xx would have the gateway
+  fetch (and relay to a tenant) whatever its `Location` names, another local service included.
+  A redirect is a broken answer here and a `Redirected` error from `replica_session`'s sessions
+  (a middleware every request of theirs passes through, so a new call cannot forget it): to the
+  client, a 502.
 - `Answer.close()` closes the connection, which is how vLLM learns to abort a generation;
   `release()` keeps it for the next request only after a whole answer the replica let it keep.
 """
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
 
+import aiohttp
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -71,6 +78,44 @@ class BrokenAnswer(ExchangeError):
 
 class ExchangeTimeout(ExchangeError, TimeoutError):
     """`connect_s` or `read_s` passed."""
+
+
+class Redirected(aiohttp.ClientResponseError):
+    """A replica answered a `replica_session` request with a redirect, which is not followed."""
+
+
+def _redirect(status: int) -> bool:
+    return 300 <= status < 400
+
+
+async def _refuse_redirects(
+    request: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType
+) -> aiohttp.ClientResponse:
+    response = await handler(request)
+    if _redirect(response.status):
+        response.close()
+        raise Redirected(
+            response.request_info,
+            response.history,
+            status=response.status,
+            message="a replica's redirect is not followed",
+        )
+    return response
+
+
+def replica_session(
+    tls: ssl.SSLContext | None = None, timeout: aiohttp.ClientTimeout | None = None
+) -> aiohttp.ClientSession:
+    """A session for the gateway's own requests to replicas (health, `/metrics`, adapter lists,
+    stored responses, KV-event sources): every answer passes `_refuse_redirects` before aiohttp
+    could follow it. `tls` verifies https:// replicas (None: the system's trust store)."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ssl=tls or True),
+        timeout=timeout or aiohttp.client.DEFAULT_TIMEOUT,
+        auto_decompress=False,
+        skip_auto_headers=("Accept-Encoding", "User-Agent"),
+        middlewares=(_refuse_redirects,),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -512,6 +557,10 @@ class Upstream:
         try:
             conn.transport.write(head + body)
             await answer.read_head(deadline)
+            if _redirect(answer.status):
+                raise BrokenAnswer(
+                    f"the replica answered {answer.status}, a redirect: not followed"
+                )
         except BaseException:
             answer.close()
             raise

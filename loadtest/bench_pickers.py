@@ -198,7 +198,12 @@ async def run_one(name: str, args: argparse.Namespace, workdir: Path) -> dict[st
         events = {"enable_kv_cache_events": True, "endpoint": f"ipc://{workdir}/kv-{name}"}
         sim += ("--tokenizer", args.tokenizer, "--kv-events-config", json.dumps(events))
     path = workdir / f"{name}.yaml"
-    picker = policy(args.model, urls, PICKERS[name], args.max_concurrency, args.tokenizer)
+    picked = PICKERS[name]
+    if picked is PICKERS["precise"]:  # the simulator's ipc endpoints, the policy's to allow
+        weight = PRECISE["scorers"]["precise_prefix"]
+        scorer = {"weight": weight, "ipc_endpoints": [f"ipc://{workdir}/kv-{name}*"]}
+        picked = {"pick": {"scorers": {**PRECISE["scorers"], "precise_prefix": scorer}}}
+    picker = policy(args.model, urls, picked, args.max_concurrency, args.tokenizer)
     path.write_text(yaml.safe_dump(picker))
     async with process(*sim) as sim_proc:
         assert sim_proc.stdout is not None

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from gateway.policy.compile import load_policy
 from gateway.runtime import Gateway
-from gateway.server.app import GATEWAY, create_app
+from gateway.server.app import GATEWAY, create_app, create_metrics_app
 from loadtest.stub_backend import CONFIG, STATS, StubConfig, StubStats, create_stub_app
 from loadtest.tiny_tokenizer import build
 
@@ -78,6 +78,7 @@ class RunningGateway:
     url: str
     gateway: Gateway
     access_log: io.BytesIO
+    metrics_url: str  # `server.metrics_port`'s app, served on its own port as `serve` does
 
     def inflight(self) -> int:
         return sum(r.inflight for s in self.gateway.slots.values() for r in s.replicas)
@@ -148,8 +149,9 @@ async def gateway_factory(
         log = io.BytesIO()
         app = create_app(compiled, access_log=log)
         runner, url = await _serve(app)
-        runners.append(runner)
-        return RunningGateway(url, app[GATEWAY], log)
+        metrics, metrics_url = await _serve(create_metrics_app(app))
+        runners.extend((runner, metrics))
+        return RunningGateway(url, app[GATEWAY], log, metrics_url)
 
     yield start
     for runner in runners:

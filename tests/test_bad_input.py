@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gateway.errors import GatewayError
-from tests.conftest import basic_policy
+from tests.conftest import accounted, basic_policy
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -182,15 +182,32 @@ async def test_replica_errors_reach_the_client_intact(
     assert gw.inflight() == 0
 
 
-async def test_request_id_is_kept_or_made(gw, stub, http) -> None:
+async def test_request_id_is_kept_or_made_and_the_replica_gets_only_the_gateways(
+    gw, stub, http
+) -> None:
+    """vLLM makes the `x-request-id` it gets its engine's request id: a client's would let one
+    tenant collide with another's request, a counter would let it guess one. The client's id is
+    echoed and logged; the replica gets a random one of the gateway's, logged beside it."""
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}
-    async with http.post(
-        f"{gw.url}/v1/chat/completions", json=body, headers={"x-request-id": "abc-123"}
-    ) as resp:
-        assert resp.headers["x-request-id"] == "abc-123"
-    assert stub.stats.headers[-1]["x-request-id"] == "abc-123"
-    async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
-        assert len(resp.headers["x-request-id"]) == 32
+    for _ in range(2):
+        async with http.post(
+            f"{gw.url}/v1/chat/completions", json=body, headers={"x-request-id": "abc-123"}
+        ) as resp:
+            assert resp.headers["x-request-id"] == "abc-123"
+    made = []
+    for _ in range(2):
+        async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+            made.append(resp.headers["x-request-id"])
+    await accounted(gw, 3)
+    sent = [h["x-request-id"] for h in stub.stats.headers[-4:]]
+    assert "abc-123" not in sent and len(set(sent)) == 4
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in sent)
+    assert sent[2:] == made  # a request without an id: the one made for it, to both
+    assert made[0][:16] != made[1][:16]  # random whole, not a prefix and a counter
+    lines = [json.loads(line) for line in gw.access_log.getvalue().splitlines()[-4:]]
+    assert [(x["request_id"], x["upstream_request_id"]) for x in lines] == list(
+        zip(["abc-123", "abc-123", *made], sent, strict=True)
+    )
 
 
 def _refusals(cls: type[GatewayError]) -> Iterator[type[GatewayError]]:

@@ -38,7 +38,7 @@ def logged(gw: Any) -> list[dict[str, Any]]:
 
 
 async def tenant_tokens(http: Any, gw: Any) -> dict[str, float]:
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         families = {f.name: f for f in text_string_to_metric_families(await resp.text())}
     return {
         s.labels["direction"]: s.value
@@ -132,5 +132,5 @@ async def test_more_cached_tokens_than_the_prompt_are_not_believed(
     (line,) = logged(gw)
     assert line["cached_tokens"] is None
     assert "cached_input" not in await tenant_tokens(http, gw)
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         assert 'llm_untrusted_usage_total{field="cached_tokens"' in await resp.text()

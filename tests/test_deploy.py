@@ -731,7 +731,8 @@ async def test_prometheus_scrapes_the_gateway_and_evaluates_every_expression(
     }
     gw = await gateway_factory(policy)
     exprs = expressions(rendered)
-    scrape = operator_scrape_config(rendered, gw.url.removeprefix("http://"))
+    # the metrics port, as deployed: with tenants the public one serves no /metrics
+    scrape = operator_scrape_config(rendered, gw.metrics_url.removeprefix("http://"))
     with prometheus(tmp_path, scrape, write_rules(rendered, tmp_path, annotations=True)) as prom:
         base = prom.url
         stop = asyncio.Event()

@@ -52,7 +52,7 @@ async def test_the_sdk_embeds_a_batch_counted_as_prefill_only_work(gw, http) -> 
     assert record["endpoint"] == "embeddings" and record["status"] == 200
     assert record["input_tokens"] == reply.usage.prompt_tokens  # the gateway counted as vLLM
     assert record["expected_output_tokens"] == 0 and record["output_tokens"] == 0
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         text = await resp.text()
     counted = [
         line

@@ -378,3 +378,31 @@ async def test_metrics_port_takes_metrics_off_the_public_port(
             assert (await resp.json())["pools"]["main"]["replicas"] == {stub.url: "healthy"}
         async with http.get(f"http://127.0.0.1:{metrics_port}/healthz") as resp:
             assert resp.status == 404
+
+
+async def test_with_tenants_the_public_port_serves_no_metrics_and_names_no_replica(
+    stub, gateway_factory, tokenizer_dir, tmp_path, http, caplog
+) -> None:
+    """No `metrics_port`: without tenants `/metrics` and the named `/readyz` stay public, as
+    before; once the running policy has tenants (here by a reload) neither is, and the gateway
+    says how to scrape it again."""
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [stub.url]))
+    async with http.get(f"{gw.url}/metrics") as resp:
+        assert resp.status == 200 and "llm_pool_capacity" in await resp.text()
+    async with http.get(f"{gw.url}/readyz") as resp:
+        assert (await resp.json())["pools"]["main"]["replicas"] == {stub.url: "healthy"}
+    write_policy(tmp_path, _tenant_policy(tokenizer_dir, [stub.url]))
+    with caplog.at_level(logging.WARNING, logger="gateway.runtime"):
+        await gw.gateway.reload()
+    async with http.get(f"{gw.url}/metrics") as resp:
+        assert resp.status == 404 and is_openai_error(await resp.json())
+    async with http.get(f"{gw.url}/readyz") as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    assert orjson.loads(text)["pools"] == {"main": {"healthy": 1, "failing": 0, "ejected": 0}}
+    assert stub.url not in text and "acme" not in text
+    assert any("server.metrics_port" in r.getMessage() for r in caplog.records)
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:  # where `metrics_port` serves it
+        assert resp.status == 200 and "llm_pool_capacity" in await resp.text()
+    async with http.get(f"{gw.metrics_url}/readyz") as resp:
+        assert (await resp.json())["pools"]["main"]["replicas"] == {stub.url: "healthy"}

@@ -50,7 +50,7 @@ async def post(
 
 
 async def scrape(http: aiohttp.ClientSession, gw: Any) -> dict[str, list[Any]]:
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         text = await resp.text()
     out: dict[str, list[Any]] = {}
     for family in text_string_to_metric_families(text):
@@ -550,7 +550,7 @@ async def test_a_replicas_usage_is_bounded_before_it_is_settled(
     # None was believed: each settled on its reservation, its input and `max_tokens: 3`.
     used = sum(r["input_tokens"] + 3 for r in records)
     assert remaining == 20_000 - used - (records[0]["input_tokens"] + 3)  # this one reserved
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         families = {f.name: f for f in text_string_to_metric_families(await resp.text())}
     counted = {
         s.labels["field"]: s.value

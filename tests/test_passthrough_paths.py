@@ -69,7 +69,7 @@ async def test_the_sdks_transcription_is_admitted_and_forwarded(
     assert first["pool"] == "main" and first["input_tokens"] == 0 and first["tenant"] == "acme"
     assert refused["status"] == 429 and refused["reason"] == "rate_limit_exceeded"
     assert gw.inflight() == 0
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         assert 'endpoint="passthrough"' in await resp.text()
 
 
@@ -160,7 +160,7 @@ async def nothing_held(gw: Any, http: aiohttp.ClientSession, logged: int) -> Non
     await eventually(
         lambda: gw.inflight() == gw.waiting() == 0 and all(p.retrying == 0 for p in pools)
     )
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         text = await resp.text()
     inflight = [
         s.value

@@ -19,6 +19,7 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+from aiohttp import web
 from transformers import AutoTokenizer
 
 from gateway.admit import Claim, Replica
@@ -36,6 +37,7 @@ from gateway.policy.load import PolicyError
 from tests.conftest import (
     RunningGateway,
     Stub,
+    _serve,
     basic_policy,
     eventually,
     longest_loop_gap,
@@ -126,12 +128,46 @@ def test_endpoints_are_vllms_bound_publishers_with_the_replicas_host() -> None:
         "2": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://collector:5557"},
         "3": {"enable_kv_cache_events": False, "publisher": "null", "endpoint": "tcp://*:5558"},
     }  # fmt: skip
-    assert endpoints_of("http://10.0.0.7:8000", sources) == [
+    assert endpoints_of("http://10.0.0.7:8000", sources, ["ipc:///run/kv*"]) == [
         ("tcp://10.0.0.7:5557", b"kv"),
         ("ipc:///run/kv1", b""),
     ]
     assert endpoints_of("http://10.0.0.7:8000", {}) == []
     assert endpoints_of("http://10.0.0.7:8000", ["not", "a", "map"]) == []
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "patterns"),
+    [
+        ("ipc:///run/kv1", []),  # the policy allows none: a replica picks no socket of ours
+        ("ipc:///var/run/docker.sock", ["ipc:///run/*"]),
+        ("ipc:///run/../var/run/docker.sock", ["ipc:///run/*"]),
+        ("ipc:///run/kv/../../tmp/other", ["ipc:///run/kv/*"]),
+    ],
+)
+async def test_an_ipc_endpoint_the_policy_does_not_allow_is_not_followed(
+    endpoint: str, patterns: list[str]
+) -> None:
+    """Asked of a replica on loopback by the scorer, as it asks every replica it follows."""
+    sources = {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}}
+
+    async def kv_event_sources(request: web.Request) -> web.Response:
+        return web.json_response(sources)
+
+    app = web.Application()
+    app.router.add_get("/kv_event_sources", kv_event_sources)
+    runner, url = await _serve(app)
+    allowing = {"ipc_endpoints": patterns} if patterns else {}  # none: the default
+    scorer = PrecisePrefixScorer(PreciseParams(**allowing))
+    try:
+        assert await scorer.endpoints(url) == []
+        allowed = PrecisePrefixScorer(PreciseParams(ipc_endpoints=[endpoint]))
+        followed = [(endpoint, b"")] if ".." not in endpoint else []
+        assert await allowed.endpoints(url) == followed
+        await allowed.close()
+    finally:
+        await scorer.close()
+        await runner.cleanup()
 
 
 class Publisher:

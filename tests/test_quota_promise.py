@@ -307,7 +307,7 @@ async def test_the_charge_is_corrected_to_real_usage(
     assert headers["x-ratelimit-remaining-tokens"] == str(expected)
     status, _, headers = await chat(http, gw, {**body, "max_tokens": 1})
     assert headers["x-ratelimit-remaining-tokens"] == str(10_000 - 3 * counted - 2 * 16 - 1)
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         text = await resp.text()
     assert f'llm_tenant_tokens_total{{direction="input",tenant="acme"}} {3 * counted}.0' in text
     assert 'llm_tenant_tokens_total{direction="output",tenant="acme"} 33.0' in text

@@ -94,7 +94,7 @@ async def test_a_tenant_at_10000_tpm_gets_its_third_4000_token_request_refused_u
     clock.now += 0.5  # the first request's charge has left the window
     status, _, headers = await chat(http, gw, body)
     assert (status, headers["x-ratelimit-remaining-tokens"]) == (200, "2000")
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         text = await resp.text()
     assert 'llm_quota_rejections_total{kind="tokens",tenant="acme"} 2.0' in text
     assert 'llm_tenant_tokens_total{direction="input",tenant="acme"}' in text
@@ -145,7 +145,7 @@ async def test_rpm_refuses_the_request_over_the_limit_and_every_answer_carries_t
     assert status == 429 and error["error"]["code"] == "rate_limit_exceeded"
     assert headers["Retry-After"] == "30"
     assert "requests per minute" in error["error"]["message"]
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         assert 'llm_quota_rejections_total{kind="requests",tenant="acme"} 1.0' in await resp.text()
 
 

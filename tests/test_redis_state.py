@@ -129,7 +129,7 @@ def redis_policy(
 
 
 async def backend_up(http: aiohttp.ClientSession, gw: RunningGateway) -> str:
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         text = await resp.text()
     return next(line for line in text.splitlines() if line.startswith("llm_state_backend_up "))
 
@@ -179,7 +179,7 @@ async def test_fail_open_serves_at_local_limits_then_shares_again_when_redis_ret
     status, _, _ = await chat(http, first, body)
     assert status == 429  # 8000 would exceed this gateway's half of the limit
     assert await backend_up(http, first) == "llm_state_backend_up 0.0"
-    async with http.get(f"{first.url}/metrics") as resp:
+    async with http.get(f"{first.metrics_url}/metrics") as resp:
         assert 'llm_state_mode{mode="local"} 1.0' in await resp.text()
 
     fresh_redis.start()  # empty: it persisted nothing
@@ -205,7 +205,7 @@ async def test_fail_closed_answers_503_within_a_second_and_recovers(
         assert time.monotonic() - started < 1
         assert (status, error["error"]["code"]) == (503, "state_unavailable")
     assert len(stub.stats.bodies) == 1
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         assert 'llm_state_mode{mode="refusing"} 1.0' in await resp.text()
     fresh_redis.start()
 

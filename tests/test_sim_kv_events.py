@@ -196,7 +196,8 @@ async def test_kv_event_sources_answers_as_vllm_does(
               "replay_endpoint": None, "buffer_steps": 10000, "hwm": 100000,
               "max_queue_size": 100000, "topic": ""},
     }  # fmt: skip
-    assert endpoints_of(on.url, sources) == [(config.endpoint, b"")]  # the scorer follows it
+    # the scorer follows it, where the policy allows it
+    assert endpoints_of(on.url, sources, [config.endpoint]) == [(config.endpoint, b"")]
     async with http.get(f"{off.url}/kv_event_sources") as resp:
         assert await resp.json() == {}  # vLLM's answer when its engine has no publisher
 

@@ -64,7 +64,7 @@ def access(gw: Any) -> list[dict[str, Any]]:
 
 
 async def spilled(http: aiohttp.ClientSession, gw: Any) -> dict[tuple[str, ...], float]:
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         text = await resp.text()
     return {
         tuple(s.labels[k] for k in ("route", "from_pool", "to_pool", "tier")): s.value

@@ -63,7 +63,7 @@ async def test_the_key_names_the_tenant_and_never_leaves_the_gateway(
     log = gw.access_log.getvalue().decode()
     assert '"tenant":"acme"' in log
     assert ACME_KEY not in log and hashed(ACME_KEY)[7:] not in log
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         assert ACME_KEY not in await resp.text()
 
 

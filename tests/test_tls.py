@@ -20,7 +20,7 @@ import yaml
 from aiohttp import web
 
 from loadtest.stub_backend import create_stub_app
-from tests.conftest import basic_policy, serving
+from tests.conftest import basic_policy, longest_loop_gap, serving
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -153,3 +153,81 @@ async def test_an_https_replica_is_verified_with_the_pools_ca_bundle(
                 assert (await resp.json())["error"]["code"] == "upstream_error"
     finally:
         await runner.cleanup()
+
+
+def secret_of(ca: tuple[Path, Path], tmp_path: Path) -> Path:
+    """A mounted Secret's layout, `v1` (serial 1001) in it; the files through `..data`."""
+    secret = tmp_path / "secret"
+    issue(ca, secret / "v1", serial=1001)
+    swap(secret, "v1")
+    for name in ("tls.crt", "tls.key"):
+        (secret / name).symlink_to(Path("..data") / name)
+    return secret
+
+
+def tls_policy(tokenizer_dir: Path) -> dict[str, Any]:
+    policy = basic_policy(tokenizer_dir, ["http://127.0.0.1:9"])
+    policy["server"] = {"tls": {"cert_file": "secret/tls.crt", "key_file": "secret/tls.key"}}
+    policy["admin"] = {"watch_interval_s": 0.05}
+    return policy
+
+
+def renewal(secret: Path, version: str, cert: Callable[[Path], None]) -> None:
+    """`version` with the key of v1 and a certificate `cert` makes at its path."""
+    (secret / version).mkdir()
+    (secret / version / "tls.key").write_bytes((secret / "v1" / "tls.key").read_bytes())
+    cert(secret / version / "tls.crt")
+
+
+async def test_a_fifo_then_a_path_that_never_resolves_are_counted_and_the_watch_goes_on(
+    ca, tmp_path, tokenizer_dir
+) -> None:
+    """A FIFO at the certificate path wedged the loop (the file read waited for a writer), and a
+    path that did not resolve was a swap under way for ever, uncounted: now each is one failure,
+    `/healthz` answers throughout, and the next good renewal still loads."""
+    secret = secret_of(ca, tmp_path)
+    renewal(secret, "fifo", os.mkfifo)
+    issue(ca, secret / "v2", serial=2002)
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(tls_policy(tokenizer_dir)))
+    trusted = ssl.create_default_context(cafile=ca[0])
+    timeout = aiohttp.ClientTimeout(total=10)  # a wedged gateway answers nothing at all
+    async with serving(path) as (proc, url), aiohttp.ClientSession(timeout=timeout) as http:
+
+        async def errors() -> str:
+            async with http.get(f"{url}/healthz", ssl=trusted) as resp:
+                assert resp.status == 200
+            async with http.get(f"{url}/metrics", ssl=trusted) as resp:
+                text = await resp.text()
+            return next(x for x in text.splitlines() if x.startswith("llm_tls_reload_errors_total"))
+
+        swap(secret, "fifo")
+        await served(errors, "llm_tls_reload_errors_total 1.0")
+        assert await peer_serial(url, ca[0]) == 1001
+        swap(secret, "gone")  # `..data` names nothing: past the grace, one failure
+        await served(errors, "llm_tls_reload_errors_total 2.0", within_s=20)
+        swap(secret, "v2")
+        await served(lambda: peer_serial(url, ca[0]), 2002)
+        assert await errors() == "llm_tls_reload_errors_total 2.0"
+        assert proc.returncode is None
+
+
+async def test_a_huge_certificate_file_is_refused_without_holding_the_loop(
+    ca, tmp_path, tokenizer_dir, gateway_factory
+) -> None:
+    """150 MB at the certificate path was read and parsed on the loop (118-145 ms); now it is
+    refused unread past `MAX_PEM_BYTES`, in a thread."""
+    secret = secret_of(ca, tmp_path)
+    gw = await gateway_factory(tls_policy(tokenizer_dir))
+    tls = gw.gateway.listener_tls
+    assert tls is not None
+    renewal(secret, "huge", lambda p: p.write_bytes(b"A" * (150 << 20)))
+    swap(secret, "huge")
+
+    async def counted() -> None:
+        while not tls.reload_errors:  # noqa: ASYNC110 - the watch's own tick counts it
+            await asyncio.sleep(0.001)
+
+    _, gap = await longest_loop_gap(asyncio.wait_for(counted(), 30), 0.002)
+    assert tls.reload_errors == 1
+    assert gap < 0.05  # ~0.13 s when it was read on the loop

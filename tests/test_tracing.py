@@ -5,6 +5,7 @@ replica gets the upstream span's context, so its own spans join the trace."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from tests.conftest import _serve, accounted, basic_policy, eventually
+from tests.conftest import _serve, accounted, basic_policy, eventually, serving, write_policy
 from tests.test_tenants import hashed
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -158,10 +159,93 @@ async def test_latency_histograms_carry_the_trace_as_an_exemplar(
         assert resp.status == 200
     await accounted(gw, 0)
     openmetrics = {"Accept": "application/openmetrics-text; version=1.0.0"}
-    async with http.get(f"{gw.url}/metrics", headers=openmetrics) as resp:
+    async with http.get(f"{gw.metrics_url}/metrics", headers=openmetrics) as resp:
         assert resp.content_type == "application/openmetrics-text"
         text = await resp.text()
     e2e = [line for line in text.splitlines() if line.startswith("llm_request_e2e_seconds_bucket")]
     assert any(f'# {{trace_id="{CLIENT_TRACE}"}}' in line for line in e2e), e2e
-    async with http.get(f"{gw.url}/metrics") as resp:  # Prometheus's text format has none
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:  # Prometheus's text format has none
         assert "trace_id" not in await resp.text()
+
+
+@dataclass
+class Hanging:
+    """An OTLP endpoint that accepts, reads what it is sent, and never answers."""
+
+    url: str
+    heard: asyncio.Event
+
+
+@pytest.fixture
+async def hanging(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Hanging]:
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # inherited by a gateway process too
+    heard = asyncio.Event()
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        while await reader.read(65536):
+            heard.set()
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    yield Hanging(f"http://127.0.0.1:{port}/v1/traces", heard)
+    for writer in held:
+        writer.close()
+    server.close()
+
+
+def hung_policy(tokenizer_dir: Any, stub: Any, collector: Hanging) -> dict[str, Any]:
+    # The exporter's own time-out well past the close's bound: the SDK would wait it out.
+    policy = basic_policy(tokenizer_dir, [stub.url])
+    return {**policy, "tracing": {"endpoint": collector.url, "timeout_s": 60}}
+
+
+async def test_a_reload_does_not_wait_for_a_collector_that_never_answers(
+    hanging, stub, gateway_factory, tokenizer_dir, tmp_path, http
+) -> None:
+    gw = await gateway_factory(hung_policy(tokenizer_dir, stub, hanging))
+    async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+        assert resp.status == 200
+    await asyncio.wait_for(hanging.heard.wait(), 10)  # its spans are being exported, for ever
+    write_policy(tmp_path, basic_policy(tokenizer_dir, [stub.url]))  # tracing off
+    async with asyncio.timeout(10):  # the SDK waits on the exporter for 30 s
+        await gw.gateway.reload()
+    assert gw.gateway.tracing is None
+
+
+async def test_a_stop_with_nothing_in_flight_does_not_wait_for_the_collector(
+    hanging, stub, tokenizer_dir, tmp_path, http
+) -> None:
+    """SIGTERM, nothing in flight: the gateway's close flushed the spans under a 30 s wait that
+    a pod's grace period ends in SIGKILL; now the flush has `CLOSE_S`."""
+    path = write_policy(tmp_path, hung_policy(tokenizer_dir, stub, hanging))
+    async with serving(path) as (proc, url):
+        async with http.post(f"{url}/v1/chat/completions", json=CHAT) as resp:
+            assert resp.status == 200
+        await asyncio.wait_for(hanging.heard.wait(), 10)
+        proc.terminate()
+        async with asyncio.timeout(15):
+            assert await proc.wait() == 0
+
+
+async def test_bad_trace_context_headers_are_logged_rate_limited_and_never_quoted(
+    receiver, stub, gateway_factory, tokenizer_dir, http, caplog
+) -> None:
+    """OpenTelemetry warns of every `traceparent` over its length and every malformed
+    `tracestate` member, quoting the member: one request each made a log line, with whatever
+    the client put there."""
+    gw = await gateway_factory(traced(basic_policy(tokenizer_dir, [stub.url]), receiver))
+    secret = "sk-live-0123456789abcdef"
+    long_parent = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01" + "0" * 600}
+    bad_state = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "tracestate": f"{secret} x"}
+    with caplog.at_level(logging.WARNING, logger="opentelemetry"):
+        for headers in [long_parent] * 25 + [bad_state] * 25:
+            async with http.post(
+                f"{gw.url}/v1/chat/completions", json=CHAT, headers=headers
+            ) as resp:
+                assert resp.status == 200
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("opentelemetry.trace")]
+    assert 2 <= len(lines) <= 20, lines  # each kind within its burst of 10 a minute
+    assert any("maximum length of 512" in line for line in lines)
+    assert not any(secret in line for line in lines)

@@ -14,11 +14,19 @@ exist before the request is sent, to be propagated); the others are made at the 
 times the stages already record, so a traced request costs a few spans, one the sampler leaves
 out only its sampling decision, and without `tracing` in the policy nothing (`ctx.trace` None). Export is the SDK's batch processor on its
 own thread, over OTLP/HTTP; sampling is parent-based with the policy's ratio for new traces.
+
+Closing (a reload that changes `tracing`, the gateway's stop) exports what is left for at most
+`CLOSE_S`: a collector that accepts and never answers would otherwise hold it for the SDK's own
+30 s, the reload lock or the whole drain with it. Past the bound the spans are dropped (a
+WARNING says so) and the SDK's daemon threads are left to end on their own, with the process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +53,9 @@ _OPERATIONS = {
     "embeddings": "embeddings",
 }  # fmt: skip
 _PROPAGATOR = TraceContextTextMapPropagator()
+CLOSE_S = 2.0  # the longest closing waits for the last spans to be exported
+
+log = logging.getLogger("gateway.observability.tracing")
 
 
 class Tracing:
@@ -76,8 +87,32 @@ class Tracing:
         return RequestTrace(self, span, wall, ctx.arrived) if span.is_recording() else None
 
     async def close(self) -> None:
-        """Export what is left and stop (the SDK's shutdown blocks: on a thread)."""
-        await asyncio.to_thread(self._provider.shutdown)
+        """Export what is left and stop, waiting `CLOSE_S` at most. The SDK's shutdown blocks
+        until its exporter answers: it runs on a daemon thread of its own, not the default
+        executor's, which `asyncio.run` waits on at exit."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def finished() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        def shutdown() -> None:
+            try:
+                self._provider.shutdown()
+            finally:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(finished)
+
+        threading.Thread(target=shutdown, name="tracing-close", daemon=True).start()
+        try:
+            await asyncio.wait_for(done, CLOSE_S)
+        except TimeoutError:
+            log.warning(
+                "trace collector %s took no spans within %ss: the last ones are dropped",
+                self.spec.endpoint,
+                CLOSE_S,
+            )
 
 
 class RequestTrace:

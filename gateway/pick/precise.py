@@ -30,9 +30,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import posixpath
 import time
 from collections import Counter
 from collections.abc import Sequence
+from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -43,6 +45,7 @@ from gateway.pick import zmtp
 from gateway.pick.kv_events import EngineBlocks, token_blocks
 from gateway.pick.scorers import Scorer, _Params
 from gateway.policy.plugins import PluginError, register
+from gateway.upstream import replica_session
 
 if TYPE_CHECKING:
     from gateway.admit import Claim, Replica
@@ -71,6 +74,15 @@ class PreciseParams(_Params):
             " `/kv_event_sources`."
         ),
     )
+    ipc_endpoints: list[str] = Field(
+        [],
+        description=(
+            "The `ipc://` endpoints a replica's `/kv_event_sources` may name, as patterns"
+            " (`ipc:///run/vllm/*`); one naming any other is not followed, as one that publishes"
+            " nothing. An ipc endpoint is a socket on the gateway's own host: which one is the"
+            " policy's to say, not a replica's. Empty: none."
+        ),
+    )
     max_blocks: PositiveInt = Field(
         1024, description="Token blocks looked up per request, from the prompt's first."
     )
@@ -86,9 +98,17 @@ class PreciseParams(_Params):
     )
 
 
-def endpoints_of(url: str, sources: Any) -> list[tuple[str, bytes]]:
+def _ipc_allowed(endpoint: str, patterns: Sequence[str]) -> bool:
+    """Whether `endpoint` (`ipc://...`) matches one of the policy's `patterns`, its path
+    normalized (a `..` could climb out of a pattern's directory)."""
+    path = endpoint[len("ipc://") :]
+    return posixpath.normpath(path) == path and any(fnmatchcase(endpoint, p) for p in patterns)
+
+
+def endpoints_of(url: str, sources: Any, ipc: Sequence[str] = ()) -> list[tuple[str, bytes]]:
     """The (endpoint, topic) of each engine a `/kv_event_sources` answer lists that a subscriber
-    can connect to: a bound ZMQ publisher; a wildcard host becomes the replica's."""
+    can connect to: a bound ZMQ publisher; a wildcard host becomes the replica's; an `ipc://`
+    endpoint only if it matches one of the `ipc` patterns (`PreciseParams.ipc_endpoints`)."""
     host = urlsplit(url).hostname or "127.0.0.1"
     found = []
     for config in sources.values() if isinstance(sources, dict) else ():
@@ -102,7 +122,7 @@ def endpoints_of(url: str, sources: Any) -> list[tuple[str, bytes]]:
             if address not in _WILDCARD_HOSTS:
                 continue  # it connects out, to a collector: nothing to subscribe to here
             endpoint = f"tcp://{host}:{port}"
-        elif not endpoint.startswith("ipc://"):
+        elif not (endpoint.startswith("ipc://") and _ipc_allowed(endpoint, ipc)):
             continue
         found.append((endpoint, str(config.get("topic") or "").encode()))
     return found
@@ -331,8 +351,8 @@ class PrecisePrefixScorer(Scorer):
             parts = urlsplit(url)
             return [(template.format(host=parts.hostname, port=parts.port), b"")]
         if self._http is None:
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+            self._http = replica_session(timeout=aiohttp.ClientTimeout(total=5))
         async with self._http.get(f"{url}/kv_event_sources") as resp:
             resp.raise_for_status()
             sources = await resp.json(content_type=None)
-        return endpoints_of(url, sources)
+        return endpoints_of(url, sources, self.params.ipc_endpoints)

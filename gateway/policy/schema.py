@@ -685,7 +685,8 @@ class ServerSpec(Spec):
         description=(
             "Serve `/metrics` on this port only (same host as the listener) and answer 404 for it"
             " on the public port: its labels name tenants and replica URLs. Unset: `/metrics` is"
-            " on the public port, as before. Read at start; a reload does not move it."
+            " on the public port while the policy has no tenants, and with tenants nowhere (a"
+            " 404). Read at start; a reload does not move it."
         ),
     )
     access_log: bool = True

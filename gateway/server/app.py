@@ -234,14 +234,15 @@ def _replica_state(replica: Replica, health: HealthSpec) -> str:
     return "failing" if replica.failing(health) else "healthy"
 
 
-async def readyz(request: web.Request, *, named: bool) -> web.Response:
+async def readyz(request: web.Request, *, public: bool) -> web.Response:
     """Ready while a policy is loaded, any pool has a replica in it, failing or not, and no
     shutdown has begun: every gateway sees the same replicas, so a readiness that followed their
     health would take all of them out of the Service at once (docs/operations.md, Readiness).
     The body says how many of each pool's replicas are healthy, failing (kept in though they
-    fail: a pool never ejects its last one) and ejected; with `named`, each replica's state by
-    URL: only on a port that serves `/metrics`, whose labels name them already."""
+    fail: a pool never ejects its last one) and ejected; and each replica's state by URL only
+    where `/metrics` is served (`Gateway.metrics_public`), whose labels name them already."""
     gateway = request.app[GATEWAY]
+    named = not public or gateway.metrics_public
     pools: dict[str, dict[str, Any]] = {}
     for name, slots in gateway.slots.items():
         states = {r.url: _replica_state(r, slots.spec.health) for r in slots.replicas}
@@ -284,10 +285,13 @@ async def admin_reload(request: web.Request) -> web.Response:
     return _json({"reloaded": True, "hash": policy.digest, "pools": sorted(policy.pools)})
 
 
-async def metrics(request: web.Request) -> web.Response:
+async def metrics(request: web.Request, *, public: bool) -> web.Response:
     """Prometheus's text format, or OpenMetrics when the scraper asks for it (Prometheus does
     with exemplar storage on): only OpenMetrics shows the latency histograms' exemplars, the
-    trace of a request that fell in each bucket."""
+    trace of a request that fell in each bucket. On the public port, a 404 as soon as the
+    running policy has tenants (`Gateway.metrics_public`)."""
+    if public and not request.app[GATEWAY].metrics_public:
+        return await not_found(request)
     registry = request.app[GATEWAY].accountant.metrics.registry
     if "application/openmetrics-text" in request.headers.get("Accept", ""):
         body = openmetrics.generate_latest(registry)  # type: ignore[no-untyped-call]
@@ -324,11 +328,11 @@ def create_app(policy: Policy, *, access_log: IO[bytes] | None = None) -> web.Ap
         "/version": {"GET": version},
         "/healthz": {"GET": healthz},
         "/health": {"GET": health},
-        "/readyz": {"GET": partial(readyz, named=server.metrics_port is None)},
+        "/readyz": {"GET": partial(readyz, public=True)},
         "/admin/reload": {"POST": admin_reload},
     }
     if server.metrics_port is None:
-        routes["/metrics"] = {"GET": metrics}
+        routes["/metrics"] = {"GET": partial(metrics, public=True)}
     add_routes(app, server, routes, partial(passthrough_or_not_found, gateway))
     return app
 
@@ -339,8 +343,8 @@ def create_metrics_app(app: web.Application) -> web.Application:
     metrics_app = web.Application()
     metrics_app[GATEWAY] = app[GATEWAY]
     routes: dict[str, dict[str, Handler]] = {
-        "/metrics": {"GET": metrics},
-        "/readyz": {"GET": partial(readyz, named=True)},
+        "/metrics": {"GET": partial(metrics, public=False)},
+        "/readyz": {"GET": partial(readyz, public=False)},
     }
     add_routes(metrics_app, None, routes)
     return metrics_app

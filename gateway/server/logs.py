@@ -7,6 +7,11 @@ its parser refuses, and the parser's messages quote the offending bytes: a bare-
 an embedder's) and every path that logs there, not only the ones the gateway overrides: each
 record becomes one line that names the exception's class and never its message, rate-limited.
 
+OpenTelemetry's propagator does the same with a request's trace context: a WARNING for every
+`traceparent` over its length, every `tracestate` too long or malformed, the latter quoting the
+member (a key is one header away). `TraceContextLogFilter` sits on those loggers: rate-limited,
+and no string the client sent is kept.
+
 `RateLimited` is the shared limiter: at most `burst` lines per key per `interval_s`; the next line
 after a quiet spell says how many were suppressed. Keys are fixed strings from the code, so the
 table is bounded by construction.
@@ -23,6 +28,8 @@ from dataclasses import dataclass
 from aiohttp.http_exceptions import HttpProcessingError
 
 SERVER_LOGGER = "aiohttp.server"
+# Where OpenTelemetry logs about the `traceparent` and `tracestate` it extracts.
+TRACECONTEXT_LOGGERS = ("opentelemetry.trace.propagation.tracecontext", "opentelemetry.trace.span")
 # A head the parser refused, or a client that left while its answer was being written (the
 # handler re-raises that so aiohttp closes the connection): nothing for an operator to fix.
 _CLIENTS_FAULT = (HttpProcessingError, ConnectionError)
@@ -114,8 +121,39 @@ class ServerLogFilter(logging.Filter):
         return True
 
 
+class TraceContextLogFilter(logging.Filter):
+    """Rate-limit OpenTelemetry's warnings about a client's `traceparent` / `tracestate`, each
+    with its string arguments (the header's members) replaced: its numbers are the SDK's own."""
+
+    def __init__(self, limiter: RateLimited | None = None) -> None:
+        super().__init__()
+        self.limiter = limiter or RateLimited()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        suppressed = self.limiter.allow(f"tracecontext|{record.msg}")
+        if suppressed is None:
+            return False
+        args = record.args if isinstance(record.args, tuple) else ()
+        kept = tuple(a if isinstance(a, int | float) else "(not logged)" for a in args)
+        try:
+            message = str(record.msg) % kept if kept else str(record.msg)
+        except (TypeError, ValueError):
+            message = str(record.msg)
+        message = f"a request's trace context: {message}"
+        if suppressed:
+            message += f" ({suppressed} similar suppressed)"
+        record.msg, record.args = message, None
+        return True
+
+
 def install() -> None:
-    """Put one `ServerLogFilter` on aiohttp's server logger (idempotent)."""
-    logger = logging.getLogger(SERVER_LOGGER)
-    if not any(isinstance(f, ServerLogFilter) for f in logger.filters):
-        logger.addFilter(ServerLogFilter())
+    """Put one `ServerLogFilter` on aiohttp's server logger and one `TraceContextLogFilter` on
+    each of OpenTelemetry's that read client headers (idempotent)."""
+    filters: list[tuple[str, type[ServerLogFilter | TraceContextLogFilter]]] = [
+        (SERVER_LOGGER, ServerLogFilter),
+        *((name, TraceContextLogFilter) for name in TRACECONTEXT_LOGGERS),
+    ]
+    for name, kind in filters:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, kind) for f in logger.filters):
+            logger.addFilter(kind())
