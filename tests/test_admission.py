@@ -190,7 +190,7 @@ async def test_a_saturated_pool_sheds_the_lowest_tier_first(
     critical = asyncio.create_task(post(http, gw.url, CHAT, **{"x-priority": "critical"}))
     results = await asyncio.gather(*busy, queued, critical)
     assert [s for s, _, _ in results] == [200] * 4  # critical is never shed here
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         text = await resp.text()
     assert 'llm_shed_total{pool="main",tier="sheddable"} 1.0' in text
     assert 'llm_shed_total{pool="main",tier="standard"} 1.0' in text

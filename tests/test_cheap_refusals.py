@@ -89,7 +89,7 @@ def roomy(policy: dict[str, Any]) -> dict[str, Any]:
 
 
 async def rejections(http: aiohttp.ClientSession, gw: RunningGateway, kind: str) -> str:
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         text = await resp.text()
     prefix = f'llm_quota_rejections_total{{kind="{kind}",tenant="acme"}} '
     return next((line[len(prefix) :] for line in text.splitlines() if line.startswith(prefix)), "")

@@ -108,7 +108,7 @@ async def test_the_pool_follows_its_dns_records(dns_server, gateway_factory, htt
         before = stats[hosts[0]].requests
         await send(4)
         assert stats[hosts[0]].requests == before and stats[hosts[1]].requests >= 4
-        async with http.get(f"{gw.url}/metrics") as resp:
+        async with http.get(f"{gw.metrics_url}/metrics") as resp:
             assert f'replica="http://127.0.0.3:{port}"' in await resp.text()
     finally:
         for runner in runners:

@@ -90,7 +90,7 @@ async def test_a_long_body_of_prose_is_not_mistaken_for_a_bomb(gw, http):
 
 async def test_loop_lag_is_exported(gw, http):
     await asyncio.sleep(0.6)  # two ticks of the lag timer
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         text = await resp.text()
     counts = [
         line for line in text.splitlines() if line.startswith("llm_event_loop_lag_seconds_count")

@@ -90,7 +90,7 @@ async def test_an_unknown_adapter_is_model_not_found_and_makes_no_label(
         async with http.post(f"{gw.url}/v1/chat/completions", json=chat(model)) as resp:
             body = await resp.json()
     assert (resp.status, body["error"]["code"]) == (404, "model_not_found")
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         text = await resp.text()
     assert "nope-lora" not in text
     samples = {

@@ -34,7 +34,7 @@ async def test_every_series_is_exported_with_its_labels(
         assert resp.status == 200
     async with http.post(f"{gw.url}/v1/chat/completions", json={**chat, "model": "nope"}) as resp:
         assert resp.status == 404
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         assert resp.status == 200 and resp.content_type == "text/plain"
         found = samples(await resp.text())
 
@@ -95,7 +95,7 @@ async def test_health_and_readiness(stub, gateway_factory, tokenizer_dir, http) 
 
 
 async def scrape(http, gw) -> str:
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         return await resp.text()
 
 

@@ -83,7 +83,7 @@ async def test_an_invalid_change_is_refused_with_line_and_field(
     async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
         assert resp.status == 200  # the old policy keeps serving
     assert await policy_hash(http, gw.url) == before
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         assert "llm_policy_reload_errors_total 1.0" in await resp.text()
 
 

@@ -428,6 +428,6 @@ async def test_a_burst_past_the_drain_rate_is_refused_at_once(
         assert "predicted wait" in body_["error"]["message"]
     assert stub.stats.max_running == 1
     await eventually(lambda: gw.inflight() == 0 and gw.waiting() == 0)
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         text = await resp.text()
     assert f'llm_rejections_total{{pool="main",reason="queue_wait"}} {len(refused)}.0' in text

@@ -28,7 +28,7 @@ def access(gw) -> list[dict]:
 
 
 async def scrape(http: aiohttp.ClientSession, gw) -> dict[str, list]:
-    async with http.get(f"{gw.url}/metrics") as resp:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
         text = await resp.text()
     out: dict[str, list] = {}
     for family in text_string_to_metric_families(text):
