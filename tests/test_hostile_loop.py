@@ -7,6 +7,7 @@ import time
 
 import orjson
 import pytest
+from aiohttp import web
 
 from tests.conftest import basic_policy, longest_loop_gap
 
@@ -277,3 +278,37 @@ async def test_a_body_of_thousands_of_messages_is_checked_off_the_loop():
         threads.shutdown()
     assert inline <= 1  # the task ran the whole parse in one step
     assert off >= 3, off
+
+
+# A replica's own behaviour: what it streams costs the loop in proportion to its bytes.
+
+TINY_USAGE_EVENT = b'data: {"usage":0}\n\n'
+
+
+async def test_a_stream_of_tiny_usage_events_does_not_hold_the_loop(
+    replica_app, gateway_factory, tokenizer_dir, http
+):
+    """Every event of the stream carries usage: 8 writes of 256 KB, ~13,000 events each. Parsing
+    each event, and copying the rest of the read after it, held the loop ~0.5 s a read."""
+    run = TINY_USAGE_EVENT * (256 * 1024 // len(TINY_USAGE_EVENT))
+
+    async def replica(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(8):
+            await resp.write(run)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    url = await replica_app(replica)
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [url]))
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+    async def relayed() -> int:
+        async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            return len(await resp.read())
+
+    size, gap = await longest_loop_gap(relayed(), tick_s=0.001)
+    assert size == 8 * len(run) + len(b"data: [DONE]\n\n")  # all relayed
+    assert gap < 0.05, gap  # one parse per read: ~0.5 s a read when every event was parsed
