@@ -30,7 +30,7 @@ from gateway.errors import (
     Unauthorized,
     error_body,
 )
-from gateway.parse import decode_body
+from gateway.parse import by_size, decode_checked
 from gateway.pipeline import handle
 from gateway.policy.compile import Policy
 from gateway.policy.load import PolicyError
@@ -157,12 +157,14 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def _metered(
     request: web.Request,
+    check: Callable[[dict[str, Any], ServerSpec], dict[str, Any]],
     answer: Callable[[Policy, dict[str, Any]], Awaitable[object]],
     api: Api | None = None,
 ) -> web.Response:
     """A `/tokenize` or `/detokenize` call: the key checked and one request charged to the
     tenant's RPM before the body is read (a tenant out of requests costs no read, no decode and
-    no tokenizer time), then the body decoded within the limits every request has and
+    no tokenizer time), then the body decoded within the limits every request has, checked by
+    `check` (both on the tokenizer threads when the body is large, as a request's parse is) and
     answered. Every answer to a limited tenant carries its `x-ratelimit-*-requests` headers."""
     gateway = request.app[GATEWAY]
     policy = gateway.policy
@@ -172,7 +174,11 @@ async def _metered(
         if tenant is not None:
             await gateway.quotas.reserve_request(tenant, ratelimit, api)
         raw = await body.read(request, policy.spec.server.max_body_bytes)
-        decoded = decode_body(body.media_type(request), raw, policy.spec.server)
+        threads = policy.tokenizer_threads
+        decoded = await by_size(
+            raw, threads.small if threads is not None else None, decode_checked,
+            body.media_type(request), raw, policy.spec.server, check,
+        )  # fmt: skip
         response = _json(await answer(policy, decoded))
     except GatewayError as exc:
         response = exc.response() if api is None else api.error_response(exc)
@@ -182,13 +188,17 @@ async def _metered(
 
 async def tokenize(request: web.Request) -> web.Response:
     return await _metered(
-        request, lambda policy, decoded: vllm_endpoints.tokenize(policy, decoded, request.headers)
+        request,
+        vllm_endpoints.check_tokenize,
+        lambda policy, checked: vllm_endpoints.tokenize(policy, checked, request.headers),
     )
 
 
 async def detokenize(request: web.Request) -> web.Response:
     return await _metered(
-        request, lambda policy, decoded: vllm_endpoints.detokenize(policy, decoded, request.headers)
+        request,
+        vllm_endpoints.check_detokenize,
+        lambda policy, checked: vllm_endpoints.detokenize(policy, checked, request.headers),
     )
 
 
@@ -197,7 +207,8 @@ async def count_tokens(request: web.Request) -> web.Response:
     `/tokenize` is, metered and refused as `/v1/messages` is."""
     return await _metered(
         request,
-        lambda policy, decoded: vllm_endpoints.count_tokens(policy, decoded, request.headers),
+        vllm_endpoints.check_count_tokens,
+        lambda policy, checked: vllm_endpoints.count_tokens(policy, checked, request.headers),
         MESSAGES,
     )
 

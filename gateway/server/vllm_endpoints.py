@@ -15,6 +15,7 @@ Models counted by `tokenizer: estimate` have no token ids: asking for them is a 
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 from multidict import CIMultiDictProxy
@@ -101,21 +102,25 @@ def _check_chat(body: dict[str, Any], limits: ServerSpec) -> dict[str, Any]:
     return body
 
 
+def check_tokenize(body: dict[str, Any], limits: ServerSpec) -> dict[str, Any]:
+    """A decoded `/tokenize` body, checked as its form is: the chat form as a chat completion,
+    the completion form's prompt within the limits."""
+    if "messages" in body:
+        return _check_chat(body, limits)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise BadRequest("'prompt' (a string) or 'messages' is required", param="prompt")
+    check_prompt_chars(len(prompt), limits, "prompt")
+    return body
+
+
 async def tokenize(
     policy: Policy, body: dict[str, Any], headers: CIMultiDictProxy[str]
 ) -> dict[str, Any]:
-    """vLLM's `TokenizeResponse` for a decoded body: `count`, `max_model_len`, `tokens`,
-    `token_strs` (null unless `return_token_strs`)."""
-    limits = policy.spec.server
+    """vLLM's `TokenizeResponse` for a checked body (`check_tokenize`): `count`,
+    `max_model_len`, `tokens`, `token_strs` (null unless `return_token_strs`)."""
     chat = "messages" in body
     api = CHAT if chat else COMPLETIONS
-    if chat:
-        body = _check_chat(body, limits)
-    else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise BadRequest("'prompt' (a string) or 'messages' is required", param="prompt")
-        check_prompt_chars(len(prompt), limits, "prompt")
     special = _flag(body, "add_special_tokens", not chat)
     strs = _flag(body, "return_token_strs", False, nullable=True)
     model = resolve(policy, body, headers, (api,))
@@ -130,11 +135,8 @@ async def tokenize(
     }
 
 
-async def detokenize(
-    policy: Policy, body: dict[str, Any], headers: CIMultiDictProxy[str]
-) -> dict[str, str]:
-    """vLLM's `DetokenizeResponse`, `{"prompt": text}`; an id outside the vocabulary is a 400
-    (vLLM's decode skips or fails on it)."""
+def check_detokenize(body: dict[str, Any], limits: ServerSpec) -> dict[str, Any]:
+    """A decoded `/detokenize` body whose `tokens` are ids."""
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(
         type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens
@@ -142,6 +144,16 @@ async def detokenize(
         raise BadRequest(
             "'tokens' must be an array of non-negative integer token ids", param="tokens"
         )
+    return body
+
+
+async def detokenize(
+    policy: Policy, body: dict[str, Any], headers: CIMultiDictProxy[str]
+) -> dict[str, str]:
+    """vLLM's `DetokenizeResponse`, `{"prompt": text}`, for a checked body
+    (`check_detokenize`); an id outside the vocabulary is a 400 (vLLM's decode skips or fails
+    on it)."""
+    tokens = body["tokens"]
     counter = _counter(resolve(policy, body, headers, (COMPLETIONS, CHAT)))
     unknown = next((t for t in tokens if t >= counter.vocab_size), None)
     if unknown is not None:
@@ -149,19 +161,25 @@ async def detokenize(
     return {"prompt": await counter.decode(tokens)}
 
 
-async def count_tokens(
-    policy: Policy, body: dict[str, Any], headers: CIMultiDictProxy[str]
-) -> dict[str, Any]:
-    """Anthropic's `messages.count_tokens` as vLLM answers it (`AnthropicCountTokensResponse`):
-    the chat its messages convert to, rendered and encoded whole, as `/v1/messages` counts
-    them (gateway/api/anthropic.py). A count is the tokenizer's alone: images, whose tokens
-    are the replica's processor's, are refused as `/tokenize` refuses them."""
-    if check_messages(body, policy.spec.server, None):
+def check_count_tokens(body: dict[str, Any], limits: ServerSpec) -> dict[str, Any]:
+    """A decoded `count_tokens` body, checked as `/v1/messages` checks its own. A count is the
+    tokenizer's alone: images, whose tokens are the replica's processor's, are refused as
+    `/tokenize` refuses them."""
+    if check_messages(body, limits, None):
         raise BadRequest(
             "images are not counted by the gateway: their tokens are the replica's",
             param="messages",
             code="images_not_supported",
         )
+    return body
+
+
+async def count_tokens(
+    policy: Policy, body: dict[str, Any], headers: CIMultiDictProxy[str]
+) -> dict[str, Any]:
+    """Anthropic's `messages.count_tokens` as vLLM answers it (`AnthropicCountTokensResponse`)
+    for a checked body (`check_count_tokens`): the chat its messages convert to, rendered and
+    encoded whole, as `/v1/messages` counts them (gateway/api/anthropic.py)."""
     counter = _counter(resolve(policy, body, headers, (MESSAGES,)))
-    tokens = await counter.count_chat(chat_for(body, counter))
+    tokens = await counter.count_chat(body, to_chat=partial(chat_for, counter=counter))
     return {"input_tokens": tokens, "context_management": {"original_input_tokens": tokens}}
