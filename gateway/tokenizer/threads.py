@@ -57,7 +57,7 @@ class CountingThreads:
                 self.busy_s += ended - started
                 self.cpu_s += spent
 
-    def each(self, work: Callable[..., object], *args: Any, timeout_s: float = 60.0) -> None:
+    def each(self, work: Callable[..., object], *args: Any, timeout_s: float = 5.0) -> None:
         """`work(*args)` once on every thread of the pool, waited for (never from the event
         loop). Each job waits at a barrier until every thread holds one, so no thread runs two;
         a thread busy past `timeout_s` breaks the barrier, and the jobs run wherever they are.
