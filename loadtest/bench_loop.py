@@ -14,17 +14,26 @@ bounded:
 - `kv event`: a `BlockStored` of ~350,000 one-token blocks within the 1 MiB event bound;
   `kv batch`: a 4 MiB batch of ~4 million one-byte events.
 
-    python -m loadtest.bench_loop [--rounds 3]
+`--threads` measures what a tokenizer thread's job costs, in this process instead: the CPU of a
+thread's first encode (42,000 characters of prose) and of its next, per real tokenizer and
+library; and the longest the loop goes without a turn (a 1 ms ticker) while a thread renders
+Qwen 3's template for 2,047 messages (Python, under the GIL) or encodes (outside it), at three
+GIL switch intervals.
+
+    python -m loadtest.bench_loop [--rounds 3] [--threads]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import signal
 import socket
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -245,10 +254,68 @@ async def _until_model_len(http: aiohttp.ClientSession, url: str, length: int) -
             await asyncio.sleep(0.1)
 
 
+def _first_encodes() -> None:
+    from gateway.tokenizer.counters import HFCounter
+
+    text = PROSE * 600
+    for name in ("gemma3", "llama3", "qwen3"):
+        for backend in ("fastokens", "tokenizers"):
+            counter = HFCounter.load(str(directory(name)), backend=backend)  # type: ignore[arg-type]
+            spent: list[float] = []
+
+            def encode(tag: str, counter: Any = counter, spent: list[float] = spent) -> None:
+                started = time.thread_time()
+                counter.encoder.counts([text + tag], False)
+                spent.append(time.thread_time() - started)
+
+            worker = threading.Thread(target=lambda: (encode("a"), encode("b")))
+            worker.start()
+            worker.join()
+            first, then = (f"{s * 1000:.1f}" for s in spent)
+            print(
+                f"{name} {counter.backend}: a new thread's first encode {first} ms CPU, next {then}"
+            )
+
+
+async def _gil_holds() -> None:
+    from gateway.tokenizer.counters import HFCounter
+    from gateway.tokenizer.threads import CountingThreads
+    from tests.conftest import longest_loop_gap
+
+    threads = CountingThreads(2, "tokenize")
+    counter = HFCounter.load(str(directory("qwen3")), threads=threads)
+    roles = ("user", "assistant")
+    chat = {"messages": [{"role": roles[i % 2], "content": f"turn {i}"} for i in range(2047)]}
+    text = PROSE * 600
+    gc.collect()
+    gc.freeze()  # as `serve` does
+    try:
+        for interval in (0.005, 0.002, 0.001):
+            sys.setswitchinterval(interval)
+            renders, encodes = [], []
+            for n in range(5):
+                work = threads.run(counter.template.render, chat)
+                renders.append((await longest_loop_gap(work, tick_s=0.001))[1])
+                work = threads.run(counter.encoder.counts, [text + str(n)], False)
+                encodes.append((await longest_loop_gap(work, tick_s=0.001))[1])
+            shown = [
+                ", ".join(f"{g * 1000:.1f}" for g in sorted(gaps)) for gaps in (renders, encodes)
+            ]
+            print(f"switch interval {interval * 1000:g} ms: loop held while a thread renders"
+                  f" {shown[0]} ms; encodes {shown[1]} ms")  # fmt: skip
+    finally:
+        threads.shutdown()
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", action="store_true", help="the tokenizer threads' costs")
     args = parser.parse_args()
+    if args.threads:
+        _first_encodes()
+        await _gil_holds()
+        return
     app = web.Application()
     app.router.add_post("/{tail:.*}", _replica)
     runner = web.AppRunner(app, access_log=None)
