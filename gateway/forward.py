@@ -261,31 +261,37 @@ def _usage_event(ctx: Ctx, event: bytes, drop_usage: bool) -> bytes:
     return event
 
 
+def _last_usage(events: bytes) -> int:
+    """Where the last `"usage"` key of a run is, or -1. A `"usage"` not followed by `:` is a
+    string's value (a token that reads `usage`), not a key: inside a string quotes are escaped."""
+    at = events.rfind(_USAGE)
+    while at >= 0 and _USAGE_KEY.match(events, at) is None:
+        at = events.rfind(_USAGE, 0, at)
+    return at
+
+
 def _scan(ctx: Ctx, events: bytes, drop_usage: bool) -> bytes:
     """Account for a run of complete SSE events; return what the client should get.
 
-    Only an event carrying `"usage"` is parsed; the runs around it are counted with a substring
-    search, so a whole fast stream arriving in one read costs a few microseconds.
+    Only the last event of the run that carries a `"usage"` key is parsed: usage is cumulative,
+    so the last is all the accounting needs, and vLLM's usage-only chunk (the gateway's to drop
+    when it asked for it) is its stream's last. The rest is counted with substring searches, so
+    the work is a few passes over the run at C speed, however many of its events carry usage: a
+    replica cannot make a read cost a parse, or a copy, per event.
     """
-    at = events.find(_USAGE)
+    at = _last_usage(events)
     if at < 0:
         _count(ctx, events)
         return events
-    out = []
-    while at >= 0:
-        cut = events.rfind(_EVENT_END, 0, at)
-        start = cut + 2 if cut >= 0 else 0
-        end = events.find(_EVENT_END, at)
-        end = len(events) if end < 0 else end + 2
-        if start:
-            _count(ctx, events[:start])
-            out.append(events[:start])
-        out.append(_usage_event(ctx, events[start:end], drop_usage))
-        events = events[end:]
-        at = events.find(_USAGE)
-    _count(ctx, events)
-    out.append(events)
-    return b"".join(out)
+    cut = events.rfind(_EVENT_END, 0, at)
+    start = cut + 2 if cut >= 0 else 0
+    end = events.find(_EVENT_END, at)
+    end = len(events) if end < 0 else end + 2
+    before, after = events[:start], events[end:]
+    _count(ctx, before)
+    usage = _usage_event(ctx, events[start:end], drop_usage)
+    _count(ctx, after)
+    return b"".join((before, usage, after))
 
 
 def _failed(ctx: Ctx, replica_url: str, told: str, exc: BaseException | str) -> str:

@@ -18,7 +18,8 @@ and each endpoint's own) is refused in its words, before any tokenizer time.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import orjson
 
@@ -27,6 +28,8 @@ from gateway.errors import BadRequest, UnsupportedMediaType
 from gateway.policy.schema import PRIORITIES, ServerSpec
 from gateway.tokenizer.chat_template import lax_bool
 from gateway.tokenizer.threads import CountingThreads
+
+T = TypeVar("T")
 
 _PRIORITY_INDEX = {name: index for index, name in enumerate(PRIORITIES)}
 DEFAULT_PRIORITY = _PRIORITY_INDEX["standard"]
@@ -196,14 +199,31 @@ def check_model(model: Any) -> str:
 INLINE_PARSE_BYTES = 32_768
 
 
+async def by_size(
+    raw: bytes, threads: CountingThreads | None, work: Callable[..., T], *args: Any
+) -> T:
+    """`work(*args)`, the parse of the body `raw`: on `threads` when it is over
+    `INLINE_PARSE_BYTES`."""
+    if threads is not None and len(raw) > INLINE_PARSE_BYTES:
+        return await threads.run(work, *args)
+    return work(*args)
+
+
 async def parse_request(
     ctx: Ctx, content_type: str, raw: bytes, limits: ServerSpec, threads: CountingThreads | None
 ) -> None:
     """`parse`, on `threads` when the body is over `INLINE_PARSE_BYTES`."""
-    if threads is not None and len(raw) > INLINE_PARSE_BYTES:
-        await threads.run(parse, ctx, content_type, raw, limits)
-    else:
-        parse(ctx, content_type, raw, limits)
+    await by_size(raw, threads, parse, ctx, content_type, raw, limits)
+
+
+def decode_checked(
+    content_type: str,
+    raw: bytes,
+    limits: ServerSpec,
+    check: Callable[[dict[str, Any], ServerSpec], dict[str, Any]],
+) -> dict[str, Any]:
+    """The body decoded (`decode_body`) and checked by `check`, an endpoint's own checks."""
+    return check(decode_body(content_type, raw, limits), limits)
 
 
 def parse(ctx: Ctx, content_type: str, raw: bytes, limits: ServerSpec) -> None:

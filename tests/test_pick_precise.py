@@ -26,6 +26,7 @@ from gateway.admit import Claim, Replica
 from gateway.pick.affinity import Affinity
 from gateway.pick.kv_events import EngineBlocks, token_blocks
 from gateway.pick.precise import (
+    MAX_EVENT_BLOCKS,
     MAX_EVENT_BYTES,
     MAX_MESSAGE_BYTES,
     PreciseParams,
@@ -377,6 +378,55 @@ async def test_a_publisher_never_holds_the_event_loop_for_long_whatever_it_sends
     assert worst < work_s / 2, f"the loop was held {worst:.3f}s; one batch at once: {work_s:.3f}s"
     assert scorer.events[(replica.url, "oversize")] == len(payloads)
     assert len(scorer.blocks[replica.url]) == 1 + sum(blocks for _, blocks in payloads)
+
+
+async def _held_while(scorer: PrecisePrefixScorer, url: str, kinds: tuple[str, ...], send) -> float:
+    """The longest the loop went without a turn from `send` until one of `kinds` is counted."""
+    before = sum(scorer.events[(url, kind)] for kind in kinds)
+
+    async def sent_and_read() -> None:
+        await send()
+        await eventually(lambda: sum(scorer.events[(url, k)] for k in kinds) > before, 20)
+
+    return (await longest_loop_gap(sent_and_read(), tick_s=0.001))[1]
+
+
+async def test_an_event_of_tens_of_thousands_of_blocks_is_refused_by_its_blocks_not_bytes(
+    following: tuple[Publisher, PrecisePrefixScorer, Replica],
+) -> None:
+    """With one-byte hashes and token ids a 16-token block is 18 bytes: an event within
+    MAX_EVENT_BYTES names ~58,000 blocks, ~3 us each to key and index (with 1-token blocks a
+    block is 3 bytes, and 6 times as many). Its blocks are counted from the array's header before
+    anything in it is decoded."""
+    publisher, scorer, replica = following
+    n = (MAX_EVENT_BYTES - 1000) // (BLOCK + 2)  # a hash, its tokens, an extra key: a byte each
+    event = stored([1] * n, [1] * (n * BLOCK))
+    payload = batch([event])
+    assert len(msgspec.msgpack.encode(event)) <= MAX_EVENT_BYTES and n > MAX_EVENT_BLOCKS
+
+    gap = await _held_while(
+        scorer, replica.url, ("oversize", "BlockStored"), lambda: publisher.send(payload)
+    )
+    assert scorer.events[(replica.url, "oversize")] == 1
+    assert gap < 0.05, gap
+
+
+async def test_a_batch_of_millions_of_one_byte_events_is_refused_whole(
+    following: tuple[Publisher, PrecisePrefixScorer, Replica],
+) -> None:
+    """A batch of ~4 million one-byte events cut apart held the loop ~0.2 s and ~220 MB while it
+    lasted; its events are counted from the array's header, and past MAX_BATCH_EVENTS it is
+    dropped as a gap is (its removals are lost with it)."""
+    publisher, scorer, replica = following
+    payload = msgspec.msgpack.encode([time.time(), [0] * (MAX_MESSAGE_BYTES - 64), 0])
+    assert len(payload) <= MAX_MESSAGE_BYTES
+
+    gap = await _held_while(
+        scorer, replica.url, ("oversize_batch", "unknown"), lambda: publisher.send(payload)
+    )
+    assert scorer.events[(replica.url, "oversize_batch")] == 1
+    assert len(scorer.blocks[replica.url]) == 0  # what the replica said before is dropped
+    assert gap < 0.05, gap
 
 
 async def test_a_message_over_the_limit_costs_the_connection_and_the_feed_starts_over(

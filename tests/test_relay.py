@@ -56,3 +56,22 @@ def test_a_run_without_usage_is_passed_through_as_is() -> None:
     c = ctx()
     assert _scan(c, TOKENS, drop_usage=True) is TOKENS
     assert c.chunks == 5 and c.output_tokens is None
+
+
+def test_of_many_usages_in_a_run_the_last_is_read() -> None:
+    """Usage is cumulative: the last event carrying it is the one parsed, the others counted."""
+    c = ctx()
+    chunks = b"".join(
+        event({"choices": [{"delta": {"content": "t"}}], "usage": {"completion_tokens": i}})
+        for i in range(1, 1001)
+    )
+    assert _scan(c, chunks + DONE, drop_usage=True) == chunks + DONE
+    assert (c.output_tokens, c.chunks) == (1000, 1000)
+
+
+def test_a_token_that_reads_usage_does_not_hide_the_usage() -> None:
+    """A string `"usage"` after the usage chunk is a value, not a key: the usage is still read."""
+    c = ctx()
+    word = event({"choices": [{"index": 0, "delta": {"content": "usage"}}]})
+    assert _scan(c, TOKENS + USAGE + word + DONE, drop_usage=True) == TOKENS + word + DONE
+    assert (c.output_tokens, c.chunks) == (5, 6)

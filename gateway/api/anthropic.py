@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import UTC, datetime
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -561,14 +562,16 @@ class MessagesApi(Api):
         self, body: dict[str, Any], counter: TokenCounter, refuse_at: int, images: int
     ) -> tuple[int, int]:
         """The chat vLLM converts it to, rendered and counted whole."""
-        text = await counter.count_chat(chat_for(body, counter), refuse_at - images)
+        text = await counter.count_chat(
+            body, refuse_at - images, partial(chat_for, counter=counter)
+        )
         return images + text, images + text
 
     async def prompt_ids(
         self, body: dict[str, Any], counter: TokenCounter, special: bool | None = None
     ) -> list[int] | None:
         """The ids of the chat vLLM converts it to: what the replica prefills and caches."""
-        return await counter.chat_ids(chat_for(body, counter), bool(special))
+        return await counter.chat_ids(body, bool(special), partial(chat_for, counter=counter))
 
     def fingerprint(self, body: dict[str, Any]) -> int:
         """The start of the system prompt (without Claude Code's per-request billing header,

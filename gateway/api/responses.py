@@ -296,13 +296,13 @@ class ResponsesApi(OpenAIApi):
         `TokenizeParams`' default `add_special_tokens` (a chat completion's turns it off), so
         a template that prints its BOS gets a second one."""
         extra = counter.specials
-        text = extra + await counter.count_chat(to_chat(body), refuse_at - images - extra)
+        text = extra + await counter.count_chat(body, refuse_at - images - extra, to_chat)
         return images + text, images + text
 
     async def prompt_ids(
         self, body: dict[str, Any], counter: TokenCounter, special: bool | None = None
     ) -> list[int] | None:
-        return await counter.chat_ids(to_chat(body), special is not False)
+        return await counter.chat_ids(body, special is not False, to_chat)
 
     def fingerprint(self, body: dict[str, Any]) -> int:
         """The start of the instructions, else of the input."""

@@ -176,7 +176,8 @@ class _Gauges(Collector):
             " AllBlocksCleared; `gap`: sequence numbers skipped, the replica's blocks dropped;"
             " `unavailable`: no endpoint to follow yet; `disconnected`: the connection lost,"
             " the replica's blocks dropped; refused: `undecodable` batches or messages,"
-            " `oversize` events or message parts, `invalid` events; `unknown`).",
+            " `oversize` events (by bytes or blocks) or message parts, `oversize_batch` batches"
+            " of too many events (the replica's blocks dropped), `invalid` events; `unknown`).",
             labels=["pool", "replica", "kind"],
         )
         precise_blocks = CounterMetricFamily(

@@ -60,9 +60,17 @@ CONNECT_TIMEOUT_S = 5.0
 # One request's blocks stored in one engine step: beyond any step vLLM takes, and at most what
 # the loop is held for at once (decoding and applying are about equal shares of it).
 MAX_EVENT_BYTES = 1 << 20
+# Bytes do not bound the work: with 1-token blocks a byte can be a block. Work is per block
+# (~3 us to key and index one) and per event, so those are bounded too, read from the arrays'
+# headers before anything in them is decoded. A step of vLLM's stores at most its batch's
+# tokens (`max_num_batched_tokens`, 8,192 by default) per request: 512 16-token blocks; a
+# step's events are a few per request it runs (`max_num_seqs`, 256 by default).
+MAX_EVENT_BLOCKS = 2048
+MAX_BATCH_EVENTS = 4096
 SLICE_S = 0.001  # events are applied this long at a time, then the loop's other work runs
 MAX_RANKS = 1024  # data-parallel ranks per replica, each with its own sequence
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]", "::")
+_MAPS = frozenset(bytes([head]) for head in (*range(0x80, 0x90), 0xDE, 0xDF))  # msgpack map heads
 
 
 class PreciseParams(_Params):
@@ -130,8 +138,8 @@ def endpoints_of(url: str, sources: Any, ipc: Sequence[str] = ()) -> list[tuple[
 
 @functools.cache
 def _batch_decoder() -> Any:
-    """A decoder of vLLM's `KVEventBatch`, its events left undecoded (`msgspec.Raw`): one
-    skim of the bytes that checks the shape and cuts the events apart."""
+    """A decoder of vLLM's `KVEventBatch`, its events left undecoded (`msgspec.Raw`, one for
+    all of them): a skim of the bytes that checks the shape and allocates nothing per event."""
     import msgspec
 
     batch = msgspec.defstruct(
@@ -139,12 +147,36 @@ def _batch_decoder() -> Any:
         # vLLM omits a rank of None, as vLLM before data parallelism did
         [
             ("ts", msgspec.Raw),
-            ("events", list[msgspec.Raw]),
+            ("events", msgspec.Raw),
             ("data_parallel_rank", int | None, None),
         ],
         array_like=True,
     )
     return msgspec.msgpack.Decoder(batch)
+
+
+@functools.cache
+def _blocks_decoder() -> Any:
+    """A decoder of an event's `block_hashes` alone, undecoded: what its length is read from."""
+    import msgspec
+
+    shape = msgspec.defstruct("BlockHashes", [("block_hashes", msgspec.Raw, msgspec.Raw())])
+    return msgspec.msgpack.Decoder(shape)
+
+
+def array_length(raw: Any) -> int | None:
+    """The length of the msgpack array `raw` (bytes, or a `msgspec.Raw`) from its header, or
+    None if it is no array."""
+    header = bytes(memoryview(raw)[:5])
+    if not header:
+        return None
+    head = header[0]
+    if 0x90 <= head <= 0x9F:
+        return head & 0x0F
+    if head in (0xDC, 0xDD):
+        width = 2 if head == 0xDC else 4
+        return int.from_bytes(header[1 : 1 + width], "big") if len(header) > width else None
+    return None
 
 
 class ReplicaFeed:
@@ -161,6 +193,8 @@ class ReplicaFeed:
         import msgspec  # here, not at the top: kv-events' dependencies are optional
 
         self._batch_of = _batch_decoder().decode
+        self._events = msgspec.msgpack.Decoder(list[msgspec.Raw]).decode
+        self._hashes_of = _blocks_decoder().decode
         self._event = msgspec.msgpack.Decoder().decode
         self._refused = (ValueError, msgspec.DecodeError)
 
@@ -226,22 +260,30 @@ class ReplicaFeed:
                 raise ValueError("not vLLM's three parts")
             seq = int.from_bytes(frames[1], "big")
             batch = self._batch_of(frames[2])
-            events, rank = batch.events, batch.data_parallel_rank or 0
+            rank = batch.data_parallel_rank or 0
             if not 0 <= rank < MAX_RANKS:
                 raise ValueError("not a data-parallel rank")
+            count = array_length(batch.events)
+            if count is None:
+                raise ValueError("no array of events")
         except self._refused:
             self.scorer.count(self.url, "undecodable")
             return
         last = seqs.get(rank)
+        seqs[rank] = seq
+        if count > MAX_BATCH_EVENTS:  # its removals missed too: like a gap
+            self.blocks.clear()
+            self.scorer.count(self.url, "oversize_batch")
+            return
         if last is not None and seq != last + 1:
             self.blocks.clear()  # dropped events, or a restart: what is left may be wrong
             self.scorer.count(self.url, "gap")
-        seqs[rank] = seq
         await asyncio.sleep(0)  # the skim (of up to MAX_MESSAGE_BYTES) was this turn's work
+        events = self._events(batch.events)  # at most MAX_BATCH_EVENTS, cut apart undecoded
         kinds: Counter[str] = Counter()
         began = time.perf_counter()
         for raw in events:
-            if len(raw) > MAX_EVENT_BYTES:
+            if len(raw) > MAX_EVENT_BYTES or self._blocks(raw) > MAX_EVENT_BLOCKS:
                 kinds["oversize"] += 1
                 continue
             event = self._event(raw)  # valid msgpack: the skim above walked it
@@ -254,6 +296,16 @@ class ReplicaFeed:
                 began = time.perf_counter()
         for kind, n in kinds.items():
             self.scorer.count(self.url, kind, n)
+
+    def _blocks(self, raw: Any) -> int:
+        """The blocks an event names, from its `block_hashes`' header (0 for any other event,
+        or one whose hashes are no array: `apply` refuses that)."""
+        if bytes(memoryview(raw)[:1]) not in _MAPS:
+            return 0
+        try:
+            return array_length(self._hashes_of(raw).block_hashes) or 0
+        except self._refused:  # keys that are not strings, say: `apply` sees to it
+            return 0
 
 
 @register("scorer", "precise_prefix")

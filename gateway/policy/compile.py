@@ -304,6 +304,7 @@ def compile_policy(
     tenants, tenant_problems = compile_tenants(spec.tenants, base)
     problems += tenant_problems
     models: dict[str, Model] = {}
+    built: list[Model] = []  # counters loaded now, warmed once the policy is known to compile
     reusable = (
         previous.models if previous is not None and previous.spec.server == spec.server else {}
     )
@@ -318,10 +319,14 @@ def compile_policy(
             problems.append(Problem(("models", name, "tokenizer"), f"cannot load: {exc}"))
             continue
         models[name] = Model(name, model_spec, counter)
+        built.append(models[name])
     if problems:
         if threads is not None and (previous is None or threads is not previous.tokenizer_threads):
             threads.shutdown()
         raise loaded.error(problems)
+    for model in built:
+        if isinstance(model.counter, HFCounter):
+            model.counter.warm()
     pools = {
         name: Pool(name, pool_spec, models[pool_spec.model], pickers.get(name, plugins["picker"]))
         for name, pool_spec in spec.pools.items()

@@ -30,7 +30,7 @@ from gateway.errors import (
     Unauthorized,
     error_body,
 )
-from gateway.parse import decode_body
+from gateway.parse import by_size, decode_checked
 from gateway.pipeline import handle
 from gateway.policy.compile import Policy
 from gateway.policy.load import PolicyError
@@ -157,15 +157,17 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def _metered(
     request: web.Request,
+    check: Callable[[dict[str, Any], ServerSpec], dict[str, Any]],
     answer: Callable[[Policy, dict[str, Any]], Awaitable[tuple[object, int]]],
     api: Api | None = None,
 ) -> web.Response:
     """A `/tokenize`, `/detokenize` or `count_tokens` call: the key checked and one request and
     a token charged to the tenant's windows before the body is read (a tenant out of either
     costs no read, no decode and no tokenizer time), then the body decoded within the limits
-    every request has and answered, and the token charge corrected to the tokens the answer
-    handled (a refusal: none). Every answer to a limited tenant carries its `x-ratelimit-*`
-    headers."""
+    every request has, checked by `check` (both on the tokenizer threads when the body is large,
+    as a request's parse is) and answered, and the token charge corrected to the tokens the
+    answer handled (a refusal: none). Every answer to a limited tenant carries its
+    `x-ratelimit-*` headers."""
     gateway = request.app[GATEWAY]
     policy = gateway.policy
     tenant = identify(request.headers, policy.tenants)
@@ -176,7 +178,11 @@ async def _metered(
         if tenant is not None:
             charge = await gateway.quotas.reserve_counting(tenant, ratelimit, api)
         raw = await body.read(request, policy.spec.server.max_body_bytes)
-        decoded = decode_body(body.media_type(request), raw, policy.spec.server)
+        threads = policy.tokenizer_threads
+        decoded = await by_size(
+            raw, threads.small if threads is not None else None, decode_checked,
+            body.media_type(request), raw, policy.spec.server, check,
+        )  # fmt: skip
         data, handled = await answer(policy, decoded)
         response = _json(data)
     except GatewayError as exc:
@@ -191,13 +197,17 @@ async def _metered(
 
 async def tokenize(request: web.Request) -> web.Response:
     return await _metered(
-        request, lambda policy, decoded: vllm_endpoints.tokenize(policy, decoded, request.headers)
+        request,
+        vllm_endpoints.check_tokenize,
+        lambda policy, checked: vllm_endpoints.tokenize(policy, checked, request.headers),
     )
 
 
 async def detokenize(request: web.Request) -> web.Response:
     return await _metered(
-        request, lambda policy, decoded: vllm_endpoints.detokenize(policy, decoded, request.headers)
+        request,
+        vllm_endpoints.check_detokenize,
+        lambda policy, checked: vllm_endpoints.detokenize(policy, checked, request.headers),
     )
 
 
@@ -206,7 +216,8 @@ async def count_tokens(request: web.Request) -> web.Response:
     `/tokenize` is, metered and refused as `/v1/messages` is."""
     return await _metered(
         request,
-        lambda policy, decoded: vllm_endpoints.count_tokens(policy, decoded, request.headers),
+        vllm_endpoints.check_count_tokens,
+        lambda policy, checked: vllm_endpoints.count_tokens(policy, checked, request.headers),
         MESSAGES,
     )
 

@@ -19,6 +19,7 @@ gateway's tokenizer time is paid for like a prompt's (gateway/quota.py `reserve_
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 from multidict import CIMultiDictProxy
@@ -105,21 +106,25 @@ def _check_chat(body: dict[str, Any], limits: ServerSpec) -> dict[str, Any]:
     return body
 
 
+def check_tokenize(body: dict[str, Any], limits: ServerSpec) -> dict[str, Any]:
+    """A decoded `/tokenize` body, checked as its form is: the chat form as a chat completion,
+    the completion form's prompt within the limits."""
+    if "messages" in body:
+        return _check_chat(body, limits)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise BadRequest("'prompt' (a string) or 'messages' is required", param="prompt")
+    check_prompt_chars(len(prompt), limits, "prompt")
+    return body
+
+
 async def tokenize(
     policy: Policy, body: dict[str, Any], headers: CIMultiDictProxy[str]
 ) -> tuple[dict[str, Any], int]:
-    """vLLM's `TokenizeResponse` for a decoded body: `count`, `max_model_len`, `tokens`,
-    `token_strs` (null unless `return_token_strs`); and the count."""
-    limits = policy.spec.server
+    """vLLM's `TokenizeResponse` for a checked body (`check_tokenize`): `count`,
+    `max_model_len`, `tokens`, `token_strs` (null unless `return_token_strs`); and the count."""
     chat = "messages" in body
     api = CHAT if chat else COMPLETIONS
-    if chat:
-        body = _check_chat(body, limits)
-    else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise BadRequest("'prompt' (a string) or 'messages' is required", param="prompt")
-        check_prompt_chars(len(prompt), limits, "prompt")
     special = _flag(body, "add_special_tokens", not chat)
     strs = _flag(body, "return_token_strs", False, nullable=True)
     model = resolve(policy, body, headers, (api,))
@@ -135,11 +140,8 @@ async def tokenize(
     return answer, len(ids)
 
 
-async def detokenize(
-    policy: Policy, body: dict[str, Any], headers: CIMultiDictProxy[str]
-) -> tuple[dict[str, str], int]:
-    """vLLM's `DetokenizeResponse`, `{"prompt": text}`, and the ids decoded; an id outside the
-    vocabulary is a 400 (vLLM's decode skips or fails on it)."""
+def check_detokenize(body: dict[str, Any], limits: ServerSpec) -> dict[str, Any]:
+    """A decoded `/detokenize` body whose `tokens` are ids."""
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(
         type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens
@@ -147,6 +149,16 @@ async def detokenize(
         raise BadRequest(
             "'tokens' must be an array of non-negative integer token ids", param="tokens"
         )
+    return body
+
+
+async def detokenize(
+    policy: Policy, body: dict[str, Any], headers: CIMultiDictProxy[str]
+) -> tuple[dict[str, str], int]:
+    """vLLM's `DetokenizeResponse`, `{"prompt": text}`, for a checked body
+    (`check_detokenize`), and the ids decoded; an id outside the vocabulary is a 400 (vLLM's
+    decode skips or fails on it)."""
+    tokens = body["tokens"]
     counter = _counter(resolve(policy, body, headers, (COMPLETIONS, CHAT)))
     unknown = next((t for t in tokens if t >= counter.vocab_size), None)
     if unknown is not None:
@@ -154,20 +166,27 @@ async def detokenize(
     return {"prompt": await counter.decode(tokens)}, len(tokens)
 
 
-async def count_tokens(
-    policy: Policy, body: dict[str, Any], headers: CIMultiDictProxy[str]
-) -> tuple[dict[str, Any], int]:
-    """Anthropic's `messages.count_tokens` as vLLM answers it (`AnthropicCountTokensResponse`),
-    and the count: the chat its messages convert to, rendered and counted whole by the model's
-    counter, as `/v1/messages` counts them (gateway/api/anthropic.py), an estimate's included.
-    A count is the tokenizer's alone: images, whose tokens are the replica's processor's, are
-    refused as `/tokenize` refuses them."""
-    if check_messages(body, policy.spec.server, None):
+def check_count_tokens(body: dict[str, Any], limits: ServerSpec) -> dict[str, Any]:
+    """A decoded `count_tokens` body, checked as `/v1/messages` checks its own. A count is the
+    tokenizer's alone: images, whose tokens are the replica's processor's, are refused as
+    `/tokenize` refuses them."""
+    if check_messages(body, limits, None):
         raise BadRequest(
             "images are not counted by the gateway: their tokens are the replica's",
             param="messages",
             code="images_not_supported",
         )
+    return body
+
+
+async def count_tokens(
+    policy: Policy, body: dict[str, Any], headers: CIMultiDictProxy[str]
+) -> tuple[dict[str, Any], int]:
+    """Anthropic's `messages.count_tokens` as vLLM answers it (`AnthropicCountTokensResponse`)
+    for a checked body (`check_count_tokens`), and the count: the chat its messages convert to,
+    rendered and counted whole by the model's counter, as `/v1/messages` counts them
+    (gateway/api/anthropic.py), an estimate's included."""
     counter = resolve(policy, body, headers, (MESSAGES,)).counter
-    tokens = await counter.count_chat(chat_for(body, counter))
-    return {"input_tokens": tokens, "context_management": {"original_input_tokens": tokens}}, tokens
+    tokens = await counter.count_chat(body, to_chat=partial(chat_for, counter=counter))
+    answer = {"input_tokens": tokens, "context_management": {"original_input_tokens": tokens}}
+    return answer, tokens

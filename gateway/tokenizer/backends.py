@@ -117,6 +117,10 @@ _SCRIPTS = (
     "!!!??? ... --- ___ *** ### /// \\\\\\ ``` ''' \"\"\" <<>> [[]] {{}} ~~~ ^^^ |||",
 )
 
+# What warms an encoder on a thread (`HFCounter.warm`): text in many scripts, so that the paths a
+# request may take are built before one does.
+WARM_TEXT = " ".join(_SCRIPTS) * 8
+
 
 def _probes(added: list[str]) -> Iterator[str]:
     """Texts on which two encoders of one tokenizer must agree: every added token in every

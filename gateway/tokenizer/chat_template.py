@@ -232,16 +232,28 @@ def tool_call_function(call: Any) -> dict[str, Any]:
     return function
 
 
-def arguments_chars(body: dict[str, Any]) -> int:
-    """Characters of the assistant tool calls' arguments, which rendering parses as JSON."""
-    total = 0
-    for message in body["messages"]:
-        calls = message.get("tool_calls") if message.get("role") == "assistant" else None
-        for call in calls if isinstance(calls, list) else ():
-            function = call.get("function") if isinstance(call, dict) else None
-            arguments = function.get("arguments") if isinstance(function, dict) else None
-            total += len(arguments) if isinstance(arguments, str) else 0
-    return total
+RENDER_CHARS_PER_UNIT = 256
+
+
+def render_weight(body: dict[str, Any], limit: int) -> int:
+    """A bound on the work of rendering a request's chat, in units of about one JSON value: every
+    value of the body (a message, a part, a tool, a property of a tool's schema: templates cost
+    per value) plus one per `RENDER_CHARS_PER_UNIT` characters of its strings (tool calls'
+    arguments are parsed as JSON; texts are copied). Measured on the request as the client sent
+    it, whatever the endpoint converts it to before rendering; counting stops a little past
+    `limit`, so a huge body costs no more to weigh than a small one."""
+    stack: list[Any] = [body]
+    weight = 0
+    while stack and weight <= limit:
+        value = stack.pop()
+        weight += 1
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, str):
+            weight += len(value) // RENDER_CHARS_PER_UNIT
+    return weight
 
 
 def _tool_call(call: Any) -> dict[str, Any]:

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from gateway.policy.schema import ServerSpec
-from gateway.tokenizer.backends import AUTO, Backend, Encoder, choose, ids
-from gateway.tokenizer.chat_template import ChatTemplate, arguments_chars, message_text
+from gateway.tokenizer.backends import AUTO, WARM_TEXT, Backend, Encoder, choose, ids
+from gateway.tokenizer.chat_template import ChatTemplate, message_text, render_weight
 from gateway.tokenizer.floor import TokenFloor
 from gateway.tokenizer.threads import CountingThreads
 
@@ -38,11 +38,14 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 T = TypeVar("T")
-# Rendering costs per message, and per value of the tool calls' arguments it parses as JSON
-# (docs/benchmarks.md): a chat with more of either is rendered on the tokenizer threads, where
-# the GIL's switch interval lets the loop run.
-INLINE_RENDER_MESSAGES = 128
-INLINE_ARGUMENTS_CHARS = 32_768
+# Converting a request to the chat vLLM renders, and rendering it, cost per JSON value (a
+# message, a part, a tool, a property of a tool's schema) and per character of tool calls'
+# arguments, which rendering parses as JSON (`render_weight`, docs/benchmarks.md): a request that
+# weighs more is converted and rendered on the tokenizer threads, where the GIL's switch interval
+# lets the loop run. 384 is 128 one-line messages, ~2.6 ms with Qwen 3's template.
+INLINE_RENDER_WEIGHT = 384
+# An endpoint's conversion of its request to the chat vLLM renders for it.
+ToChat = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 class TooManyTokens(Exception):
@@ -69,7 +72,12 @@ class TokenCounter(Protocol):
     # a rendered chat encoded with `add_special_tokens` has beyond its own. Found at load.
     specials: int
 
-    async def count_chat(self, body: dict[str, Any], refuse_at: int | None = None) -> int: ...
+    async def count_chat(
+        self, body: dict[str, Any], refuse_at: int | None = None, to_chat: ToChat | None = None
+    ) -> int:
+        """Tokens of a chat request's rendered prompt; `to_chat` converts another endpoint's
+        request to the chat vLLM renders for it (where rendering runs: it costs as much)."""
+        ...
 
     async def count_prompts(
         self, prompt: Any, refuse_at: int | None = None, special: bool = True
@@ -78,7 +86,9 @@ class TokenCounter(Protocol):
         tokenizer's special tokens (vLLM's `add_special_tokens`, true by default)."""
         ...
 
-    async def chat_ids(self, body: dict[str, Any], special: bool = False) -> list[int] | None:
+    async def chat_ids(
+        self, body: dict[str, Any], special: bool = False, to_chat: ToChat | None = None
+    ) -> list[int] | None:
         """The token ids vLLM will see for a chat: its rendered prompt encoded whole (without
         special tokens unless `special`); None without a tokenizer."""
         ...
@@ -103,9 +113,11 @@ class CharCounter:
     def _count(self, text: str) -> int:
         return math.ceil(len(text) / self.chars_per_token)
 
-    async def count_chat(self, body: dict[str, Any], refuse_at: int | None = None) -> int:
+    async def count_chat(
+        self, body: dict[str, Any], refuse_at: int | None = None, to_chat: ToChat | None = None
+    ) -> int:
         """`refuse_at` is not needed: the estimate costs a length per message."""
-        messages = body["messages"]
+        messages = (body if to_chat is None else to_chat(body))["messages"]
         return sum(self._count(message_text(m.get("content"))) for m in messages) + (
             self.PER_MESSAGE * len(messages)
         )
@@ -119,7 +131,9 @@ class CharCounter:
             return [len(prompt)]
         return [len(p) if isinstance(p, list) else self._count(p) for p in prompt]
 
-    async def chat_ids(self, body: dict[str, Any], special: bool = False) -> list[int] | None:
+    async def chat_ids(
+        self, body: dict[str, Any], special: bool = False, to_chat: ToChat | None = None
+    ) -> list[int] | None:
         return None
 
     async def prompt_ids(self, prompt: str | list[int], special: bool = True) -> list[int] | None:
@@ -194,6 +208,16 @@ class HFCounter:
             image_tokens=image_tokens,
         )
 
+    def warm(self) -> None:
+        """Encode once on every tokenizer thread, waited for: a thread's first encode with a
+        tokenizer is its dearest (fastokens builds its per-thread matching state then: ~120-140
+        ms of CPU with Qwen 3 or Llama 3, against 0.1 ms after), and must not be a request's.
+        Called as the policy is compiled: before the gateway reports ready, and before a
+        reloaded policy with new counters takes traffic."""
+        pools = {id(p): p for p in (self.threads, self.large_threads) if p is not None}
+        for pool in pools.values():
+            pool.each(self.encoder.counts, [WARM_TEXT], False)
+
     @property
     def backend(self) -> str:
         """The library that encodes this model's texts: `fastokens` or `tokenizers`."""
@@ -226,17 +250,23 @@ class HFCounter:
             return await threads.run(work, *args)
         return work(*args)
 
-    async def _rendered(self, body: dict[str, Any]) -> str:
-        """The chat's prompt text; rendered on the tokenizer threads when it has many messages."""
-        if self.threads is not None and (
-            len(body["messages"]) > INLINE_RENDER_MESSAGES
-            or arguments_chars(body) > INLINE_ARGUMENTS_CHARS
-        ):
-            return await self.threads.run(self.template.render, body)
-        return self.template.render(body)
+    def _render(self, body: dict[str, Any], to_chat: ToChat | None) -> str:
+        return self.template.render(body if to_chat is None else to_chat(body))
 
-    async def count_chat(self, body: dict[str, Any], refuse_at: int | None = None) -> int:
-        return (await self._count_texts([await self._rendered(body)], False, refuse_at))[0]
+    async def _rendered(self, body: dict[str, Any], to_chat: ToChat | None) -> str:
+        """The chat's prompt text; converted and rendered on the tokenizer threads when the
+        request weighs more than `INLINE_RENDER_WEIGHT`."""
+        if self.threads is not None and (
+            render_weight(body, INLINE_RENDER_WEIGHT) > INLINE_RENDER_WEIGHT
+        ):
+            return await self.threads.run(self._render, body, to_chat)
+        return self._render(body, to_chat)
+
+    async def count_chat(
+        self, body: dict[str, Any], refuse_at: int | None = None, to_chat: ToChat | None = None
+    ) -> int:
+        text = await self._rendered(body, to_chat)
+        return (await self._count_texts([text], False, refuse_at))[0]
 
     async def count_prompts(
         self, prompt: Any, refuse_at: int | None = None, special: bool = True
@@ -249,11 +279,13 @@ class HFCounter:
             return [len(p) for p in prompt]
         return await self._count_texts(list(prompt), special, refuse_at, summed=False)
 
-    async def chat_ids(self, body: dict[str, Any], special: bool = False) -> list[int] | None:
+    async def chat_ids(
+        self, body: dict[str, Any], special: bool = False, to_chat: ToChat | None = None
+    ) -> list[int] | None:
         """Rendered by the template and encoded whole, as vLLM encodes a chat (`special`, as
         `/tokenize`'s `add_special_tokens`, off by default). On the tokenizer's threads when
         long, as counting is."""
-        text = await self._rendered(body)
+        text = await self._rendered(body, to_chat)
         return await self._run(len(text), ids, self.encoder, text, special)
 
     async def prompt_ids(self, prompt: str | list[int], special: bool = True) -> list[int] | None:

@@ -14,6 +14,7 @@ left out. The totals are plain numbers added under a lock; the scrape reads them
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -55,6 +56,21 @@ class CountingThreads:
                 self.wait_s += started - submitted
                 self.busy_s += ended - started
                 self.cpu_s += spent
+
+    def each(self, work: Callable[..., object], *args: Any, timeout_s: float = 5.0) -> None:
+        """`work(*args)` once on every thread of the pool, waited for (never from the event
+        loop). Each job waits at a barrier until every thread holds one, so no thread runs two;
+        a thread busy past `timeout_s` breaks the barrier, and the jobs run wherever they are.
+        Not counted as jobs: no request waited for them."""
+        barrier = threading.Barrier(self.threads)
+
+        def job() -> None:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier.wait(timeout_s)
+            work(*args)
+
+        for done in [self._executor.submit(job) for _ in range(self.threads)]:
+            done.result()
 
     def _dropped(self, submitted: float, job: Future[Any]) -> None:
         if job.cancelled():  # never started: `_timed` counted nothing
