@@ -77,6 +77,8 @@ class Ctx:
     # with `--enable-prompt-tokens-details`): None when the usage does not say.
     cached_tokens: int | None = None
     untrusted_usage: str = ""  # the usage field a replica reported out of bounds, if any
+    # A stored response's `output` items, from its stream's terminal event (gateway/holders.py)
+    output: Any = None
     # A whole answer and where its `"usage"` is: decoded by the accounting, after the client
     # has the answer (`forward.read_usage`), so its few µs are not on the client's path.
     unread_usage: tuple[bytearray, int] | None = None

@@ -7,6 +7,7 @@ state through Redis, with the turns alternating between them."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -119,15 +120,107 @@ async def test_a_conversation_continues_on_the_replica_that_stores_it(gw, sims) 
     await accounted(gw, len(turns) - 1)
     lines = logged(gw)
     assert len({line["replica"] for line in lines}) == 1
-    # The stored turns are counted with the new input: each turn's count grows with the
-    # conversation, close to the replica's own.
+    # The stored turns are rendered with the new input: each turn's count is the replica's.
     counts = [line["input_tokens"] for line in lines]
     assert counts == sorted(counts) and counts[-1] > 3 * counts[0]
-    for line, turn in zip(lines, turns, strict=True):
-        assert turn.usage is not None
-        assert abs(line["input_tokens"] - turn.usage.input_tokens) <= 4 * len(turns)
-        # And the tenant was settled on the replica's own count.
-        assert line["output_tokens"] == turn.usage.output_tokens
+    assert counts == [turn.usage.input_tokens for turn in turns if turn.usage is not None]
+    assert [line["output_tokens"] for line in lines] == [
+        turn.usage.output_tokens for turn in turns if turn.usage is not None
+    ]
+
+
+# --- a chain counted exactly, on the real tokenizers: the reference renders the conversation
+# vLLM 0.32 builds for a chained turn (responses/utils.py `construct_input_messages`) with
+# transformers' own `apply_chat_template` ---------------------------------------------------
+
+REAL_MODELS = ("gemma3", "llama3", "qwen3")
+CHAIN = [  # (instructions, input, streamed)
+    (None, [{"role": "system", "content": "Be terse."},
+            {"role": "user", "content": [{"type": "input_text", "text": HELLO}]}], False),
+    ("You are a product reviewer.", "and the kettle?", True),
+    (None, [{"type": "message", "role": "user", "content": "and the toaster, in French?"}], False),
+    ("Answer as a haiku.", "which one would you buy?", True),
+]  # fmt: skip
+
+
+def vllm_chain(replies: list[Any]) -> list[list[dict[str, Any]]]:
+    """The messages vLLM renders for each turn of `CHAIN`, given the turns' answers: the
+    turn's instructions, the stored conversation without its system messages, an assistant
+    message per content part of the previous output's messages, the turn's input."""
+    rendered, stored = [], []
+    for (instructions, said, _), reply in zip(CHAIN, [None, *replies], strict=False):
+        carried = [m for m in stored if m["role"] != "system"]
+        if reply is not None:
+            carried += [
+                {"role": "assistant", "content": part.text}
+                for item in reply.output
+                if item.type == "message"
+                for part in item.content
+            ]
+        own = [{"role": "user", "content": said}] if isinstance(said, str) else said
+        own = [{"role": m["role"], "content": m["content"]} for m in own]
+        stored = ([{"role": "system", "content": instructions}] if instructions else []) + carried
+        stored += own
+        rendered.append(stored)
+    return rendered
+
+
+@functools.cache
+def reference_tokenizer(model: str) -> Any:
+    from transformers import AutoTokenizer
+
+    from loadtest.real_tokenizers import directory
+
+    return AutoTokenizer.from_pretrained(str(directory(model)))
+
+
+def reference_count(model: str, messages: list[dict[str, Any]]) -> int:
+    """transformers' count of what vLLM renders: vLLM's parsed conversation through the
+    template, encoded with the special tokens (a responses request keeps them)."""
+    from tests.test_real_tokenizers import OPENAI_FORMAT, vllm_conversation
+
+    tokenizer = reference_tokenizer(model)
+    conversation = vllm_conversation({"messages": messages}, OPENAI_FORMAT[model])
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    return len(tokenizer(text)["input_ids"])
+
+
+@pytest.mark.parametrize("model", REAL_MODELS)
+async def test_a_chain_is_counted_as_the_replica_renders_it(
+    model: str, tiny: Profile, gateway_factory
+) -> None:
+    """Each turn's count is the whole stored conversation, the earlier outputs' text
+    included, rendered as vLLM renders it: equal to the replica's and to transformers'."""
+    from loadtest.real_tokenizers import directory
+
+    replica = await start_replica(tiny, ReplicaOptions(time_scale=1000, tokenizer=directory(model)))
+    try:
+        gw = await gateway_factory(basic_policy(directory(model), [replica.url]))
+        replies: list[Any] = []
+        async with client(gw) as sdk:
+            for instructions, said, streamed in CHAIN:
+                fields: dict[str, Any] = {
+                    "model": "tiny", "input": said, "max_output_tokens": 30,
+                    "extra_body": {"ignore_eos": True},
+                    "previous_response_id": replies[-1].id if replies else None,
+                    "instructions": instructions,
+                }  # fmt: skip
+                fields = {k: v for k, v in fields.items() if v is not None}
+                if streamed:
+                    async with sdk.responses.stream(**fields) as stream:
+                        async for _ in stream:
+                            pass
+                        replies.append(await stream.get_final_response())
+                else:
+                    replies.append(await sdk.responses.create(**fields))
+        await accounted(gw, len(CHAIN) - 1)
+    finally:
+        await replica.close()
+    assert all(r.usage is not None and r.usage.output_tokens == 30 for r in replies)
+    counted = [line["input_tokens"] for line in logged(gw)]
+    reported = [r.usage.input_tokens for r in replies]
+    expected = [reference_count(model, messages) for messages in vllm_chain(replies)]
+    assert counted == reported == expected
 
 
 async def test_unknown_and_other_tenants_responses_are_not_found(
@@ -323,8 +416,9 @@ async def test_a_conversation_alternating_gateways_stays_on_the_replica_that_sto
     lines = logged(first_gw) + logged(second_gw)
     assert len(lines) == len(turns)
     assert len({line["replica"] for line in lines}) == 1  # never the other replica
-    # The second gateway counted the stored turns it continued, which the first had recorded.
-    assert all(line["input_tokens"] > lines[0]["input_tokens"] for line in logged(second_gw))
+    # Each gateway counted the stored turns it continued, whichever recorded them, exactly.
+    counted = sorted(line["input_tokens"] for line in lines)  # a chain's counts only grow
+    assert counted == [turn.usage.input_tokens for turn in turns if turn.usage is not None]
     recorded = holders(fresh_redis)
     assert set(recorded) == {turn.id for turn in turns}
     assert {tuple(v[:3]) for v in recorded.values()} == {("alice", "main", lines[0]["replica"])}
@@ -368,7 +462,7 @@ async def test_redis_down_each_gateway_still_knows_its_own(pair, fresh_redis) ->
 async def test_a_record_lives_its_ttl_from_its_last_use(redis_server: RedisServer) -> None:
     shared = RedisState(redis_server.url, holder_ttl_s=0.5)
     record = FailoverState(shared, on_failure="closed", gateways=2)
-    held = Holder("alice", "main", "http://127.0.0.1:9", 42)
+    held = Holder("alice", "main", "http://127.0.0.1:9", ({"role": "user", "content": "hi"},), 3)
     try:
         await shared.client.flushdb()
         await record.record("resp_a", held)
