@@ -22,7 +22,8 @@ known when it was parsed, and its output's text, taken from the answer the relay
 small enough not to hold the loop). The count renders them exactly (gateway/tokenize.py). In
 memory a turn costs its own input and output text: a record shares the earlier turns' messages
 with the record of the response they came from. An answer whose text is not kept (over the
-bounds in gateway/api/responses.py) is counted by its `output_tokens` instead (`unheard`).
+bounds in gateway/api/responses.py) is counted by its `output_tokens` instead (`unheard`), in an
+empty assistant message that keeps the template's frame around it.
 
 Gateways that share state through Redis share the record too (`state.HolderRecord`), so a
 conversation's turns may reach any of them: each holder is written there before the answer that
@@ -38,9 +39,8 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from gateway.api.responses import Continued, answer_output, output_messages, stored_turns
+from gateway.api.responses import Continued, answer_turns, stored_turns
 from gateway.errors import ResponseNotFound
-from gateway.forward import read_usage
 from gateway.state import Holder, HolderRecord
 
 if TYPE_CHECKING:
@@ -81,12 +81,10 @@ class Holders:
         if ctx.stores_as is None or ctx.status != 200 or ctx.refusal is not None:
             return
         assert ctx.pool is not None
-        said = output_messages(answer_output(ctx))
-        unheard = ctx.holder.unheard if ctx.holder is not None else 0
-        if said is None:  # its text not kept: its tokens as the replica counted them
-            read_usage(ctx)  # a whole answer's, otherwise read after it was sent
-            unheard += ctx.output_tokens or 0
-        turns = stored_turns(ctx.body, said or [])
+        said, unheard = answer_turns(ctx)
+        if ctx.holder is not None:
+            unheard += ctx.holder.unheard
+        turns = stored_turns(ctx.body, said)
         holder = Holder(_tenant(ctx), ctx.pool.name, ctx.replica, turns, unheard)
         self._keep(ctx.stores_as, holder)
         if self.shared is not None:

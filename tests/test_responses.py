@@ -20,7 +20,7 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.api import RESPONSES
+from gateway.api import RESPONSES, responses
 from gateway.state import Holder
 from gateway.state.failover import FailoverState
 from gateway.state.redis import RedisState
@@ -221,6 +221,36 @@ async def test_a_chain_is_counted_as_the_replica_renders_it(
     reported = [r.usage.input_tokens for r in replies]
     expected = [reference_count(model, messages) for messages in vllm_chain(replies)]
     assert counted == reported == expected
+
+
+@pytest.mark.parametrize(
+    ("streamed", "bound"), [(True, "_KEPT_OUTPUT_CHARS"), (False, "_DECODED_ANSWER_BYTES")]
+)
+async def test_an_output_whose_text_is_not_kept_is_counted_by_its_tokens(
+    gw, monkeypatch: pytest.MonkeyPatch, streamed: bool, bound: str
+) -> None:
+    """Past the bounds on what the gateway keeps of an answer (its text, or a whole answer it
+    would decode), the next turn counts the output by the replica's `output_tokens` in an empty
+    assistant message: the template's frame around it still counted."""
+    monkeypatch.setattr(responses, bound, 8)
+    fields: dict[str, Any] = {"model": "tiny", "input": HELLO, "max_output_tokens": 30,
+                              "extra_body": {"ignore_eos": True}}  # fmt: skip
+    async with client(gw) as sdk:
+        if streamed:
+            async with sdk.responses.stream(**fields) as stream:
+                async for _ in stream:
+                    pass
+                first = await stream.get_final_response()
+        else:
+            first = await sdk.responses.create(**fields)
+        second = await sdk.responses.create(
+            model="tiny", input="and then?", previous_response_id=first.id, max_output_tokens=3
+        )
+    held = gw.gateway.holders._held[first.id]
+    assert held.unheard == 30 and held.turns[-1] == {"role": "assistant", "content": ""}
+    await accounted(gw, 1)
+    assert second.usage is not None
+    assert logged(gw)[1]["input_tokens"] == second.usage.input_tokens
 
 
 async def test_unknown_and_other_tenants_responses_are_not_found(

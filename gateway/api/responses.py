@@ -30,6 +30,7 @@ from gateway.api.base import FINGERPRINT_CHARS
 from gateway.api.chat import REASONING_EFFORTS, check_chat
 from gateway.api.openai import OpenAIApi
 from gateway.errors import BadRequest
+from gateway.forward import read_usage
 from gateway.parse import lax_int
 from gateway.tokenizer.chat_template import lax_bool, message_text
 
@@ -53,9 +54,11 @@ _UNFINISHED = ("in_progress", "incomplete")
 _OUTPUT_ITEMS = ("function_call_output", "custom_tool_call_output")
 _TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
 # A stored response's output text the gateway keeps for the turns that continue it: past this
-# (about a quarter of a million tokens), it counts them by the replica's `output_tokens`.
+# (about a quarter of a million tokens), it counts them by the replica's `output_tokens`
+# (`answer_turns`).
 _KEPT_OUTPUT_CHARS = 1 << 20
 _DECODED_ANSWER_BYTES = 2 * _KEPT_OUTPUT_CHARS
+_KEPT_OUTPUT_PARTS = 256  # vLLM writes one text part per output message
 
 
 def _refuse(param: str, message: str) -> BadRequest:
@@ -269,7 +272,8 @@ def output_messages(output: Any) -> list[dict[str, Any]] | None:
     """The assistant messages vLLM makes of a stored response's `output` when a request
     continues it (`construct_input_messages`): one per content part of each output message, its
     text; reasoning and tool calls are not carried over. None for an output that is not a list
-    of items, or whose text is over `_KEPT_OUTPUT_CHARS`."""
+    of items, or whose text is over `_KEPT_OUTPUT_CHARS` (or in over `_KEPT_OUTPUT_PARTS`
+    parts)."""
     if not isinstance(output, list):
         return None
     messages = []
@@ -281,7 +285,10 @@ def output_messages(output: Any) -> list[dict[str, Any]] | None:
             text = part.get("text") if isinstance(part, dict) else None
             if isinstance(text, str):
                 messages.append({"role": "assistant", "content": text})
-    if sum(len(m["content"]) for m in messages) > _KEPT_OUTPUT_CHARS:
+    if (
+        len(messages) > _KEPT_OUTPUT_PARTS
+        or sum(len(m["content"]) for m in messages) > _KEPT_OUTPUT_CHARS
+    ):
         return None
     return messages
 
@@ -300,6 +307,22 @@ def answer_output(ctx: Ctx) -> Any:
     except orjson.JSONDecodeError:
         return None
     return answer.get("output") if isinstance(answer, dict) else None
+
+
+def answer_turns(ctx: Ctx) -> tuple[list[dict[str, Any]], int]:
+    """What a request continuing `ctx`'s stored response renders of its output, and how many
+    output tokens that leaves uncounted. An output whose text was not kept (over the bounds, or
+    its stream's terminal event never read) is one empty assistant message, the template's
+    frame around the text, and its tokens as the replica reported them (within what the
+    request could produce), else as the stream relayed them."""
+    said = output_messages(answer_output(ctx))
+    if said is not None:
+        return said, 0
+    assert ctx.pool is not None
+    read_usage(ctx)  # a whole answer's, otherwise read once it was sent
+    tokens = ctx.output_tokens if ctx.output_tokens is not None else ctx.chunks
+    bound = ctx.max_output or ctx.pool.model.spec.max_model_len
+    return [{"role": "assistant", "content": ""}], max(0, min(tokens, bound))
 
 
 def stored_turns(body: dict[str, Any], said: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
