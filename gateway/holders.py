@@ -23,7 +23,9 @@ small enough not to hold the loop). The count renders them exactly (gateway/toke
 memory a turn costs its own input and output text: a record shares the earlier turns' messages
 with the record of the response they came from. An answer whose text is not kept (over the
 bounds in gateway/api/responses.py) is counted by its `output_tokens` instead (`unheard`), in an
-empty assistant message that keeps the template's frame around it.
+empty assistant message that keeps the template's frame around it. Only what a template reads of
+a message is kept (`essentials`: no image data, no fields no template prints), and a
+conversation over 16 bytes a token of the context is kept as its token count alone.
 
 Gateways that share state through Redis share the record too (`state.HolderRecord`), so a
 conversation's turns may reach any of them: each holder is written there before the answer that
@@ -39,9 +41,10 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from gateway.api.responses import Continued, answer_turns, stored_turns
+from gateway.api.responses import Continued, kept_conversation
 from gateway.errors import ResponseNotFound
 from gateway.state import Holder, HolderRecord
+from gateway.tokenizer.chat_template import image_parts
 
 if TYPE_CHECKING:
     from gateway.admit import LivePool
@@ -81,10 +84,7 @@ class Holders:
         if ctx.stores_as is None or ctx.status != 200 or ctx.refusal is not None:
             return
         assert ctx.pool is not None
-        said, unheard = answer_turns(ctx)
-        if ctx.holder is not None:
-            unheard += ctx.holder.unheard
-        turns = stored_turns(ctx.body, said)
+        turns, unheard = kept_conversation(ctx)
         holder = Holder(_tenant(ctx), ctx.pool.name, ctx.replica, turns, unheard)
         self._keep(ctx.stores_as, holder)
         if self.shared is not None:
@@ -110,6 +110,7 @@ class Holders:
         if ctx.continues is not None:
             ctx.holder = await self.find(ctx.continues, ctx)
             ctx.body = Continued(ctx.body, ctx.holder.turns)
+            ctx.images += image_parts(ctx.holder.turns)  # rendered again, at the image's cost
 
     async def placed(
         self,

@@ -253,6 +253,72 @@ async def test_an_output_whose_text_is_not_kept_is_counted_by_its_tokens(
     assert logged(gw)[1]["input_tokens"] == second.usage.input_tokens
 
 
+async def test_a_chained_turn_counts_as_its_conversation_sent_whole(
+    sims, gateway_factory, tokenizer_dir
+) -> None:
+    """A stored turn's images are rendered again, each at the model's `image_tokens`: the
+    chained turn counts as the same conversation sent in one request."""
+    policy = basic_policy(tokenizer_dir, [r.url for r in sims])
+    policy["models"]["tiny"]["image_tokens"] = 260
+    gw = await gateway_factory(policy)
+    image = {"type": "input_image", "image_url": "data:image/png;base64," + "A" * 4000}
+    opening = [{"role": "user", "content": [{"type": "input_text", "text": HELLO}, image]}]
+    async with client(gw) as sdk:
+        first = await sdk.responses.create(model="tiny", input=opening, max_output_tokens=5)
+        await sdk.responses.create(
+            model="tiny", input="and then?", previous_response_id=first.id, max_output_tokens=3
+        )
+        whole = [*opening, {"role": "assistant", "content": first.output_text},
+                 {"role": "user", "content": "and then?"}]  # fmt: skip
+        await sdk.responses.create(model="tiny", input=whole, max_output_tokens=3)
+    await accounted(gw, 2)
+    _, chained, sent_whole = logged(gw)
+    assert chained["input_tokens"] == sent_whole["input_tokens"] > 260
+
+
+async def test_a_stored_turn_keeps_only_what_a_template_reads(pair, fresh_redis, http) -> None:
+    """Fields no template reads are not kept with the stored turns (nor written to Redis for
+    every later turn of the chain); the count is the replica's all the same."""
+    first_gw, second_gw = pair
+    junk = "x" * 20_000
+    said = {"role": "user", "junk": junk,
+            "content": [{"type": "input_text", "text": HELLO, "junk": junk}]}  # fmt: skip
+    body = {"model": "tiny", "input": [said], "max_output_tokens": 3}
+    headers = {"Authorization": f"Bearer {KEYS['alice']}"}
+    async with http.post(f"{first_gw.url}/v1/responses", json=body, headers=headers) as resp:
+        assert resp.status == 200
+        first = await resp.json()
+    async with client(second_gw, KEYS["alice"]) as two:
+        second = await two.responses.create(
+            model="tiny", input="and then?", previous_response_id=first["id"], max_output_tokens=3
+        )
+    raw = redis.Redis(port=fresh_redis.port).get(f"holder:{first['id']}")
+    assert raw is not None and len(raw) < 2000
+    await accounted(second_gw, 0)
+    assert second.usage is not None
+    assert logged(second_gw)[0]["input_tokens"] == second.usage.input_tokens
+
+
+async def test_a_conversation_over_its_bound_is_kept_as_its_tokens(gw) -> None:
+    """What a template drops (here the earlier reasoning) is not counted, so it could make a
+    stored conversation any size: past 16 bytes a token of the context, the gateway keeps only
+    its token count (the turn's count and its output's) and counts it so from then on."""
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "r" * 200_000}]}  # fmt: skip
+    opening = [{"role": "user", "content": HELLO}, thought, {"role": "user", "content": "go"}]
+    async with client(gw) as sdk:
+        first = await sdk.responses.create(model="tiny", input=opening, max_output_tokens=3)
+        await sdk.responses.create(
+            model="tiny", input="and then?", previous_response_id=first.id, max_output_tokens=3
+        )
+        await sdk.responses.create(model="tiny", input="and then?", max_output_tokens=3)
+    await accounted(gw, 2)
+    opened, chained, alone = logged(gw)
+    held = gw.gateway.holders._held[first.id]
+    assert held.turns == () and held.unheard == opened["input_tokens"] + opened["output_tokens"]
+    assert chained["input_tokens"] == held.unheard + alone["input_tokens"]
+
+
 async def test_unknown_and_other_tenants_responses_are_not_found(
     sims, gateway_factory, tokenizer_dir
 ) -> None:

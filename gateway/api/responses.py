@@ -32,7 +32,7 @@ from gateway.api.openai import OpenAIApi
 from gateway.errors import BadRequest
 from gateway.forward import read_usage
 from gateway.parse import lax_int
-from gateway.tokenizer.chat_template import lax_bool, message_text
+from gateway.tokenizer.chat_template import essentials, lax_bool, message_text
 
 if TYPE_CHECKING:
     from gateway.context import Ctx
@@ -55,10 +55,11 @@ _OUTPUT_ITEMS = ("function_call_output", "custom_tool_call_output")
 _TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
 # A stored response's output text the gateway keeps for the turns that continue it: past this
 # (about a quarter of a million tokens), it counts them by the replica's `output_tokens`
-# (`answer_turns`).
+# (`kept_conversation`).
 _KEPT_OUTPUT_CHARS = 1 << 20
 _DECODED_ANSWER_BYTES = 2 * _KEPT_OUTPUT_CHARS
 _KEPT_OUTPUT_PARTS = 256  # vLLM writes one text part per output message
+_KEPT_BYTES_PER_TOKEN = 16  # a stored conversation's JSON, per token of the model's context
 
 
 def _refuse(param: str, message: str) -> BadRequest:
@@ -309,20 +310,34 @@ def answer_output(ctx: Ctx) -> Any:
     return answer.get("output") if isinstance(answer, dict) else None
 
 
-def answer_turns(ctx: Ctx) -> tuple[list[dict[str, Any]], int]:
-    """What a request continuing `ctx`'s stored response renders of its output, and how many
-    output tokens that leaves uncounted. An output whose text was not kept (over the bounds, or
-    its stream's terminal event never read) is one empty assistant message, the template's
-    frame around the text, and its tokens as the replica reported them (within what the
-    request could produce), else as the stream relayed them."""
-    said = output_messages(answer_output(ctx))
-    if said is not None:
-        return said, 0
+def _output_tokens(ctx: Ctx) -> int:
+    """The answer's output tokens as the replica reported them (within what the request could
+    produce), else as the stream relayed them."""
     assert ctx.pool is not None
     read_usage(ctx)  # a whole answer's, otherwise read once it was sent
     tokens = ctx.output_tokens if ctx.output_tokens is not None else ctx.chunks
-    bound = ctx.max_output or ctx.pool.model.spec.max_model_len
-    return [{"role": "assistant", "content": ""}], max(0, min(tokens, bound))
+    return max(0, min(tokens, ctx.max_output or ctx.pool.model.spec.max_model_len))
+
+
+def kept_conversation(ctx: Ctx) -> tuple[tuple[dict[str, Any], ...], int]:
+    """The stored turns a request continuing `ctx`'s stored response renders (`stored_turns`),
+    and the tokens among them it counts as the replica did instead of rendering them.
+
+    An output whose text is not kept (over the bounds above, or its stream's terminal event
+    never read) is one empty assistant message, the template's frame around the text, and its
+    output tokens. A conversation whose turns are over `_KEPT_BYTES_PER_TOKEN` bytes a token of
+    the context (none that fits the context needs that many; a template that drops what it is
+    given, as Qwen 3 drops earlier reasoning, may let more through) is kept as tokens alone:
+    this request's count and its output's."""
+    said = output_messages(answer_output(ctx))
+    unheard = ctx.holder.unheard if ctx.holder is not None else 0
+    if said is None:
+        said, unheard = [{"role": "assistant", "content": ""}], unheard + _output_tokens(ctx)
+    turns = stored_turns(ctx.body, said)
+    assert ctx.pool is not None
+    if len(orjson.dumps(turns)) > ctx.pool.model.spec.max_model_len * _KEPT_BYTES_PER_TOKEN:
+        return (), ctx.input_tokens + _output_tokens(ctx)
+    return turns, unheard
 
 
 def stored_turns(body: dict[str, Any], said: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
@@ -331,7 +346,7 @@ def stored_turns(body: dict[str, Any], said: list[dict[str, Any]]) -> tuple[dict
     output's messages. vLLM stores the whole conversation it rendered and leaves its system
     messages out when it continues it (instructions do not carry over)."""
     before = body.turns if isinstance(body, Continued) else ()
-    own = [m for m in _input_messages(body.get("input")) if m.get("role") != "system"]
+    own = [essentials(m) for m in _input_messages(body.get("input")) if m.get("role") != "system"]
     return (*before, *own, *said)
 
 
