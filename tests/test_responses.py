@@ -7,6 +7,7 @@ state through Redis, with the turns alternating between them."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import hashlib
 from collections.abc import AsyncIterator
@@ -21,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.api import RESPONSES, responses
+from gateway.api.responses import to_chat
 from gateway.state import Holder
 from gateway.state.failover import FailoverState
 from gateway.state.redis import RedisState
@@ -420,6 +422,22 @@ def test_any_body_is_counted_or_refused_never_a_crash(
     """Whatever the items' and tools' shapes, parse and the conversion end in a count or a
     400: a body that passed the checks never crashes the template (a 500 for the client)."""
     counted_or_refused(tiny_policy, RESPONSES, body)
+
+
+def test_converting_leaves_the_body_as_it_came() -> None:
+    """A tool call merges into the assistant message before it, which may be the client's own
+    item: merged into a copy, so the second conversion (the count after parse's check, the
+    stored turns) sees the call once and the replica gets the body as the client sent it."""
+    body = {"model": "tiny", "input": [
+        {"role": "user", "content": HELLO},
+        {"role": "assistant"},
+        {"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "found"},
+    ]}  # fmt: skip
+    sent = copy.deepcopy(body)
+    first, second = to_chat(body), to_chat(body)
+    assert body == sent and first == second
+    assert [len(m.get("tool_calls", ())) for m in first["messages"]] == [0, 1, 0]
 
 
 def test_prefix_affinity_reads_the_instructions_then_the_input() -> None:

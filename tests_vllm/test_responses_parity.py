@@ -125,6 +125,11 @@ CASES: list[dict[str, Any]] = [
     body("Weather?", tools=[WEATHER], tool_choice="none"),
     body([], instructions="Only instructions."),
     body([{"role": "user", "content": "x"}, {**CALL, "namespace": "maps"}, OUTPUT]),
+    # A call merged into the client's own content-less assistant message, counted once.
+    body(
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": []}, CALL, OUTPUT],
+        tools=[WEATHER],
+    ),
     # What vLLM refuses.
     body([{"type": "nonsense"}]),
     body([{"type": "reasoning", "id": "rs_3", "summary": [], "encrypted_content": "opaque"}]),

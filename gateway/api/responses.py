@@ -153,7 +153,7 @@ def _item_message(item: Any, index: int, messages: list[dict[str, Any]]) -> None
         if not _merge(messages, "content", said):
             messages.append({"role": "assistant", "content": said})
     elif "role" in item:
-        messages.append(item)
+        messages.append(dict(item))  # a copy: merging items after it must not change the body
     else:
         raise BadRequest(f"Unsupported input item type: {kind}", param="input")
 
