@@ -39,8 +39,8 @@ async def count_input(ctx: Ctx) -> None:
     refuse_at = limit - max(
         (ctx.max_output or 0) - 1, 0
     )  # the first count check_context_length refuses
-    # A continued conversation's body carries its stored turns, which the count renders; the
-    # output tokens among them whose text the gateway did not keep are added as they are.
+    # A continued conversation's body carries its stored turns, which the count renders; what
+    # of them the gateway kept as a token count alone is added as it is (`kept_conversation`).
     history = ctx.holder.unheard if ctx.holder is not None else 0
     refuse_at -= history
     images = 0

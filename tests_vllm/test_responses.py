@@ -53,7 +53,8 @@ async def test_responses_through_the_gateway_are_vllms(vllm, gateway_factory) ->
 CHAIN = [  # (instructions, input, streamed): each turn continues the one before
     (INSTRUCTIONS, [{"role": "system", "content": "Be terse."}, *ITEMS], False),
     (None, "and the toaster?", True),
-    ("Answer in French.", [{"type": "message", "role": "user", "content": "which is better?"}], False),
+    ("Answer in French.",
+     [{"type": "message", "role": "user", "content": "which is better?"}], False),
 ]  # fmt: skip
 
 

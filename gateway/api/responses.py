@@ -12,10 +12,11 @@ template's `reasoning_effort`). `to_chat` is that conversion, and the chat's own
 
 A request that continues a stored response (`previous_response_id`) is also the conversation the
 replica holds: the gateway sends it to that replica and renders the stored turns with its own
-input (gateway/holders.py keeps them; `Continued` carries them to the count). `background` is refused: its generation outlives the request, so no
-slot could be held for it. The answer's usage is `usage.input_tokens` and `output_tokens`, in a
-stream on the terminal `response.completed` (or `.incomplete`, `.failed`) event; refusals are
-OpenAI's error shape, a broken stream ends with an `error` event.
+input (gateway/holders.py keeps them; `Continued` carries them to the count). `background` is
+refused: its generation outlives the request, so no slot could be held for it. The answer's
+usage is `usage.input_tokens` and `output_tokens`, in a stream on the terminal
+`response.completed` (or `.incomplete`, `.failed`) event; refusals are OpenAI's error shape, a
+broken stream ends with an `error` event.
 """
 
 from __future__ import annotations
