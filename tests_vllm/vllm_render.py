@@ -7,12 +7,12 @@ venv has no vLLM), as a script: it imports vLLM only, nothing of the repository.
     $VLLM_PYTHON tests_vllm/vllm_render.py < requests.json > results.json
 
 stdin: a list of jobs `{"tokenizer": DIR, "max_model_len": N, "tool_parser": NAME or null,
-"bodies": [BODY, ...], "api": "chat" | "messages" | "responses"}` (`messages`: the bodies are
-`/v1/messages` ones, converted to a chat as vLLM's Anthropic serving converts them, then counted
-alike; `responses`: `/v1/responses` ones, rendered by `render_responses`; `responses_chain`:
-conversations continued by `previous_response_id`, a count per turn); stdout:
-`{"results": [[RESULT, ...], ...], "read": [...]}`, a result per
-body per job, `{"tokens": N, "prompt": RENDERED}` or `{"refused": STATUS, "error": "Type:
+"bodies": [BODY, ...], "api": "chat" | "messages" | "responses" | "responses_chain"}`
+(`messages`: the bodies are `/v1/messages` ones, converted to a chat as vLLM's Anthropic serving
+converts them, then counted alike; `responses`: `/v1/responses` ones, rendered by
+`render_responses`; `responses_chain`: conversations continued by `previous_response_id`, a
+count per turn); stdout: `{"results": [[RESULT, ...], ...], "read": [...]}`, a result per body
+per job, `{"tokens": N, "prompt": RENDERED}` or `{"refused": STATUS, "error": "Type:
 message"}`, and the model-config attributes vLLM read.
 
 The path is the serving path's own code, in its order:
