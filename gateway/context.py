@@ -84,6 +84,8 @@ class Ctx:
     # The output (and prompt) counts came from the replica's usage, every field in bounds: what
     # the quota settles on; otherwise it settles on the reservation (gateway/quota.py).
     usage_believed: bool = False
+    # A stored response's `output` items, from its stream's terminal event (gateway/holders.py)
+    output: Any = None
     # A whole answer and where its `"usage"` is: decoded by the accounting, after the client
     # has the answer (`forward.read_usage`), so its few µs are not on the client's path.
     unread_usage: tuple[bytearray, int] | None = None

@@ -13,6 +13,20 @@ tenant's id is as unknown as one never made, and so is any id the gateway could 
 (it looks no further for it). A response whose replica has left its pool is forgotten when next
 asked for, with an error that says so, not a wait for a replica that will not come back.
 
+A continued request's prompt is the whole conversation the replica stores: vLLM 0.32 renders
+the stored turns (every earlier input of the chain and the text of every earlier output, system
+messages left out) between the request's instructions and its input. So the record keeps, with
+each holder, those turns as chat messages (`Holder.turns`): what the request's input stood for,
+known when it was parsed, and its output's text, taken from the answer the relay already read
+(a stream's terminal event carries the whole response; a whole answer is decoded when it is
+small enough not to hold the loop). The count renders them exactly (gateway/tokenize.py). In
+memory a turn costs its own input and output text: a record shares the earlier turns' messages
+with the record of the response they came from. An answer whose text is not kept (over the
+bounds in gateway/api/responses.py) is counted by its `output_tokens` instead (`unheard`), in an
+empty assistant message that keeps the template's frame around it. Only what a template reads of
+a message is kept (`essentials`: no image data, no fields no template prints), and a
+conversation over 16 bytes a token of the context is kept as its token count alone.
+
 Gateways that share state through Redis share the record too (`state.HolderRecord`), so a
 conversation's turns may reach any of them: each holder is written there before the answer that
 made it is sent whole (a stream's last event goes first, by a Redis round trip), and a gateway
@@ -27,8 +41,10 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from gateway.api.responses import Continued, kept_conversation
 from gateway.errors import ResponseNotFound
 from gateway.state import Holder, HolderRecord
+from gateway.tokenizer.chat_template import image_parts
 
 if TYPE_CHECKING:
     from gateway.admit import LivePool
@@ -68,8 +84,8 @@ class Holders:
         if ctx.stores_as is None or ctx.status != 200 or ctx.refusal is not None:
             return
         assert ctx.pool is not None
-        prompt = ctx.prompt_tokens if ctx.prompt_tokens is not None else ctx.input_tokens
-        holder = Holder(_tenant(ctx), ctx.pool.name, ctx.replica, prompt + (ctx.output_tokens or 0))
+        turns, unheard = kept_conversation(ctx)
+        holder = Holder(_tenant(ctx), ctx.pool.name, ctx.replica, turns, unheard)
         self._keep(ctx.stores_as, holder)
         if self.shared is not None:
             await self.shared.record(ctx.stores_as, holder)
@@ -89,9 +105,12 @@ class Holders:
 
     async def look_up(self, ctx: Ctx) -> None:
         """The stage after parse: the holder of the response the request continues, whose
-        stored turns its count includes (gateway/tokenize.py)."""
+        stored turns its body carries from here (`Continued`), so its count renders the whole
+        conversation as the replica will."""
         if ctx.continues is not None:
             ctx.holder = await self.find(ctx.continues, ctx)
+            ctx.body = Continued(ctx.body, ctx.holder.turns)
+            ctx.images += image_parts(ctx.holder.turns)  # rendered again, at the image's cost
 
     async def placed(
         self,

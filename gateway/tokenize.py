@@ -39,9 +39,9 @@ async def count_input(ctx: Ctx) -> None:
     refuse_at = limit - max(
         (ctx.max_output or 0) - 1, 0
     )  # the first count check_context_length refuses
-    # The turns a replica stores of the conversation the request continues: the stored
-    # response's prompt and output, which vLLM renders before the request's own.
-    history = ctx.holder.tokens if ctx.holder is not None else 0
+    # A continued conversation's body carries its stored turns, which the count renders; what
+    # of them the gateway kept as a token count alone is added as it is (`kept_conversation`).
+    history = ctx.holder.unheard if ctx.holder is not None else 0
     refuse_at -= history
     images = 0
     if ctx.images:

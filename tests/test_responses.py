@@ -7,6 +7,8 @@ state through Redis, with the turns alternating between them."""
 from __future__ import annotations
 
 import asyncio
+import copy
+import functools
 import hashlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,7 +21,8 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.api import RESPONSES
+from gateway.api import RESPONSES, responses
+from gateway.api.responses import to_chat
 from gateway.state import Holder
 from gateway.state.failover import FailoverState
 from gateway.state.redis import RedisState
@@ -119,15 +122,203 @@ async def test_a_conversation_continues_on_the_replica_that_stores_it(gw, sims) 
     await accounted(gw, len(turns) - 1)
     lines = logged(gw)
     assert len({line["replica"] for line in lines}) == 1
-    # The stored turns are counted with the new input: each turn's count grows with the
-    # conversation, close to the replica's own.
+    # The stored turns are rendered with the new input: each turn's count is the replica's.
     counts = [line["input_tokens"] for line in lines]
     assert counts == sorted(counts) and counts[-1] > 3 * counts[0]
-    for line, turn in zip(lines, turns, strict=True):
-        assert turn.usage is not None
-        assert abs(line["input_tokens"] - turn.usage.input_tokens) <= 4 * len(turns)
-        # And the tenant was settled on the replica's own count.
-        assert line["output_tokens"] == turn.usage.output_tokens
+    assert counts == [turn.usage.input_tokens for turn in turns if turn.usage is not None]
+    assert [line["output_tokens"] for line in lines] == [
+        turn.usage.output_tokens for turn in turns if turn.usage is not None
+    ]
+
+
+# --- a chain counted exactly, on the real tokenizers: the reference renders the conversation
+# vLLM 0.32 builds for a chained turn (responses/utils.py `construct_input_messages`) with
+# transformers' own `apply_chat_template` ---------------------------------------------------
+
+REAL_MODELS = ("gemma3", "llama3", "qwen3")
+CHAIN = [  # (instructions, input, streamed)
+    (None, [{"role": "system", "content": "Be terse."},
+            {"role": "user", "content": [{"type": "input_text", "text": HELLO}]}], False),
+    ("You are a product reviewer.", "and the kettle?", True),
+    (None, [{"type": "message", "role": "user", "content": "and the toaster, in French?"}], False),
+    ("Answer as a haiku.", "which one would you buy?", True),
+]  # fmt: skip
+
+
+def vllm_chain(replies: list[Any]) -> list[list[dict[str, Any]]]:
+    """The messages vLLM renders for each turn of `CHAIN`, given the turns' answers: the
+    turn's instructions, the stored conversation without its system messages, an assistant
+    message per content part of the previous output's messages, the turn's input."""
+    rendered, stored = [], []
+    for (instructions, said, _), reply in zip(CHAIN, [None, *replies], strict=False):
+        carried = [m for m in stored if m["role"] != "system"]
+        if reply is not None:
+            carried += [
+                {"role": "assistant", "content": part.text}
+                for item in reply.output
+                if item.type == "message"
+                for part in item.content
+            ]
+        own = [{"role": "user", "content": said}] if isinstance(said, str) else said
+        own = [{"role": m["role"], "content": m["content"]} for m in own]
+        stored = ([{"role": "system", "content": instructions}] if instructions else []) + carried
+        stored += own
+        rendered.append(stored)
+    return rendered
+
+
+@functools.cache
+def reference_tokenizer(model: str) -> Any:
+    from transformers import AutoTokenizer
+
+    from loadtest.real_tokenizers import directory
+
+    return AutoTokenizer.from_pretrained(str(directory(model)))
+
+
+def reference_count(model: str, messages: list[dict[str, Any]]) -> int:
+    """transformers' count of what vLLM renders: vLLM's parsed conversation through the
+    template, encoded with the special tokens (a responses request keeps them)."""
+    from tests.test_real_tokenizers import OPENAI_FORMAT, vllm_conversation
+
+    tokenizer = reference_tokenizer(model)
+    conversation = vllm_conversation({"messages": messages}, OPENAI_FORMAT[model])
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    return len(tokenizer(text)["input_ids"])
+
+
+@pytest.mark.parametrize("model", REAL_MODELS)
+async def test_a_chain_is_counted_as_the_replica_renders_it(
+    model: str, tiny: Profile, gateway_factory
+) -> None:
+    """Each turn's count is the whole stored conversation, the earlier outputs' text
+    included, rendered as vLLM renders it: equal to the replica's and to transformers'."""
+    from loadtest.real_tokenizers import directory
+
+    replica = await start_replica(tiny, ReplicaOptions(time_scale=1000, tokenizer=directory(model)))
+    try:
+        gw = await gateway_factory(basic_policy(directory(model), [replica.url]))
+        replies: list[Any] = []
+        async with client(gw) as sdk:
+            for instructions, said, streamed in CHAIN:
+                fields: dict[str, Any] = {
+                    "model": "tiny", "input": said, "max_output_tokens": 30,
+                    "extra_body": {"ignore_eos": True},
+                    "previous_response_id": replies[-1].id if replies else None,
+                    "instructions": instructions,
+                }  # fmt: skip
+                fields = {k: v for k, v in fields.items() if v is not None}
+                if streamed:
+                    async with sdk.responses.stream(**fields) as stream:
+                        async for _ in stream:
+                            pass
+                        replies.append(await stream.get_final_response())
+                else:
+                    replies.append(await sdk.responses.create(**fields))
+        await accounted(gw, len(CHAIN) - 1)
+    finally:
+        await replica.close()
+    assert all(r.usage is not None and r.usage.output_tokens == 30 for r in replies)
+    counted = [line["input_tokens"] for line in logged(gw)]
+    reported = [r.usage.input_tokens for r in replies]
+    expected = [reference_count(model, messages) for messages in vllm_chain(replies)]
+    assert counted == reported == expected
+
+
+@pytest.mark.parametrize(
+    ("streamed", "bound"), [(True, "_KEPT_OUTPUT_CHARS"), (False, "_DECODED_ANSWER_BYTES")]
+)
+async def test_an_output_whose_text_is_not_kept_is_counted_by_its_tokens(
+    gw, monkeypatch: pytest.MonkeyPatch, streamed: bool, bound: str
+) -> None:
+    """Past the bounds on what the gateway keeps of an answer (its text, or a whole answer it
+    would decode), the next turn counts the output by the replica's `output_tokens` in an empty
+    assistant message: the template's frame around it still counted."""
+    monkeypatch.setattr(responses, bound, 8)
+    fields: dict[str, Any] = {"model": "tiny", "input": HELLO, "max_output_tokens": 30,
+                              "extra_body": {"ignore_eos": True}}  # fmt: skip
+    async with client(gw) as sdk:
+        if streamed:
+            async with sdk.responses.stream(**fields) as stream:
+                async for _ in stream:
+                    pass
+                first = await stream.get_final_response()
+        else:
+            first = await sdk.responses.create(**fields)
+        second = await sdk.responses.create(
+            model="tiny", input="and then?", previous_response_id=first.id, max_output_tokens=3
+        )
+    held = gw.gateway.holders._held[first.id]
+    assert held.unheard == 30 and held.turns[-1] == {"role": "assistant", "content": ""}
+    await accounted(gw, 1)
+    assert second.usage is not None
+    assert logged(gw)[1]["input_tokens"] == second.usage.input_tokens
+
+
+async def test_a_chained_turn_counts_as_its_conversation_sent_whole(
+    sims, gateway_factory, tokenizer_dir
+) -> None:
+    """A stored turn's images are rendered again, each at the model's `image_tokens`: the
+    chained turn counts as the same conversation sent in one request."""
+    policy = basic_policy(tokenizer_dir, [r.url for r in sims])
+    policy["models"]["tiny"]["image_tokens"] = 260
+    gw = await gateway_factory(policy)
+    image = {"type": "input_image", "image_url": "data:image/png;base64," + "A" * 4000}
+    opening = [{"role": "user", "content": [{"type": "input_text", "text": HELLO}, image]}]
+    async with client(gw) as sdk:
+        first = await sdk.responses.create(model="tiny", input=opening, max_output_tokens=5)
+        await sdk.responses.create(
+            model="tiny", input="and then?", previous_response_id=first.id, max_output_tokens=3
+        )
+        whole = [*opening, {"role": "assistant", "content": first.output_text},
+                 {"role": "user", "content": "and then?"}]  # fmt: skip
+        await sdk.responses.create(model="tiny", input=whole, max_output_tokens=3)
+    await accounted(gw, 2)
+    _, chained, sent_whole = logged(gw)
+    assert chained["input_tokens"] == sent_whole["input_tokens"] > 260
+
+
+async def test_a_stored_turn_keeps_only_what_a_template_reads(pair, fresh_redis, http) -> None:
+    """Fields no template reads are not kept with the stored turns (nor written to Redis for
+    every later turn of the chain); the count is the replica's all the same."""
+    first_gw, second_gw = pair
+    junk = "x" * 20_000
+    said = {"role": "user", "junk": junk,
+            "content": [{"type": "input_text", "text": HELLO, "junk": junk}]}  # fmt: skip
+    body = {"model": "tiny", "input": [said], "max_output_tokens": 3}
+    headers = {"Authorization": f"Bearer {KEYS['alice']}"}
+    async with http.post(f"{first_gw.url}/v1/responses", json=body, headers=headers) as resp:
+        assert resp.status == 200
+        first = await resp.json()
+    async with client(second_gw, KEYS["alice"]) as two:
+        second = await two.responses.create(
+            model="tiny", input="and then?", previous_response_id=first["id"], max_output_tokens=3
+        )
+    raw = redis.Redis(port=fresh_redis.port).get(f"holder:{first['id']}")
+    assert raw is not None and len(raw) < 2000
+    await accounted(second_gw, 0)
+    assert second.usage is not None
+    assert logged(second_gw)[0]["input_tokens"] == second.usage.input_tokens
+
+
+async def test_a_conversation_over_its_bound_is_kept_as_its_tokens(gw) -> None:
+    """What a template drops (here the earlier reasoning) is not counted, so it could make a
+    stored conversation any size: past 16 bytes a token of the context, the gateway keeps only
+    its token count (the turn's count and its output's) and counts it so from then on."""
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "r" * 200_000}]}  # fmt: skip
+    opening = [{"role": "user", "content": HELLO}, thought, {"role": "user", "content": "go"}]
+    async with client(gw) as sdk:
+        first = await sdk.responses.create(model="tiny", input=opening, max_output_tokens=3)
+        await sdk.responses.create(
+            model="tiny", input="and then?", previous_response_id=first.id, max_output_tokens=3
+        )
+        await sdk.responses.create(model="tiny", input="and then?", max_output_tokens=3)
+    await accounted(gw, 2)
+    opened, chained, alone = logged(gw)
+    held = gw.gateway.holders._held[first.id]
+    assert held.turns == () and held.unheard == opened["input_tokens"] + opened["output_tokens"]
+    assert chained["input_tokens"] == held.unheard + alone["input_tokens"]
 
 
 async def test_unknown_and_other_tenants_responses_are_not_found(
@@ -233,6 +424,22 @@ def test_any_body_is_counted_or_refused_never_a_crash(
     counted_or_refused(tiny_policy, RESPONSES, body)
 
 
+def test_converting_leaves_the_body_as_it_came() -> None:
+    """A tool call merges into the assistant message before it, which may be the client's own
+    item: merged into a copy, so the second conversion (the count after parse's check, the
+    stored turns) sees the call once and the replica gets the body as the client sent it."""
+    body = {"model": "tiny", "input": [
+        {"role": "user", "content": HELLO},
+        {"role": "assistant"},
+        {"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "found"},
+    ]}  # fmt: skip
+    sent = copy.deepcopy(body)
+    first, second = to_chat(body), to_chat(body)
+    assert body == sent and first == second
+    assert [len(m.get("tool_calls", ())) for m in first["messages"]] == [0, 1, 0]
+
+
 def test_prefix_affinity_reads_the_instructions_then_the_input() -> None:
     from gateway.pick.affinity import prompt_text
 
@@ -323,8 +530,9 @@ async def test_a_conversation_alternating_gateways_stays_on_the_replica_that_sto
     lines = logged(first_gw) + logged(second_gw)
     assert len(lines) == len(turns)
     assert len({line["replica"] for line in lines}) == 1  # never the other replica
-    # The second gateway counted the stored turns it continued, which the first had recorded.
-    assert all(line["input_tokens"] > lines[0]["input_tokens"] for line in logged(second_gw))
+    # Each gateway counted the stored turns it continued, whichever recorded them, exactly.
+    counted = sorted(line["input_tokens"] for line in lines)  # a chain's counts only grow
+    assert counted == [turn.usage.input_tokens for turn in turns if turn.usage is not None]
     recorded = holders(fresh_redis)
     assert set(recorded) == {turn.id for turn in turns}
     assert {tuple(v[:3]) for v in recorded.values()} == {("alice", "main", lines[0]["replica"])}
@@ -368,7 +576,7 @@ async def test_redis_down_each_gateway_still_knows_its_own(pair, fresh_redis) ->
 async def test_a_record_lives_its_ttl_from_its_last_use(redis_server: RedisServer) -> None:
     shared = RedisState(redis_server.url, holder_ttl_s=0.5)
     record = FailoverState(shared, on_failure="closed", gateways=2)
-    held = Holder("alice", "main", "http://127.0.0.1:9", 42)
+    held = Holder("alice", "main", "http://127.0.0.1:9", ({"role": "user", "content": "hi"},), 3)
     try:
         await shared.client.flushdb()
         await record.record("resp_a", held)

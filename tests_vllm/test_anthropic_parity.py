@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -235,9 +236,19 @@ async def gateway_count(
     return {"tokens": tokens}
 
 
-async def collect(tmp_path: Path, api: Api, cases: list[dict[str, Any]]) -> list[str]:
-    """`cases` counted on each real tokenizer by the gateway's `api` and by vLLM's own serving
-    of that API (tests_vllm/vllm_render.py); a line per disagreement."""
+Counted = Callable[[Any, str, dict[str, Any], Api], Awaitable[dict[str, Any]]]
+
+
+async def collect(
+    tmp_path: Path,
+    api: Api,
+    cases: list[dict[str, Any]],
+    kind: str | None = None,
+    counted: Counted = gateway_count,
+) -> list[str]:
+    """`cases` counted on each real tokenizer by the gateway's `api` (`counted`) and by vLLM's
+    own serving of that API (tests_vllm/vllm_render.py, its `kind` of job: the API's name
+    unless told); a line per disagreement."""
     bodies = {model: [{**copy.deepcopy(c), "model": model} for c in cases] for model in MODELS}
     jobs = [
         {
@@ -245,7 +256,7 @@ async def collect(tmp_path: Path, api: Api, cases: list[dict[str, Any]]) -> list
             "max_model_len": MAX_MODEL_LEN,
             "tool_parser": TOOL_PARSERS[model],
             "bodies": bodies[model],
-            "api": api.name,
+            "api": kind or api.name,
         }
         for model in MODELS
     ]
@@ -254,7 +265,7 @@ async def collect(tmp_path: Path, api: Api, cases: list[dict[str, Any]]) -> list
         ours = {}
         for model in MODELS:
             policy = load_policy(write_policy(tmp_path, model))
-            ours[model] = [await gateway_count(policy, model, b, api) for b in bodies[model]]
+            ours[model] = [await counted(policy, model, b, api) for b in bodies[model]]
             policy.close()
         out, err = vllm.communicate(timeout=600)
     finally:

@@ -50,23 +50,45 @@ async def test_responses_through_the_gateway_are_vllms(vllm, gateway_factory) ->
     assert streamed["output_tokens"] == final.usage.output_tokens
 
 
-async def test_a_stored_conversation_continues_and_is_retrieved(vllm, gateway_factory) -> None:
+CHAIN = [  # (instructions, input, streamed): each turn continues the one before
+    (INSTRUCTIONS, [{"role": "system", "content": "Be terse."}, *ITEMS], False),
+    (None, "and the toaster?", True),
+    ("Answer in French.",
+     [{"type": "message", "role": "user", "content": "which is better?"}], False),
+]  # fmt: skip
+
+
+async def test_a_stored_conversation_is_counted_exactly_and_retrieved(
+    vllm, gateway_factory
+) -> None:
+    """Each turn of a chain, vLLM's real ~30-token outputs in it, is counted before it is
+    admitted as vLLM then reports it: the stored inputs and outputs rendered with the new input
+    (instructions of earlier turns, and system messages, not carried over)."""
     gw = await gateway_factory(vllm_policy(vllm))
+    replies = []
     async with client(gw.url) as sdk:
-        first = await sdk.responses.create(model="tiny", input="the kettle", max_output_tokens=4)
-        second = await sdk.responses.create(
-            model="tiny", input="and the toaster", previous_response_id=first.id,
-            max_output_tokens=4,
-        )  # fmt: skip
-        stored = await sdk.responses.retrieve(second.id)
+        for instructions, given, streamed in CHAIN:
+            fields = {
+                "model": "tiny", "input": given, "max_output_tokens": 30,
+                "extra_body": {"ignore_eos": True},
+            }  # fmt: skip
+            if instructions:
+                fields["instructions"] = instructions
+            if replies:
+                fields["previous_response_id"] = replies[-1].id
+            if streamed:
+                async with sdk.responses.stream(**fields) as stream:
+                    async for _ in stream:
+                        pass
+                    replies.append(await stream.get_final_response())
+            else:
+                replies.append(await sdk.responses.create(**fields))
+        stored = await sdk.responses.retrieve(replies[-1].id)
         with pytest.raises(openai.NotFoundError) as caught:  # the gateway's: vLLM never saw it
             await sdk.responses.retrieve("resp_unknown")
     assert caught.value.code == "response_not_found"
-    # vLLM rendered the stored turns before the new input: the gateway's count (the stored
-    # response's prompt and output, plus the new input) is within a template's few tokens.
-    assert first.usage is not None and second.usage is not None
-    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
-    assert stored.id == second.id and stored.output_text == second.output_text
-    _, continued = records(gw)
-    assert abs(continued["input_tokens"] - second.usage.input_tokens) <= 8, continued
-    assert continued["output_tokens"] == second.usage.output_tokens
+    assert stored.id == replies[-1].id and stored.output_text == replies[-1].output_text
+    assert all(r.usage is not None and r.usage.output_tokens == 30 for r in replies)
+    lines = records(gw)
+    assert [line["input_tokens"] for line in lines] == [r.usage.input_tokens for r in replies]
+    assert [line["output_tokens"] for line in lines] == [30] * len(CHAIN)

@@ -21,8 +21,16 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from gateway.api import RESPONSES
+import orjson
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from gateway.api import RESPONSES, Api
+from gateway.api.responses import Continued, output_messages, stored_turns
+from gateway.context import Ctx
+from gateway.errors import BadRequest
+from gateway.parse import parse
 from tests_vllm.test_anthropic_parity import collect
+from tests_vllm.test_render_parity import MAX_MODEL_LEN
 
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather.",
@@ -117,6 +125,11 @@ CASES: list[dict[str, Any]] = [
     body("Weather?", tools=[WEATHER], tool_choice="none"),
     body([], instructions="Only instructions."),
     body([{"role": "user", "content": "x"}, {**CALL, "namespace": "maps"}, OUTPUT]),
+    # A call merged into the client's own content-less assistant message, counted once.
+    body(
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": []}, CALL, OUTPUT],
+        tools=[WEATHER],
+    ),
     # What vLLM refuses.
     body([{"type": "nonsense"}]),
     body([{"type": "reasoning", "id": "rs_3", "summary": [], "encrypted_content": "opaque"}]),
@@ -125,4 +138,73 @@ CASES: list[dict[str, Any]] = [
 
 def test_responses_count_as_vllm_counts_them(tmp_path: Path) -> None:
     failures = asyncio.run(collect(tmp_path, RESPONSES, CASES))
+    assert not failures, f"{len(failures)} mismatches:\n" + "\n".join(failures)
+
+
+# --- conversations continued by `previous_response_id`: each turn renders the turn before's
+# stored messages (system ones left out) and its output's text, then its own input ------------
+
+REASONED = {"type": "reasoning", "id": "rs_9", "summary": [],
+            "content": [{"type": "reasoning_text", "text": "The user wants weather."}]}  # fmt: skip
+CALLED = {**CALL, "id": "fc_1", "status": "completed"}
+TWO_PARTS = {**said("First part."), "content": [
+    {"type": "output_text", "text": "First part.", "annotations": []},
+    {"type": "output_text", "text": " Second part.", "annotations": []},
+]}  # fmt: skip
+
+
+def turn(body_: dict[str, Any], *output: dict[str, Any]) -> dict[str, Any]:
+    return {"body": body_, "output": list(output)}
+
+
+CHAINS: list[dict[str, Any]] = [
+    {"turns": [
+        turn(body("Summarize Hamlet.", instructions="Be terse."), said("Hamlet dithers.")),
+        turn(body("And Macbeth?"), said("He kills the king.")),
+        turn(body([{"role": "user", "content": "Compare them."}], instructions="One word."),
+             said("Ambition.")),
+    ]},
+    {"turns": [
+        turn(body([{"role": "system", "content": "Be kind."},
+                   {"role": "user", "content": [{"type": "input_text", "text": "Hello"}]}]),
+             TWO_PARTS),
+        turn(body([{"role": "developer", "content": "Answer in French."},
+                   {"role": "user", "content": "Tell me a joke."}]),
+             said("Pourquoi?", "incomplete")),
+        turn(body("Another.", instructions="Be funny.")),
+    ]},
+    {"turns": [
+        turn(body("Weather in Paris?", tools=[WEATHER]), REASONED, CALLED),
+        turn(body([OUTPUT, {"role": "user", "content": "Thanks; and Rome?"}], tools=[WEATHER]),
+             REASONED, said("Rome is 21C.")),
+        turn(body("Summarize.")),
+    ]},
+    {"turns": [
+        turn(body("First.", store=True), said("")),
+        turn(body([{"role": "user", "content": "Second."}, said("Half an ans", "incomplete")]),
+             said("wer, finished.")),
+        turn(body("Third.")),
+    ]},
+]  # fmt: skip
+
+
+async def gateway_chain(policy: Any, model: str, chain: dict[str, Any], api: Api) -> dict[str, Any]:
+    """Each turn's count as the gateway makes it: the turn's body parsed, carrying the turns
+    the gateway stored of those before it (gateway/holders.py `remember`), then counted."""
+    counter = policy.models[model].counter
+    counts, turns = [], None
+    try:
+        for step in chain["turns"]:
+            ctx = Ctx("parity", api, api.path, CIMultiDictProxy(CIMultiDict()), 0.0)
+            parse(ctx, "application/json", orjson.dumps(step["body"]), policy.spec.server)
+            given = ctx.body if turns is None else Continued(ctx.body, turns)
+            counts.append((await api.count(given, counter, MAX_MODEL_LEN, 0))[0])
+            turns = stored_turns(given, output_messages(step["output"]) or [])
+    except BadRequest as exc:
+        return {"refused": exc.status, "error": f"BadRequest: {exc}"[:500]}
+    return {"tokens": counts}
+
+
+def test_continued_conversations_count_as_vllm_counts_them(tmp_path: Path) -> None:
+    failures = asyncio.run(collect(tmp_path, RESPONSES, CHAINS, "responses_chain", gateway_chain))
     assert not failures, f"{len(failures)} mismatches:\n" + "\n".join(failures)

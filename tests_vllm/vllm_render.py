@@ -7,10 +7,12 @@ venv has no vLLM), as a script: it imports vLLM only, nothing of the repository.
     $VLLM_PYTHON tests_vllm/vllm_render.py < requests.json > results.json
 
 stdin: a list of jobs `{"tokenizer": DIR, "max_model_len": N, "tool_parser": NAME or null,
-"bodies": [BODY, ...], "api": "chat" | "messages" | "responses"}` (`messages`: the bodies are
-`/v1/messages` ones, converted to a chat as vLLM's Anthropic serving converts them, then counted
-alike; `responses`: `/v1/responses` ones, rendered by `render_responses`); stdout: `{"results": [[RESULT, ...], ...], "read": [...]}`, a result per
-body per job, `{"tokens": N, "prompt": RENDERED}` or `{"refused": STATUS, "error": "Type:
+"bodies": [BODY, ...], "api": "chat" | "messages" | "responses" | "responses_chain"}`
+(`messages`: the bodies are `/v1/messages` ones, converted to a chat as vLLM's Anthropic serving
+converts them, then counted alike; `responses`: `/v1/responses` ones, rendered by
+`render_responses`; `responses_chain`: conversations continued by `previous_response_id`, a
+count per turn); stdout: `{"results": [[RESULT, ...], ...], "read": [...]}`, a result per body
+per job, `{"tokens": N, "prompt": RENDERED}` or `{"refused": STATUS, "error": "Type:
 message"}`, and the model-config attributes vLLM read.
 
 The path is the serving path's own code, in its order:
@@ -268,7 +270,46 @@ async def count_responses(online: Any, body: dict[str, Any]) -> dict[str, Any]:
     return {"tokens": len(engine_input["prompt_token_ids"]), "prompt": engine_input.get("prompt")}
 
 
-COUNTERS = {"chat": count, "messages": count_messages, "responses": count_responses}
+async def count_responses_chain(online: Any, chain: dict[str, Any]) -> dict[str, Any]:
+    """A conversation continued turn by turn (`{"turns": [{"body": BODY, "output": ITEMS}]}`),
+    each turn rendered as vLLM's Responses serving with its store on renders a request whose
+    `previous_response_id` names the turn before (`_render_resolved_response_inputs`): the
+    messages that turn rendered (its `msg_store` entry, a copy) and its response's `output`
+    (`response_store`; here the chain's own items, validated as the response's), through
+    `render_responses`. `{"tokens": [N, ...]}`, a count per turn, or the first refusal."""
+    from openai.types.responses import ResponseOutputItem
+    from pydantic import TypeAdapter, ValidationError
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    outputs = TypeAdapter(list[ResponseOutputItem])
+    counts = []
+    messages: Any = None
+    output: Any = None
+    for turn in chain["turns"]:
+        try:
+            request = ResponsesRequest.model_validate(turn["body"])
+            result = await online.render_responses(
+                request,
+                previous_messages=None if messages is None else messages.copy(),
+                previous_response_outputs=output,
+            )
+        except ValidationError as exc:
+            return {"refused": 400, "error": f"RequestValidationError: {exc.errors()[0]['msg']}"}
+        except Exception as exc:
+            return refused(exc)
+        if not hasattr(result, "engine_input"):  # an ErrorResponse
+            return {"refused": result.error.code, "error": f"ErrorResponse: {result.error.message}"}
+        counts.append(len(result.engine_input["prompt_token_ids"]))
+        messages, output = result.messages, outputs.validate_python(turn["output"])
+    return {"tokens": counts}
+
+
+COUNTERS = {
+    "chat": count,
+    "messages": count_messages,
+    "responses": count_responses,
+    "responses_chain": count_responses_chain,
+}
 
 
 async def main() -> None:

@@ -11,11 +11,12 @@ template's `reasoning_effort`). `to_chat` is that conversion, and the chat's own
 (gateway/api/chat.py) renders and counts it, so the count is vLLM's.
 
 A request that continues a stored response (`previous_response_id`) is also the conversation the
-replica holds: the gateway sends it to that replica and counts the stored turns at what they
-cost (gateway/holders.py). `background` is refused: its generation outlives the request, so no
-slot could be held for it. The answer's usage is `usage.input_tokens` and `output_tokens`, in a
-stream on the terminal `response.completed` (or `.incomplete`, `.failed`) event; refusals are
-OpenAI's error shape, a broken stream ends with an `error` event.
+replica holds: the gateway sends it to that replica and renders the stored turns with its own
+input (gateway/holders.py keeps them; `Continued` carries them to the count). `background` is
+refused: its generation outlives the request, so no slot could be held for it. The answer's
+usage is `usage.input_tokens` and `output_tokens`, in a stream on the terminal
+`response.completed` (or `.incomplete`, `.failed`) event; refusals are OpenAI's error shape, a
+broken stream ends with an `error` event.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from gateway.api.base import FINGERPRINT_CHARS
 from gateway.api.chat import REASONING_EFFORTS, check_chat
 from gateway.api.openai import OpenAIApi
 from gateway.errors import BadRequest
+from gateway.forward import read_usage
 from gateway.parse import lax_int
-from gateway.tokenizer.chat_template import lax_bool, message_text
+from gateway.tokenizer.chat_template import essentials, lax_bool, message_text
 
 if TYPE_CHECKING:
     from gateway.context import Ctx
@@ -52,6 +54,13 @@ _CUSTOM_PARAMETERS = {
 _UNFINISHED = ("in_progress", "incomplete")
 _OUTPUT_ITEMS = ("function_call_output", "custom_tool_call_output")
 _TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
+# A stored response's output text the gateway keeps for the turns that continue it: past this
+# (about a quarter of a million tokens), it counts them by the replica's `output_tokens`
+# (`kept_conversation`).
+_KEPT_OUTPUT_CHARS = 1 << 20
+_DECODED_ANSWER_BYTES = 2 * _KEPT_OUTPUT_CHARS
+_KEPT_OUTPUT_PARTS = 256  # vLLM writes one text part per output message
+_KEPT_BYTES_PER_TOKEN = 16  # a stored conversation's JSON, per token of the model's context
 
 
 def _refuse(param: str, message: str) -> BadRequest:
@@ -145,7 +154,7 @@ def _item_message(item: Any, index: int, messages: list[dict[str, Any]]) -> None
         if not _merge(messages, "content", said):
             messages.append({"role": "assistant", "content": said})
     elif "role" in item:
-        messages.append(item)
+        messages.append(dict(item))  # a copy: merging items after it must not change the body
     else:
         raise BadRequest(f"Unsupported input item type: {kind}", param="input")
 
@@ -197,25 +206,44 @@ def _continues(items: Any) -> bool:
     )
 
 
+def _input_messages(items: Any) -> list[dict[str, Any]]:
+    """The messages a request's own `input` stands for (merging looks only at its items)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list):
+        raise _refuse("input", "is required and must be a string or an array of items")
+    turn: list[dict[str, Any]] = []
+    for index, item in enumerate(items):
+        _item_message(item, index, turn)
+    return turn
+
+
+class Continued(dict[str, Any]):
+    """A request body that continues a stored response, as the gateway counts it: the body
+    itself (what goes upstream) and the stored turns the replica renders before its input
+    (`turns`, gateway/holders.py). Only the gateway makes one: a client's JSON cannot."""
+
+    __slots__ = ("turns",)
+
+    def __init__(self, body: dict[str, Any], turns: tuple[dict[str, Any], ...]) -> None:
+        super().__init__(body)
+        self.turns = turns
+
+
 def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     """The chat request vLLM renders for a responses request (its shape is checked on the way:
-    a 400 for what vLLM refuses)."""
+    a 400 for what vLLM refuses): `instructions`, the stored turns of the response it
+    continues (a `Continued` body's), then its own input (`construct_input_messages`)."""
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise _refuse("instructions", "must be a string")
     if instructions:
         messages.append({"role": "system", "content": instructions})
+    if isinstance(body, Continued):
+        messages += body.turns
     items = body.get("input")
-    if isinstance(items, str):
-        messages.append({"role": "user", "content": items})
-    elif isinstance(items, list):
-        turn: list[dict[str, Any]] = []  # merging looks only at this request's own items
-        for index, item in enumerate(items):
-            _item_message(item, index, turn)
-        messages += turn
-    else:
-        raise _refuse("input", "is required and must be a string or an array of items")
+    messages += _input_messages(items)
     continued = _continues(items)
     chat: dict[str, Any] = {
         "messages": messages,
@@ -240,6 +268,87 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     if kwargs is not None:
         chat["chat_template_kwargs"] = kwargs
     return chat
+
+
+def output_messages(output: Any) -> list[dict[str, Any]] | None:
+    """The assistant messages vLLM makes of a stored response's `output` when a request
+    continues it (`construct_input_messages`): one per content part of each output message, its
+    text; reasoning and tool calls are not carried over. None for an output that is not a list
+    of items, or whose text is over `_KEPT_OUTPUT_CHARS` (or in over `_KEPT_OUTPUT_PARTS`
+    parts)."""
+    if not isinstance(output, list):
+        return None
+    messages = []
+    for item in output:
+        if not isinstance(item, dict) or item.get("type") != "message":
+            continue
+        parts = item.get("content")
+        for part in parts if isinstance(parts, list) else ():
+            text = part.get("text") if isinstance(part, dict) else None
+            if isinstance(text, str):
+                messages.append({"role": "assistant", "content": text})
+    if (
+        len(messages) > _KEPT_OUTPUT_PARTS
+        or sum(len(m["content"]) for m in messages) > _KEPT_OUTPUT_CHARS
+    ):
+        return None
+    return messages
+
+
+def answer_output(ctx: Ctx) -> Any:
+    """A stored response's `output` items: a stream's terminal event left them in
+    `ctx.output`; a whole answer (its bytes held for the accounting's usage) is decoded here,
+    when it is at most `_DECODED_ANSWER_BYTES`: a larger one would hold the event loop."""
+    if ctx.output is not None or ctx.unread_usage is None:
+        return ctx.output
+    data = ctx.unread_usage[0]
+    if len(data) > _DECODED_ANSWER_BYTES:
+        return None
+    try:
+        answer = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return answer.get("output") if isinstance(answer, dict) else None
+
+
+def _output_tokens(ctx: Ctx) -> int:
+    """The answer's output tokens as the replica reported them (within what the request could
+    produce), else as the stream relayed them."""
+    assert ctx.pool is not None
+    read_usage(ctx)  # a whole answer's, otherwise read once it was sent
+    tokens = ctx.output_tokens if ctx.output_tokens is not None else ctx.chunks
+    return max(0, min(tokens, ctx.max_output or ctx.pool.model.spec.max_model_len))
+
+
+def kept_conversation(ctx: Ctx) -> tuple[tuple[dict[str, Any], ...], int]:
+    """The stored turns a request continuing `ctx`'s stored response renders (`stored_turns`),
+    and the tokens among them it counts as the replica did instead of rendering them.
+
+    An output whose text is not kept (over the bounds above, or its stream's terminal event
+    never read) is one empty assistant message, the template's frame around the text, and its
+    output tokens. A conversation whose turns are over `_KEPT_BYTES_PER_TOKEN` bytes a token of
+    the context (none that fits the context needs that many; a template that drops what it is
+    given, as Qwen 3 drops earlier reasoning, may let more through) is kept as tokens alone:
+    this request's count and its output's."""
+    said = output_messages(answer_output(ctx))
+    unheard = ctx.holder.unheard if ctx.holder is not None else 0
+    if said is None:
+        said, unheard = [{"role": "assistant", "content": ""}], unheard + _output_tokens(ctx)
+    turns = stored_turns(ctx.body, said)
+    assert ctx.pool is not None
+    if len(orjson.dumps(turns)) > ctx.pool.model.spec.max_model_len * _KEPT_BYTES_PER_TOKEN:
+        return (), ctx.input_tokens + _output_tokens(ctx)
+    return turns, unheard
+
+
+def stored_turns(body: dict[str, Any], said: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
+    """What a request that continues this one's stored response renders between its own
+    instructions and input: the turns this one continued, its own input and `said`, its
+    output's messages. vLLM stores the whole conversation it rendered and leaves its system
+    messages out when it continues it (instructions do not carry over)."""
+    before = body.turns if isinstance(body, Continued) else ()
+    own = [essentials(m) for m in _input_messages(body.get("input")) if m.get("role") != "system"]
+    return (*before, *own, *said)
 
 
 class ResponsesApi(OpenAIApi):
@@ -329,6 +438,7 @@ class ResponsesApi(OpenAIApi):
             response = event.get("response")
             if isinstance(response, dict):
                 self.read_usage(ctx, response.get("usage"))
+                ctx.output = response.get("output")
         return False
 
     def deltas(self, events: bytes) -> int:

@@ -610,9 +610,11 @@ class ServerSpec(Spec):
     max_stored_responses: PositiveInt = Field(
         100_000,
         description=(
-            "Stored responses (Responses API) whose replica the gateway remembers, to send"
-            " `previous_response_id`, `GET /v1/responses/{id}` and its cancel there; the least"
-            " recently used are forgotten first (about 200 bytes each)."
+            "Stored responses (Responses API) whose replica and conversation the gateway"
+            " remembers, to send `previous_response_id`, `GET /v1/responses/{id}` and its"
+            " cancel there and count a continuing turn exactly; the least recently used are"
+            " forgotten first (each about 200 bytes plus its own turn's input and output text:"
+            " earlier turns are shared)."
         ),
     )
     max_content_parts: PositiveInt = Field(
@@ -883,9 +885,10 @@ class StateSpec(Spec):
     stored_response_ttl_s: PositiveFloat = Field(
         86400.0,
         description=(
-            "How long Redis remembers which replica stores a response (Responses API), so any"
-            " gateway sends its next turn, `GET` and cancel there; from the last turn that"
-            " wrote or read it."
+            "How long Redis remembers which replica stores a response (Responses API) and its"
+            " conversation so far (at most a context's worth of text), so any gateway sends its"
+            " next turn, `GET` and cancel there and counts that turn exactly; from the last"
+            " turn that wrote or read it."
         ),
     )
 

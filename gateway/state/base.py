@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 WINDOW_S = 60.0
 
@@ -182,12 +182,17 @@ class SlotLedger(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Holder:
-    """Where a stored response lives, and what continuing it costs."""
+    """Where a stored response lives, and the conversation a request continuing it renders."""
 
     tenant: str  # "" without tenants
     pool: str
     replica: str
-    tokens: int  # the stored conversation: the response's prompt and output
+    # The stored turns as chat messages: the inputs and outputs of the conversation so far
+    # (gateway/api/responses.py `stored_turns`), the replica's own system messages left out
+    turns: tuple[dict[str, Any], ...]
+    # Output tokens among them whose text the gateway did not keep (an answer over its
+    # bounds): counted as the replica reported them
+    unheard: int = 0
 
 
 class HolderRecord(Protocol):

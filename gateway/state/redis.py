@@ -16,8 +16,9 @@ sleeping a minute; production never does. Keys expire a window after their last 
 tenant gone idle leaves nothing behind.
 
 The holder record (its `HolderRecord` calls) is one plain key per stored response,
-`holder:<id>`, holding the holder as a JSON array and expiring `holder_ttl_s` after it was last
-written or read.
+`holder:<id>`, holding the holder as a JSON array (the stored conversation's messages in it, so
+one read gives another gateway the whole conversation it counts) and expiring `holder_ttl_s`
+after it was last written or read.
 
 Every call is bounded by `socket_timeout` / `socket_connect_timeout` and by an overall
 deadline (`gateway.deadline`): a slow or dead Redis turns into an error within `timeout_s`, which
@@ -304,14 +305,18 @@ def _holder(raw: bytes | str | None) -> Holder | None:
     if raw is None:
         return None
     try:
-        tenant, pool, replica, tokens = orjson.loads(raw)
+        tenant, pool, replica, turns, unheard = orjson.loads(raw)
     except (orjson.JSONDecodeError, TypeError, ValueError):
         return None
     if not (isinstance(tenant, str) and isinstance(pool, str) and isinstance(replica, str)):
         return None
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+    if not isinstance(unheard, int) or isinstance(unheard, bool) or unheard < 0:
         return None
-    return Holder(tenant, pool, replica, tokens)
+    if not isinstance(turns, list) or not all(
+        isinstance(turn, dict) and isinstance(turn.get("role"), str) for turn in turns
+    ):
+        return None
+    return Holder(tenant, pool, replica, tuple(turns), unheard)
 
 
 def _fields(reply: bytes | str) -> list[str]:
@@ -447,7 +452,9 @@ class RedisState:
     # --- stored responses' holders (the `HolderRecord` calls) -------------------------------
 
     async def record(self, response_id: str, holder: Holder) -> None:
-        value = orjson.dumps([holder.tenant, holder.pool, holder.replica, holder.tokens])
+        value = orjson.dumps(
+            [holder.tenant, holder.pool, holder.replica, holder.turns, holder.unheard]
+        )
         key = f"holder:{response_id}"
         await self._bounded(self.client.set(key, value, px=self._holder_ttl_ms))
 

@@ -275,6 +275,59 @@ def _tool_call(call: Any) -> dict[str, Any]:
     return {**call, "function": {**function, "arguments": parsed}}
 
 
+# What `_message` reads of a message: nothing else of it reaches a template.
+_MESSAGE_FIELDS = (
+    "role", "content", "reasoning", "reasoning_content", "tool_calls", "tool_call_id", "name",
+    "task", "tools",
+)  # fmt: skip
+
+
+def essentials(message: dict[str, Any]) -> dict[str, Any]:
+    """`message` with only what a template gets of it, for a conversation kept to be rendered
+    again (a stored response's, gateway/holders.py): the fields `_message` reads, a typed part's
+    kind and text (an image or other media part its type alone: its data is the replica's, its
+    tokens the image's cost), a tool call's id, type, name and arguments. The fields of a part
+    vLLM does not know, which it hands an "openai" template, go too: no template prints them."""
+    kept = {key: message[key] for key in _MESSAGE_FIELDS if key in message}
+    content = kept.get("content")
+    if isinstance(content, list):
+        kept["content"] = [_essential_part(part) for part in content]
+    calls = kept.get("tool_calls")
+    if isinstance(calls, list):
+        kept["tool_calls"] = [_essential_call(call) for call in calls]
+    return kept
+
+
+def _essential_part(part: Any) -> Any:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if not isinstance(kind, str) or kind not in _PART_TYPES or part.get("uuid") is not None:
+        return part  # a string, or a part its keys classify: as it is
+    if kind in _TEXT_KEYS:
+        return {"type": kind, _TEXT_KEYS[kind]: part.get(_TEXT_KEYS[kind])}
+    if kind == "tool_reference":
+        return {"type": kind, "name": part.get("name")}
+    return {"type": kind}
+
+
+def _essential_call(call: Any) -> Any:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    kept = {key: call[key] for key in ("id", "type") if key in call}
+    function = call["function"]
+    kept["function"] = {key: function[key] for key in ("name", "arguments") if key in function}
+    return kept
+
+
+def image_parts(messages: Iterable[dict[str, Any]]) -> int:
+    """The image parts of messages whose shape was checked (`check_chat`)."""
+    return sum(
+        part_kind(part)[0] == "image"
+        for message in messages
+        if isinstance(content := message.get("content"), list)
+        for part in content
+    )
+
+
 def _message(message: dict[str, Any], openai: bool) -> dict[str, Any]:
     role = message["role"]
     out: dict[str, Any] = {"role": role, "content": _content(role, message.get("content"), openai)}

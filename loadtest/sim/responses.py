@@ -7,8 +7,9 @@
 
 A replica stores what it answers (vLLM does with `VLLM_ENABLE_RESPONSES_API_STORE=1`), under
 the body's `request_id` (vLLM's response id), in memory and bounded: a later request's
-`previous_response_id` prefills the stored conversation's tokens before its own, and any other
-replica answers 404, as a vLLM that never saw it does. The stream is vLLM's for a text answer:
+`previous_response_id` renders the stored conversation (its messages and its output's text)
+before its own input, as vLLM 0.32 does, and any other replica answers 404, as a vLLM that
+never saw it does. The stream is vLLM's for a text answer:
 `response.created`, `.in_progress`, the output item and content part added, one
 `response.output_text.delta` per chunk, their `.done` events, and `response.completed` with
 the whole response and its usage.
@@ -38,7 +39,7 @@ STORED = 10_000  # responses a replica keeps, the oldest dropped first
 @dataclass(frozen=True)
 class Stored:
     response: dict[str, Any]
-    conversation: list[int]  # the prompt's ids and the output's: what a follow-up prefills
+    messages: list[dict[str, Any]]  # the conversation it rendered (vLLM's `msg_store`)
 
 
 class ResponseStore:
@@ -67,11 +68,25 @@ def not_found(response_id: str) -> web.Response:
     return web.json_response({"error": error}, status=404)
 
 
-def conversation(body: dict[str, Any]) -> dict[str, Any]:
-    """The chat the request renders to, or a `BadRequest` (vLLM's 400)."""
+def conversation(body: dict[str, Any], previous: Stored | None) -> dict[str, Any]:
+    """The chat the request renders to, or a `BadRequest` (vLLM's 400). Continuing `previous`,
+    vLLM's `construct_input_messages`: the instructions, then the messages it rendered but
+    their system ones, then an assistant message per content part of its output's messages,
+    then the request's own input."""
     if not isinstance(body.get("input"), str | list):
         raise BadRequest("input: Field required", param="input")
-    return to_chat(body)
+    chat = to_chat(body)
+    if previous is not None:
+        carried = [m for m in previous.messages if m.get("role") != "system"]
+        carried += [
+            {"role": "assistant", "content": part["text"]}
+            for item in previous.response["output"]
+            if item["type"] == "message"
+            for part in item["content"]
+        ]
+        at = 1 if body.get("instructions") else 0  # after the instructions' system message
+        chat["messages"][at:at] = carried
+    return chat
 
 
 def response_object(

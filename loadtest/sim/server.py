@@ -30,7 +30,6 @@ import logging
 import struct
 import time
 import uuid
-from array import array
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -369,7 +368,6 @@ async def _serve(
     model = body["model"]
     encoder = state.encoder
     prompt_body = body
-    history: list[int] = []  # a stored conversation the request continues
     if anthropic:
         converted = _as_chat(body, encoder)
         if isinstance(converted, web.Response):
@@ -377,13 +375,11 @@ async def _serve(
         prompt_body = converted
     elif responses_api:
         previous = body.get("previous_response_id")
-        if previous is not None:
-            stored = state.responses.get(previous)
-            if stored is None:
-                return responses.not_found(previous)
-            history = stored.conversation
+        stored = None if previous is None else state.responses.get(previous)
+        if previous is not None and stored is None:
+            return responses.not_found(previous)
         try:
-            prompt_body = responses.conversation(body)
+            prompt_body = responses.conversation(body, stored)
         except BadRequest as exc:
             return bad_request(exc.message, "input")
         # Its tokenization keeps the special tokens a chat completion's leaves out.
@@ -394,8 +390,6 @@ async def _serve(
         )
     except PromptError as exc:
         return bad_request(str(exc), "messages" if chat else "prompt")
-    if history:
-        ids = array("q", history) + ids
     max_tokens = _max_tokens(prompt_body, chat, len(ids), state.profile.serving.max_model_len)
     if isinstance(max_tokens, web.Response):
         return max_tokens
@@ -416,8 +410,7 @@ async def _serve(
 
     def store(response: dict[str, Any]) -> None:
         if body.get("store", True) is not False:
-            conversation = [*ids, *[0] * seq.generated]
-            state.responses.put(rid, responses.Stored(response, conversation))
+            state.responses.put(rid, responses.Stored(response, prompt_body["messages"]))
 
     try:
         if body.get("stream"):
