@@ -26,6 +26,8 @@ from gateway.api.responses import to_chat
 from gateway.state import Holder
 from gateway.state.failover import FailoverState
 from gateway.state.redis import RedisState
+from gateway.tokenizer.chat_template import render_weight
+from gateway.tokenizer.counters import INLINE_RENDER_WEIGHT
 from loadtest.loadgen.progress import Progress
 from loadtest.loadgen.sweep import SweepConfig, Target, run_sweep
 from loadtest.loadgen.workloads import Fixed, Session, Workload, WorkloadClass
@@ -438,6 +440,16 @@ def test_converting_leaves_the_body_as_it_came() -> None:
     first, second = to_chat(body), to_chat(body)
     assert body == sent and first == second
     assert [len(m.get("tool_calls", ())) for m in first["messages"]] == [0, 1, 0]
+
+
+def test_a_long_stored_conversation_weighs_as_much_as_a_long_input() -> None:
+    """Where a turn is rendered (on the loop or a tokenizer thread) is decided by its weight: a
+    short new input continuing a long conversation renders the whole conversation."""
+    turns = tuple({"role": "user", "content": "a turn"} for _ in range(INLINE_RENDER_WEIGHT))
+    body = {"model": "m", "input": "and one more", "previous_response_id": "resp_1"}
+    assert render_weight(body, INLINE_RENDER_WEIGHT) <= INLINE_RENDER_WEIGHT
+    continued = responses.Continued(body, turns)
+    assert render_weight(continued, INLINE_RENDER_WEIGHT) > INLINE_RENDER_WEIGHT
 
 
 def test_prefix_affinity_reads_the_instructions_then_the_input() -> None:

@@ -241,8 +241,10 @@ def render_weight(body: dict[str, Any], limit: int) -> int:
     per value) plus one per `RENDER_CHARS_PER_UNIT` characters of its strings (tool calls'
     arguments are parsed as JSON; texts are copied). Measured on the request as the client sent
     it, whatever the endpoint converts it to before rendering; counting stops a little past
-    `limit`, so a huge body costs no more to weigh than a small one."""
-    stack: list[Any] = [body]
+    `limit`, so a huge body costs no more to weigh than a small one. A body continuing a stored
+    response carries the stored turns it renders too (`turns`, gateway/api/responses.py
+    `Continued`): they weigh as much as the client's own."""
+    stack: list[Any] = [body, *getattr(body, "turns", ())]
     weight = 0
     while stack and weight <= limit:
         value = stack.pop()
