@@ -2,8 +2,9 @@
 (but its `model`, with `server.response_model: requested`).
 
 Streams are relayed event by event as they arrive: the relay only looks inside an event that
-carries `"usage"`, to read the real token counts and to drop the final usage chunk that the gateway
-asked for on the client's behalf. What a usage looks like, what the replica must be asked for it
+carries `"usage"`, to read the real token counts, to drop the final usage chunk that the gateway
+asked for on the client's behalf and to strip the running counts it asked for on every chunk
+(`_RUNNING`). What a usage looks like, what the replica must be asked for it
 and how a broken stream ends are the endpoint's (`ctx.api`, gateway/api/); finding the events
 that carry one, framing and relaying them are the same for all. If the client leaves, the
 upstream connection is closed at once: vLLM aborts a generation only when its connection closes.
@@ -61,6 +62,15 @@ _USAGE = b'"usage"'
 _USAGE_KEY = re.compile(rb'"usage"\s*:\s*')
 _USAGE_SPAN = 4096  # a usage object is a few hundred bytes
 _DECODER = json.JSONDecoder()
+# A chunk's running usage as vLLM writes it, after the chunk's choices (gateway/api/openai.py
+# `delivered`): stripped when the gateway asked for it and the client did not. The final usage
+# chunk's follows `"choices":[]` and is not one. Inside a JSON string a quote is escaped, so these
+# bytes are only ever a key; each span is bounded (a usage is a few counts, two objects of details
+# at most), so a replica's bytes cost a few passes over a run, never one per byte of the run
+# after each key. A usage over the bounds reaches the client as the replica wrote it.
+_RUNNING = re.compile(
+    rb'(?<!"choices":\[\]),"usage":\{[^{}\n]{0,256}(?:\{[^{}\n]{0,128}\}[^{}\n]{0,128}){0,2}\}'
+)
 # A `"model"` key and its string value. Inside a JSON string quotes are escaped, so these bytes
 # are only ever a key: the top-level one, the only `model` in an answer or a stream's event.
 _MODEL_KEY = b'"model"'
@@ -323,6 +333,7 @@ async def _relay(
     it is complete, and nothing waits longer than it does without it."""
     drop_usage = not ctx.client_wants_usage
     api = ctx.api
+    strip = api.asks_continuous(ctx) and not ctx.client_wants_continuous
     pending = b""
     deadline = min(first, total)
     while True:
@@ -340,6 +351,8 @@ async def _relay(
             end = len(data) - 2
         pending = data[end + 2 :]
         out = _scan(ctx, data[: end + 2], drop_usage)
+        if strip:
+            out = _RUNNING.sub(b"", out)
         if rename is not None:
             out = rename.events(out)
         if out:
@@ -348,6 +361,8 @@ async def _relay(
                 ctx.answered = True
     if pending:
         out = _scan(ctx, pending, drop_usage)
+        if strip:
+            out = _RUNNING.sub(b"", out)
         await resp.write(out if rename is None else rename.events(out))
     ctx.answered = True
 
