@@ -111,7 +111,7 @@ class Replica:
     bodies: list[dict[str, Any]] = field(default_factory=list)
 
     def _count(self, path: str, body: dict[str, Any], sent: int) -> int | None:
-        if not (_continuous(path, body) or self.force_usage and path != PATHS["messages"]):
+        if not (self.force_usage or _continuous(path, body)):
             return None
         return sent if self.lie is None else self.lie(sent)
 
