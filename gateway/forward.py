@@ -304,6 +304,13 @@ def _scan(ctx: Ctx, events: bytes, drop_usage: bool) -> bytes:
     return b"".join((before, usage, after))
 
 
+def _relayed(ctx: Ctx, events: bytes, drop_usage: bool, strip: bool) -> bytes:
+    """A run of whole events accounted for (`_scan`), the running usage the client did not ask
+    for stripped when `strip`: what the client gets of it, but for its `model`."""
+    out = _scan(ctx, events, drop_usage)
+    return _RUNNING.sub(b"", out) if strip else out
+
+
 def _failed(ctx: Ctx, replica_url: str, told: str, exc: BaseException | str) -> str:
     """Log what the replica did, for the operator, in one line; return `told`, all the client
     learns: replica addresses and the HTTP client's internals are none of its business."""
@@ -350,9 +357,7 @@ async def _relay(
                 continue
             end = len(data) - 2
         pending = data[end + 2 :]
-        out = _scan(ctx, data[: end + 2], drop_usage)
-        if strip:
-            out = _RUNNING.sub(b"", out)
+        out = _relayed(ctx, data[: end + 2], drop_usage, strip)
         if rename is not None:
             out = rename.events(out)
         if out:
@@ -360,9 +365,7 @@ async def _relay(
             if api.ended(out):  # the client has it all: the stream's end may lag
                 ctx.answered = True
     if pending:
-        out = _scan(ctx, pending, drop_usage)
-        if strip:
-            out = _RUNNING.sub(b"", out)
+        out = _relayed(ctx, pending, drop_usage, strip)
         await resp.write(out if rename is None else rename.events(out))
     ctx.answered = True
 
