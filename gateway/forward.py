@@ -58,6 +58,7 @@ _DROP_RESPONSE = frozenset(
 _EVENT_END = b"\n\n"
 _MAX_PENDING = 1 << 16  # an SSE event this long without a separator is passed on unparsed
 _DATA = b"data: "
+_DATA_LINE = b"\n" + _DATA
 _USAGE = b'"usage"'
 _USAGE_KEY = re.compile(rb'"usage"\s*:\s*')
 _USAGE_SPAN = 4096  # a usage object is a few hundred bytes
@@ -69,7 +70,8 @@ _DECODER = json.JSONDecoder()
 # at most), so a replica's bytes cost a few passes over a run, never one per byte of the run
 # after each key. A usage over the bounds reaches the client as the replica wrote it.
 _RUNNING = re.compile(
-    rb'(?<!"choices":\[\]),"usage":\{[^{}\n]{0,256}(?:\{[^{}\n]{0,128}\}[^{}\n]{0,128}){0,2}\}'
+    rb',"usage":\{(?<!"choices":\[\],"usage":\{)'
+    rb"[^{}\n]{0,160}+(?:\{[^{}\n]{0,64}+\}[^{}\n]{0,96}+){0,2}+\}"
 )
 # A `"model"` key and its string value. Inside a JSON string quotes are escaped, so these bytes
 # are only ever a key: the top-level one, the only `model` in an answer or a stream's event.
@@ -256,7 +258,7 @@ def _count(ctx: Ctx, events: bytes) -> None:
 def _usage_event(ctx: Ctx, event: bytes, drop_usage: bool) -> bytes:
     """Read the usage from one event (its data line: OpenAI's events are one, Anthropic's have
     an `event:` line first); return what the client should get of it."""
-    line = event.find(b"\n" + _DATA)
+    line = event.find(_DATA_LINE)
     at = 0 if event.startswith(_DATA) else line + 1 if line >= 0 else -1
     try:
         chunk = orjson.loads(event[at + len(_DATA) :]) if at >= 0 else None
@@ -297,6 +299,8 @@ def _scan(ctx: Ctx, events: bytes, drop_usage: bool) -> bytes:
     start = cut + 2 if cut >= 0 else 0
     end = events.find(_EVENT_END, at)
     end = len(events) if end < 0 else end + 2
+    if start == 0 and end == len(events):  # one event a read: a stream's usual run
+        return _usage_event(ctx, events, drop_usage)
     before, after = events[:start], events[end:]
     _count(ctx, before)
     usage = _usage_event(ctx, events[start:end], drop_usage)
