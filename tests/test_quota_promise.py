@@ -107,6 +107,7 @@ class Replica:
     event_delay_s: float = 0.0
     lie: Callable[[int], int] | None = None
     force_usage: bool = False  # the running usage unasked (vLLM's `--enable-force-include-usage`)
+    break_after: int | None = None  # tokens sent before the connection is reset (a crashed pod)
     produced: list[int] = field(default_factory=list)  # output tokens, one entry a request
     bodies: list[dict[str, Any]] = field(default_factory=list)
 
@@ -141,6 +142,10 @@ class Replica:
                 step = min(self.per_chunk, tokens - sent)
                 sent += step
                 await resp.write(_delta(path, "tok " * step, self._count(path, body, sent)))
+                if self.break_after is not None and sent >= self.break_after:
+                    assert request.transport is not None
+                    request.transport.abort()
+                    return resp
                 if self.event_delay_s:
                     await asyncio.sleep(self.event_delay_s)
             wants = (body.get("stream_options") or {}).get("include_usage", False)
@@ -310,6 +315,25 @@ async def test_a_client_that_leaves_a_stream_of_multi_token_chunks_pays_what_it_
         assert logged["output_tokens"] == charged
     else:
         assert charged == 3000
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+async def test_a_stream_the_replica_breaks_is_settled_on_what_was_relayed(
+    replica_app, gateway_factory, tokenizer_dir, http, endpoint: str
+) -> None:
+    """A replica reset after 300 tokens of a 3,000-token answer: the client got the 300 and the
+    stream's error event, and is charged the 300, not its reservation."""
+    replica = Replica(per_chunk=10, break_after=300)
+    url = await replica_app(replica, PATHS[endpoint])
+    gw = await gateway_factory(quota_policy(tokenizer_dir, [url], tpm=100_000))
+    await with_clock(gw)
+    body = _body(endpoint, SYSTEM, 3000, stream=True)
+    async with http.post(gw.url + PATHS[endpoint], json=body, headers=AUTH) as resp:
+        text = await resp.read()
+    assert text.count(b"tok ") == 300 and b"the replica broke the stream" in text
+    await accounted(gw, 0)
+    logged = orjson.loads(gw.access_log.getvalue().splitlines()[-1])
+    assert await _window_used(gw, 100_000) == logged["input_tokens"] + 300
 
 
 LIES = {
