@@ -90,8 +90,8 @@ class Ctx:
     # has the answer (`forward.read_usage`), so its few µs are not on the client's path.
     unread_usage: tuple[bytearray, int] | None = None
     chunks: int = 0
-    # The output of the chunks written so far, by the replica's continuous usage
-    # (gateway/api/openai.py `OpenAIApi.delivered`): None when it gave none or was not believed.
+    # The output of the chunks written so far, by the replica's running usage
+    # (gateway/api/openai.py `delivered`): None when it gave none or was not believed.
     delivered: int | None = None
     delivered_at: int = 0  # `chunks` as that count was read: a later chunk had none
     # The whole answer went to the client's connection (a stream's `[DONE]`, or its end): a

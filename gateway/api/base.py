@@ -63,7 +63,7 @@ class Api(ABC):
     reads_body: ClassVar[bool] = True
     # Whether the replica streams a cumulative usage on every chunk when asked (vLLM's chat and
     # completions: `stream_options.continuous_usage_stats`): what a stream the client left is
-    # settled on (`delivered`).
+    # settled on (gateway/api/openai.py `delivered`).
     continuous_usage: ClassVar[bool] = False
 
     @abstractmethod
