@@ -105,7 +105,7 @@ class Replica:
     natural: int = MAX_MODEL_LEN
     per_chunk: int = 1
     event_delay_s: float = 0.0
-    lie: Callable[[int], int] | None = None
+    lie: Callable[[int], int | None] | None = None
     force_usage: bool = False  # the running usage unasked (vLLM's `--enable-force-include-usage`)
     break_after: int | None = None  # tokens sent before the connection is reset (a crashed pod)
     produced: list[int] = field(default_factory=list)  # output tokens, one entry a request
@@ -340,6 +340,7 @@ LIES = {
     "decreasing": lambda sent: sent if sent < 200 else 150,
     "below the chunks": lambda sent: sent // 20,
     "once above the bound": lambda sent: 4000 if sent == 100 else sent,
+    "no longer counting": lambda sent: sent if sent <= 200 else None,
 }
 
 
@@ -349,7 +350,8 @@ async def test_a_replica_lying_in_its_running_usage_is_settled_on_the_reservatio
     replica_app, gateway_factory, tokenizer_dir, endpoint: str, lie: str
 ) -> None:
     """A running count that decreases, falls below the chunks relayed or leaves the bound is
-    not believed, then or later: the client that leaves pays its reservation. The replica sends
+    not believed, then or later, nor one that chunks relayed after it lack: the client that
+    leaves pays its reservation. The replica sends
     its counts unasked, as vLLM does with `--enable-force-include-usage`."""
     replica = Replica(per_chunk=10, event_delay_s=0.005, lie=LIES[lie], force_usage=True)
     url = await replica_app(replica, PATHS[endpoint])
