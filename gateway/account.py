@@ -46,6 +46,19 @@ class _Series:
         return child
 
 
+def _delivered(ctx: Ctx) -> None:
+    """A stream that ended without its final usage (the client left, the stream broke): its
+    output is the running count of the last chunk relayed (gateway/api/openai.py `delivered`),
+    if every chunk relayed since the counting began carried one; a chunk after it without one
+    is a replica no longer counting, and the request settles on its reservation."""
+    if ctx.output_tokens is not None or ctx.delivered is None:
+        return
+    if ctx.chunks > ctx.delivered_at:
+        ctx.delivered, ctx.untrusted_usage = None, "completion_tokens"
+        return
+    ctx.output_tokens = ctx.delivered
+
+
 class Accountant:
     def __init__(self, metrics: Metrics, access_log: IO[bytes] | None) -> None:
         self.metrics = metrics
@@ -83,11 +96,13 @@ class Accountant:
             # A client that leaves was not refused: it is in `llm_requests_total{code="499"}`.
             self.metrics.rejections.labels(labels[1], ctx.refusal.label).inc()
         if ctx.admitted and ctx.pool is not None:
+            _delivered(ctx)
             self._bound_usage(ctx, ctx.pool.model.spec.max_model_len)
             # Read before the fallbacks below fill the output in from the relayed chunks.
             ctx.usage_believed = ctx.output_tokens is not None and not ctx.untrusted_usage
         if ctx.output_tokens is None and ctx.chunks and ctx.stream:
-            # The stream broke or the client left before the usage chunk: count what was sent.
+            # The stream broke or the client left before the usage chunk, and no believed
+            # running count says what was sent: count the chunks.
             ctx.output_tokens = ctx.chunks
         if ctx.queued:
             self._observe(ctx, labels, estimator)

@@ -39,6 +39,8 @@ class Ctx:
     requested_model: str = ""
     stream: bool = False
     client_wants_usage: bool = False
+    # and the usage on every chunk too (`stream_options.continuous_usage_stats`, with the above)
+    client_wants_continuous: bool = False
     priority: int = 1  # the tier, or lower if `x-priority` asks
     sequences: int = 1  # completions generated: n x prompts
     max_output: int | None = None  # the client's max_tokens / max_completion_tokens
@@ -90,6 +92,10 @@ class Ctx:
     # has the answer (`forward.read_usage`), so its few µs are not on the client's path.
     unread_usage: tuple[bytearray, int] | None = None
     chunks: int = 0
+    # The output of the chunks written so far, by the replica's running usage
+    # (gateway/api/openai.py `delivered`): None when it gave none or was not believed.
+    delivered: int | None = None
+    delivered_at: int = 0  # `chunks` as that count was read: a later chunk had none
     # The whole answer went to the client's connection (a stream's `[DONE]`, or its end): a
     # client that leaves after that was served (`forward.client_left`).
     answered: bool = False

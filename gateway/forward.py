@@ -2,8 +2,9 @@
 (but its `model`, with `server.response_model: requested`).
 
 Streams are relayed event by event as they arrive: the relay only looks inside an event that
-carries `"usage"`, to read the real token counts and to drop the final usage chunk that the gateway
-asked for on the client's behalf. What a usage looks like, what the replica must be asked for it
+carries `"usage"`, to read the real token counts, to drop the final usage chunk that the gateway
+asked for on the client's behalf and to strip the running counts it asked for on every chunk
+(`_RUNNING`). What a usage looks like, what the replica must be asked for it
 and how a broken stream ends are the endpoint's (`ctx.api`, gateway/api/); finding the events
 that carry one, framing and relaying them are the same for all. If the client leaves, the
 upstream connection is closed at once: vLLM aborts a generation only when its connection closes.
@@ -57,10 +58,21 @@ _DROP_RESPONSE = frozenset(
 _EVENT_END = b"\n\n"
 _MAX_PENDING = 1 << 16  # an SSE event this long without a separator is passed on unparsed
 _DATA = b"data: "
+_DATA_LINE = b"\n" + _DATA
 _USAGE = b'"usage"'
 _USAGE_KEY = re.compile(rb'"usage"\s*:\s*')
 _USAGE_SPAN = 4096  # a usage object is a few hundred bytes
 _DECODER = json.JSONDecoder()
+# A chunk's running usage as vLLM writes it, after the chunk's choices (gateway/api/openai.py
+# `delivered`): stripped when the gateway asked for it and the client did not. The final usage
+# chunk's follows `"choices":[]` and is not one. Inside a JSON string a quote is escaped, so these
+# bytes are only ever a key; each span is bounded (a usage is a few counts, two objects of details
+# at most), so a replica's bytes cost a few passes over a run, never one per byte of the run
+# after each key. A usage over the bounds reaches the client as the replica wrote it.
+_RUNNING = re.compile(
+    rb',"usage":\{(?<!"choices":\[\],"usage":\{)'
+    rb"[^{}\n]{0,160}+(?:\{[^{}\n]{0,64}+\}[^{}\n]{0,96}+){0,2}+\}"
+)
 # A `"model"` key and its string value. Inside a JSON string quotes are escaped, so these bytes
 # are only ever a key: the top-level one, the only `model` in an answer or a stream's event.
 _MODEL_KEY = b'"model"'
@@ -246,7 +258,7 @@ def _count(ctx: Ctx, events: bytes) -> None:
 def _usage_event(ctx: Ctx, event: bytes, drop_usage: bool) -> bytes:
     """Read the usage from one event (its data line: OpenAI's events are one, Anthropic's have
     an `event:` line first); return what the client should get of it."""
-    line = event.find(b"\n" + _DATA)
+    line = event.find(_DATA_LINE)
     at = 0 if event.startswith(_DATA) else line + 1 if line >= 0 else -1
     try:
         chunk = orjson.loads(event[at + len(_DATA) :]) if at >= 0 else None
@@ -287,11 +299,20 @@ def _scan(ctx: Ctx, events: bytes, drop_usage: bool) -> bytes:
     start = cut + 2 if cut >= 0 else 0
     end = events.find(_EVENT_END, at)
     end = len(events) if end < 0 else end + 2
+    if start == 0 and end == len(events):  # one event a read: a stream's usual run
+        return _usage_event(ctx, events, drop_usage)
     before, after = events[:start], events[end:]
     _count(ctx, before)
     usage = _usage_event(ctx, events[start:end], drop_usage)
     _count(ctx, after)
     return b"".join((before, usage, after))
+
+
+def _relayed(ctx: Ctx, events: bytes, drop_usage: bool, strip: bool) -> bytes:
+    """A run of whole events accounted for (`_scan`), the running usage the client did not ask
+    for stripped when `strip`: what the client gets of it, but for its `model`."""
+    out = _scan(ctx, events, drop_usage)
+    return _RUNNING.sub(b"", out) if strip else out
 
 
 def _failed(ctx: Ctx, replica_url: str, told: str, exc: BaseException | str) -> str:
@@ -323,6 +344,7 @@ async def _relay(
     it is complete, and nothing waits longer than it does without it."""
     drop_usage = not ctx.client_wants_usage
     api = ctx.api
+    strip = api.asks_continuous(ctx) and not ctx.client_wants_continuous
     pending = b""
     deadline = min(first, total)
     while True:
@@ -339,7 +361,7 @@ async def _relay(
                 continue
             end = len(data) - 2
         pending = data[end + 2 :]
-        out = _scan(ctx, data[: end + 2], drop_usage)
+        out = _relayed(ctx, data[: end + 2], drop_usage, strip)
         if rename is not None:
             out = rename.events(out)
         if out:
@@ -347,7 +369,7 @@ async def _relay(
             if api.ended(out):  # the client has it all: the stream's end may lag
                 ctx.answered = True
     if pending:
-        out = _scan(ctx, pending, drop_usage)
+        out = _relayed(ctx, pending, drop_usage, strip)
         await resp.write(out if rename is None else rename.events(out))
     ctx.answered = True
 

@@ -272,7 +272,15 @@ def _parse_openai_fields(
         )
     include_usage = (options or {}).get("include_usage")
     wants_usage = lax_bool(include_usage, "stream_options.include_usage", False, nullable=True)
+    continuous = lax_bool(
+        (options or {}).get("continuous_usage_stats"),
+        "stream_options.continuous_usage_stats",
+        False,
+        nullable=True,
+    )
     ctx.client_wants_usage = wants_usage
+    # vLLM sends per-chunk usage only with `include_usage` too (`should_include_usage`).
+    ctx.client_wants_continuous = wants_usage and continuous
     ctx.min_output = min_output
     ctx.forced_output = lax_bool(body.get("ignore_eos"), "ignore_eos", False, nullable=True)
     ctx.sequences = n * prompts

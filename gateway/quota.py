@@ -36,8 +36,9 @@ own bound, or for a request that states none the one `bound_output` gives it and
 stage writes upstream; never the learned estimate, which a tenant can teach short answers. A
 request larger than a whole window is refused for good (`request_over_limit`) only on its own
 numbers; see `_charged`. When the response ends, however it ended, the token charge is corrected
-to what the tenant got (`used`): the replica's usage when it is believed, else the reservation
-(0 if it never reached a replica). The request itself stays counted against RPM.
+to what the tenant got (`used`): the replica's usage when it is believed (for a chat or
+completions stream the client left, the running count of what it was sent), else the
+reservation (0 if it never reached a replica). The request itself stays counted against RPM.
 
 `/tokenize`, `/detokenize` and `/v1/messages/count_tokens` are charged to the tenant's overall
 windows (`reserve_counting`): a request and a token before their body is read, then the token
@@ -288,13 +289,15 @@ def used(ctx: Ctx, burst: int) -> int:
       request's bounds): its `prompt_tokens` (else the gateway's count) and its output, up to
       the reservation plus `burst`. Past the reservation only a prompt the replica counts higher
       than the gateway can take it (images its processor expands, an estimate-counted model);
-      `burst` bounds what a replica's word alone adds to a window.
-    - Otherwise (no usage: the client left a stream, the stream broke, the replica sent none;
-      or a usage out of bounds): the reservation, which is all the replica was allowed to
-      produce, or input plus the chunks the gateway relayed if that is more (a replica that
-      ignored the bound). Settling on the relayed chunks instead would charge a client that
-      left a stream of multi-token chunks (speculative decoding, `--stream-interval`) a
-      tenth of what it got.
+      `burst` bounds what a replica's word alone adds to a window. A chat or completions stream
+      that ended early (the client left, the stream broke) has as its output the running count
+      of the last chunk relayed (gateway/api/openai.py `delivered`): what the client got.
+    - Otherwise (no usage: a Messages or Responses stream the client left, whose events carry
+      no running count, a replica that sent none; or a usage out of bounds): the reservation,
+      which is all the replica was allowed to produce, or input plus the chunks the gateway
+      relayed if that is more (a replica that ignored the bound). Settling on the relayed
+      chunks instead would charge a client that left a stream of multi-token chunks
+      (speculative decoding, `--stream-interval`) a tenth of what it got.
     """
     if not ctx.admitted:
         return 0

@@ -2,7 +2,7 @@
 
 It is the zero-delay backend of the overhead benchmark and the replica of the gateway's tests: it
 speaks vLLM's wire format (chat and completions, `stream_options.include_usage` final chunk with
-`choices: []`, `data: [DONE]`), takes OTLP/HTTP traces (`POST /v1/traces`, dropped), and records what the tests assert on — the bodies it received, how
+`choices: []`, with `continuous_usage_stats` the running usage on every chunk, `data: [DONE]`), takes OTLP/HTTP traces (`POST /v1/traces`, dropped), and records what the tests assert on — the bodies it received, how
 many requests it ran at once, and how many connections its clients closed mid-answer.
 
     python -m loadtest.stub_backend --port 9000 [--delay 0.5] [--chunk-delay 0.01] [--no-record]
@@ -130,14 +130,16 @@ async def _answer(request: web.Request, kind: str) -> web.StreamResponse:
             return web.Response(body=orjson.dumps(result), content_type="application/json")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for index in range(tokens):
-            if index and config.chunk_delay_s:
+        options = body.get("stream_options") or {}
+        running = options.get("include_usage") and options.get("continuous_usage_stats")
+        for index in range(tokens + 1):  # a token each, then the finish reason with none
+            if 0 < index < tokens and config.chunk_delay_s:
                 await asyncio.sleep(config.chunk_delay_s)
-            await resp.write(
-                b"data: " + orjson.dumps(_chunk(kind, rid, model, index, " tok")) + b"\n\n"
-            )
-        await resp.write(b"data: " + orjson.dumps(_chunk(kind, rid, model, tokens, None)) + b"\n\n")
-        if (body.get("stream_options") or {}).get("include_usage"):
+            chunk = _chunk(kind, rid, model, index, " tok" if index < tokens else None)
+            if running:  # vLLM's `continuous_usage_stats`: the count so far on every chunk
+                chunk["usage"] = _usage(prompt_tokens, min(index + 1, tokens))
+            await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        if options.get("include_usage"):
             final = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                      "created": int(time.time()), "model": model, "choices": [],
                      "usage": _usage(prompt_tokens, tokens)}  # fmt: skip

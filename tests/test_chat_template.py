@@ -245,6 +245,20 @@ def test_include_usage_is_read_as_vllm_reads_it(sent: Any, wants: bool) -> None:
     assert parsed(body).client_wants_usage is wants
 
 
+@pytest.mark.parametrize(
+    "options, wants",
+    [({"include_usage": True, "continuous_usage_stats": "on"}, True),
+     ({"include_usage": "1", "continuous_usage_stats": 1}, True),
+     ({"continuous_usage_stats": True}, False),  # vLLM sends none without `include_usage`
+     ({"include_usage": True, "continuous_usage_stats": None}, False)],
+)  # fmt: skip
+def test_continuous_usage_stats_is_read_as_vllm_reads_it(
+    options: dict[str, Any], wants: bool
+) -> None:
+    body = chat({"role": "user", "content": "hi"}, stream=True, stream_options=options)
+    assert parsed(body).client_wants_continuous is wants
+
+
 @pytest.mark.parametrize("sent, stream", [("yes", True), ("off", False), (None, False)])
 def test_stream_is_read_as_vllm_reads_it(sent: Any, stream: bool) -> None:
     assert parsed(chat({"role": "user", "content": "hi"}, stream=sent)).stream is stream
@@ -254,6 +268,8 @@ def test_stream_is_read_as_vllm_reads_it(sent: Any, stream: bool) -> None:
     "fields, param",
     [
         ({"stream": True, "stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage"),
+        ({"stream": True, "stream_options": {"continuous_usage_stats": "x"}},
+         "stream_options.continuous_usage_stats"),
         ({"stream": 2}, "stream"),
         ({"add_generation_prompt": "sometimes"}, "add_generation_prompt"),
         ({"continue_final_message": None}, "continue_final_message"),

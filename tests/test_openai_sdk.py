@@ -35,7 +35,8 @@ async def test_async_chat_stream_without_usage(gw, stub) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == " tok" * 7
     # The gateway asked upstream for usage, and the client who did not ask never sees it.
-    assert stub.stats.bodies[-1]["stream_options"] == {"include_usage": True}
+    sent = {"include_usage": True, "continuous_usage_stats": True}
+    assert stub.stats.bodies[-1]["stream_options"] == sent
     assert all(c.usage is None and c.choices for c in chunks)
     await client.close()
 

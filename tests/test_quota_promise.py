@@ -3,24 +3,28 @@ whatever the estimator learned, whatever the request leaves unbounded, however i
 
 The replica here is vLLM-like and keeps a ledger of what it really produced: it generates up to
 the request's bound (to the context's end without one, as vLLM does), several tokens an event
-when asked (speculative decoding, `--stream-interval`), and reports its usage honestly. The
-ledger, plus the gateway's input counts from its access log, is what the tenant got.
+when asked (speculative decoding, `--stream-interval`), with the running usage on every chat and
+completions chunk when asked (`continuous_usage_stats`), and reports its usage honestly unless
+told to lie. The ledger, plus the gateway's input counts from its access log, is what the tenant
+got.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import openai
 import orjson
 import pytest
 from aiohttp import web
 
 from gateway.state import Limit
 from tests.conftest import RunningGateway, accounted, eventually
-from tests.test_quotas import AUTH, chat, quota_policy, with_clock
+from tests.test_quotas import ACME_KEY, AUTH, chat, quota_policy, with_clock
 
 MAX_MODEL_LEN = 8192
 TPM = 5000
@@ -39,12 +43,22 @@ def _sse(event: dict[str, Any], name: str | None = None) -> bytes:
     return head + b"data: " + orjson.dumps(event) + b"\n\n"
 
 
-def _delta(path: str, text: str) -> bytes:
+def _running(count: int | None) -> dict[str, Any]:
+    """vLLM's running usage on a chunk (its `UsageInfo`, fields in its order), when asked."""
+    if count is None:
+        return {}
+    return {"usage": {"prompt_tokens": 9, "total_tokens": 9 + count, "completion_tokens": count}}
+
+
+def _delta(path: str, text: str, count: int | None = None) -> bytes:
+    """One event of `text`; `count`: the running output count a chat or completions chunk
+    carries (None: not asked for)."""
     if path == PATHS["chat"]:
         return _sse({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {
-            "content": text}, "finish_reason": None}]})  # fmt: skip
+            "content": text}, "finish_reason": None}], **_running(count)})  # fmt: skip
     if path == PATHS["completions"]:
-        return _sse({"object": "text_completion", "choices": [{"index": 0, "text": text}]})
+        choices = [{"index": 0, "text": text}]
+        return _sse({"object": "text_completion", "choices": choices, **_running(count)})
     if path == PATHS["messages"]:
         event = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta",
                  "text": text}}  # fmt: skip
@@ -74,15 +88,33 @@ def _whole(path: str, text: str, tokens: int) -> dict[str, Any]:
     return {"choices": [{"index": 0, "text": text}], "usage": {"completion_tokens": tokens}}
 
 
+def _continuous(path: str, body: dict[str, Any]) -> bool:
+    """Whether vLLM would put the running usage on every chunk (`should_include_usage`)."""
+    options = body.get("stream_options") or {}
+    return path in (PATHS["chat"], PATHS["completions"]) and bool(
+        options.get("include_usage") and options.get("continuous_usage_stats")
+    )
+
+
 @dataclass
 class Replica:
-    """Generates `min(bound, natural)` tokens, each the word `tok`, `per_chunk` an event."""
+    """Generates `min(bound, natural)` tokens, each the word `tok`, `per_chunk` an event; a
+    chat stream starts with vLLM's role chunk. `lie` turns the true running count into the
+    one reported."""
 
     natural: int = MAX_MODEL_LEN
     per_chunk: int = 1
     event_delay_s: float = 0.0
+    lie: Callable[[int], int | None] | None = None
+    force_usage: bool = False  # the running usage unasked (vLLM's `--enable-force-include-usage`)
+    break_after: int | None = None  # tokens sent before the connection is reset (a crashed pod)
     produced: list[int] = field(default_factory=list)  # output tokens, one entry a request
     bodies: list[dict[str, Any]] = field(default_factory=list)
+
+    def _count(self, path: str, body: dict[str, Any], sent: int) -> int | None:
+        if not (self.force_usage or _continuous(path, body)):
+            return None
+        return sent if self.lie is None else self.lie(sent)
 
     async def __call__(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -104,10 +136,16 @@ class Replica:
             if path == PATHS["messages"]:
                 start = {"type": "message_start", "message": {"usage": {"output_tokens": 0}}}
                 await resp.write(_sse(start, "message_start"))
+            if path == PATHS["chat"]:
+                await resp.write(_delta(path, "", self._count(path, body, 0)))
             while sent < tokens:
                 step = min(self.per_chunk, tokens - sent)
-                await resp.write(_delta(path, "tok " * step))
                 sent += step
+                await resp.write(_delta(path, "tok " * step, self._count(path, body, sent)))
+                if self.break_after is not None and sent >= self.break_after:
+                    assert request.transport is not None
+                    request.transport.abort()
+                    return resp
                 if self.event_delay_s:
                     await asyncio.sleep(self.event_delay_s)
             wants = (body.get("stream_options") or {}).get("include_usage", False)
@@ -241,28 +279,142 @@ async def _window_used(gw: RunningGateway, tpm: int) -> int:
     return tpm - window.remaining
 
 
-@pytest.mark.parametrize("endpoint", list(PATHS))
-async def test_a_client_that_leaves_a_stream_of_multi_token_chunks_pays_what_it_got(
-    replica_app, gateway_factory, tokenizer_dir, endpoint: str
-) -> None:
-    """Issue 35 item 3: with 10 tokens an event, a client that left after 2,706 tokens was
-    charged 246: the relayed chunks, not the tokens."""
-    replica = Replica(per_chunk=10, event_delay_s=0.005)
-    url = await replica_app(replica, PATHS[endpoint])
-    gw = await gateway_factory(quota_policy(tokenizer_dir, [url], tpm=100_000))
-    await with_clock(gw)
+async def _leave(gw: RunningGateway, endpoint: str, after: int) -> int:
+    """Stream a 3,000-token answer and leave once `after` tokens arrived; the tokens received."""
     body = _body(endpoint, SYSTEM, 3000, stream=True)
     received = 0
     async with aiohttp.ClientSession() as leaver:
         async with leaver.post(gw.url + PATHS[endpoint], json=body, headers=AUTH) as resp:
             assert resp.status == 200
-            while received < 500:
+            while received < after:
                 received += (await resp.content.readuntil(b"\n\n")).count(b"tok ")
     await eventually(lambda: b"client_disconnect" in gw.access_log.getvalue())
+    return received
+
+
+@pytest.mark.parametrize("endpoint", list(PATHS))
+async def test_a_client_that_leaves_a_stream_of_multi_token_chunks_pays_what_it_got(
+    replica_app, gateway_factory, tokenizer_dir, endpoint: str
+) -> None:
+    """Issue 35 item 3: with 10 tokens an event, a client that left after 2,706 tokens was
+    charged 246: the relayed chunks, not the tokens; then its whole bound. A chat or
+    completions stream is settled on the running count of the last chunk relayed: what the
+    client got, to the chunks in flight. Messages and Responses events carry no count: those
+    settle on the reservation (docs/architecture.md, "Tenants and quotas")."""
+    replica = Replica(per_chunk=10, event_delay_s=0.005)
+    url = await replica_app(replica, PATHS[endpoint])
+    gw = await gateway_factory(quota_policy(tokenizer_dir, [url], tpm=100_000))
+    await with_clock(gw)
+    received = await _leave(gw, endpoint, 500)
     await eventually(lambda: len(replica.produced) == 1)
     logged = orjson.loads(gw.access_log.getvalue().splitlines()[-1])
     assert received <= replica.produced[0] < 3000  # it left early, and the replica stopped
-    assert await _window_used(gw, 100_000) >= logged["input_tokens"] + received
+    charged = await _window_used(gw, 100_000) - logged["input_tokens"]
+    if endpoint in ("chat", "completions"):
+        assert received <= charged <= replica.produced[0]
+        assert logged["output_tokens"] == charged
+    else:
+        assert charged == 3000
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+async def test_a_stream_the_replica_breaks_is_settled_on_what_was_relayed(
+    replica_app, gateway_factory, tokenizer_dir, http, endpoint: str
+) -> None:
+    """A replica reset after 300 tokens of a 3,000-token answer: the client got the 300 and the
+    stream's error event, and is charged the 300, not its reservation."""
+    replica = Replica(per_chunk=10, break_after=300)
+    url = await replica_app(replica, PATHS[endpoint])
+    gw = await gateway_factory(quota_policy(tokenizer_dir, [url], tpm=100_000))
+    await with_clock(gw)
+    body = _body(endpoint, SYSTEM, 3000, stream=True)
+    async with http.post(gw.url + PATHS[endpoint], json=body, headers=AUTH) as resp:
+        text = await resp.read()
+    assert text.count(b"tok ") == 300 and b"the replica broke the stream" in text
+    await accounted(gw, 0)
+    logged = orjson.loads(gw.access_log.getvalue().splitlines()[-1])
+    assert await _window_used(gw, 100_000) == logged["input_tokens"] + 300
+
+
+LIES = {
+    "decreasing": lambda sent: sent if sent < 200 else 150,
+    "below the chunks": lambda sent: sent // 20,
+    "once above the bound": lambda sent: 4000 if sent == 100 else sent,
+    "no longer counting": lambda sent: sent if sent <= 200 else None,
+}
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("lie", list(LIES))
+async def test_a_replica_lying_in_its_running_usage_is_settled_on_the_reservation(
+    replica_app, gateway_factory, tokenizer_dir, endpoint: str, lie: str
+) -> None:
+    """A running count that decreases, falls below the chunks relayed or leaves the bound is
+    not believed, then or later, nor one that chunks relayed after it lack: the client that
+    leaves pays its reservation. The replica sends
+    its counts unasked, as vLLM does with `--enable-force-include-usage`."""
+    replica = Replica(per_chunk=10, event_delay_s=0.005, lie=LIES[lie], force_usage=True)
+    url = await replica_app(replica, PATHS[endpoint])
+    gw = await gateway_factory(quota_policy(tokenizer_dir, [url], tpm=100_000))
+    await with_clock(gw)
+    await _leave(gw, endpoint, 500)
+    logged = orjson.loads(gw.access_log.getvalue().splitlines()[-1])
+    assert await _window_used(gw, 100_000) == logged["input_tokens"] + 3000
+    async with aiohttp.ClientSession() as http, http.get(f"{gw.metrics_url}/metrics") as resp:
+        text = await resp.text()
+    assert 'field="completion_tokens"' in text and "llm_untrusted_usage_total{" in text
+
+
+async def test_the_openai_sdk_sees_no_running_usage_it_did_not_ask_for(
+    replica_app, gateway_factory, tokenizer_dir
+) -> None:
+    """The gateway asks vLLM for the running usage on the client's behalf and strips it: an SDK
+    stream without `stream_options` gets no usage at all, one with `include_usage` only the
+    final chunk's, one asking `continuous_usage_stats` every chunk's. A stop button (the SDK
+    closing its stream) is charged what the client got."""
+    replica = Replica(natural=40, per_chunk=10)
+    url = await replica_app(replica)
+    gw = await gateway_factory(quota_policy(tokenizer_dir, [url], tpm=100_000))
+    await with_clock(gw)
+    client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=ACME_KEY, max_retries=0)
+    messages: Any = [{"role": "user", "content": "Answer."}]
+
+    async def chunks(**options: Any) -> list[Any]:
+        stream = await client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=3000, stream=True, **options
+        )
+        return [chunk async for chunk in stream]
+
+    plain = await chunks()
+    assert len(plain) == 5 and all(c.usage is None for c in plain)
+    final = await chunks(stream_options={"include_usage": True})
+    assert all(c.usage is None for c in final[:-1])
+    assert final[-1].choices == [] and final[-1].usage.completion_tokens == 40
+    asked = await chunks(stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert [c.usage.completion_tokens for c in asked] == [0, 10, 20, 30, 40, 40]
+    sent = replica.bodies[0]["stream_options"]
+    assert sent == {"include_usage": True, "continuous_usage_stats": True}
+
+    replica.natural, replica.event_delay_s = 3000, 0.005
+    await accounted(gw, 0)
+    before = await _window_used(gw, 100_000)
+    logged = gw.access_log.getvalue().count(b"\n")
+    stream = await client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=3000, stream=True
+    )
+    received = 0
+    async for chunk in stream:
+        assert chunk.usage is None
+        received += (chunk.choices[0].delta.content or "").count("tok ")
+        if received >= 300:
+            break
+    await stream.close()  # the stop button
+    await client.close()
+    await accounted(gw, logged)
+    await eventually(lambda: len(replica.produced) == 4)
+    line = orjson.loads(gw.access_log.getvalue().splitlines()[-1])
+    charged = await _window_used(gw, 100_000) - before - line["input_tokens"]
+    assert received <= charged <= replica.produced[-1] < 3000
 
 
 async def test_a_replica_that_sends_no_usage_is_settled_on_the_reservation(

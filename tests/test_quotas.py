@@ -12,6 +12,7 @@ import contextlib
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -100,11 +101,12 @@ async def test_a_tenant_at_10000_tpm_gets_its_third_4000_token_request_refused_u
     assert 'llm_tenant_tokens_total{direction="input",tenant="acme"}' in text
 
 
-async def test_a_client_that_leaves_mid_stream_is_charged_its_reservation(
+async def test_a_client_that_leaves_mid_stream_is_charged_what_it_was_sent(
     stub_factory, gateway_factory, tokenizer_dir, http
 ) -> None:
-    """Its usage never came: it is charged all it may have got, what was reserved (the relayed
-    chunks undercount multi-token ones: tests/test_quota_promise.py)."""
+    """Its final usage never came: it is charged the running usage (`continuous_usage_stats`,
+    asked on its behalf) of the last chunk relayed, not the 500 reserved (multi-token chunks:
+    tests/test_quota_promise.py)."""
     stub = await stub_factory(chunk_delay_s=0.05)
     gw = await gateway_factory(quota_policy(tokenizer_dir, [stub.url], tpm=100_000))
     await with_clock(gw)
@@ -119,9 +121,11 @@ async def test_a_client_that_leaves_mid_stream_is_charged_its_reservation(
             await resp.content.readuntil(b"\n\n")
     await eventually(lambda: b"client_disconnect" in gw.access_log.getvalue())
     await eventually(lambda: gw.gateway.quotas.pending == 0)
+    sent = orjson.loads(gw.access_log.getvalue().splitlines()[-1])["output_tokens"]
+    assert 2 <= sent < 500
     status, _, headers = await chat(http, gw, {**body, "max_tokens": 1})
     assert status == 200
-    remaining = 100_000 - (counted + 500) - (counted + 1)
+    remaining = 100_000 - (counted + sent) - (counted + 1)
     assert headers["x-ratelimit-remaining-tokens"] == str(remaining)
 
 

@@ -170,6 +170,37 @@ async def test_chat_stream_has_role_tokens_finish_usage_and_done(
     assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 8
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_continuous_usage_stats_put_the_running_count_on_every_chunk(
+    tiny: Profile, replicas: ReplicaFactory, http: aiohttp.ClientSession, path: str
+) -> None:
+    """As vLLM's `continuous_usage_stats`: each chunk (a chat's role chunk too, at 0) carries
+    the output so far, the last chunk's is the final usage's; the gateway settles a stream the
+    client leaves on it."""
+    replica = await replicas(tiny)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if path == "/v1/completions":
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "ignore_eos": True}
+    else:
+        body = chat()
+    body = {**body, "stream": True, "stream_options": options}
+    async with http.post(f"{replica.url}{path}", json=body) as resp:
+        events = sse_events(await resp.read())
+    *chunks, final, _ = events
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    if path == "/v1/chat/completions":
+        assert counts[0] == 0 and chunks[0]["usage"]["completion_tokens_details"] is None
+    texts = [c["choices"][0].get("text") or c["choices"][0]["delta"].get("content") or ""
+             for c in chunks]  # fmt: skip
+    assert [len("".join(texts[: i + 1])) for i in range(len(texts))] == [
+        n * len(DEFAULT_TOKEN_TEXT) for n in counts
+    ]
+    assert counts[-1] == final["usage"]["completion_tokens"] == 8
+    prompt = final["usage"]["prompt_tokens"]
+    assert all(c["usage"]["total_tokens"] == prompt + c["usage"]["completion_tokens"]
+               for c in chunks)  # fmt: skip
+
+
 async def test_completions_stream_without_include_usage_has_no_usage_chunk(
     tiny: Profile, replicas: ReplicaFactory, http: aiohttp.ClientSession
 ) -> None:

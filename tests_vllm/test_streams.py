@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import orjson
@@ -27,6 +28,36 @@ async def test_injected_usage_is_accounted_and_not_shown(vllm, gateway_factory, 
     (record,) = map(orjson.loads, gw.access_log.getvalue().splitlines())
     assert record["output_tokens"] == 9 and record["status"] == 200
     assert await scrape(http, gw.url, "llm_output_tokens_total") == 9
+
+
+def _unstamped(data: list[str]) -> list[str]:
+    """A stream's events without what differs from one request to the next (id, time), and
+    without the `system_fingerprint` vLLM puts on the finish chunk only when no usage chunk
+    follows: the gateway asks for that chunk, so a client that did not gets no fingerprint
+    (docs/architecture.md, "Forwarding and streaming")."""
+    data = [re.sub(r',"system_fingerprint":"[^"]*"', "", d) for d in data]
+    return [re.sub(r'"(id|created)":("[^"]*"|\d+)', r'"\1":0', d) for d in data]
+
+
+async def test_running_usage_is_asked_and_the_client_gets_vllms_own_bytes(
+    vllm, gateway_factory, http
+) -> None:
+    """Issue 35 item 3: the gateway asks `continuous_usage_stats` to settle a stream the client
+    leaves on what it was sent, and strips it: a client that asked nothing, or `include_usage`
+    only, gets byte for byte what vLLM sends it directly (ids and times aside); one that asked
+    gets vLLM's running counts."""
+    gw = await gateway_factory(vllm_policy(vllm))
+    for path, prompt in ((CHAT_URL, {"messages": CHAT}), ("/v1/completions", {"prompt": "the"})):
+        body = {"model": "tiny", **prompt, "max_tokens": 9, "ignore_eos": True, "stream": True,
+                "temperature": 0}  # fmt: skip
+        for options in (None, {"include_usage": True}, {"include_usage": True,
+                                                        "continuous_usage_stats": True}):  # fmt: skip
+            asked = body if options is None else {**body, "stream_options": options}
+            through = await events(http, gw.url + path, asked)
+            direct = await events(http, vllm.url + path, asked)
+            assert _unstamped(through) == _unstamped(direct), (path, options)
+        record = orjson.loads(gw.access_log.getvalue().splitlines()[-1])
+        assert record["output_tokens"] == 9
 
 
 async def test_disconnect_mid_stream_aborts_vllm(vllm, gateway_factory, http) -> None:

@@ -61,6 +61,10 @@ class Api(ABC):
     # Whether the pipeline reads the body (parse, count, classify); an API that does not
     # (gateway/api/passthrough.py) is routed by its path and forwarded as it came.
     reads_body: ClassVar[bool] = True
+    # Whether the replica streams a cumulative usage on every chunk when asked (vLLM's chat and
+    # completions: `stream_options.continuous_usage_stats`): what a stream the client left is
+    # settled on (gateway/api/openai.py `delivered`).
+    continuous_usage: ClassVar[bool] = False
 
     @abstractmethod
     def parse(self, ctx: Ctx, body: dict[str, Any], limits: ServerSpec) -> tuple[int, int | None]:
@@ -106,6 +110,11 @@ class Api(ABC):
     def usage_event(self, ctx: Ctx, event: dict[str, Any]) -> bool:
         """Read the usage a decoded stream event carries; whether the event only carries it (the
         gateway's to drop when the client did not ask for it)."""
+
+    def asks_continuous(self, ctx: Ctx) -> bool:
+        """Whether the replica is asked for a usage on every chunk: a stream of one sequence
+        only, since vLLM counts each choice alone and a chunk carries one choice's count."""
+        return self.continuous_usage and ctx.stream and ctx.sequences == 1
 
     def ended(self, out: bytes) -> bool:
         """Whether a run of whole events just written ends the stream: the client has it all."""

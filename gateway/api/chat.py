@@ -235,6 +235,7 @@ class ChatApi(OpenAIApi):
     path = "/v1/chat/completions"
     prompt_param = "messages"
     bound_field = "max_completion_tokens"
+    continuous_usage = True
 
     def parse(self, ctx: Ctx, body: dict[str, Any], limits: ServerSpec) -> tuple[int, int | None]:
         """One prompt; the output bound is `max_completion_tokens`, else the older `max_tokens`."""

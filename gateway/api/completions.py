@@ -63,6 +63,7 @@ class CompletionsApi(OpenAIApi):
     path = "/v1/completions"
     prompt_param = "prompt"
     bound_field = "max_tokens"
+    continuous_usage = True
 
     def parse(self, ctx: Ctx, body: dict[str, Any], limits: ServerSpec) -> tuple[int, int | None]:
         if "prompt" not in body:

@@ -1,9 +1,18 @@
 """What chat completions and completions share: OpenAI's usage, stream framing and error shape.
 
 Both answer with a top-level `usage` (`prompt_tokens`, `completion_tokens`), stream it only when
-asked (`stream_options.include_usage`, in a last chunk with no choices) and refuse with
+asked (`stream_options.include_usage`, in a last chunk with no choices; with
+`continuous_usage_stats` too, the running count on every chunk besides) and refuse with
 `{"error": {...}}` (gateway/errors.py). An API of another shape (Anthropic's messages, OpenAI's
 responses) subclasses `Api` instead and says its own.
+
+A stream's running count is what a client that leaves is settled on (`delivered`): the count of
+the last chunk relayed is the output it got, to the chunk in flight, where the chunks relayed
+undercount it as many times as a chunk has tokens (speculative decoding, `--stream-interval`).
+A replica's count is input: it is believed only while every count is a token count, none is
+less than the one before or than the chunks relayed with it (less `_SILENT`), none is over the
+request's bound and the last chunk relayed carried one (`account`); otherwise the request is
+settled as one that got no count, on its reservation.
 """
 
 from __future__ import annotations
@@ -34,6 +43,28 @@ def _read_cached(ctx: Ctx, details: Any) -> None:
         ctx.cached_tokens = cached
 
 
+# The chunks vLLM sends with no token in them: a chat's first (its role) and an echo's.
+_SILENT = 2
+
+
+def delivered(ctx: Ctx, usage: Any, output_field: str) -> None:
+    """Note a chunk's running output count, as the relay is about to write the chunk
+    (`ctx.chunks` is the chunks before it); a count not to believe ends the counting."""
+    if ctx.untrusted_usage:
+        return
+    count = usage.get(output_field) if isinstance(usage, dict) else None
+    bound = ctx.max_output
+    if (
+        not is_tokens(count)
+        or count < (ctx.delivered or 0)
+        or count + _SILENT <= ctx.chunks
+        or (bound is not None and count > bound)
+    ):
+        ctx.delivered, ctx.untrusted_usage = None, "completion_tokens"
+        return
+    ctx.delivered, ctx.delivered_at = count, ctx.chunks + 1
+
+
 class OpenAIApi(Api):
     """The usage, upstream fields and refusals of OpenAI's completion APIs, as vLLM serves them."""
 
@@ -41,13 +72,18 @@ class OpenAIApi(Api):
     stream_end = b"data: [DONE]\n\n"
 
     def upstream_fields(self, ctx: Ctx, changes: dict[str, Any]) -> None:
-        """A stream's usage is asked for on the client's behalf; `forward` drops the chunk that
-        carries it when the client did not ask."""
-        if ctx.stream and not ctx.client_wants_usage:
-            changes["stream_options"] = {
-                **(ctx.body.get("stream_options") or {}),
-                "include_usage": True,
-            }
+        """A stream's usage is asked for on the client's behalf, and its running count on every
+        chunk where it is the request's (`asks_continuous`); `forward` drops the chunk and
+        strips the counts the client did not ask for."""
+        if not ctx.stream:
+            return
+        continuous = self.asks_continuous(ctx)
+        if ctx.client_wants_usage and (ctx.client_wants_continuous or not continuous):
+            return
+        asked = {"include_usage": True}
+        if continuous:
+            asked["continuous_usage_stats"] = True
+        changes["stream_options"] = {**(ctx.body.get("stream_options") or {}), **asked}
 
     # The usage's fields: the output's count, the prompt's, the prompt's details.
     usage_fields: ClassVar[tuple[str, str, str]] = (
@@ -73,9 +109,14 @@ class OpenAIApi(Api):
             ctx.untrusted_usage = "prompt_tokens"
 
     def usage_event(self, ctx: Ctx, event: dict[str, Any]) -> bool:
-        """The final usage chunk has no choices; continuous usage stats ride on ordinary ones."""
-        self.read_usage(ctx, event.get("usage"))
-        return event.get("choices") == []
+        """The final usage chunk has no choices; continuous usage stats ride on ordinary ones,
+        each its choice's count: the request's only when it has one sequence."""
+        if event.get("choices") == []:
+            self.read_usage(ctx, event.get("usage"))
+            return True
+        if ctx.sequences == 1:
+            delivered(ctx, event.get("usage"), self.usage_fields[0])
+        return False
 
     def deltas(self, events: bytes) -> int:
         """Every data event but `[DONE]`."""

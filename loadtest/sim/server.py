@@ -199,23 +199,43 @@ class _Chunks:
             + b',"choices":[{"index":0,'
         )  # fmt: skip
 
-    def role(self) -> bytes:
-        return (
-            self.head
-            + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
-        )
+    def running(self, seq: Sequence | None) -> bytes:
+        """A chunk's end: with `seq` (`continuous_usage_stats` asked), vLLM's running usage, the
+        sequence's count so far (a chat's with its `completion_tokens_details`, set to null)."""
+        if seq is None:
+            return b"}\n\n"
+        prompt, generated = seq.prompt_tokens, seq.generated
+        usage = (
+            b',"usage":{"prompt_tokens":' + str(prompt).encode() + b',"total_tokens":'
+            + str(prompt + generated).encode() + b',"completion_tokens":'
+            + str(generated).encode() + (b',"completion_tokens_details":null}' if self.chat else b"}")
+        )  # fmt: skip
+        return usage + b"}\n\n"
 
-    def tokens(self, count: int, finish_reason: str | None) -> bytes:
+    def role(self, seq: Sequence | None = None) -> bytes:
+        """The chat's first chunk; its running usage, when asked, counts no token yet."""
+        head = self.head + b'"delta":{"role":"assistant","content":""},"logprobs":null,'
+        if seq is None:
+            return head + b'"finish_reason":null}]' + self.running(None)
+        prompt = str(seq.prompt_tokens).encode()
+        return (
+            head + b'"finish_reason":null}],"usage":{"prompt_tokens":' + prompt
+            + b',"total_tokens":' + prompt
+            + b',"completion_tokens":0,"completion_tokens_details":null}}\n\n'
+        )  # fmt: skip
+
+    def tokens(self, count: int, finish_reason: str | None, seq: Sequence | None = None) -> bytes:
+        """A chunk of `count` tokens; `seq`: with the running usage (`running`)."""
         text = self.token_json * count
         end = (
-            b'"finish_reason":null}]}\n\n'
+            b'"finish_reason":null}]'
             if finish_reason is None
-            else b'"finish_reason":"' + finish_reason.encode() + b'","stop_reason":null}]}\n\n'
-        )
+            else b'"finish_reason":"' + finish_reason.encode() + b'","stop_reason":null}]'
+        ) + self.running(seq)
         if self.chat:
             return self.head + b'"delta":{"content":"' + text + b'"},"logprobs":null,' + end
         if finish_reason is None:
-            end = b'"finish_reason":null,"stop_reason":null}]}\n\n'
+            end = b'"finish_reason":null,"stop_reason":null}]' + self.running(seq)
         return self.head + b'"text":"' + text + b'","logprobs":null,' + end
 
     def usage(self, seq: Sequence) -> bytes:
@@ -233,7 +253,10 @@ class _Chunks:
 async def _stream(
     request: web.Request, state: ReplicaState, seq: Sequence, chunks: _Chunks, body: dict[str, Any]
 ) -> web.StreamResponse:
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    options = body.get("stream_options") or {}
+    include_usage = bool(options.get("include_usage"))
+    # vLLM's `should_include_usage`: the running count only with the final one.
+    running = seq if include_usage and options.get("continuous_usage_stats") else None
     reset_after = state.dice.reset_after(state.faults)
     stats = state.engine.stats
     interval = state.stream_interval_s
@@ -251,8 +274,9 @@ async def _stream(
             if status is Status.ABORTED:  # only if the engine itself failed: no [DONE]
                 break
             finished = status is Status.FINISHED
-            payload = chunks.role() if chunks.chat and not sent else b""
-            payload += chunks.tokens(generated - sent, seq.finish_reason if finished else None)
+            payload = chunks.role(running) if chunks.chat and not sent else b""
+            finish = seq.finish_reason if finished else None
+            payload += chunks.tokens(generated - sent, finish, running)
             await resp.write(payload)
             stats.stream_chunks += 1
             stats.packed_chunks += generated - sent > 1
