@@ -47,6 +47,9 @@ class Ctx:
     # `max_output` is the gateway's, not the client's: written into the replica's body so it
     # cannot generate more than the tenant's TPM window reserved (gateway/quota.py).
     bounded_by_gateway: bool = False
+    # The request holds tokens of its tenant's TPM windows, settled when it ends: only then is a
+    # stream's running count worth asking the replica for (`Api.asks_continuous`).
+    tokens_charged: bool = False
     min_output: int = 0  # the client's min_tokens: generated whatever the model would stop at
     forced_output: bool = False  # ignore_eos: generated to max_output (or the context's end)
     images: int = 0  # image parts in a chat's messages, counted by tokenize at the model's rate

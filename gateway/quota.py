@@ -447,6 +447,7 @@ class Quotas:
             ((s, charge.windows[s.limit.key]) for s in scoped if s.limit.key in charge.windows),
             ctx.api,
         )
+        ctx.tokens_charged = bool(charge.parts)
         return charge if charge.charged else None
 
     async def _refused_late(

@@ -8,6 +8,7 @@ import json
 import re
 import time
 
+import aiohttp
 import orjson
 
 from loadtest.vllm_server import MAX_MODEL_LEN
@@ -45,19 +46,27 @@ async def test_running_usage_is_asked_and_the_client_gets_vllms_own_bytes(
     """Issue 35 item 3: the gateway asks `continuous_usage_stats` to settle a stream the client
     leaves on what it was sent, and strips it: a client that asked nothing, or `include_usage`
     only, gets byte for byte what vLLM sends it directly (ids and times aside); one that asked
-    gets vLLM's running counts."""
-    gw = await gateway_factory(vllm_policy(vllm))
-    for path, prompt in ((CHAT_URL, {"messages": CHAT}), ("/v1/completions", {"prompt": "the"})):
-        body = {"model": "tiny", **prompt, "max_tokens": 9, "ignore_eos": True, "stream": True,
-                "temperature": 0}  # fmt: skip
-        for options in (None, {"include_usage": True}, {"include_usage": True,
-                                                        "continuous_usage_stats": True}):  # fmt: skip
-            asked = body if options is None else {**body, "stream_options": options}
-            through = await events(http, gw.url + path, asked)
-            direct = await events(http, vllm.url + path, asked)
-            assert _unstamped(through) == _unstamped(direct), (path, options)
-        record = orjson.loads(gw.access_log.getvalue().splitlines()[-1])
-        assert record["output_tokens"] == 9
+    gets vLLM's running counts. The tenant has a TPM window: only a stream whose tokens a window
+    settles is asked for the running count."""
+    policy = vllm_policy(vllm)
+    policy["tenants"] = {"acme": {"keys": ["acme-key"], "tpm": 1_000_000}}
+    gw = await gateway_factory(policy)
+    tenant = aiohttp.ClientSession(headers={"Authorization": "Bearer acme-key"})
+    async with tenant:
+        for path, prompt in (
+            (CHAT_URL, {"messages": CHAT}),
+            ("/v1/completions", {"prompt": "the"}),
+        ):
+            body = {"model": "tiny", **prompt, "max_tokens": 9, "ignore_eos": True, "stream": True,
+                    "temperature": 0}  # fmt: skip
+            for options in (None, {"include_usage": True}, {"include_usage": True,
+                                                            "continuous_usage_stats": True}):  # fmt: skip
+                asked = body if options is None else {**body, "stream_options": options}
+                through = await events(tenant, gw.url + path, asked)
+                direct = await events(http, vllm.url + path, asked)
+                assert _unstamped(through) == _unstamped(direct), (path, options)
+            record = orjson.loads(gw.access_log.getvalue().splitlines()[-1])
+            assert record["output_tokens"] == 9
 
 
 async def test_disconnect_mid_stream_aborts_vllm(vllm, gateway_factory, http) -> None:

@@ -112,9 +112,11 @@ class Api(ABC):
         gateway's to drop when the client did not ask for it)."""
 
     def asks_continuous(self, ctx: Ctx) -> bool:
-        """Whether the replica is asked for a usage on every chunk: a stream of one sequence
-        only, since vLLM counts each choice alone and a chunk carries one choice's count."""
-        return self.continuous_usage and ctx.stream and ctx.sequences == 1
+        """Whether the replica is asked for a usage on every chunk: for a stream whose tokens a
+        tenant's window settles (nothing else needs the count of a stream cut short, and
+        reading and stripping it costs every event a few µs), of one sequence only, since vLLM
+        counts each choice alone and a chunk carries one choice's count."""
+        return self.continuous_usage and ctx.stream and ctx.sequences == 1 and ctx.tokens_charged
 
     def ended(self, out: bytes) -> bool:
         """Whether a run of whole events just written ends the stream: the client has it all."""
