@@ -45,9 +45,11 @@ def report(run: Run, broken: list[Broken], wall_s: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def once(seed: int, seconds: float, gateways: int, logs: Path) -> tuple[Run, list[Broken], float]:
+async def once(
+    seed: int, seconds: float, gateways: int, logs: Path, backend: str
+) -> tuple[Run, list[Broken], float]:
     started = time.monotonic()
-    run = await execute(seed, seconds, gateways, logs)
+    run = await execute(seed, seconds, gateways, logs, backend)
     return run, check(run), time.monotonic() - started
 
 
@@ -57,14 +59,30 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--gateways", type=int, choices=(1, 2), default=1)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--until", default=None, help="repeat with fresh seeds until this promise (Q, C, L, S, X) breaks")
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "tokenizers"),
+        default="auto",
+        help="the gateways' tokenizer library (tokenizers: a faster start)",
+    )
+    parser.add_argument(
+        "--until",
+        default=None,
+        help="repeat with fresh seeds until this promise (Q, C, L, S, X) breaks",
+    )
     args = parser.parse_args()
     seed = fresh_seed() if args.seed is None else args.seed
     began = time.monotonic()
     while True:
-        print(f"adversary: seed {seed}, {args.seconds:g} s, {args.gateways} gateway(s)", file=sys.stderr, flush=True)
+        print(
+            f"adversary: seed {seed}, {args.seconds:g} s, {args.gateways} gateway(s)",
+            file=sys.stderr,
+            flush=True,
+        )
         with tempfile.TemporaryDirectory(prefix="adversary-") as logs:
-            run, broken, wall = asyncio.run(once(seed, args.seconds, args.gateways, Path(logs)))
+            run, broken, wall = asyncio.run(
+                once(seed, args.seconds, args.gateways, Path(logs), args.backend)
+            )
         text = report(run, broken, wall)
         print(text, flush=True)
         if args.until is None or any(b.promise == args.until for b in broken):

@@ -5,7 +5,8 @@ template that reads `content` as a string, kept as parts for one that loops over
 vLLM's content-format detection does), `add_generation_prompt`, then an encode without special
 tokens. Completions: an encode with them. Anthropic Messages and Responses are first turned into
 that chat the way vLLM's own servers do; a Responses follow-up prefills the stored turns (their
-inputs and outputs) before its own.
+inputs and outputs) before its own, and its rendered chat is encoded with special tokens (vLLM
+0.32's Responses server does: a second BOS where the template writes one).
 """
 
 from __future__ import annotations
@@ -40,15 +41,15 @@ class Counter:
             return [{"type": "text", "text": t} for t in texts]
         return "\n".join(texts)
 
-    def chat(self, model: str, messages: list[dict[str, Any]], tools: Any = None) -> int:
+    def chat(
+        self, model: str, messages: list[dict[str, Any]], tools: Any = None, special: bool = False
+    ) -> int:
         tok = self._tok[model]
-        conversation = [
-            {**m, "content": self._content(model, m.get("content"))} for m in messages
-        ]
+        conversation = [{**m, "content": self._content(model, m.get("content"))} for m in messages]
         rendered = tok.apply_chat_template(
             conversation, tools=tools or None, add_generation_prompt=True, tokenize=False
         )
-        return len(tok.encode(rendered, add_special_tokens=False))
+        return len(tok.encode(rendered, add_special_tokens=special))
 
     def prompt(
         self, model: str, endpoint: str, body: dict[str, Any], chat: list[dict[str, Any]] | None
@@ -62,7 +63,7 @@ class Counter:
         if endpoint == "messages":
             return self.chat(model, messages_chat(body), _anthropic_tools(body.get("tools")))
         assert chat is not None
-        return self.chat(model, chat)
+        return self.chat(model, chat, special=True)
 
     def _encode(self, model: str, prompt: Any) -> int:
         if isinstance(prompt, list):
@@ -120,7 +121,13 @@ def _anthropic_tools(tools: Any) -> Any:
     if not tools:
         return None
     return [
-        {"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                          "parameters": t.get("input_schema", {})}}
+        {
+            "type": "function",
+            "function": {
+                "name": t["name"],
+                "description": t.get("description", ""),
+                "parameters": t.get("input_schema", {}),
+            },
+        }
         for t in tools
-    ]  # fmt: skip
+    ]

@@ -89,8 +89,16 @@ class Generator:
     def plan(self, seconds: float) -> Plan:
         plan = Plan(self.seed)
         at = 0.0
-        kinds = ["single"] * 10 + ["train_burst", "unbounded_burst", "chain", "chain",
-                                   "tiny_events", "cut_streams", "cut_streams", "retry_reset"]  # fmt: skip
+        kinds = ["single"] * 10 + [
+            "train_burst",
+            "unbounded_burst",
+            "chain",
+            "chain",
+            "tiny_events",
+            "cut_streams",
+            "cut_streams",
+            "retry_reset",
+        ]
         while at < seconds:
             kind = self.rng.choice(kinds)
             plan.moves.append(getattr(self, f"_{kind}")(at))
@@ -104,10 +112,12 @@ class Generator:
         return Script(
             natural=r.randint(*natural),
             tokens_per_event=1 if r.random() < 0.6 else r.randint(2, 12),
-            usage=r.choices(("truth", "missing", "negative", "huge", "understate"),
-                            (6, 1, 1, 1, 1))[0],  # fmt: skip
-            transport=r.choices(("ok", "redirect", "hang", "reset_head", "reset_body"),
-                                (88, 3, 2, 3, 4))[0],  # fmt: skip
+            usage=r.choices(
+                ("truth", "missing", "negative", "huge", "understate"), (6, 1, 1, 1, 1)
+            )[0],
+            transport=r.choices(
+                ("ok", "redirect", "hang", "reset_head", "reset_body"), (88, 3, 2, 3, 4)
+            )[0],
             pace_s=r.choice((0.0, 0.0, 0.001, 0.003)),
             huge_event_bytes=r.choice((0,) * 19 + (1_000_000,)),
         )
@@ -115,22 +125,31 @@ class Generator:
     # --- request bodies -------------------------------------------------------------------------
 
     def request(
-        self, endpoint: str | None = None, tenant: str | None = None, model: str | None = None,
-        script: Script | None = None, move: str = "single",
-    ) -> Planned:  # fmt: skip
+        self,
+        endpoint: str | None = None,
+        tenant: str | None = None,
+        model: str | None = None,
+        script: Script | None = None,
+        move: str = "single",
+    ) -> Planned:
         r = self.rng
-        endpoint = endpoint or r.choices(
-            list(ENDPOINT_PATHS), (5, 3, 4, 4, 1, 1, 1, 1)
-        )[0]
+        endpoint = endpoint or r.choices(list(ENDPOINT_PATHS), (5, 3, 4, 4, 1, 1, 1, 1))[0]
         model = model or r.choice(self.models)
         nonce = self.nonce()
         body = getattr(self, f"_{endpoint}_body")(model, nonce)
         read = r.choices(("all", "leave", "slow"), (7, 2, 1))[0]
         return Planned(
-            nonce=nonce, tenant=tenant or r.choice(self.tenants), gateway=r.randrange(self.gateways),
-            endpoint=endpoint, model=model, body=body, script=script or self.script(),
-            read=read, leave_byte=r.randint(1, 60_000), move=move,
-        )  # fmt: skip
+            nonce=nonce,
+            tenant=tenant or r.choice(self.tenants),
+            gateway=r.randrange(self.gateways),
+            endpoint=endpoint,
+            model=model,
+            body=body,
+            script=script or self.script(),
+            read=read,
+            leave_byte=r.randint(1, 60_000),
+            move=move,
+        )
 
     def _bound(self, body: dict[str, Any], name: str, required: bool = False) -> None:
         r = self.rng
@@ -158,11 +177,16 @@ class Generator:
         if self.rng.random() > 0.2:
             return None
         return [
-            {"type": "function", "function": {
-                "name": f"tool_{i}", "description": self.text(1, 12),
-                "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
+            {
+                "type": "function",
+                "function": {
+                    "name": f"tool_{i}",
+                    "description": self.text(1, 12),
+                    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+                },
+            }
             for i in range(self.rng.randint(1, 3))
-        ]  # fmt: skip
+        ]
 
     def _chat_body(self, model: str, nonce: str, system: str | None = None) -> dict[str, Any]:
         r = self.rng
@@ -170,8 +194,10 @@ class Generator:
         if system is not None or r.random() < 0.5:
             messages.append({"role": "system", "content": system or self.text(2, 40)})
         for _ in range(r.choice((0, 0, 1))):
-            messages += [{"role": "user", "content": self.text(1, 30)},
-                         {"role": "assistant", "content": self.text(1, 30)}]  # fmt: skip
+            messages += [
+                {"role": "user", "content": self.text(1, 30)},
+                {"role": "assistant", "content": self.text(1, 30)},
+            ]
         messages.append({"role": "user", "content": self._content(nonce)})
         body: dict[str, Any] = {"model": model, "messages": messages}
         if (tools := self._tools()) is not None:
@@ -193,8 +219,9 @@ class Generator:
     def _messages_body(self, model: str, nonce: str, system: str | None = None) -> dict[str, Any]:
         r = self.rng
         body: dict[str, Any] = {
-            "model": model, "messages": [{"role": "user", "content": self._content(nonce)}],
-        }  # fmt: skip
+            "model": model,
+            "messages": [{"role": "user", "content": self._content(nonce)}],
+        }
         if system is not None or r.random() < 0.5:
             system = system or self.text(2, 40)
             body["system"] = system if r.random() < 0.6 else [{"type": "text", "text": system}]
@@ -202,9 +229,7 @@ class Generator:
         self._stream(body, usage_option=False)
         return body
 
-    def _responses_body(
-        self, model: str, nonce: str, system: str | None = None
-    ) -> dict[str, Any]:
+    def _responses_body(self, model: str, nonce: str, system: str | None = None) -> dict[str, Any]:
         r = self.rng
         given: Any = f"{nonce} {self.text(3, 200)}"
         if r.random() < 0.3:
@@ -251,8 +276,18 @@ class Generator:
             body.pop("stream", None)
             body.pop("stream_options", None)
             script = Script(natural=r.randint(1500, 3000), usage="truth")
-            out.append(Planned(nonce, tenant, r.randrange(self.gateways), endpoint, model, body,
-                               script, move="train_burst"))  # fmt: skip
+            out.append(
+                Planned(
+                    nonce,
+                    tenant,
+                    r.randrange(self.gateways),
+                    endpoint,
+                    model,
+                    body,
+                    script,
+                    move="train_burst",
+                )
+            )
         return Move(at, "train_burst", out)
 
     def _unbounded_burst(self, at: float) -> Move:
@@ -262,8 +297,9 @@ class Generator:
         endpoint = r.choice(("chat", "responses"))
         out = []
         for _ in range(r.randint(6, 16)):
-            p = self.request(endpoint, tenant, model, Script(natural=r.randint(2000, 6000)),
-                             "unbounded_burst")  # fmt: skip
+            p = self.request(
+                endpoint, tenant, model, Script(natural=r.randint(2000, 6000)), "unbounded_burst"
+            )
             for key in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n"):
                 p.body.pop(key, None)
             p.read = "all"
@@ -276,7 +312,7 @@ class Generator:
         out: list[Planned] = []
         for turn in range(r.randint(2, 4)):
             p = self.request("responses", tenant, model, Script(natural=r.randint(5, 60)), "chain")
-            p.body.pop("store", None)
+            p.body.pop("instructions", None)  # whether vLLM keeps a stored turn's is not pinned
             p.script.transport, p.read = "ok", "all"
             if turn:
                 p.after = out[-1].nonce

@@ -52,6 +52,10 @@ SLOW_READ_S = 0.004  # per 4 KiB a slow client reads
 REDIS_DOWN = (0.35, 0.55)  # shares of the run: Redis stopped, then started again (empty)
 
 
+def log(message: str) -> None:
+    print(f"[adversary {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
 def key_of(tenant: str) -> str:
     return f"adversary-key-{tenant}"
 
@@ -68,6 +72,7 @@ class Outcome:
     response_id: str | None = None
     leaked: bool = False
     error: str = ""
+    ended: float = 0.0
 
 
 @dataclass
@@ -93,8 +98,13 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def policy(replicas: dict[str, str], metrics_port: int, redis_url: str | None, gateways: int
-           ) -> dict[str, Any]:  # fmt: skip
+def policy(
+    replicas: dict[str, str],
+    metrics_port: int,
+    redis_url: str | None,
+    gateways: int,
+    backend: str = "auto",
+) -> dict[str, Any]:
     pool = {
         "max_concurrency": 12,
         "queue": {"max_depth": 64, "max_wait_s": 5},
@@ -103,16 +113,24 @@ def policy(replicas: dict[str, str], metrics_port: int, redis_url: str | None, g
     }
     out: dict[str, Any] = {
         "models": {
-            m: {"tokenizer": str(directory(m)), "max_model_len": MAX_MODEL_LEN} for m in MODELS
+            m: {
+                "tokenizer": str(directory(m)),
+                "max_model_len": MAX_MODEL_LEN,
+                "tokenizer_backend": backend,
+            }
+            for m in MODELS
         },
         "pools": {m: {"model": m, "replicas": [replicas[m]], **pool} for m in MODELS},
         "classes": [{"name": "any", "when": {}}],
         "routes": [
-            {"match": {"model": [m]}, "pool": m,
-             **({"passthrough": ["/v1/adversary/echo"]} if m == MODELS[0] else {})}
+            {
+                "match": {"model": [m]},
+                "pool": m,
+                **({"passthrough": ["/v1/adversary/echo"]} if m == MODELS[0] else {}),
+            }
             for m in MODELS
-        ],  # fmt: skip
-        "server": {"metrics_port": metrics_port, "body_timeout_s": 10},
+        ],
+        "server": {"metrics_port": metrics_port, "body_timeout_s": 10, "drain_grace_s": 1},
         "admin": {"watch_interval_s": 0},
         "tenants": {
             name: {
@@ -124,8 +142,14 @@ def policy(replicas: dict[str, str], metrics_port: int, redis_url: str | None, g
         },
     }
     if redis_url is not None:
-        out["state"] = {"backend": "redis", "url": redis_url, "gateways": gateways,
-                        "on_failure": "open", "timeout_s": 0.2, "lease_ttl_s": 3}  # fmt: skip
+        out["state"] = {
+            "backend": "redis",
+            "url": redis_url,
+            "gateways": gateways,
+            "on_failure": "open",
+            "timeout_s": 0.2,
+            "lease_ttl_s": 3,
+        }
     return out
 
 
@@ -151,8 +175,17 @@ class RedisProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no"]  # fmt: skip
+        argv = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while True:
@@ -188,24 +221,31 @@ def count_received(endpoint: str, raw: bytes, stream: bool) -> int:
             answer = orjson.loads(raw)
         except orjson.JSONDecodeError:
             return 0
-        return orjson.dumps(answer.get("choices") or answer.get("content") or answer.get(
-            "output") or []).count(piece)  # fmt: skip
-    marks = (b'"chat.completion.chunk"', b'"text_completion"', b"content_block_delta",
-             b"response.output_text.delta")  # fmt: skip
+        return orjson.dumps(
+            answer.get("choices") or answer.get("content") or answer.get("output") or []
+        ).count(piece)
+    marks = (
+        b'"chat.completion.chunk"',
+        b'"text_completion"',
+        b"content_block_delta",
+        b"response.output_text.delta",
+    )
     events = raw.split(b"\n\n")[:-1]  # the last one may be cut
     return sum(e.count(piece) for e in events if any(m in e for m in marks))
 
 
-async def send(http: aiohttp.ClientSession, url: str, p: Planned, outcome: Outcome,
-               previous: str | None) -> None:  # fmt: skip
+async def send(
+    http: aiohttp.ClientSession, url: str, p: Planned, outcome: Outcome, previous: str | None
+) -> None:
     headers = {"Authorization": f"Bearer {key_of(p.tenant)}", "x-request-id": p.nonce}
     body = dict(p.body)
     if previous is not None:
         body["previous_response_id"] = previous
     raw = bytearray()
     try:
-        async with http.post(f"{url}{ENDPOINT_PATHS[p.endpoint]}", json=body, headers=headers
-                             ) as resp:  # fmt: skip
+        async with http.post(
+            f"{url}{ENDPOINT_PATHS[p.endpoint]}", json=body, headers=headers
+        ) as resp:
             outcome.status = resp.status
             async for chunk in resp.content.iter_chunked(4096):
                 raw += chunk
@@ -217,6 +257,7 @@ async def send(http: aiohttp.ClientSession, url: str, p: Planned, outcome: Outco
                     await asyncio.sleep(SLOW_READ_S)
     except (aiohttp.ClientError, TimeoutError) as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"[:200]
+    outcome.ended = time.time()
     outcome.leaked = SECRET.encode() in raw
     outcome.received_tokens = count_received(p.endpoint, bytes(raw), p.stream)
     if p.endpoint == "responses" and outcome.status == 200 and not outcome.left_early:
@@ -238,9 +279,13 @@ def _response_id(raw: bytes, stream: bool) -> str | None:
 
 async def _ticker(url: str, into: list[tuple[float, float]]) -> AsyncIterator[None]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "loadtest.adversary.ticker", url,
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "loadtest.adversary.ticker",
+        url,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
     assert proc.stdout is not None and proc.stdin is not None
 
     async def read() -> None:
@@ -323,12 +368,15 @@ async def _play(run: Run, plan: Plan, urls: list[str], redis_proc: RedisProcess 
                 raise task.exception()  # type: ignore[misc]
 
 
-async def execute(seed: int, seconds: float, gateways: int, logs: Path) -> Run:
-    """One run; its `Run` holds everything the checks read."""
+async def execute(
+    seed: int, seconds: float, gateways: int, logs: Path, backend: str = "auto"
+) -> Run:
+    """One run; its `Run` holds everything the checks read. `backend`: the gateways' tokenizer
+    library (`tokenizers` starts three models in a third of the time of `auto`'s self-check)."""
     run = Run(seed, gateways, seconds, logs=logs)
-    logs.mkdir(parents=True, exist_ok=True)
-    counter = Counter({m: directory(m) for m in MODELS})
-    replica = Replica(run.ledger, counter, MAX_MODEL_LEN)
+    await asyncio.to_thread(logs.mkdir, parents=True, exist_ok=True)
+    loading = asyncio.create_task(asyncio.to_thread(Counter, {m: directory(m) for m in MODELS}))
+    replica = Replica(run.ledger, loading, MAX_MODEL_LEN)
     secret = web.Application()
     secret.router.add_route("*", "/{tail:.*}", lambda _: _secret_answer())
     redis_proc = RedisProcess() if gateways > 1 else None
@@ -343,22 +391,29 @@ async def execute(seed: int, seconds: float, gateways: int, logs: Path) -> Run:
             if redis_proc is not None:
                 redis_proc.start()
                 stack.callback(redis_proc.stop)
-            urls, metrics_ports = [], []
+            metrics_ports, starting = [], []
             for i in range(gateways):
                 metrics_ports.append(free_port())
                 directory_i = logs / f"gateway-{i}"
                 directory_i.mkdir(exist_ok=True)
                 path = directory_i / "policy.yaml"
-                spec = policy(replicas, metrics_ports[-1], redis_proc and redis_proc.url, gateways)
+                spec = policy(
+                    replicas, metrics_ports[-1], redis_proc and redis_proc.url, gateways, backend
+                )
                 path.write_text(yaml.safe_dump(spec, sort_keys=False))
-                urls.append(await stack.enter_async_context(
-                    gateway_process(path, free_port(), directory_i)))  # fmt: skip
+                starting.append(gateway_process(path, free_port(), directory_i))
+            log(f"starting {gateways} gateway(s) and loading the replica's tokenizers")
+            urls = await asyncio.gather(*(stack.enter_async_context(g) for g in starting))
+            await loading
+            for url in urls:
                 run.ticks.append([])
-                await stack.enter_async_context(ticker(urls[-1], run.ticks[-1]))
+                await stack.enter_async_context(ticker(url, run.ticks[-1]))
+            log(f"{gateways} gateway(s) ready; quiet baseline {BASELINE_S:g} s")
             await asyncio.sleep(BASELINE_S)
             run.started = time.time()
             await _play(run, plan, urls, redis_proc)
             run.attack = (run.started, time.time())
+            log(f"attack and drain took {run.attack[1] - run.attack[0]:.1f} s; quiet {QUIET_S:g} s")
             await asyncio.sleep(QUIET_S)
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
                 run.metrics = [await _scrape(http, port) for port in metrics_ports]
@@ -366,6 +421,7 @@ async def execute(seed: int, seconds: float, gateways: int, logs: Path) -> Run:
                 run.redis_leases = redis_proc.live_leases()
     finally:
         replica.close()
+    log("stopped")
     for i in range(gateways):
         lines = (logs / f"gateway-{i}" / "access.jsonl").read_bytes().splitlines()
         for line in lines:

@@ -117,12 +117,18 @@ def _to_produce(endpoint: str, body: dict[str, Any], script: Script, room: int) 
 class Replica:
     """The app factory and its shared state: one `Ledger`, one counting thread."""
 
-    def __init__(self, ledger: Ledger, counter: Counter, max_model_len: int) -> None:
+    def __init__(
+        self, ledger: Ledger, counter: asyncio.Future[Counter], max_model_len: int
+    ) -> None:
         self.ledger = ledger
-        self.counter = counter
+        self._counter = counter  # loaded while the gateways start
         self.max_model_len = max_model_len
         self.stored: dict[str, tuple[str, list[dict[str, Any]]]] = {}  # id -> (model, chat)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="replica-count")
+
+    @property
+    def counter(self) -> Counter:
+        return self._counter.result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -171,9 +177,13 @@ class Replica:
             arrival.ended = time.time()
 
     async def _answer(
-        self, request: web.Request, endpoint: str, body: dict[str, Any], script: Script,
+        self,
+        request: web.Request,
+        endpoint: str,
+        body: dict[str, Any],
+        script: Script,
         arrival: Arrival,
-    ) -> web.StreamResponse:  # fmt: skip
+    ) -> web.StreamResponse:
         chat: list[dict[str, Any]] | None = None
         if endpoint == "responses":
             previous = body.get("previous_response_id")
@@ -225,9 +235,14 @@ class Replica:
         return (prompt, output)
 
     def _store(
-        self, endpoint: str, body: dict[str, Any], arrival: Arrival,
-        chat: list[dict[str, Any]] | None, text: str, answer: dict[str, Any],
-    ) -> None:  # fmt: skip
+        self,
+        endpoint: str,
+        body: dict[str, Any],
+        arrival: Arrival,
+        chat: list[dict[str, Any]] | None,
+        text: str,
+        answer: dict[str, Any],
+    ) -> None:
         if endpoint != "responses" or body.get("store") is False or chat is None:
             return
         turns = [m for m in chat if m.get("role") != "system"] + [
@@ -236,9 +251,15 @@ class Replica:
         self.stored[answer["id"]] = (arrival.model, turns)
 
     async def _stream(
-        self, request: web.Request, shapes: _Shapes, script: Script, arrival: Arrival,
-        produce: int, sequences: int, chat: list[dict[str, Any]] | None,
-    ) -> web.StreamResponse:  # fmt: skip
+        self,
+        request: web.Request,
+        shapes: _Shapes,
+        script: Script,
+        arrival: Arrival,
+        produce: int,
+        sequences: int,
+        chat: list[dict[str, Any]] | None,
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await resp.write(shapes.start())
@@ -346,17 +367,28 @@ class _Shapes:
         if self.endpoint == "messages":
             return {"input_tokens": prompt, "output_tokens": output}
         if self.endpoint == "responses":
-            return {"input_tokens": prompt, "output_tokens": output, "total_tokens": prompt + output}
-        return {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output}
+            return {
+                "input_tokens": prompt,
+                "output_tokens": output,
+                "total_tokens": prompt + output,
+            }
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": output,
+            "total_tokens": prompt + output,
+        }
 
     def whole(self, text: str, usage: tuple[int, int] | None) -> dict[str, Any]:
         out: dict[str, Any]
         if self.endpoint == "chat":
             choices = [
-                {"index": i, "message": {"role": "assistant", "content": text},
-                 "finish_reason": "length"}
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "length",
+                }
                 for i in range(self.sequences)
-            ]  # fmt: skip
+            ]
             out = {"id": "chatcmpl-a", "object": "chat.completion", "choices": choices}
         elif self.endpoint == "completions":
             choices = [
@@ -365,15 +397,26 @@ class _Shapes:
             out = {"id": "cmpl-a", "object": "text_completion", "choices": choices}
         elif self.endpoint == "messages":
             out = {
-                "id": "msg_a", "type": "message", "role": "assistant",
-                "content": [{"type": "text", "text": text}], "stop_reason": "max_tokens",
-            }  # fmt: skip
+                "id": "msg_a",
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "text", "text": text}],
+                "stop_reason": "max_tokens",
+            }
         else:
             out = {
-                "id": self.id, "object": "response", "status": "completed",
-                "output": [{"type": "message", "role": "assistant", "status": "completed",
-                            "content": [{"type": "output_text", "text": text}]}],
-            }  # fmt: skip
+                "id": self.id,
+                "object": "response",
+                "status": "completed",
+                "output": [
+                    {
+                        "type": "message",
+                        "role": "assistant",
+                        "status": "completed",
+                        "content": [{"type": "output_text", "text": text}],
+                    }
+                ],
+            }
         out["model"] = self.model
         shaped = self._usage(usage)
         if shaped is not None:
@@ -383,15 +426,30 @@ class _Shapes:
     def start(self) -> bytes:
         if self.endpoint == "messages":
             usage = {"input_tokens": self.arrival.prompt_tokens or 0, "output_tokens": 0}
-            message = {"id": "msg_a", "type": "message", "role": "assistant", "content": [],
-                       "model": self.model, "usage": usage}  # fmt: skip
+            message = {
+                "id": "msg_a",
+                "type": "message",
+                "role": "assistant",
+                "content": [],
+                "model": self.model,
+                "usage": usage,
+            }
             return _sse({"type": "message_start", "message": message}, "message_start") + _sse(
-                {"type": "content_block_start", "index": 0,
-                 "content_block": {"type": "text", "text": ""}}, "content_block_start",
-            )  # fmt: skip
+                {
+                    "type": "content_block_start",
+                    "index": 0,
+                    "content_block": {"type": "text", "text": ""},
+                },
+                "content_block_start",
+            )
         if self.endpoint == "responses":
-            response = {"id": self.id, "object": "response", "status": "in_progress",
-                        "model": self.model, "output": []}  # fmt: skip
+            response = {
+                "id": self.id,
+                "object": "response",
+                "status": "in_progress",
+                "model": self.model,
+                "output": [],
+            }
             return _sse({"type": "response.created", "response": response}, "response.created")
         return b""
 
@@ -406,20 +464,41 @@ class _Shapes:
     def delta(self, text: str, index: int) -> bytes:
         if self.endpoint == "chat":
             choice = {"index": index, "delta": {"content": text}, "finish_reason": None}
-            return _sse({"id": "chatcmpl-a", "object": "chat.completion.chunk",
-                         "model": self.model, "choices": [choice]})  # fmt: skip
+            return _sse(
+                {
+                    "id": "chatcmpl-a",
+                    "object": "chat.completion.chunk",
+                    "model": self.model,
+                    "choices": [choice],
+                }
+            )
         if self.endpoint == "completions":
             choice = {"index": index, "text": text, "finish_reason": None}
-            return _sse({"id": "cmpl-a", "object": "text_completion", "model": self.model,
-                         "choices": [choice]})  # fmt: skip
+            return _sse(
+                {
+                    "id": "cmpl-a",
+                    "object": "text_completion",
+                    "model": self.model,
+                    "choices": [choice],
+                }
+            )
         if self.endpoint == "messages":
-            delta = {"type": "content_block_delta", "index": 0,
-                     "delta": {"type": "text_delta", "text": text}}  # fmt: skip
+            delta = {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "text_delta", "text": text},
+            }
             return _sse(delta, "content_block_delta")
         return _sse(
-            {"type": "response.output_text.delta", "item_id": "msg_a", "output_index": 0,
-             "content_index": 0, "delta": text}, "response.output_text.delta",
-        )  # fmt: skip
+            {
+                "type": "response.output_text.delta",
+                "item_id": "msg_a",
+                "output_index": 0,
+                "content_index": 0,
+                "delta": text,
+            },
+            "response.output_text.delta",
+        )
 
     def end(self, text: str, usage: tuple[int, int] | None, whole: dict[str, Any]) -> bytes:
         shaped = self._usage(usage)
@@ -432,12 +511,15 @@ class _Shapes:
                 out += _sse({"id": "a", "object": kind, "model": self.model, "choices": [done]})
             options = self.body.get("stream_options") or {}
             if shaped is not None and options.get("include_usage"):
-                out += _sse({"id": "a", "object": kind, "model": self.model, "choices": [],
-                             "usage": shaped})  # fmt: skip
+                out += _sse(
+                    {"id": "a", "object": kind, "model": self.model, "choices": [], "usage": shaped}
+                )
             return out + b"data: [DONE]\n\n"
         if self.endpoint == "messages":
-            delta: dict[str, Any] = {"type": "message_delta",
-                                     "delta": {"stop_reason": "max_tokens"}}  # fmt: skip
+            delta: dict[str, Any] = {
+                "type": "message_delta",
+                "delta": {"stop_reason": "max_tokens"},
+            }
             if shaped is not None:
                 delta["usage"] = {"output_tokens": shaped["output_tokens"]}
             return (
@@ -445,7 +527,6 @@ class _Shapes:
                 + _sse(delta, "message_delta")
                 + _sse({"type": "message_stop"}, "message_stop")
             )
-        return _sse({"type": "response.output_text.done", "delta": text},
-                    "response.output_text.done") + _sse(
-            {"type": "response.completed", "response": whole}, "response.completed"
-        )  # fmt: skip
+        return _sse(
+            {"type": "response.output_text.done", "delta": text}, "response.output_text.done"
+        ) + _sse({"type": "response.completed", "response": whole}, "response.completed")
