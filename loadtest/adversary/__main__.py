@@ -2,6 +2,7 @@
 
     python -m loadtest.adversary --seed 7 --seconds 60 [--gateways 2] [--out FILE]
     python -m loadtest.adversary --seconds 20 --until Q    # fresh seeds until Q breaks
+    python -m loadtest.adversary --seconds 20 --until L:tiny_events   # ... naming that move
 
 Prints every broken promise with its seed and requests, writes a report (Markdown) and exits
 1 when a promise broke, 0 when all held. `--seed` replays a run's plan.
@@ -53,6 +54,11 @@ async def once(
     return run, check(run), time.monotonic() - started
 
 
+def _matches(broken: Broken, until: str, seed: int) -> bool:
+    promise, _, text = until.partition(":")
+    return broken.promise == promise and text in broken.line(seed)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.adversary")
     parser.add_argument("--seed", type=int, default=None)
@@ -68,7 +74,8 @@ def main() -> int:
     parser.add_argument(
         "--until",
         default=None,
-        help="repeat with fresh seeds until this promise (Q, C, L, S, X) breaks",
+        help="repeat with fresh seeds until this promise (Q, C, L, S, X) breaks; PROMISE:TEXT"
+        " until a broken line of it also names TEXT (a move, e.g. Q:cut_streams)",
     )
     args = parser.parse_args()
     seed = fresh_seed() if args.seed is None else args.seed
@@ -85,7 +92,7 @@ def main() -> int:
             )
         text = report(run, broken, wall)
         print(text, flush=True)
-        if args.until is None or any(b.promise == args.until for b in broken):
+        if args.until is None or any(_matches(b, args.until, run.seed) for b in broken):
             break
         seed = fresh_seed()
     if args.until is not None:
