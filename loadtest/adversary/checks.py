@@ -13,13 +13,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from loadtest.adversary.harness import MAX_MODEL_LEN, TENANTS, Outcome, Run
 
 WINDOW_S = 60.0
-# L: /healthz's worst latency during the attack may exceed the quiet baseline's by this much.
-# The ticker is its own process, so it sees the gateway's loop and the machine's scheduling:
-# on two cores shared with other work a loaded but healthy gateway still answers late by
-# 10-30 ms now and then (the tokenizer threads and the harness compete for the cores); a
-# request or a replica that holds the loop (items 2, 5, 6, 9, 10 of issue 35: 54-567 ms) is
-# well above it.
+# L: /healthz's worst latency during the attack may exceed the quiet baseline's by L_MARGIN_S
+# when the gateway's own loop-lag histogram saw no lag over it meanwhile, and by L_ALONE_S in
+# any case. The ticker is its own process, so it sees the gateway's loop and the machine's
+# scheduling: on two cores shared with other work, a loaded gateway whose loop is never held
+# (issue 35's fixes merged) still answered 50-70 ms late now and then, with no lag over 50 ms in
+# its histogram. The histogram (one sample each 250 ms) cannot be late for the ticker's
+# reasons, but misses most short holds; together they catch a 60 ms hold at once when it falls
+# on a sample and in a long run when it repeats, and a hold of L_ALONE_S or more (issue 35's
+# items 2, 6, 9, 10: 99-567 ms) every time.
 L_MARGIN_S = 0.05
+L_ALONE_S = 0.15
 COUNTED = ("chat", "completions", "messages", "responses", "embeddings", "rerank")
 GAUGES_AT_ZERO = (
     "llm_inflight_requests",
@@ -204,7 +208,9 @@ def check_loop(run: Run) -> list[Broken]:
             broken.append(Broken("L", f"gateway {i}: the ticker reported nothing"))
             continue
         baseline = max(quiet)
-        late = sorted((t, w) for w, t in loud if w > baseline + L_MARGIN_S)
+        witnessed = _lags_over(run.metrics[i]) - _lags_over(run.metrics_before[i]) > 0
+        margin = L_MARGIN_S if witnessed else L_ALONE_S
+        late = sorted((t, w) for w, t in loud if w > baseline + margin)
         if not late:
             continue
         seconds = []
@@ -221,22 +227,22 @@ def check_loop(run: Run) -> list[Broken]:
             Broken(
                 "L",
                 f"gateway {i}: /healthz over its quiet baseline {baseline * 1000:.0f} ms +"
-                f" {L_MARGIN_S * 1000:.0f} ms in {len(late)} s: {'; '.join(seconds)};"
-                f" {_lag_witness(run.metrics[i])}",
+                f" {margin * 1000:.0f} ms in {len(late)} s: {'; '.join(seconds)}; the gateway's"
+                f" own loop-lag histogram {'saw' if witnessed else 'did not see'} a lag over"
+                f" {L_MARGIN_S * 1000:.0f} ms",
                 sorted(culprits),
             )
         )
     return broken
 
 
-def _lag_witness(metrics: str) -> str:
+def _lags_over(metrics: str) -> float:
+    """Observations of `llm_event_loop_lag_seconds` over L_MARGIN_S in a scrape."""
     for family in text_string_to_metric_families(metrics):
         if family.name == "llm_event_loop_lag_seconds":
-            over = [s for s in family.samples if s.name.endswith("_bucket")]
-            total = max((s.value for s in over), default=0)
-            below = max((s.value for s in over if s.labels.get("le") == "0.05"), default=0)
-            return f"the gateway's own loop-lag histogram saw {total - below:.0f} lags over 50 ms"
-    return "no loop-lag histogram scraped"
+            buckets = {s.labels.get("le"): s.value for s in family.samples if "le" in s.labels}
+            return buckets.get("+Inf", 0.0) - buckets.get(str(L_MARGIN_S), 0.0)
+    return 0.0
 
 
 def check_slots(run: Run) -> list[Broken]:

@@ -312,7 +312,6 @@ class Generator:
         out: list[Planned] = []
         for turn in range(r.randint(2, 4)):
             p = self.request("responses", tenant, model, Script(natural=r.randint(5, 60)), "chain")
-            p.body.pop("instructions", None)  # whether vLLM keeps a stored turn's is not pinned
             p.script.transport, p.read = "ok", "all"
             if turn:
                 p.after = out[-1].nonce

@@ -84,7 +84,8 @@ class Run:
     outcomes: list[Outcome] = field(default_factory=list)
     ledger: Ledger = field(default_factory=Ledger)
     access: list[dict[str, Any]] = field(default_factory=list)
-    metrics: list[str] = field(default_factory=list)
+    metrics: list[str] = field(default_factory=list)  # each gateway's, after the quiet period
+    metrics_before: list[str] = field(default_factory=list)  # and before the attack
     ticks: list[list[tuple[float, float]]] = field(default_factory=list)
     attack: tuple[float, float] = (0.0, 0.0)
     redis_down: tuple[float, float] | None = None
@@ -410,6 +411,8 @@ async def execute(
                 await stack.enter_async_context(ticker(url, run.ticks[-1]))
             log(f"{gateways} gateway(s) ready; quiet baseline {BASELINE_S:g} s")
             await asyncio.sleep(BASELINE_S)
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+                run.metrics_before = [await _scrape(http, port) for port in metrics_ports]
             run.started = time.time()
             await _play(run, plan, urls, redis_proc)
             run.attack = (run.started, time.time())
