@@ -64,6 +64,7 @@ class Move:
     kind: str
     requests: list[Planned]
     concurrent: bool = False  # all at once, else one after another
+    burst_from: int | None = None  # one after another up to this request, the rest at once
 
 
 @dataclass
@@ -267,8 +268,9 @@ class Generator:
         system = self.text(20, 60)
         name = {"chat": "max_tokens", "messages": "max_tokens", "responses": "max_output_tokens"}
         out = []
-        for i in range(r.randint(8, 20) + r.randint(8, 20)):
-            training = i < 10
+        trained = r.randint(8, 20)
+        for i in range(trained + r.randint(8, 20)):
+            training = i < trained
             nonce = self.nonce()
             body = getattr(self, f"_{endpoint}_body")(model, nonce, system)
             body.pop("n", None)
@@ -288,7 +290,7 @@ class Generator:
                     move="train_burst",
                 )
             )
-        return Move(at, "train_burst", out)
+        return Move(at, "train_burst", out, burst_from=trained)
 
     def _unbounded_burst(self, at: float) -> Move:
         """No output bound: vLLM generates to the end of the context (or its end-of-sequence)."""
@@ -327,11 +329,12 @@ class Generator:
         return Move(at, "tiny_events", [p])
 
     def _cut_streams(self, at: float) -> Move:
-        """Many tokens per event, read a while, then left: charged for what was delivered?"""
+        """Streams of many tokens per event, each read a while then left, one after another by
+        one tenant: charged for what it was delivered, or per event?"""
         r = self.rng
         tenant, model = r.choice(self.tenants), r.choice(self.models)
         out = []
-        for _ in range(r.randint(1, 4)):
+        for _ in range(r.randint(4, 12)):
             endpoint = r.choice(GENERATIVE)
             script = Script(natural=3000, tokens_per_event=r.randint(4, 12), pace_s=0.002)
             p = self.request(endpoint, tenant, model, script, "cut_streams")
@@ -345,7 +348,7 @@ class Generator:
                 p.body["stream_options"] = {"include_usage": True}
             p.read, p.leave_byte = "leave", r.randint(20_000, 400_000)
             out.append(p)
-        return Move(at, "cut_streams", out, concurrent=True)
+        return Move(at, "cut_streams", out)
 
     def _retry_reset(self, at: float) -> Move:
         p = self.request(self.rng.choice(GENERATIVE), move="retry_reset")

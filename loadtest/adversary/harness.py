@@ -342,11 +342,12 @@ async def _play(run: Run, plan: Plan, urls: list[str], redis_proc: RedisProcess 
 
         async def move(m: Move) -> None:
             await asyncio.sleep(max(0.0, run.started + m.at_s - time.time()))
-            if m.concurrent:
-                await asyncio.gather(*(one(p) for p in m.requests))
-            else:
-                for p in m.requests:
-                    await one(p)
+            together = 0 if m.concurrent else len(m.requests)
+            if m.burst_from is not None:
+                together = m.burst_from
+            for p in m.requests[:together]:
+                await one(p)
+            await asyncio.gather(*(one(p) for p in m.requests[together:]))
 
         async def outage() -> None:
             assert redis_proc is not None
