@@ -324,7 +324,7 @@ class Generator:
     def _tiny_events(self, at: float) -> Move:
         p = self.request(self.rng.choice(GENERATIVE), script=self.script(), move="tiny_events")
         p.body["stream"] = True
-        p.script.tiny_events = self.rng.choice((8_000, 32_000))
+        p.script.tiny_events = self.rng.choice((12_000, 48_000, 96_000))
         p.script.transport = "ok"
         return Move(at, "tiny_events", [p])
 

@@ -267,7 +267,7 @@ class Replica:
             await resp.write(b": " + b"x" * script.huge_event_bytes + b"\n\n")
         if script.tiny_events:
             tiny = shapes.tiny_usage()
-            batch = 4096
+            batch = 12_000  # about 256 KB a write, as the break issue 35 found was sent
             for start in range(0, script.tiny_events, batch):
                 await resp.write(tiny * min(batch, script.tiny_events - start))
         sent = 0
