@@ -10,20 +10,16 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.adversary.harness import MAX_MODEL_LEN, TENANTS, Outcome, Run
+from loadtest.adversary.harness import LAG_S, MAX_MODEL_LEN, TENANTS, Outcome, Run
 
 WINDOW_S = 60.0
-# L: /healthz's worst latency during the attack may exceed the quiet baseline's by L_MARGIN_S
-# when the gateway's own loop-lag histogram saw no lag over it meanwhile, and by L_ALONE_S in
-# any case. The ticker is its own process, so it sees the gateway's loop and the machine's
-# scheduling: on two cores shared with other work, a loaded gateway whose loop is never held
-# (issue 35's fixes merged) still answered 50-70 ms late now and then, with no lag over 50 ms in
-# its histogram. The histogram (one sample each 250 ms) cannot be late for the ticker's
-# reasons, but misses most short holds; together they catch a 60 ms hold at once when it falls
-# on a sample and in a long run when it repeats, and a hold of L_ALONE_S or more (issue 35's
-# items 2, 6, 9, 10: 99-567 ms) every time.
-L_MARGIN_S = 0.05
-L_ALONE_S = 0.15
+# L: a second in which /healthz answered more than LAG_S later than its quiet baseline's
+# worst, and in which (within a second either side) the gateway's own loop-lag histogram saw a
+# lag over LAG_S: the loop did not run. Two witnesses, because each alone misleads on two
+# cores shared with other work: the ticker (its own process) is late whenever it is not
+# scheduled (a busy machine made it 310 ms late once, the gateway's histogram seeing nothing),
+# and the histogram (a sample every 250 ms) misses a short hold but never one over 300 ms.
+# Issue 35's relay, KV-event and (first) tokenizer holds were 203-567 ms.
 COUNTED = ("chat", "completions", "messages", "responses", "embeddings", "rerank")
 GAUGES_AT_ZERO = (
     "llm_inflight_requests",
@@ -208,9 +204,12 @@ def check_loop(run: Run) -> list[Broken]:
             broken.append(Broken("L", f"gateway {i}: the ticker reported nothing"))
             continue
         baseline = max(quiet)
-        witnessed = _lags_over(run.metrics[i]) - _lags_over(run.metrics_before[i]) > 0
-        margin = L_MARGIN_S if witnessed else L_ALONE_S
-        late = sorted((t, w) for w, t in loud if w > baseline + margin)
+        held = [t for t, _ in run.lags[i]]
+        late = sorted(
+            (t, w)
+            for w, t in loud
+            if w > baseline + LAG_S and any(t - 1.5 <= h <= t + 2.5 for h in held)
+        )
         if not late:
             continue
         seconds = []
@@ -227,22 +226,12 @@ def check_loop(run: Run) -> list[Broken]:
             Broken(
                 "L",
                 f"gateway {i}: /healthz over its quiet baseline {baseline * 1000:.0f} ms +"
-                f" {margin * 1000:.0f} ms in {len(late)} s: {'; '.join(seconds)}; the gateway's"
-                f" own loop-lag histogram {'saw' if witnessed else 'did not see'} a lag over"
-                f" {L_MARGIN_S * 1000:.0f} ms",
+                f" {LAG_S * 1000:.0f} ms, its own loop-lag histogram seeing a lag over"
+                f" {LAG_S * 1000:.0f} ms then, in {len(late)} s: {'; '.join(seconds)}",
                 sorted(culprits),
             )
         )
     return broken
-
-
-def _lags_over(metrics: str) -> float:
-    """Observations of `llm_event_loop_lag_seconds` over L_MARGIN_S in a scrape."""
-    for family in text_string_to_metric_families(metrics):
-        if family.name == "llm_event_loop_lag_seconds":
-            buckets = {s.labels.get("le"): s.value for s in family.samples if "le" in s.labels}
-            return buckets.get("+Inf", 0.0) - buckets.get(str(L_MARGIN_S), 0.0)
-    return 0.0
 
 
 def check_slots(run: Run) -> list[Broken]:

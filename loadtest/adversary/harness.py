@@ -29,6 +29,7 @@ import orjson
 import redis
 import yaml
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.adversary.count import Counter
 from loadtest.adversary.generator import ENDPOINT_PATHS, Generator, Move, Plan, Planned
@@ -87,7 +88,8 @@ class Run:
     ledger: Ledger = field(default_factory=Ledger)
     access: list[dict[str, Any]] = field(default_factory=list)
     metrics: list[str] = field(default_factory=list)  # each gateway's, after the quiet period
-    metrics_before: list[str] = field(default_factory=list)  # and before the attack
+    # Per gateway, when a scrape (one a second) found more loop lags over LAG_S than the last.
+    lags: list[list[tuple[float, float]]] = field(default_factory=list)
     ticks: list[list[tuple[float, float]]] = field(default_factory=list)
     attack: tuple[float, float] = (0.0, 0.0)
     redis_down: tuple[float, float] | None = None
@@ -322,6 +324,33 @@ async def _scrape(http: aiohttp.ClientSession, port: int) -> str:
         return f"# scrape failed: {exc!r}\n"
 
 
+LAG_S = 0.05  # the loop-lag histogram's bucket the L check reads (checks.L_MARGIN_S)
+
+
+def lags_over(metrics: str) -> float:
+    """Observations of `llm_event_loop_lag_seconds` over LAG_S in a scrape."""
+    for family in text_string_to_metric_families(metrics):
+        if family.name == "llm_event_loop_lag_seconds":
+            buckets = {s.labels.get("le"): s.value for s in family.samples if "le" in s.labels}
+            return buckets.get("+Inf", 0.0) - buckets.get(str(LAG_S), 0.0)
+    return 0.0
+
+
+async def _watch_lags(run: Run, ports: list[int]) -> None:
+    """Each gateway's loop-lag histogram read once a second through the attack: L's second
+    witness, placed in time."""
+    run.lags = [[] for _ in ports]
+    seen = [-1.0] * len(ports)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        while True:
+            for i, port in enumerate(ports):
+                over = lags_over(await _scrape(http, port))
+                if seen[i] >= 0 and over > seen[i]:
+                    run.lags[i].append((time.time(), over - seen[i]))
+                seen[i] = over
+            await asyncio.sleep(1.0)
+
+
 async def _play(run: Run, plan: Plan, urls: list[str], redis_proc: RedisProcess | None) -> None:
     limit = asyncio.Semaphore(CLIENT_CONCURRENCY)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
@@ -414,10 +443,12 @@ async def execute(
                 await stack.enter_async_context(ticker(url, run.ticks[-1]))
             log(f"{gateways} gateway(s) ready; quiet baseline {BASELINE_S:g} s")
             await asyncio.sleep(BASELINE_S)
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
-                run.metrics_before = [await _scrape(http, port) for port in metrics_ports]
             run.started = time.time()
-            await _play(run, plan, urls, redis_proc)
+            watching = asyncio.create_task(_watch_lags(run, metrics_ports))
+            try:
+                await _play(run, plan, urls, redis_proc)
+            finally:
+                watching.cancel()
             run.attack = (run.started, time.time())
             log(f"attack and drain took {run.attack[1] - run.attack[0]:.1f} s; quiet {QUIET_S:g} s")
             await asyncio.sleep(QUIET_S)
