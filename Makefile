@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The real-vLLM suite's tiny model; vLLM's own environment is cached outside the repository.
 TINY_LLAMA := loadtest/out/tiny-llama
 
-.PHONY: test test-vllm image lint demo schema bench-overhead bench-endpoints bench-vllm soak clean
+.PHONY: test test-vllm image lint demo schema bench-overhead bench-endpoints bench-vllm soak fuzz clean
 
 $(STAMP): pyproject.toml
 	python=$$(PYTHON='$(PYTHON)' tests/setup/python.sh) && tests/setup/venv.sh "$$python" $(VENV)
@@ -59,6 +59,18 @@ bench-endpoints: $(STAMP)
 
 soak: $(STAMP)
 	$(BIN)/python -m loadtest.soak
+
+# The generative adversary's long profile (issue 35's promises): 10 minutes against one gateway,
+# then 10 against two sharing redis-server; a fresh seed each, printed, and a report per run in
+# loadtest/out/. Replay one: `python -m loadtest.adversary --seed N --seconds 600 [--gateways 2]`.
+FUZZ_SECONDS ?= 600
+fuzz: $(STAMP)
+	tests/setup/tools.sh $(VENV)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m loadtest.adversary --seconds $(FUZZ_SECONDS) \
+		--gateways 1 --out loadtest/out/fuzz-one-gateway.md; one=$$?; \
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m loadtest.adversary --seconds $(FUZZ_SECONDS) \
+		--gateways 2 --out loadtest/out/fuzz-two-gateways.md; two=$$?; \
+	test $$one -eq 0 -a $$two -eq 0
 
 bench-vllm: $(STAMP)
 	VLLM_PYTHON=$$(tests_vllm/vllm_env.sh) && \

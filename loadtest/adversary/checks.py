@@ -1,0 +1,303 @@
+"""The four promises, checked on a finished `Run` (docs/architecture.md, "What the gateway
+promises"). Each broken promise is one `Broken`: its letter, what was seen against what was
+promised, and the requests that did it (nonces, findable in the replay)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.adversary.harness import LAG_S, MAX_MODEL_LEN, TENANTS, Outcome, Run
+
+WINDOW_S = 60.0
+# L: a second in which /healthz answered more than LAG_S later than its quiet baseline's
+# worst, and in which (within a second either side) the gateway's own loop-lag histogram saw a
+# lag over LAG_S: the loop did not run. Two witnesses, because each alone misleads on two
+# cores shared with other work: the ticker (its own process) is late whenever it is not
+# scheduled (a busy machine made it 310 ms late once, the gateway's histogram seeing nothing),
+# and the histogram (a sample every 250 ms) misses a short hold but never one over 300 ms.
+# Issue 35's relay, KV-event and (first) tokenizer holds were 203-567 ms.
+COUNTED = ("chat", "completions", "messages", "responses", "embeddings", "rerank")
+GAUGES_AT_ZERO = (
+    "llm_inflight_requests",
+    "llm_inflight_tokens",
+    "llm_queue_depth",
+    "llm_replica_leases",
+)
+
+
+@dataclass
+class Broken:
+    promise: str  # Q, C, L, S (and X: a leak through a followed redirect)
+    what: str
+    nonces: list[str] = field(default_factory=list)
+
+    def line(self, seed: int) -> str:
+        shown = ", ".join(self.nonces[:12]) + (" ..." if len(self.nonces) > 12 else "")
+        return f"[{self.promise}] seed {seed}: {self.what}" + (
+            f" (requests: {shown})" if shown else ""
+        )
+
+
+def _log_by_nonce(run: Run) -> dict[str, list[dict[str, Any]]]:
+    """Access-log lines by the nonce the harness sent as `x-request-id`; a gateway that logs an id
+    of its own is matched through the id the replica received."""
+    upstream = {a.upstream_id: n for n, arrivals in run.ledger.arrivals.items() for a in arrivals}
+    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    scripted = run.ledger.scripts
+    for line in run.access:
+        rid = str(line.get("request_id"))
+        nonce = rid if rid in scripted else upstream.get(rid)
+        if nonce is not None:
+            out[nonce].append(line)
+    return out
+
+
+def tokens_got(outcome: Outcome, run: Run) -> int:
+    """What a request's tenant got: the prompt the replica prefilled, and the output it produced,
+    counted from the client's own reading when the client left a stream early (what it got), and
+    at the replica's word where its usage was a plausible understatement (a lie no gateway can
+    see, bounded by the reservation)."""
+    arrivals = run.ledger.arrivals.get(outcome.planned.nonce, [])
+    if not arrivals:
+        return 0
+    prompt = max(a.prompt_tokens or 0 for a in arrivals)
+    produced = sum(a.produced for a in arrivals)
+    if outcome.left_early and outcome.planned.stream:
+        produced = min(produced, outcome.received_tokens)
+    elif outcome.left_early:
+        produced = 0
+    if outcome.planned.script.usage == "understate" and any(a.finished for a in arrivals):
+        produced = min(produced, sum(a.reported or 0 for a in arrivals))
+    return prompt + produced
+
+
+def _undercharged(run: Run, nonces: list[str]) -> str:
+    """Which moves got more than the gateway reserved for them when it admitted them or charged
+    them when it settled (the smaller of the two, from its access log), summed by move: names
+    the trick. A request that got more than it reserved let others in on room it then used; one
+    that got more than it was charged left room behind for the next."""
+    logged = _log_by_nonce(run)
+    outcomes = {o.planned.nonce: o for o in run.outcomes}
+    by_move: dict[str, int] = defaultdict(int)
+    for nonce in nonces:
+        lines = logged.get(nonce, [])
+        inputs = sum(x.get("input_tokens") or 0 for x in lines)
+        charged = inputs + sum(x.get("output_tokens") or 0 for x in lines)
+        reserved = inputs + sum(x.get("expected_output_tokens") or 0 for x in lines)
+        outcome = outcomes[nonce]
+        by_move[f"{outcome.planned.move}/{outcome.planned.endpoint}"] += max(
+            0, tokens_got(outcome, run) - min(charged, reserved)
+        )
+    worst = sorted(by_move.items(), key=lambda kv: -kv[1])[:4]
+    return "; got beyond their reservation or charge: " + ", ".join(
+        f"{k} {v:+d}" for k, v in worst if v
+    )
+
+
+def check_quota(run: Run) -> list[Broken]:
+    broken = []
+    by_tenant: dict[str, list[tuple[float, int, str]]] = defaultdict(list)
+    for outcome in run.outcomes:
+        if outcome.planned.endpoint in ("tokenize",):
+            continue
+        got = tokens_got(outcome, run)
+        reached = bool(run.ledger.arrivals.get(outcome.planned.nonce))
+        if reached or got:
+            by_tenant[outcome.planned.tenant].append((outcome.sent_at, got, outcome.planned.nonce))
+    for tenant, rows in by_tenant.items():
+        tpm, rpm = TENANTS[tenant]
+        rows.sort()
+        for i, (start, _, _) in enumerate(rows):
+            window = [r for r in rows[i:] if r[0] < start + WINDOW_S]
+            tokens = sum(r[1] for r in window)
+            burst = max(r[1] for r in window)  # about one request's worth: the largest one's
+            outages = _outages(run, start)
+            bound = tpm * (1 + outages) + burst
+            if tokens > bound:
+                worst = sorted(window, key=lambda r: -r[1])
+                crossed = _crossing(window, tpm * (1 + outages)) - run.started
+                broken.append(
+                    Broken(
+                        "Q",
+                        f"tenant {tenant} got {tokens} tokens in the 60 s from"
+                        f" +{start - run.started:.1f}s, over its {tpm} TPM + burst {burst}"
+                        f"{f' (TPM x{1 + outages}: a Redis restart)' if outages else ''}"
+                        f" ({tokens / tpm:.1f}x its TPM; over from the request sent at"
+                        f" +{crossed:.1f}s)" + _undercharged(run, [r[2] for r in window]),
+                        [r[2] for r in worst],
+                    )
+                )
+                break
+        for i, (start, _, _) in enumerate(rows):
+            window = [r for r in rows[i:] if r[0] < start + WINDOW_S]
+            if len(window) > rpm * (1 + _outages(run, start)):
+                broken.append(
+                    Broken(
+                        "Q",
+                        f"tenant {tenant} sent {len(window)} requests that"
+                        f" reached a replica in 60 s, over its {rpm} RPM",
+                        [r[2] for r in window],
+                    )
+                )
+                break
+    return broken
+
+
+def _crossing(window: list[tuple[float, int, str]], limit: int) -> float:
+    """When the window first went over: the send time of the request that took it there."""
+    total, largest = 0, 0
+    for sent, got, _ in window:
+        total, largest = total + got, max(largest, got)
+        if total > limit + largest:
+            return sent
+    return window[-1][0]
+
+
+def _outages(run: Run, start: float) -> int:
+    """Windows that see Redis go away and come back may hold up to two more `tpm` (`rpm`): one
+    counted locally while Redis is away (`on_failure: open`, each gateway at 1/gateways of the
+    limit, so all of them at one limit), one after Redis comes back empty (no persistence)."""
+    if run.redis_down is None:
+        return 0
+    down, up = run.redis_down
+    return 2 if start <= up and down <= start + WINDOW_S else 0
+
+
+def check_counts(run: Run) -> list[Broken]:
+    wrong: list[str] = []
+    examples: list[str] = []
+    for nonce, lines in _log_by_nonce(run).items():
+        arrivals = run.ledger.arrivals.get(nonce, [])
+        counted = [a.prompt_tokens for a in arrivals if a.prompt_tokens is not None]
+        for line in lines:
+            if line.get("endpoint") not in COUNTED or not counted or line.get("status") != 200:
+                continue
+            if line.get("input_tokens") != counted[-1]:
+                wrong.append(nonce)
+                if len(examples) < 4:
+                    examples.append(
+                        f"{line.get('endpoint')} {line.get('model')}: gateway"
+                        f" {line.get('input_tokens')}, replica {counted[-1]}"
+                    )
+    if not wrong:
+        return []
+    return [
+        Broken(
+            "C",
+            f"{len(wrong)} admitted requests counted unlike vLLM (" + "; ".join(examples) + ")",
+            wrong,
+        )
+    ]
+
+
+def check_loop(run: Run) -> list[Broken]:
+    broken = []
+    start, end = run.attack
+    for i, ticks in enumerate(run.ticks):
+        quiet = [w for t, w in ticks if t < run.started - 1]
+        loud = [(w, t) for t, w in ticks if start <= t <= end + 1]
+        if not quiet or not loud:
+            broken.append(Broken("L", f"gateway {i}: the ticker reported nothing"))
+            continue
+        baseline = max(quiet)
+        held = [t for t, _ in run.lags[i]]
+        late = sorted(
+            (t, w)
+            for w, t in loud
+            if w > baseline + LAG_S and any(t - 1.5 <= h <= t + 2.5 for h in held)
+        )
+        if not late:
+            continue
+        seconds = []
+        culprits: set[str] = set()
+        for when, worst in late[:8]:
+            running = [o for o in run.outcomes if o.sent_at <= when + 1 and o.ended >= when]
+            culprits.update(o.planned.nonce for o in running)
+            kinds = sorted({f"{o.planned.move}/{o.planned.endpoint}" for o in running})
+            seconds.append(
+                f"{worst * 1000:.0f} ms at +{when - run.started:.0f}s"
+                f" (running: {', '.join(kinds) or 'nothing'})"
+            )
+        broken.append(
+            Broken(
+                "L",
+                f"gateway {i}: /healthz over its quiet baseline {baseline * 1000:.0f} ms +"
+                f" {LAG_S * 1000:.0f} ms, its own loop-lag histogram seeing a lag over"
+                f" {LAG_S * 1000:.0f} ms then, in {len(late)} s: {'; '.join(seconds)}",
+                sorted(culprits),
+            )
+        )
+    return broken
+
+
+def check_slots(run: Run) -> list[Broken]:
+    broken = []
+    for i, text in enumerate(run.metrics):
+        for family in text_string_to_metric_families(text):
+            if family.name in GAUGES_AT_ZERO:
+                left = sum(s.value for s in family.samples)
+                if left:
+                    broken.append(
+                        Broken(
+                            "S",
+                            f"gateway {i}: {family.name} is {left:g} after the"
+                            " drain and a quiet period",
+                        )
+                    )
+    if run.ledger.open_requests:
+        broken.append(Broken("S", f"the replicas still hold {run.ledger.open_requests} requests"))
+    if run.redis_leases:
+        broken.append(Broken("S", f"Redis still holds {run.redis_leases} live slot leases"))
+    twice = [n for n, lines in _log_by_nonce(run).items() if len(lines) > 1]
+    if twice:
+        broken.append(Broken("S", f"{len(twice)} requests logged (charged) more than once", twice))
+    overcharged = []
+    for nonce, lines in _log_by_nonce(run).items():
+        arrivals = run.ledger.arrivals.get(nonce, [])
+        outcome_ok = lines[0].get("status") == 200 and lines[0].get("output_tokens") is not None
+        if (
+            outcome_ok
+            and run.ledger.scripts[nonce].usage == "truth"
+            and arrivals
+            and all(a.finished for a in arrivals[-1:])
+        ):
+            produced = arrivals[-1].produced
+            if lines[0]["output_tokens"] > produced and produced <= MAX_MODEL_LEN:
+                overcharged.append(nonce)
+    if overcharged:
+        broken.append(
+            Broken(
+                "S",
+                f"{len(overcharged)} requests charged more output than the"
+                " replica truthfully reported",
+                overcharged,
+            )
+        )
+    return broken
+
+
+def check_leaks(run: Run) -> list[Broken]:
+    leaked = [o.planned.nonce for o in run.outcomes if o.leaked]
+    if not leaked:
+        return []
+    return [
+        Broken(
+            "X",
+            "a replica's redirect was followed: a local service's answer reached the tenant",
+            leaked,
+        )
+    ]
+
+
+def check(run: Run) -> list[Broken]:
+    return [
+        *check_quota(run),
+        *check_counts(run),
+        *check_loop(run),
+        *check_slots(run),
+        *check_leaks(run),
+    ]

@@ -1,0 +1,133 @@
+"""Prompt tokens as vLLM counts them, reimplemented with `transformers` (not the gateway's code).
+
+Chat: the model's own chat template over the messages (text parts joined by a newline for a
+template that reads `content` as a string, kept as parts for one that loops over them, as
+vLLM's content-format detection does), `add_generation_prompt`, then an encode without special
+tokens. Completions: an encode with them. Anthropic Messages and Responses are first turned into
+that chat the way vLLM's own servers do; a Responses follow-up prefills the stored turns (their
+inputs and outputs) before its own, and its rendered chat is encoded with special tokens (vLLM
+0.32's Responses server does: a second BOS where the template writes one).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerFast
+
+_LOOPS_OVER_CONTENT = re.compile(r"for \w+ in (message|m)(\[['\"]content['\"]\]|\.content)")
+
+
+class Counter:
+    """Each served model's tokenizer, by the model name the replica is sent."""
+
+    def __init__(self, tokenizers: dict[str, Path]) -> None:
+        self._tok = {
+            name: PreTrainedTokenizerFast.from_pretrained(str(path))
+            for name, path in tokenizers.items()
+        }
+        self._parts = {
+            name: bool(_LOOPS_OVER_CONTENT.search(str(tok.chat_template or "")))
+            for name, tok in self._tok.items()
+        }
+
+    def _content(self, model: str, content: Any) -> Any:
+        if not isinstance(content, list):
+            return content
+        texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+        if self._parts[model]:
+            return [{"type": "text", "text": t} for t in texts]
+        return "\n".join(texts)
+
+    def chat(
+        self, model: str, messages: list[dict[str, Any]], tools: Any = None, special: bool = False
+    ) -> int:
+        tok = self._tok[model]
+        conversation = [{**m, "content": self._content(model, m.get("content"))} for m in messages]
+        rendered = tok.apply_chat_template(
+            conversation, tools=tools or None, add_generation_prompt=True, tokenize=False
+        )
+        return len(tok.encode(rendered, add_special_tokens=special))
+
+    def prompt(
+        self, model: str, endpoint: str, body: dict[str, Any], chat: list[dict[str, Any]] | None
+    ) -> int:
+        if endpoint == "chat":
+            return self.chat(model, body["messages"], body.get("tools"))
+        if endpoint == "completions":
+            prompts = body["prompt"]
+            prompts = prompts if isinstance(prompts, list) else [prompts]
+            return sum(self._encode(model, p) for p in prompts)
+        if endpoint == "messages":
+            return self.chat(model, messages_chat(body), _anthropic_tools(body.get("tools")))
+        assert chat is not None
+        return self.chat(model, chat, special=True)
+
+    def _encode(self, model: str, prompt: Any) -> int:
+        if isinstance(prompt, list):
+            return len(prompt)
+        return len(self._tok[model].encode(prompt, add_special_tokens=True))
+
+    def pooling(self, model: str, path: str, body: dict[str, Any]) -> int:
+        if path.endswith("embeddings"):
+            inputs = body["input"]
+            inputs = inputs if isinstance(inputs, list) else [inputs]
+            return sum(self._encode(model, i) for i in inputs)
+        query, documents = body.get("query", body.get("text_1", "")), body.get("documents", [])
+        if not documents:
+            documents = body.get("text_2", [])
+        documents = documents if isinstance(documents, list) else [documents]
+        tok = self._tok[model]
+        return sum(len(tok.encode(query, d, add_special_tokens=True)) for d in documents)
+
+    @staticmethod
+    def responses_chat(body: dict[str, Any], stored: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """vLLM's `construct_input_messages`: instructions, the stored turns, then the input."""
+        out: list[dict[str, Any]] = []
+        if body.get("instructions"):
+            out.append({"role": "system", "content": body["instructions"]})
+        out.extend(stored)
+        given = body.get("input")
+        if isinstance(given, str):
+            out.append({"role": "user", "content": given})
+        else:
+            for item in given or []:
+                content = item.get("content")
+                if isinstance(content, list):
+                    content = [{"type": "text", "text": p.get("text", "")} for p in content]
+                out.append({"role": item.get("role", "user"), "content": content})
+        return out
+
+
+def messages_chat(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """vLLM's Anthropic server: the system prompt (its blocks' text joined) first."""
+    out: list[dict[str, Any]] = []
+    system = body.get("system")
+    if isinstance(system, str):
+        out.append({"role": "system", "content": system})
+    elif isinstance(system, list):
+        out.append({"role": "system", "content": "".join(b.get("text", "") for b in system)})
+    for message in body.get("messages", []):
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [{"type": "text", "text": b.get("text", "")} for b in content]
+        out.append({"role": message["role"], "content": content})
+    return out
+
+
+def _anthropic_tools(tools: Any) -> Any:
+    if not tools:
+        return None
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": t["name"],
+                "description": t.get("description", ""),
+                "parameters": t.get("input_schema", {}),
+            },
+        }
+        for t in tools
+    ]

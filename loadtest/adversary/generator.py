@@ -1,0 +1,360 @@
+"""Seeded random traffic: what each request is, what the replica does with it, how its client
+behaves. Everything comes from one `random.Random(seed)`, drawn in a fixed order before any
+request is sent, so a seed replays the same plan (the timing of the processes may still differ).
+
+A plan is a list of moves, each a group of requests with a start time. Most moves are single
+requests of random shape on a random endpoint; some are the sequences that broke promises
+before: train an estimate with `max_tokens: 1` under one system prompt, then a concurrent burst
+of long bounds; a burst with no bound at all; Responses chains; streams of thousands of tiny
+usage-bearing events; streams of many tokens per event that the client leaves early.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from loadtest.adversary.replica import Script
+
+WORDS = (
+    "river stone lamp quiet orbit maple signal copper garden winter ladder velvet harbor"
+    " thunder pencil meadow circuit lantern canyon breeze marble fossil ember prism"
+    " 北京 café naïve 🙂 ünïcödé ∑ 1234 -- <tag> {json} \\n"
+).split()
+
+ENDPOINT_PATHS = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "messages": "/v1/messages",
+    "responses": "/v1/responses",
+    "embeddings": "/v1/embeddings",
+    "rerank": "/v1/rerank",
+    "tokenize": "/tokenize",
+    "passthrough": "/v1/adversary/echo",
+}
+GENERATIVE = ("chat", "completions", "messages", "responses")
+
+
+@dataclass
+class Planned:
+    """One request: what is sent, to which gateway, and how its client reads the answer."""
+
+    nonce: str
+    tenant: str
+    gateway: int
+    endpoint: str
+    model: str
+    body: dict[str, Any]
+    script: Script
+    read: str = "all"  # all | leave (at `leave_byte`) | slow
+    leave_byte: int = 0
+    after: str | None = None  # a Responses chain: the nonce whose answer's id it continues
+    move: str = "single"
+
+    @property
+    def stream(self) -> bool:
+        return self.body.get("stream") is True
+
+
+@dataclass
+class Move:
+    at_s: float
+    kind: str
+    requests: list[Planned]
+    concurrent: bool = False  # all at once, else one after another
+    burst_from: int | None = None  # one after another up to this request, the rest at once
+
+
+@dataclass
+class Plan:
+    seed: int
+    moves: list[Move] = field(default_factory=list)
+
+
+class Generator:
+    def __init__(
+        self, seed: int, models: list[str], tenants: list[str], gateways: int, rich: bool = True
+    ) -> None:
+        self.rng = random.Random(seed)
+        self.seed = seed
+        self.models, self.tenants, self.gateways = models, tenants, gateways
+
+    def nonce(self) -> str:
+        return f"adv-{self.rng.getrandbits(48):012x}"
+
+    def text(self, low: int, high: int) -> str:
+        return " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(low, high)))
+
+    def plan(self, seconds: float) -> Plan:
+        plan = Plan(self.seed)
+        at = 0.0
+        kinds = ["single"] * 10 + [
+            "train_burst",
+            "unbounded_burst",
+            "chain",
+            "chain",
+            "tiny_events",
+            "cut_streams",
+            "cut_streams",
+            "retry_reset",
+        ]
+        while at < seconds:
+            kind = self.rng.choice(kinds)
+            plan.moves.append(getattr(self, f"_{kind}")(at))
+            at += self.rng.expovariate(1 / 0.35)
+        return plan
+
+    # --- the scripts ----------------------------------------------------------------------------
+
+    def script(self, natural: tuple[int, int] = (1, 400)) -> Script:
+        r = self.rng
+        return Script(
+            natural=r.randint(*natural),
+            tokens_per_event=1 if r.random() < 0.6 else r.randint(2, 12),
+            usage=r.choices(
+                ("truth", "missing", "negative", "huge", "understate"), (6, 1, 1, 1, 1)
+            )[0],
+            transport=r.choices(
+                ("ok", "redirect", "hang", "reset_head", "reset_body"), (88, 3, 2, 3, 4)
+            )[0],
+            pace_s=r.choice((0.0, 0.0, 0.001, 0.003)),
+            huge_event_bytes=r.choice((0,) * 19 + (1_000_000,)),
+        )
+
+    # --- request bodies -------------------------------------------------------------------------
+
+    def request(
+        self,
+        endpoint: str | None = None,
+        tenant: str | None = None,
+        model: str | None = None,
+        script: Script | None = None,
+        move: str = "single",
+    ) -> Planned:
+        r = self.rng
+        endpoint = endpoint or r.choices(list(ENDPOINT_PATHS), (5, 3, 4, 4, 1, 1, 1, 1))[0]
+        model = model or r.choice(self.models)
+        nonce = self.nonce()
+        body = getattr(self, f"_{endpoint}_body")(model, nonce)
+        read = r.choices(("all", "leave", "slow"), (7, 2, 1))[0]
+        return Planned(
+            nonce=nonce,
+            tenant=tenant or r.choice(self.tenants),
+            gateway=r.randrange(self.gateways),
+            endpoint=endpoint,
+            model=model,
+            body=body,
+            script=script or self.script(),
+            read=read,
+            leave_byte=r.randint(1, 60_000),
+            move=move,
+        )
+
+    def _bound(self, body: dict[str, Any], name: str, required: bool = False) -> None:
+        r = self.rng
+        if required or r.random() < 0.6:
+            body[name] = r.choice((1, r.randint(1, 64), r.randint(64, 3000)))
+        if r.random() < 0.15:
+            body["ignore_eos"] = True
+        if r.random() < 0.1:
+            body["min_tokens"] = r.randint(0, 32)
+
+    def _stream(self, body: dict[str, Any], usage_option: bool = True) -> None:
+        if self.rng.random() < 0.55:
+            body["stream"] = True
+            if usage_option and self.rng.random() < 0.5:
+                body["stream_options"] = {"include_usage": self.rng.random() < 0.7}
+
+    def _content(self, nonce: str) -> Any:
+        text = f"{nonce} {self.text(3, 300)}"
+        if self.rng.random() < 0.3:
+            cut = self.rng.randint(0, len(text))
+            return [{"type": "text", "text": text[:cut]}, {"type": "text", "text": text[cut:]}]
+        return text
+
+    def _tools(self) -> list[dict[str, Any]] | None:
+        if self.rng.random() > 0.2:
+            return None
+        return [
+            {
+                "type": "function",
+                "function": {
+                    "name": f"tool_{i}",
+                    "description": self.text(1, 12),
+                    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+                },
+            }
+            for i in range(self.rng.randint(1, 3))
+        ]
+
+    def _chat_body(self, model: str, nonce: str, system: str | None = None) -> dict[str, Any]:
+        r = self.rng
+        messages: list[dict[str, Any]] = []
+        if system is not None or r.random() < 0.5:
+            messages.append({"role": "system", "content": system or self.text(2, 40)})
+        for _ in range(r.choice((0, 0, 1))):
+            messages += [
+                {"role": "user", "content": self.text(1, 30)},
+                {"role": "assistant", "content": self.text(1, 30)},
+            ]
+        messages.append({"role": "user", "content": self._content(nonce)})
+        body: dict[str, Any] = {"model": model, "messages": messages}
+        if (tools := self._tools()) is not None:
+            body["tools"] = tools
+        if r.random() < 0.15:
+            body["n"] = 2
+        self._bound(body, r.choice(("max_tokens", "max_completion_tokens")))
+        self._stream(body)
+        return body
+
+    def _completions_body(self, model: str, nonce: str) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": model, "prompt": f"{nonce} {self.text(3, 300)}"}
+        if self.rng.random() < 0.15:
+            body["n"] = 2
+        self._bound(body, "max_tokens")
+        self._stream(body)
+        return body
+
+    def _messages_body(self, model: str, nonce: str, system: str | None = None) -> dict[str, Any]:
+        r = self.rng
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": [{"role": "user", "content": self._content(nonce)}],
+        }
+        if system is not None or r.random() < 0.5:
+            system = system or self.text(2, 40)
+            body["system"] = system if r.random() < 0.6 else [{"type": "text", "text": system}]
+        self._bound(body, "max_tokens", required=True)
+        self._stream(body, usage_option=False)
+        return body
+
+    def _responses_body(self, model: str, nonce: str, system: str | None = None) -> dict[str, Any]:
+        r = self.rng
+        given: Any = f"{nonce} {self.text(3, 200)}"
+        if r.random() < 0.3:
+            given = [{"role": "user", "content": [{"type": "input_text", "text": given}]}]
+        body: dict[str, Any] = {"model": model, "input": given}
+        if system is not None or r.random() < 0.4:
+            body["instructions"] = system or self.text(2, 40)
+        self._bound(body, "max_output_tokens")
+        self._stream(body, usage_option=False)
+        return body
+
+    def _embeddings_body(self, model: str, nonce: str) -> dict[str, Any]:
+        return {"model": model, "input": f"{nonce} {self.text(1, 100)}"}
+
+    def _rerank_body(self, model: str, nonce: str) -> dict[str, Any]:
+        docs = [self.text(1, 30) for _ in range(self.rng.randint(1, 8))]
+        return {"model": model, "query": f"{nonce} {self.text(1, 10)}", "documents": docs}
+
+    def _tokenize_body(self, model: str, nonce: str) -> dict[str, Any]:
+        return {"model": model, "prompt": f"{nonce} {self.text(1, 100)}"}
+
+    def _passthrough_body(self, model: str, nonce: str) -> dict[str, Any]:
+        return {"model": model, "note": nonce}
+
+    # --- moves ----------------------------------------------------------------------------------
+
+    def _single(self, at: float) -> Move:
+        return Move(at, "single", [self.request()])
+
+    def _train_burst(self, at: float) -> Move:
+        """Teach the estimate short answers under one system prompt, then ask for long ones."""
+        r = self.rng
+        tenant, model = r.choice(self.tenants), r.choice(self.models)
+        endpoint = r.choice(("chat", "messages", "responses"))
+        system = self.text(20, 60)
+        name = {"chat": "max_tokens", "messages": "max_tokens", "responses": "max_output_tokens"}
+        out = []
+        trained = r.randint(8, 20)
+        for i in range(trained + r.randint(8, 20)):
+            training = i < trained
+            nonce = self.nonce()
+            body = getattr(self, f"_{endpoint}_body")(model, nonce, system)
+            body.pop("n", None)
+            body[name[endpoint]] = 1 if training else r.randint(1500, 3000)
+            body.pop("stream", None)
+            body.pop("stream_options", None)
+            script = Script(natural=r.randint(1500, 3000), usage="truth")
+            out.append(
+                Planned(
+                    nonce,
+                    tenant,
+                    r.randrange(self.gateways),
+                    endpoint,
+                    model,
+                    body,
+                    script,
+                    move="train_burst",
+                )
+            )
+        return Move(at, "train_burst", out, burst_from=trained)
+
+    def _unbounded_burst(self, at: float) -> Move:
+        """No output bound: vLLM generates to the end of the context (or its end-of-sequence)."""
+        r = self.rng
+        tenant, model = r.choice(self.tenants), r.choice(self.models)
+        endpoint = r.choice(("chat", "responses"))
+        out = []
+        for _ in range(r.randint(6, 16)):
+            p = self.request(
+                endpoint, tenant, model, Script(natural=r.randint(2000, 6000)), "unbounded_burst"
+            )
+            for key in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n"):
+                p.body.pop(key, None)
+            p.read = "all"
+            out.append(p)
+        return Move(at, "unbounded_burst", out, concurrent=True)
+
+    def _chain(self, at: float) -> Move:
+        r = self.rng
+        tenant, model = r.choice(self.tenants), r.choice(self.models)
+        out: list[Planned] = []
+        for turn in range(r.randint(2, 4)):
+            p = self.request("responses", tenant, model, Script(natural=r.randint(5, 60)), "chain")
+            p.script.transport, p.read = "ok", "all"
+            if turn:
+                p.after = out[-1].nonce
+                p.gateway = r.randrange(self.gateways)
+            out.append(p)
+        return Move(at, "chain", out)
+
+    def _tiny_events(self, at: float) -> Move:
+        p = self.request(self.rng.choice(GENERATIVE), script=self.script(), move="tiny_events")
+        p.body["stream"] = True
+        p.script.tiny_events = self.rng.choice((12_000, 48_000, 96_000))
+        p.script.transport = "ok"
+        return Move(at, "tiny_events", [p])
+
+    def _cut_streams(self, at: float) -> Move:
+        """Streams of many tokens per event, each read a while then left, one after another by
+        one tenant: charged for what it was delivered, or per event?"""
+        r = self.rng
+        tenant, model = r.choice(self.tenants), r.choice(self.models)
+        out = []
+        for _ in range(r.randint(4, 12)):
+            endpoint = r.choice(GENERATIVE)
+            script = Script(natural=3000, tokens_per_event=r.randint(4, 12), pace_s=0.002)
+            p = self.request(endpoint, tenant, model, script, "cut_streams")
+            p.body.pop("n", None)
+            p.body["stream"] = True
+            key = {"responses": "max_output_tokens"}.get(endpoint, "max_tokens")
+            p.body.pop("max_completion_tokens", None)
+            p.body[key] = 3000
+            p.body["ignore_eos"] = True
+            if endpoint in ("chat", "completions"):
+                p.body["stream_options"] = {"include_usage": True}
+            p.read, p.leave_byte = "leave", r.randint(20_000, 400_000)
+            out.append(p)
+        return Move(at, "cut_streams", out)
+
+    def _retry_reset(self, at: float) -> Move:
+        p = self.request(self.rng.choice(GENERATIVE), move="retry_reset")
+        p.script.transport = "reset_head"
+        return Move(at, "retry_reset", [p])
+
+
+def fresh_seed() -> int:
+    return uuid.uuid4().int % 1_000_000_000

@@ -1,0 +1,471 @@
+"""The processes and the run: replicas, gateways (one, or two sharing a `redis-server`), tickers.
+
+Order: the scripted replicas and a "secret" local service (what a followed redirect would leak)
+on loopback in this process; `redis-server` when two gateways share state; each gateway a real
+`python -m gateway serve` with a policy written here (Gemma 3, Llama 3 and Qwen 3 on their real
+tokenizers, three tenants whose small TPM/RPM bind); a `/healthz` ticker process per gateway.
+Then a quiet baseline, the plan's moves at their times (Redis stopped and started again in the
+middle when shared), the drain, a quiet period, and a scrape of what everything reports. Every
+process is stopped on the way out, whatever happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import redis
+import yaml
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.adversary.count import Counter
+from loadtest.adversary.generator import ENDPOINT_PATHS, Generator, Move, Plan, Planned
+from loadtest.adversary.replica import PIECE, SECRET, Ledger, Replica
+from loadtest.processes import gateway as gateway_process
+from loadtest.real_tokenizers import directory
+
+MODELS = ("gemma3", "llama3", "qwen3")
+MAX_MODEL_LEN = 8192
+# name -> (tpm, rpm): small enough that the windows bind within a short run, large enough that
+# most requests are still admitted (6,000 / 15,000 / 40,000 refused 85% of a run's requests).
+TENANTS = {
+    "alpha": (15_000, 120),
+    "beta": (50_000, 300),
+    "gamma": (120_000, 600),
+}
+BASELINE_S = 3.0  # the ticker's quiet baseline, before any request
+QUIET_S = 4.0  # after the drain: corrections, lease releases and renewals settle
+DRAIN_S = 45.0  # after the last move, requests still running get this long
+CLIENT_CONCURRENCY = 48
+REQUEST_TIMEOUT_S = 40.0
+SLOW_READ_S = 0.004  # per 4 KiB a slow client reads
+REDIS_DOWN = (0.35, 0.55)  # shares of the run: Redis stopped, then started again (empty)
+
+
+def log(message: str) -> None:
+    print(f"[adversary {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def key_of(tenant: str) -> str:
+    return f"adversary-key-{tenant}"
+
+
+@dataclass
+class Outcome:
+    """What a client saw."""
+
+    planned: Planned
+    sent_at: float
+    status: int = 0
+    left_early: bool = False
+    received_tokens: int = 0  # output tokens in what the client read
+    response_id: str | None = None
+    leaked: bool = False
+    error: str = ""
+    ended: float = 0.0
+
+
+@dataclass
+class Run:
+    seed: int
+    gateways: int
+    seconds: float
+    started: float = 0.0
+    outcomes: list[Outcome] = field(default_factory=list)
+    ledger: Ledger = field(default_factory=Ledger)
+    access: list[dict[str, Any]] = field(default_factory=list)
+    metrics: list[str] = field(default_factory=list)  # each gateway's, after the quiet period
+    # Per gateway, when a scrape (one a second) found more loop lags over LAG_S than the last.
+    lags: list[list[tuple[float, float]]] = field(default_factory=list)
+    ticks: list[list[tuple[float, float]]] = field(default_factory=list)
+    attack: tuple[float, float] = (0.0, 0.0)
+    redis_down: tuple[float, float] | None = None
+    redis_leases: int = 0
+    logs: Path | None = None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def policy(
+    replicas: dict[str, str],
+    metrics_port: int,
+    redis_url: str | None,
+    gateways: int,
+    backend: str = "auto",
+) -> dict[str, Any]:
+    pool = {
+        "max_concurrency": 12,
+        "queue": {"max_depth": 64, "max_wait_s": 5},
+        "timeouts": {"connect_s": 2, "first_token_s": 3, "read_s": 3, "total_s": 30},
+        "health": {"interval_s": 1, "reconcile_interval_s": 0},
+    }
+    out: dict[str, Any] = {
+        "models": {
+            m: {
+                "tokenizer": str(directory(m)),
+                "max_model_len": MAX_MODEL_LEN,
+                "tokenizer_backend": backend,
+            }
+            for m in MODELS
+        },
+        "pools": {m: {"model": m, "replicas": [replicas[m]], **pool} for m in MODELS},
+        "classes": [{"name": "any", "when": {}}],
+        "routes": [
+            {
+                "match": {"model": [m]},
+                "pool": m,
+                **({"passthrough": ["/v1/adversary/echo"]} if m == MODELS[0] else {}),
+            }
+            for m in MODELS
+        ],
+        "server": {"metrics_port": metrics_port, "body_timeout_s": 10, "drain_grace_s": 1},
+        "admin": {"watch_interval_s": 0},
+        "tenants": {
+            name: {
+                "keys": [f"sha256:{hashlib.sha256(key_of(name).encode()).hexdigest()}"],
+                "tpm": tpm,
+                "rpm": rpm,
+            }
+            for name, (tpm, rpm) in TENANTS.items()
+        },
+    }
+    if redis_url is not None:
+        out["state"] = {
+            "backend": "redis",
+            "url": redis_url,
+            "gateways": gateways,
+            "on_failure": "open",
+            "timeout_s": 0.2,
+            "lease_ttl_s": 3,
+        }
+    return out
+
+
+@contextlib.asynccontextmanager
+async def _served(app: web.Application) -> AsyncIterator[str]:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+class RedisProcess:
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (tests/setup/tools.sh installs it)")
+        self.binary, self.port = binary, free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        argv = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis(port=self.port, socket_timeout=1).ping()
+                return
+            except redis.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+    def live_leases(self) -> int:
+        client = redis.Redis(port=self.port, socket_timeout=2)
+        now = time.time()
+        return sum(
+            client.zcount(key, now, "+inf") for key in client.scan_iter("slots:*", count=1000)
+        )
+
+
+def count_received(endpoint: str, raw: bytes, stream: bool) -> int:
+    """Output tokens in what the client read: the text of complete delta events (a stream) or
+    of the answer (whole). The Responses API repeats the text in its `.done` and `.completed`
+    events, which are not counted again."""
+    piece = PIECE.encode()
+    if not stream:
+        try:
+            answer = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return 0
+        return orjson.dumps(
+            answer.get("choices") or answer.get("content") or answer.get("output") or []
+        ).count(piece)
+    marks = (
+        b'"chat.completion.chunk"',
+        b'"text_completion"',
+        b"content_block_delta",
+        b"response.output_text.delta",
+    )
+    events = raw.split(b"\n\n")[:-1]  # the last one may be cut
+    return sum(e.count(piece) for e in events if any(m in e for m in marks))
+
+
+async def send(
+    http: aiohttp.ClientSession, url: str, p: Planned, outcome: Outcome, previous: str | None
+) -> None:
+    headers = {"Authorization": f"Bearer {key_of(p.tenant)}", "x-request-id": p.nonce}
+    body = dict(p.body)
+    if previous is not None:
+        body["previous_response_id"] = previous
+    raw = bytearray()
+    try:
+        async with http.post(
+            f"{url}{ENDPOINT_PATHS[p.endpoint]}", json=body, headers=headers
+        ) as resp:
+            outcome.status = resp.status
+            async for chunk in resp.content.iter_chunked(4096):
+                raw += chunk
+                if p.read == "leave" and len(raw) >= p.leave_byte:
+                    outcome.left_early = True
+                    resp.close()
+                    break
+                if p.read == "slow" and len(raw) < 1_000_000:
+                    await asyncio.sleep(SLOW_READ_S)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"[:200]
+    outcome.ended = time.time()
+    outcome.leaked = SECRET.encode() in raw
+    outcome.received_tokens = count_received(p.endpoint, bytes(raw), p.stream)
+    if p.endpoint == "responses" and outcome.status == 200 and not outcome.left_early:
+        outcome.response_id = _response_id(bytes(raw), p.stream)
+
+
+def _response_id(raw: bytes, stream: bool) -> str | None:
+    if not stream:
+        with contextlib.suppress(orjson.JSONDecodeError):
+            return orjson.loads(raw).get("id")
+        return None
+    for event in raw.split(b"\n\n"):
+        for line in event.split(b"\n"):
+            if line.startswith(b"data: ") and b"response.completed" in line:
+                with contextlib.suppress(orjson.JSONDecodeError):
+                    return orjson.loads(line[6:]).get("response", {}).get("id")
+    return None
+
+
+async def _ticker(url: str, into: list[tuple[float, float]]) -> AsyncIterator[None]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "loadtest.adversary.ticker",
+        url,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stdin is not None
+
+    async def read() -> None:
+        assert proc.stdout is not None
+        while line := await proc.stdout.readline():
+            second, worst = line.split()
+            into.append((float(second), float(worst)))
+
+    reading = asyncio.create_task(read())
+    try:
+        yield
+    finally:
+        proc.stdin.close()
+        try:
+            async with asyncio.timeout(5):
+                await proc.wait()
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+        await reading
+
+
+ticker = contextlib.asynccontextmanager(_ticker)
+
+
+async def _scrape(http: aiohttp.ClientSession, port: int) -> str:
+    try:
+        async with http.get(f"http://127.0.0.1:{port}/metrics") as resp:
+            return await resp.text()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return f"# scrape failed: {exc!r}\n"
+
+
+LAG_S = 0.05  # the loop-lag histogram's bucket the L check reads (checks.L_MARGIN_S)
+
+
+def lags_over(metrics: str) -> float:
+    """Observations of `llm_event_loop_lag_seconds` over LAG_S in a scrape."""
+    for family in text_string_to_metric_families(metrics):
+        if family.name == "llm_event_loop_lag_seconds":
+            buckets = {s.labels.get("le"): s.value for s in family.samples if "le" in s.labels}
+            return buckets.get("+Inf", 0.0) - buckets.get(str(LAG_S), 0.0)
+    return 0.0
+
+
+async def _watch_lags(run: Run, ports: list[int]) -> None:
+    """Each gateway's loop-lag histogram read once a second through the attack: L's second
+    witness, placed in time."""
+    run.lags = [[] for _ in ports]
+    seen = [-1.0] * len(ports)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        while True:
+            for i, port in enumerate(ports):
+                over = lags_over(await _scrape(http, port))
+                if seen[i] >= 0 and over > seen[i]:
+                    run.lags[i].append((time.time(), over - seen[i]))
+                seen[i] = over
+            await asyncio.sleep(1.0)
+
+
+async def _play(run: Run, plan: Plan, urls: list[str], redis_proc: RedisProcess | None) -> None:
+    limit = asyncio.Semaphore(CLIENT_CONCURRENCY)
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    ids: dict[str, str | None] = {}
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as http:
+
+        async def one(p: Planned) -> None:
+            previous = None
+            if p.after is not None:
+                previous = ids.get(p.after)
+                if previous is None:
+                    return  # the turn it continues failed: nothing to chain
+            async with limit:
+                outcome = Outcome(p, time.time())
+                run.outcomes.append(outcome)
+                await send(http, urls[p.gateway], p, outcome, previous)
+                ids[p.nonce] = outcome.response_id
+
+        async def move(m: Move) -> None:
+            await asyncio.sleep(max(0.0, run.started + m.at_s - time.time()))
+            together = 0 if m.concurrent else len(m.requests)
+            if m.burst_from is not None:
+                together = m.burst_from
+            for p in m.requests[:together]:
+                await one(p)
+            await asyncio.gather(*(one(p) for p in m.requests[together:]))
+
+        async def outage() -> None:
+            assert redis_proc is not None
+            await asyncio.sleep(run.seconds * REDIS_DOWN[0])
+            down = time.time()
+            await asyncio.to_thread(redis_proc.stop)
+            await asyncio.sleep(run.seconds * (REDIS_DOWN[1] - REDIS_DOWN[0]))
+            await asyncio.to_thread(redis_proc.start)
+            run.redis_down = (down, time.time())
+
+        tasks = [asyncio.create_task(move(m)) for m in plan.moves]
+        if redis_proc is not None:
+            tasks.append(asyncio.create_task(outage()))
+        done, pending = await asyncio.wait(tasks, timeout=run.seconds + DRAIN_S)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for task in done:
+            if task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+
+
+async def execute(
+    seed: int, seconds: float, gateways: int, logs: Path, backend: str = "auto"
+) -> Run:
+    """One run; its `Run` holds everything the checks read. `backend`: the gateways' tokenizer
+    library (`tokenizers` starts three models in a third of the time of `auto`'s self-check)."""
+    run = Run(seed, gateways, seconds, logs=logs)
+    await asyncio.to_thread(logs.mkdir, parents=True, exist_ok=True)
+    loading = asyncio.create_task(asyncio.to_thread(Counter, {m: directory(m) for m in MODELS}))
+    replica = Replica(run.ledger, loading, MAX_MODEL_LEN)
+    secret = web.Application()
+    secret.router.add_route("*", "/{tail:.*}", lambda _: _secret_answer())
+    redis_proc = RedisProcess() if gateways > 1 else None
+    plan = Generator(seed, list(MODELS), list(TENANTS), gateways).plan(seconds)
+    for m in plan.moves:
+        for p in m.requests:
+            run.ledger.scripts[p.nonce] = p.script
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            run.ledger.secret_url = await stack.enter_async_context(_served(secret)) + "/leak"
+            replicas = {m: await stack.enter_async_context(_served(replica.app())) for m in MODELS}
+            if redis_proc is not None:
+                redis_proc.start()
+                stack.callback(redis_proc.stop)
+            metrics_ports, starting = [], []
+            for i in range(gateways):
+                metrics_ports.append(free_port())
+                directory_i = logs / f"gateway-{i}"
+                directory_i.mkdir(exist_ok=True)
+                path = directory_i / "policy.yaml"
+                spec = policy(
+                    replicas, metrics_ports[-1], redis_proc and redis_proc.url, gateways, backend
+                )
+                path.write_text(yaml.safe_dump(spec, sort_keys=False))
+                starting.append(gateway_process(path, free_port(), directory_i))
+            log(f"starting {gateways} gateway(s) and loading the replica's tokenizers")
+            urls = await asyncio.gather(*(stack.enter_async_context(g) for g in starting))
+            await loading
+            for url in urls:
+                run.ticks.append([])
+                await stack.enter_async_context(ticker(url, run.ticks[-1]))
+            log(f"{gateways} gateway(s) ready; quiet baseline {BASELINE_S:g} s")
+            await asyncio.sleep(BASELINE_S)
+            run.started = time.time()
+            watching = asyncio.create_task(_watch_lags(run, metrics_ports))
+            try:
+                await _play(run, plan, urls, redis_proc)
+            finally:
+                watching.cancel()
+            run.attack = (run.started, time.time())
+            log(f"attack and drain took {run.attack[1] - run.attack[0]:.1f} s; quiet {QUIET_S:g} s")
+            await asyncio.sleep(QUIET_S)
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+                run.metrics = [await _scrape(http, port) for port in metrics_ports]
+            if redis_proc is not None:
+                run.redis_leases = redis_proc.live_leases()
+    finally:
+        replica.close()
+    log("stopped")
+    for i in range(gateways):
+        lines = (logs / f"gateway-{i}" / "access.jsonl").read_bytes().splitlines()
+        for line in lines:
+            with contextlib.suppress(orjson.JSONDecodeError):
+                run.access.append({**orjson.loads(line), "gateway": i})
+    return run
+
+
+async def _secret_answer() -> web.Response:
+    return web.Response(text=SECRET)
