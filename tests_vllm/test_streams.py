@@ -11,6 +11,7 @@ import time
 import aiohttp
 import orjson
 
+from gateway.authenticate import key_entry
 from loadtest.vllm_server import MAX_MODEL_LEN
 from tests_vllm.conftest import eventually, scrape, scrape_all, vllm_policy
 from tests_vllm.test_passthrough import CHAT, events
@@ -49,7 +50,7 @@ async def test_running_usage_is_asked_and_the_client_gets_vllms_own_bytes(
     gets vLLM's running counts. The tenant has a TPM window: only a stream whose tokens a window
     settles is asked for the running count."""
     policy = vllm_policy(vllm)
-    policy["tenants"] = {"acme": {"keys": ["acme-key"], "tpm": 1_000_000}}
+    policy["tenants"] = {"acme": {"keys": [key_entry("acme-key")], "tpm": 1_000_000}}
     gw = await gateway_factory(policy)
     tenant = aiohttp.ClientSession(headers={"Authorization": "Bearer acme-key"})
     async with tenant:
