@@ -9,15 +9,64 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
+import socket
+import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import IO, Any
 
 import aiohttp
+import redis
 
 STOP_WAIT_S = 10.0  # after SIGTERM, before SIGKILL
 READY_WAIT_S = 60.0  # the gateway's start-up (imports, tokenizers, first DNS lookup), at most
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """A throwaway `redis-server` on a free loopback port, without persistence (a restart comes
+    back empty, as a managed Redis may), that may be stopped and started again: the tests'
+    shared state and the adversary's."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError(
+                "redis-server is not installed: `apt-get install -y redis-server`"
+                " (`make test` does, through tests/setup/tools.sh)"
+            )
+        self.binary, self.port = binary, free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
+        argv += ["--save", "", "--appendonly", "no"]
+        self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis(port=self.port, socket_timeout=1).ping()
+                return
+            except redis.ConnectionError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(10)
+            self.process = None
 
 
 @contextlib.asynccontextmanager

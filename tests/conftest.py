@@ -6,9 +6,6 @@ import asyncio
 import contextlib
 import io
 import re
-import shutil
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -25,6 +22,7 @@ from aiohttp import web
 from gateway.policy.compile import load_policy
 from gateway.runtime import Gateway
 from gateway.server.app import GATEWAY, create_app, create_metrics_app
+from loadtest.processes import RedisServer
 from loadtest.stub_backend import CONFIG, STATS, StubConfig, StubStats, create_stub_app
 from loadtest.tiny_tokenizer import build
 
@@ -206,54 +204,6 @@ async def serving(
             await proc.wait()
         if drain is not None:
             await drain
-
-
-class RedisServer:
-    """A throwaway `redis-server` (no persistence) that a test may stop and start again."""
-
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.fail(
-                "redis-server is not installed: `apt-get install -y redis-server` (`make test` does)"
-            )
-        self.binary = binary
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            [
-                self.binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],
-            stdout=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis(port=self.port, socket_timeout=1).ping()
-                return
-            except redis.ConnectionError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"redis-server did not start on port {self.port}")
-                time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(10)
-            self.process = None
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -14,9 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import shutil
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -34,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from loadtest.adversary.count import Counter
 from loadtest.adversary.generator import ENDPOINT_PATHS, Generator, Move, Plan, Planned
 from loadtest.adversary.replica import PIECE, SECRET, Ledger, Replica
+from loadtest.processes import RedisServer, free_port
 from loadtest.processes import gateway as gateway_process
 from loadtest.real_tokenizers import directory
 
@@ -95,12 +93,6 @@ class Run:
     redis_down: tuple[float, float] | None = None
     redis_leases: int = 0
     logs: Path | None = None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def policy(
@@ -170,50 +162,11 @@ async def _served(app: web.Application) -> AsyncIterator[str]:
         await runner.cleanup()
 
 
-class RedisProcess:
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not installed (tests/setup/tools.sh installs it)")
-        self.binary, self.port = binary, free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        argv = [
-            self.binary,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis(port=self.port, socket_timeout=1).ping()
-                return
-            except redis.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(10)
-            self.proc = None
-
-    def live_leases(self) -> int:
-        client = redis.Redis(port=self.port, socket_timeout=2)
-        now = time.time()
-        return sum(
-            client.zcount(key, now, "+inf") for key in client.scan_iter("slots:*", count=1000)
-        )
+def live_leases(server: RedisServer) -> int:
+    """Slot leases in Redis that have not expired: what S checks is back to none."""
+    client = redis.Redis(port=server.port, socket_timeout=2)
+    now = time.time()
+    return sum(client.zcount(key, now, "+inf") for key in client.scan_iter("slots:*", count=1000))
 
 
 def count_received(endpoint: str, raw: bytes, stream: bool) -> int:
@@ -351,7 +304,7 @@ async def _watch_lags(run: Run, ports: list[int]) -> None:
             await asyncio.sleep(1.0)
 
 
-async def _play(run: Run, plan: Plan, urls: list[str], redis_proc: RedisProcess | None) -> None:
+async def _play(run: Run, plan: Plan, urls: list[str], redis_proc: RedisServer | None) -> None:
     limit = asyncio.Semaphore(CLIENT_CONCURRENCY)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     ids: dict[str, str | None] = {}
@@ -412,7 +365,7 @@ async def execute(
     replica = Replica(run.ledger, loading, MAX_MODEL_LEN)
     secret = web.Application()
     secret.router.add_route("*", "/{tail:.*}", lambda _: _secret_answer())
-    redis_proc = RedisProcess() if gateways > 1 else None
+    redis_proc = RedisServer() if gateways > 1 else None
     plan = Generator(seed, list(MODELS), list(TENANTS), gateways).plan(seconds)
     for m in plan.moves:
         for p in m.requests:
@@ -455,7 +408,7 @@ async def execute(
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
                 run.metrics = [await _scrape(http, port) for port in metrics_ports]
             if redis_proc is not None:
-                run.redis_leases = redis_proc.live_leases()
+                run.redis_leases = live_leases(redis_proc)
     finally:
         replica.close()
     log("stopped")
