@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.adversary.checks import check
+from loadtest.adversary.count import messages_chat
 from loadtest.adversary.generator import fresh_seed
 from loadtest.adversary.harness import execute
 
@@ -31,3 +32,30 @@ async def test_promises_hold_against_the_adversary(tmp_path: Path, seed: int, ga
         f" --gateways {gateways} --backend tokenizers"
     )
     assert not broken, "\n".join([*(b.line(seed) for b in broken), replay])
+
+
+def test_the_independent_count_converts_messages_as_vllm_does() -> None:
+    """vLLM's Anthropic server drops empty text blocks, makes one text block a string and drops
+    a user message left with none (`_convert_message_content`): found by the long profile, where
+    the count had kept an empty block as a trailing line."""
+    body = {
+        "system": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}],
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": ""}],
+            },
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": [{"type": "text", "text": ""}]},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+        ],
+    }
+    assert messages_chat(body) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ]

@@ -111,9 +111,18 @@ def messages_chat(body: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({"role": "system", "content": "".join(b.get("text", "") for b in system)})
     for message in body.get("messages", []):
         content = message.get("content")
-        if isinstance(content, list):
-            content = [{"type": "text", "text": b.get("text", "")} for b in content]
-        out.append({"role": message["role"], "content": content})
+        if not isinstance(content, list):
+            out.append({"role": message["role"], "content": content})
+            continue
+        # Empty text blocks are dropped; one text block left is the content as a string; a
+        # user message left with none is dropped whole (`_convert_message_content`).
+        parts = [{"type": "text", "text": b["text"]} for b in content if b.get("text")]
+        if not parts and message["role"] == "user":
+            continue
+        converted: dict[str, Any] = {"role": message["role"]}
+        if parts:
+            converted["content"] = parts[0]["text"] if len(parts) == 1 else parts
+        out.append(converted)
     return out
 
 
