@@ -88,7 +88,9 @@ class Run:
     metrics: list[str] = field(default_factory=list)  # each gateway's, after the quiet period
     # Per gateway, when a scrape (one a second) found more loop lags over LAG_S than the last.
     lags: list[list[tuple[float, float]]] = field(default_factory=list)
-    ticks: list[list[tuple[float, float]]] = field(default_factory=list)
+    # Per gateway, each second: (unix second, worst /healthz latency, worst latency the
+    # machine's scheduling does not explain: `ticker`).
+    ticks: list[list[tuple[float, float, float]]] = field(default_factory=list)
     attack: tuple[float, float] = (0.0, 0.0)
     redis_down: tuple[float, float] | None = None
     redis_leases: int = 0
@@ -235,12 +237,15 @@ def _response_id(raw: bytes, stream: bool) -> str | None:
     return None
 
 
-async def _ticker(url: str, into: list[tuple[float, float]]) -> AsyncIterator[None]:
+async def _ticker(
+    url: str, pid: int, into: list[tuple[float, float, float]]
+) -> AsyncIterator[None]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "loadtest.adversary.ticker",
         url,
+        str(pid),
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
     )
@@ -249,8 +254,8 @@ async def _ticker(url: str, into: list[tuple[float, float]]) -> AsyncIterator[No
     async def read() -> None:
         assert proc.stdout is not None
         while line := await proc.stdout.readline():
-            second, worst = line.split()
-            into.append((float(second), float(worst)))
+            second, worst, unexplained = line.split()
+            into.append((float(second), float(worst), float(unexplained)))
 
     reading = asyncio.create_task(read())
     try:
@@ -269,6 +274,17 @@ async def _ticker(url: str, into: list[tuple[float, float]]) -> AsyncIterator[No
 ticker = contextlib.asynccontextmanager(_ticker)
 
 
+def _serving(policy: Path) -> int:
+    """The process id of the gateway serving `policy` (its command line names it)."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+                if b"serve" in argv and str(policy).encode() in argv:
+                    return int(proc.name)
+    raise RuntimeError(f"no process serves {policy}")
+
+
 async def _scrape(http: aiohttp.ClientSession, port: int) -> str:
     try:
         async with http.get(f"http://127.0.0.1:{port}/metrics") as resp:
@@ -277,7 +293,7 @@ async def _scrape(http: aiohttp.ClientSession, port: int) -> str:
         return f"# scrape failed: {exc!r}\n"
 
 
-LAG_S = 0.05  # the loop-lag histogram's bucket the L check reads (checks.L_MARGIN_S)
+LAG_S = 0.05  # the margin over the quiet baseline L allows, and the loop-lag histogram bucket read
 
 
 def lags_over(metrics: str) -> float:
@@ -391,9 +407,10 @@ async def execute(
             log(f"starting {gateways} gateway(s) and loading the replica's tokenizers")
             urls = await asyncio.gather(*(stack.enter_async_context(g) for g in starting))
             await loading
-            for url in urls:
+            for i, url in enumerate(urls):
                 run.ticks.append([])
-                await stack.enter_async_context(ticker(url, run.ticks[-1]))
+                pid = _serving(logs / f"gateway-{i}" / "policy.yaml")
+                await stack.enter_async_context(ticker(url, pid, run.ticks[-1]))
             log(f"{gateways} gateway(s) ready; quiet baseline {BASELINE_S:g} s")
             await asyncio.sleep(BASELINE_S)
             run.started = time.time()
