@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.adversary.checks import check
+from gateway.state.failover import RETRY_S
+from loadtest.adversary.checks import check, check_quota
 from loadtest.adversary.count import messages_chat
-from loadtest.adversary.generator import fresh_seed
-from loadtest.adversary.harness import execute
+from loadtest.adversary.generator import Planned, fresh_seed
+from loadtest.adversary.harness import REDIS_TIMEOUT_S, TENANTS, Outcome, Run, execute
+from loadtest.adversary.replica import Arrival, Script
 
 SECONDS = 10.0  # of attack; the gateways' start (three real tokenizers) takes longer than that
 
@@ -59,3 +61,30 @@ def test_the_independent_count_converts_messages_as_vllm_does() -> None:
         {"role": "assistant", "content": "hello"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
     ]
+
+
+def _after_a_restart(first_sent_s: float) -> Run:
+    """A run whose Redis was away from +3.5 s to +5.6 s, and a tenant that got 0.6 of its TPM
+    in 6 requests sent from `first_sent_s` on, then, from a second later, its whole TPM in 20."""
+    tpm = TENANTS["beta"][0]
+    run = Run(seed=36, gateways=2, seconds=10.0, started=1000.0, redis_down=(1003.5, 1005.6))
+    sends = [(first_sent_s + i / 10, tpm // 10) for i in range(6)]
+    sends += [(first_sent_s + 1 + i / 10, tpm // 20) for i in range(20)]
+    for i, (at, tokens) in enumerate(sends):
+        nonce, sent = f"adv-{i:012x}", run.started + at
+        planned = Planned(nonce, "beta", i % 2, "chat", "m", {}, Script())
+        run.outcomes.append(Outcome(planned, sent, status=200))
+        got = Arrival("chat", "m", nonce, sent, prompt_tokens=tokens, finished=True)
+        run.ledger.arrivals[nonce] = [got]
+    return run
+
+
+def test_a_window_from_redis_return_allows_the_gateways_retry_only():
+    """Two gateways count locally until each tries Redis again, a second after its last failure
+    (whose call may have taken its whole time-out): a window that starts within that of Redis'
+    return may hold what they counted locally and a TPM in the emptied Redis. Seed 36 with two
+    gateways failed Q once in two runs on a window starting 6 ms after Redis was back. A window
+    starting once every gateway has tried Redis again is held to its TPM."""
+    retried = 5.6 + REDIS_TIMEOUT_S + RETRY_S
+    assert not check_quota(_after_a_restart(5.6 + 0.05))
+    assert check_quota(_after_a_restart(retried + 0.05))

@@ -30,6 +30,7 @@ from gateway.state.redis import FAILURES, RedisState
 
 log = logging.getLogger("gateway.state")  # one logger for state/, the name operators grep
 _LOCAL = "local:"
+RETRY_S = 1.0  # after a failure, Redis is tried again by the first call this long after it
 T = TypeVar("T")
 
 
@@ -59,7 +60,7 @@ class FailoverState:
         *,
         on_failure: Literal["open", "closed"],
         gateways: int,
-        retry_s: float = 1.0,
+        retry_s: float = RETRY_S,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.shared = shared

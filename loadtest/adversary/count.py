@@ -57,9 +57,7 @@ class Counter:
         if endpoint == "chat":
             return self.chat(model, body["messages"], body.get("tools"))
         if endpoint == "completions":
-            prompts = body["prompt"]
-            prompts = prompts if isinstance(prompts, list) else [prompts]
-            return sum(self._encode(model, p) for p in prompts)
+            return sum(self._encode(model, p) for p in _prompts(body["prompt"]))
         if endpoint == "messages":
             return self.chat(model, messages_chat(body), _anthropic_tools(body.get("tools")))
         assert chat is not None
@@ -72,9 +70,7 @@ class Counter:
 
     def pooling(self, model: str, path: str, body: dict[str, Any]) -> int:
         if path.endswith("embeddings"):
-            inputs = body["input"]
-            inputs = inputs if isinstance(inputs, list) else [inputs]
-            return sum(self._encode(model, i) for i in inputs)
+            return sum(self._encode(model, i) for i in _prompts(body["input"]))
         query, documents = body.get("query", body.get("text_1", "")), body.get("documents", [])
         if not documents:
             documents = body.get("text_2", [])
@@ -99,6 +95,14 @@ class Counter:
                     content = [{"type": "text", "text": p.get("text", "")} for p in content]
                 out.append({"role": item.get("role", "user"), "content": content})
         return out
+
+
+def _prompts(given: Any) -> list[Any]:
+    """A `prompt` (or `input`) as its list of prompts: one text, one list of token ids, or a
+    list of either."""
+    if not isinstance(given, list) or all(isinstance(t, int) for t in given):
+        return [given]
+    return given
 
 
 def messages_chat(body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -74,12 +74,22 @@ class Plan:
 
 
 class Generator:
+    """`longest_output` is the largest output bound (`max_tokens` and its kin) a shape draws: a
+    sample sent to real vLLM keeps its outputs short, where the scripted replica's cost nothing."""
+
     def __init__(
-        self, seed: int, models: list[str], tenants: list[str], gateways: int, rich: bool = True
+        self,
+        seed: int,
+        models: list[str],
+        tenants: list[str],
+        gateways: int,
+        rich: bool = True,
+        longest_output: int = 3000,
     ) -> None:
         self.rng = random.Random(seed)
         self.seed = seed
         self.models, self.tenants, self.gateways = models, tenants, gateways
+        self.longest_output = longest_output
 
     def nonce(self) -> str:
         return f"adv-{self.rng.getrandbits(48):012x}"
@@ -101,10 +111,14 @@ class Generator:
             "retry_reset",
         ]
         while at < seconds:
-            kind = self.rng.choice(kinds)
-            plan.moves.append(getattr(self, f"_{kind}")(at))
+            plan.moves.append(self.move(self.rng.choice(kinds), at))
             at += self.rng.expovariate(1 / 0.35)
         return plan
+
+    def move(self, kind: str, at: float = 0.0) -> Move:
+        """One move of `kind` (`single`, `chain`, `train_burst`, ...), as a plan draws it."""
+        move: Move = getattr(self, f"_{kind}")(at)
+        return move
 
     # --- the scripts ----------------------------------------------------------------------------
 
@@ -155,7 +169,7 @@ class Generator:
     def _bound(self, body: dict[str, Any], name: str, required: bool = False) -> None:
         r = self.rng
         if required or r.random() < 0.6:
-            body[name] = r.choice((1, r.randint(1, 64), r.randint(64, 3000)))
+            body[name] = r.choice((1, r.randint(1, 64), r.randint(64, self.longest_output)))
         if r.random() < 0.15:
             body["ignore_eos"] = True
         if r.random() < 0.1:
@@ -210,8 +224,14 @@ class Generator:
         return body
 
     def _completions_body(self, model: str, nonce: str) -> dict[str, Any]:
+        r = self.rng
         body: dict[str, Any] = {"model": model, "prompt": f"{nonce} {self.text(3, 300)}"}
-        if self.rng.random() < 0.15:
+        if r.random() < 0.25:
+            # Token ids, below every served vocabulary's size; the nonce rides in `user`, which
+            # the replica scans the body for like any other field.
+            body["prompt"] = [r.randrange(3, 1900) for _ in range(r.randint(1, 300))]
+            body["user"] = nonce
+        if r.random() < 0.15:
             body["n"] = 2
         self._bound(body, "max_tokens")
         self._stream(body)
@@ -219,10 +239,14 @@ class Generator:
 
     def _messages_body(self, model: str, nonce: str, system: str | None = None) -> dict[str, Any]:
         r = self.rng
-        body: dict[str, Any] = {
-            "model": model,
-            "messages": [{"role": "user", "content": self._content(nonce)}],
-        }
+        messages: list[dict[str, Any]] = []
+        for _ in range(r.choice((0, 0, 1, 2))):
+            messages += [
+                {"role": "user", "content": self.text(1, 30)},
+                {"role": "assistant", "content": self.text(1, 30)},
+            ]
+        messages.append({"role": "user", "content": self._content(nonce)})
+        body: dict[str, Any] = {"model": model, "messages": messages}
         if system is not None or r.random() < 0.5:
             system = system or self.text(2, 40)
             body["system"] = system if r.random() < 0.6 else [{"type": "text", "text": system}]

@@ -51,6 +51,7 @@ CLIENT_CONCURRENCY = 48
 REQUEST_TIMEOUT_S = 40.0
 SLOW_READ_S = 0.004  # per 4 KiB a slow client reads
 REDIS_DOWN = (0.35, 0.55)  # shares of the run: Redis stopped, then started again (empty)
+REDIS_TIMEOUT_S = 0.2  # the gateways' bound on a Redis call
 
 
 def log(message: str) -> None:
@@ -146,7 +147,7 @@ def policy(
             "url": redis_url,
             "gateways": gateways,
             "on_failure": "open",
-            "timeout_s": 0.2,
+            "timeout_s": REDIS_TIMEOUT_S,
             "lease_ttl_s": 3,
         }
     return out
