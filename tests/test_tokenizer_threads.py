@@ -102,3 +102,20 @@ def test_every_tokenizer_thread_has_encoded_with_each_new_counter_before_traffic
         assert warmed_threads(reloaded) == every
     finally:
         policy.close()
+
+
+def test_the_templates_probes_are_answered_as_the_policy_compiles(tmp_path, tokenizer_dir) -> None:
+    """What `/v1/messages` asks of a template (does it merge inline system messages, what does
+    disabled thinking become) compiles or renders the template, tens of ms: found on the loop of
+    a first Messages request by the adversary's profiler run, now answered before traffic."""
+    from gateway.policy.compile import load_policy
+    from tests.conftest import basic_policy, write_policy
+
+    policy = load_policy(
+        write_policy(tmp_path, basic_policy(tokenizer_dir, ["http://127.0.0.1:9"]))
+    )
+    try:
+        answered = vars(policy.models["tiny"].counter.template)
+        assert {"merges_inline_system", "disabled_thinking_effort"} <= answered.keys()
+    finally:
+        policy.close()

@@ -626,6 +626,13 @@ class ChatTemplate:
             return "low"
         return "none"
 
+    def probe(self) -> None:
+        """Answer now what `/v1/messages` asks of the template (`merges_inline_system`,
+        `disabled_thinking_effort`): each compiles or renders the template, tens of ms, which
+        a first request would otherwise spend on the loop."""
+        for name in ("merges_inline_system", "disabled_thinking_effort"):
+            getattr(self, name)  # a cached_property: computed once, then kept
+
     def _probe(self, effort: str) -> str | None:
         try:
             return self.render(

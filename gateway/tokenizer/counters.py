@@ -213,7 +213,9 @@ class HFCounter:
         tokenizer is its dearest (fastokens builds its per-thread matching state then: ~120-140
         ms of CPU with Qwen 3 or Llama 3, against 0.1 ms after), and must not be a request's.
         Called as the policy is compiled: before the gateway reports ready, and before a
-        reloaded policy with new counters takes traffic."""
+        reloaded policy with new counters takes traffic. The template's probes are answered
+        then too, for the same reason."""
+        self.template.probe()
         pools = {id(p): p for p in (self.threads, self.large_threads) if p is not None}
         for pool in pools.values():
             pool.each(self.encoder.counts, [WARM_TEXT], False)
