@@ -12,10 +12,11 @@ import pytest
 
 from gateway.state.failover import RETRY_S
 from loadtest.adversary.checks import check, check_quota
-from loadtest.adversary.count import messages_chat
+from loadtest.adversary.count import Counter, messages_chat
 from loadtest.adversary.generator import Planned, fresh_seed
 from loadtest.adversary.harness import REDIS_TIMEOUT_S, TENANTS, Outcome, Run, execute
 from loadtest.adversary.replica import Arrival, Script
+from loadtest.real_tokenizers import directory
 
 SECONDS = 10.0  # of attack; the gateways' start (three real tokenizers) takes longer than that
 
@@ -88,3 +89,13 @@ def test_a_window_from_redis_return_allows_the_gateways_retry_only():
     retried = 5.6 + REDIS_TIMEOUT_S + RETRY_S
     assert not check_quota(_after_a_restart(5.6 + 0.05))
     assert check_quota(_after_a_restart(retried + 0.05))
+
+
+def test_the_independent_count_drops_empty_text_parts_as_vllm_does() -> None:
+    """For a template that reads a string, vLLM joins a message's text parts with newlines and
+    keeps only parts whose parse is truthy: an empty text is no line of its own. Found by the
+    long profile with two gateways (gateway 241, harness 242 on Qwen 3)."""
+    counter = Counter({"qwen3": directory("qwen3")})
+    parts = [{"type": "text", "text": "stone thunder"}, {"type": "text", "text": ""}]
+    with_empty = counter.chat("qwen3", [{"role": "user", "content": parts}])
+    assert with_empty == counter.chat("qwen3", [{"role": "user", "content": "stone thunder"}])

@@ -39,7 +39,9 @@ class Counter:
         texts = [p.get("text", "") for p in content if isinstance(p, dict)]
         if self._parts[model]:
             return [{"type": "text", "text": t} for t in texts]
-        return "\n".join(texts)
+        # vLLM keeps a part only if its parse is truthy: an empty text is no line of its own
+        # (`_parse_chat_message_content_parts`, string content).
+        return "\n".join(t for t in texts if t)
 
     def chat(
         self, model: str, messages: list[dict[str, Any]], tools: Any = None, special: bool = False
