@@ -8,6 +8,7 @@ from typing import Any
 
 import aiohttp
 import openai
+import orjson
 import pytest
 from openai import AsyncOpenAI
 
@@ -115,13 +116,20 @@ async def test_fields_pass_through(vllm, gateway_factory, http, case, endpoint, 
         assert json.loads(choices[0]["message"]["content"]) in ("allow", "deny")
 
 
-async def test_request_id_reaches_vllm(vllm, gateway_factory, http) -> None:
+async def test_vllm_gets_the_gateways_request_id_and_the_client_its_own(
+    vllm, gateway_factory, http
+) -> None:
+    """vLLM makes `x-request-id` its engine's request id: a client's would let a tenant collide
+    with another's, so vLLM gets the gateway's own (logged as `upstream_request_id`), and the
+    client still gets its id echoed."""
     gw = await gateway_factory(vllm_policy(vllm))
     body = {"model": "tiny", "messages": CHAT, "max_tokens": 2}
     headers = {"x-request-id": "tool-req-42"}
     async with http.post(f"{gw.url}/v1/chat/completions", json=body, headers=headers) as resp:
         assert resp.status == 200 and resp.headers["x-request-id"] == "tool-req-42"
-        assert (await resp.json())["id"] == "chatcmpl-tool-req-42"  # vLLM builds its id from it
+        answer_id = (await resp.json())["id"]
+    sent = orjson.loads(gw.access_log.getvalue().splitlines()[-1])["upstream_request_id"]
+    assert answer_id == f"chatcmpl-{sent}" and "tool-req-42" not in answer_id
 
 
 async def test_usage_chunk_is_last_before_done(vllm, gateway_factory, http) -> None:
