@@ -81,9 +81,10 @@ async def following_gateway(
     """A gateway whose pool is a stub first, then vLLM: without a match, ties go to the stub.
     It follows vLLM's events once it has picked once; vLLM is then sent distinct prompts
     directly until a store is heard (a ZMQ subscriber only hears what is sent after it joins)."""
-    policy = vllm_policy(
-        server, pick={"scorers": {"precise_prefix": {"weight": 1, "retry_s": 0.2}}}
-    )
+    # vLLM publishes on an ipc:// endpoint, followed only where the policy allows it.
+    allowed = ["ipc:///*"]
+    precise = {"weight": 1, "retry_s": 0.2, "ipc_endpoints": allowed}
+    policy = vllm_policy(server, pick={"scorers": {"precise_prefix": precise}})
     policy["pools"]["main"]["replicas"] = [stub.url, server.url]
     gw: RunningGateway = await gateway_factory(policy)
     scorer = gw.gateway.slots["main"].picker.precise  # type: ignore[attr-defined]
