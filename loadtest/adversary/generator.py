@@ -179,7 +179,10 @@ class Generator:
         if self.rng.random() < 0.55:
             body["stream"] = True
             if usage_option and self.rng.random() < 0.5:
-                body["stream_options"] = {"include_usage": self.rng.random() < 0.7}
+                usage = self.rng.random() < 0.7
+                body["stream_options"] = {"include_usage": usage}
+                if usage and self.rng.random() < 0.3:  # the running count on every chunk too
+                    body["stream_options"]["continuous_usage_stats"] = True
 
     def _content(self, nonce: str) -> Any:
         text = f"{nonce} {self.text(3, 300)}"
