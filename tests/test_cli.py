@@ -3,10 +3,15 @@ clear refusal of a command that does not exist."""
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 import pytest
 
 from gateway import __version__
 from gateway.cli import main as gateway
+from loadtest.autoscale.cli import tokenizer
+from loadtest.cli import COMMANDS
 from loadtest.cli import main as loadtest
 
 
@@ -45,3 +50,27 @@ def test_loadtest_refuses_an_unknown_command(capsys) -> None:
 def test_loadtest_help_is_not_an_error(capsys) -> None:
     assert loadtest(["--help"]) == 0
     assert "llm-loadtest sweep" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_loadtest_writes_where_it_is_run_not_into_its_package(command, monkeypatch) -> None:
+    """An installed `llm-loadtest` lives in site-packages: every report or file a command writes
+    by default goes under the current directory."""
+    parsers: list[argparse.ArgumentParser] = []
+
+    def capture(self: argparse.ArgumentParser, *_: object) -> None:
+        parsers.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    with pytest.raises(SystemExit):
+        loadtest([command])
+    (parser,) = parsers
+    paths = [a.default for a in parser._actions if isinstance(a.default, Path)]
+    assert all(not path.is_absolute() for path in paths), paths
+
+
+def test_autoscales_own_tokenizer_is_built_in_the_users_cache(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built = Path(tokenizer(None))
+    assert built.is_relative_to(tmp_path) and (built / "tokenizer.json").is_file()

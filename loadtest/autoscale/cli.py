@@ -3,7 +3,7 @@ Kubernetes HPA scales on the gateway's own metric, driven by a trace. Loopback o
 
     llm-loadtest autoscale [--trace step:base=0.5,peak=5,start=60,end=240,duration=720 | FILE.csv]
                            [--signal reactive|forecast|max] [--startup-s 180] [--time-scale 12]
-                           [--out loadtest/out/autoscale]
+                           [--out loadtest-autoscale]
     llm-loadtest autoscale --fleet loadtest/autoscale/fleets/gemma3-seed.yaml \
         --trace classification=step:base=4,peak=12,start=300,end=1500,duration=2100 \
         --trace generation=step:base=1.5,peak=1.5,duration=2100 --signal max [--no-spill]
@@ -37,10 +37,10 @@ from loadtest.autoscale.loop import (
 from loadtest.autoscale.trace import STEP, from_access_log, load_traces, write_trace
 from loadtest.loadgen.compare import DEFAULT_SLOS, SLO, parse_slo
 from loadtest.loadgen.profile import read_access_log
+from loadtest.real_tokenizers import cache_root
 from loadtest.tiny_tokenizer import ensure
 
 T = TypeVar("T")
-ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TRACE = "step:" + ",".join(f"{k}={v:g}" for k, v in STEP.items())
 
 
@@ -180,7 +180,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="HF tokenizer dir, or `estimate`: none anywhere, 4"
                    " characters a token (default: a tiny one, built)")  # fmt: skip
     p.add_argument(
-        "--out", type=Path, default=ROOT / "loadtest" / "out" / "autoscale", help="report directory"
+        "--out",
+        type=Path,
+        default=Path("loadtest-autoscale"),
+        help="report directory (default: %(default)s in the current directory)",
     )
     p.add_argument("--trace-from-log", type=Path, help="write a trace from an access log, exit")
     p.add_argument("--bin-s", type=float, default=60.0, help="with --trace-from-log")
@@ -241,12 +244,13 @@ def slos(args: argparse.Namespace, classes: Iterable[str]) -> dict[str, SLO]:
 
 
 def tokenizer(given: str | None) -> str | None:
-    """The tokenizer directory; None for `estimate`; the demo's tiny one (built once) if none."""
+    """The tokenizer directory; None for `estimate`; the tiny one (built once, in the user's cache,
+    not the installed package) if none."""
     if given == COUNT_BY_CHARS:
         return None
     if given is not None:
         return given
-    return ensure(ROOT / "loadtest" / "out" / "demo" / "tokenizer")
+    return ensure(cache_root().parent / "tiny-tokenizer")
 
 
 SINGLE_POOL_FLAGS = ("pool", "profile", "max_concurrency", "target", "min_replicas",
