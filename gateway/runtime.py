@@ -276,6 +276,9 @@ class Gateway:
         # Pools found by DNS start with what their name resolves to, not empty.
         await asyncio.gather(*(discovery.refresh(s) for s in self.runtime.slots.values()))
         self._serve_pools()
+        # Probe before reporting: `/readyz` then says what the replicas answered, not a guess
+        # (a probe's timeout at most; a refused connection fails at once).
+        await asyncio.gather(*(slots.probed.wait() for slots in self.runtime.slots.values()))
         self._watcher = asyncio.create_task(self._watch(), name="policy-watch")
         self._lag = asyncio.create_task(
             watch_lag(self.accountant.metrics.loop_lag), name="loop-lag"

@@ -369,7 +369,7 @@ async def test_metrics_port_takes_metrics_off_the_public_port(
         async with http.get(f"{gw.url}/readyz") as resp:  # how many, not which
             assert resp.status == 200
             assert (await resp.json())["pools"] == {
-                "main": {"healthy": 1, "failing": 0, "ejected": 0}
+                "main": {"healthy": 1, "failing": 0, "ejected": 0, "unchecked": 0}
             }
         async with http.get(f"http://127.0.0.1:{metrics_port}/metrics") as resp:
             assert resp.status == 200 and "llm_pool_capacity" in await resp.text()
@@ -399,7 +399,7 @@ async def test_with_tenants_the_public_port_serves_no_metrics_and_names_no_repli
     async with http.get(f"{gw.url}/readyz") as resp:
         assert resp.status == 200
         text = await resp.text()
-    assert orjson.loads(text)["pools"] == {"main": {"healthy": 1, "failing": 0, "ejected": 0}}
+    assert orjson.loads(text)["pools"] == {"main": {"healthy": 1, "failing": 0, "ejected": 0, "unchecked": 0}}
     assert stub.url not in text and "acme" not in text
     assert any("server.metrics_port" in r.getMessage() for r in caplog.records)
     async with http.get(f"{gw.metrics_url}/metrics") as resp:  # where `metrics_port` serves it

@@ -321,6 +321,33 @@ async def test_requests_that_run_out_their_own_total_s_eject_no_replica(
     await eventually(lambda: a.stats.running == b.stats.running == 0 and gw.inflight() == 0)
 
 
+async def test_a_fresh_gateway_reports_what_its_replicas_answered(
+    stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    """Issue 36 item 12: a replica counted as healthy until it had failed three probes five
+    seconds apart, so a fresh gateway called one that does not listen healthy for 15 s. It probes
+    before it listens: its first `/readyz` has the listening replica healthy, the other failing
+    (not yet ejected: one failure of three); with probes off, both are unchecked until a request
+    reaches them."""
+    dead = dead_url()
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [stub.url, dead]))
+    async with http.get(f"{gw.url}/readyz") as resp:
+        pool = (await resp.json())["pools"]["main"]
+    assert pool["replicas"] == {stub.url: "healthy", dead: "failing"}
+    assert (pool["healthy"], pool["failing"], pool["ejected"], pool["unchecked"]) == (1, 1, 0, 0)
+
+    policy = basic_policy(tokenizer_dir, [stub.url])
+    policy["pools"]["main"]["health"] = {"interval_s": 0}
+    gw = await gateway_factory(policy)
+    async with http.get(f"{gw.url}/readyz") as resp:
+        assert (await resp.json())["pools"]["main"]["replicas"] == {stub.url: "unchecked"}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+    async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+    async with http.get(f"{gw.url}/readyz") as resp:
+        assert (await resp.json())["pools"]["main"]["replicas"] == {stub.url: "healthy"}
+
+
 async def test_readyz_says_which_replicas_fail(gateway_factory, tokenizer_dir, http) -> None:
     """A pool keeps its last replica in however it fails (and ejects at most
     `max_ejection_percent`), so "in the pool" is not "up": `/readyz` said `{"main": 1}` of a pool
@@ -346,6 +373,7 @@ async def test_readyz_says_which_replicas_fail(gateway_factory, tokenizer_dir, h
                 "healthy": 0,
                 "failing": 1,
                 "ejected": 1,
+                "unchecked": 0,
                 "replicas": {ejected: "ejected", failing: "failing"},
             }
         },

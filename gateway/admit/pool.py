@@ -70,6 +70,7 @@ class LivePool:
         self._closed = False
         self.retrying = 0  # retries in flight, against the retry budget
         self.demand = Demand()
+        self.probed = asyncio.Event()  # its first round of health probes is over (or off)
         self.reconciler = Reconciler(name)
         self.sheds: Counter[str] = Counter()  # tier -> requests shed
         self._apply(spec)
@@ -194,8 +195,10 @@ class LivePool:
 
     def succeeded(self, replica: Replica) -> None:
         replica.failures = 0
+        replica.checked = True
 
     def failed(self, replica: Replica, reason: Ejection) -> None:
+        replica.checked = True
         self.ejector.failed(self.replicas, replica, reason, self.spec.health)
 
     def answered(self, grant: Grant, ctx: Ctx, failure: Ejection | None) -> None:

@@ -27,6 +27,7 @@ class Replica:
         "blocked_until",
         "by_class",
         "cap",
+        "checked",
         "drift_strikes",
         "ejected_until",
         "ejections",
@@ -61,6 +62,7 @@ class Replica:
         self.inflight_tokens = 0
         self.by_class: dict[str, int] = {}  # in flight per class, against `reserve`
         self.failures = 0  # consecutive failed requests or probes
+        self.checked = False  # a probe or request has answered or failed since it joined
         self.ejections = 0  # times ejected so far: each ejection lasts longer
         self.ejected_until: float | None = None  # None: in the pool
         self.leases = 0  # slots handed out by `slot()` and not yet given back

@@ -32,6 +32,9 @@ class HealthChecker:
     async def run(self) -> None:
         """One loop per pool: the demand signal every tick, probes and reconciliation when due."""
         last_probe = last_reconcile = time.monotonic()
+        if self.slots.spec.health.interval_s:  # at once: the first /readyz reports answers
+            await asyncio.gather(*(self.probe(r) for r in self.slots.replicas))
+        self.slots.probed.set()
         while True:
             health = self.slots.spec.health  # a reload may have changed it
             periods = (health.interval_s, self._reconcile_interval())
@@ -50,6 +53,8 @@ class HealthChecker:
             elif now - last_probe >= health.interval_s:
                 last_probe = now
                 await asyncio.gather(*(self.probe(r) for r in self.slots.replicas))
+            else:  # one DNS or a reload just added: probed now, not an interval later
+                await asyncio.gather(*(self.probe(r) for r in self.slots.replicas if not r.checked))
 
     def _reconcile_interval(self) -> float:
         """Scorers that read the replicas' gauges need them fresher than reconciling does."""

@@ -34,7 +34,7 @@ from gateway.parse import by_size, decode_checked
 from gateway.pipeline import handle
 from gateway.policy.compile import Policy
 from gateway.policy.load import PolicyError
-from gateway.policy.schema import HealthSpec, ServerSpec
+from gateway.policy.schema import ServerSpec
 from gateway.runtime import Gateway
 from gateway.server import body, logs, vllm_endpoints
 from gateway.server.limits import RequestLimits, handler_args
@@ -239,27 +239,31 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
-def _replica_state(replica: Replica, health: HealthSpec) -> str:
+def _replica_state(replica: Replica) -> str:
+    """`healthy` only once it answered, and while the last probe or request to it succeeded."""
     if not replica.up:
         return "ejected"
-    return "failing" if replica.failing(health) else "healthy"
+    if not replica.checked:
+        return "unchecked"
+    return "failing" if replica.failures else "healthy"
 
 
 async def readyz(request: web.Request, *, public: bool) -> web.Response:
     """Ready while a policy is loaded, any pool has a replica in it, failing or not, and no
     shutdown has begun: every gateway sees the same replicas, so a readiness that followed their
     health would take all of them out of the Service at once (docs/operations.md, Readiness).
-    The body says how many of each pool's replicas are healthy, failing (kept in though they
-    fail: a pool never ejects its last one) and ejected; and each replica's state by URL only
+    The body says how many of each pool's replicas are healthy, failing (its last probe or
+    request failed; kept in, a pool never ejects its last one), ejected, and unchecked (no probe or request has
+    answered since it joined: probes are off, or it came with DNS or a reload); and each replica's state by URL only
     where `/metrics` is served (`Gateway.metrics_public`), whose labels name them already."""
     gateway = request.app[GATEWAY]
     named = not public or gateway.metrics_public
     pools: dict[str, dict[str, Any]] = {}
     for name, slots in gateway.slots.items():
-        states = {r.url: _replica_state(r, slots.spec.health) for r in slots.replicas}
+        states = {r.url: _replica_state(r) for r in slots.replicas}
         pool: dict[str, Any] = {
             state: sum(s == state for s in states.values())
-            for state in ("healthy", "failing", "ejected")
+            for state in ("healthy", "failing", "ejected", "unchecked")
         }
         if named:
             pool["replicas"] = states
