@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from gateway.policy.schema import PoolSpec
 from loadtest.loadgen import cli
 from loadtest.loadgen.knee import KneeParams, find_knee, policy_snippet
-from loadtest.loadgen.profile import build_profile, concurrency, read_access_log
+from loadtest.loadgen.profile import build_profile, concurrency, read_access_log, table
 from loadtest.loadgen.progress import Progress
 from loadtest.loadgen.prompts import PromptBuilder
 from loadtest.loadgen.roundrobin import create_roundrobin_app
@@ -387,6 +387,27 @@ async def test_profile_of_the_gateways_log_replays_as_a_workload(
     result = await run_sweep(config, QUIET)
     assert all(r.ok for r in result.series[0].levels[0][1].records)
     assert {b["max_tokens"] for b in replay.stats.bodies} <= {2, 20}
+
+
+def test_profile_reports_the_output_requests_produced_zero_included() -> None:
+    """Issue 36 item 13: `profile` showed OSL 1 for embeddings (a placeholder) and, for a chat
+    that stopped at once, the gateway's expectation instead of the 0 it produced."""
+
+    def line(cls: str, endpoint: str, output: int, expected: int) -> dict[str, object]:
+        return {"pool": "p", "class": cls, "endpoint": endpoint, "input_tokens": 50, "status": 200,
+                "output_tokens": output, "expected_output_tokens": expected}  # fmt: skip
+
+    records = [line("embed", "embeddings", 0, 0)] * 3 + [
+        line("chat", "chat", 0, 40),
+        line("chat", "chat", 30, 40),
+        {**line("chat", "chat", 0, 40), "status": 429, "output_tokens": None},
+    ]
+    profile = build_profile(records)
+    osl = {g.cls: sorted(g.osl_values) for g in profile.groups}
+    assert osl == {"chat": [0, 30, 40], "embed": [0, 0, 0]}
+    assert "| p | embed | 3 | 50 / 50 / 50 | 0 / 0 / 0 |" in table(profile)
+    classes = {c.name: c for c in profile.to_workload("w").classes}
+    assert classes["p/chat"].osl.values == [1, 30, 40]  # type: ignore[union-attr]
 
 
 def test_a_workload_file_round_trips(tmp_path: Path) -> None:

@@ -153,8 +153,9 @@ async def test_with_tenants_the_endpoints_take_a_key(gateway_factory, stub, toke
         assert status == 401
         status, _ = await call(http, gw.url, path, request, Authorization=f"Bearer {ACME_KEY}")
         assert status == 200
-    async with http.get(f"{gw.url}/version") as resp:
-        assert resp.status == 401
+    async with http.get(f"{gw.url}/version") as resp:  # issue 36 item 13: open, as vLLM's
+        assert resp.status == 200
+        assert await resp.json() == {"version": version("llm-admission-gateway")}
 
 
 async def test_models_carry_vllms_fields_for_every_name(gateway_factory, stub, tokenizer_dir, http):

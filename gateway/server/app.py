@@ -224,9 +224,9 @@ async def count_tokens(request: web.Request) -> web.Response:
 
 async def version(request: web.Request) -> web.Response:
     """vLLM's `{"version": ...}`, with the gateway's own version: it is the gateway answering,
-    and a replica's vLLM version would be one of several during a rolling upgrade. With tenants
-    it takes a key, as every endpoint but the probes does."""
-    identify(request.headers, request.app[GATEWAY].policy.tenants)
+    and a replica's vLLM version would be one of several during a rolling upgrade. Open with
+    tenants too, as vLLM serves it: tools that check a server's version before they send (and
+    probes) carry no key, and the answer names no tenant, model or replica."""
     return _json({"version": VERSION})
 
 

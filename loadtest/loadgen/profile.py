@@ -110,7 +110,8 @@ class Profile:
                 weight=g.requests,
                 endpoint=g.endpoint if g.endpoint in ("completions", "embeddings") else "chat",
                 isl=_fit(g.isl_values, fit),
-                osl=_fit(g.osl_values, fit),
+                # a replay asks at least one token (vLLM's `max_tokens` floor); pooling: unused
+                osl=_fit([max(1, v) for v in g.osl_values], fit),
             )
             for g in self.groups
         ]
@@ -171,6 +172,7 @@ def build_profile(records: Sequence[dict[str, Any]]) -> Profile:
     groups = []
     for (pool, cls), rows in sorted(by_group.items()):
         osl = [_osl(r) for r in rows]
+        outputs = any(r.get("output_tokens") or r.get("expected_output_tokens") for r in rows)
         endpoint = Counter(r.get("endpoint") or "chat" for r in rows).most_common(1)[0][0]
         groups.append(
             Group(
@@ -178,8 +180,8 @@ def build_profile(records: Sequence[dict[str, Any]]) -> Profile:
                 cls=cls,
                 endpoint=endpoint,
                 isl_values=[r["input_tokens"] for r in rows],
-                # an embedding has no output: its class keeps osl's placeholder, never sent
-                osl_values=[1] if endpoint == "embeddings" else [v for v in osl if v],
+                # a pooling request produces none: 0, so a class of them keeps its place
+                osl_values=[v for v in osl if v is not None] or ([0] if not outputs else []),
                 concurrency=concurrency(i for r in rows if (i := _interval(r))),
             )
         )
@@ -189,7 +191,9 @@ def build_profile(records: Sequence[dict[str, Any]]) -> Profile:
 
 
 def _osl(r: dict[str, Any]) -> int | None:
-    if r.get("status") == 200 and r.get("output_tokens"):
+    """What a completed request produced, 0 included (pooling work; a stop at once); else what
+    the gateway expected of it."""
+    if r.get("status") == 200 and r.get("output_tokens") is not None:
         return int(r["output_tokens"])
     expected = r.get("expected_output_tokens")
     return int(expected) if expected else None
