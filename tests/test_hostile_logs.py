@@ -399,7 +399,9 @@ async def test_with_tenants_the_public_port_serves_no_metrics_and_names_no_repli
     async with http.get(f"{gw.url}/readyz") as resp:
         assert resp.status == 200
         text = await resp.text()
-    assert orjson.loads(text)["pools"] == {"main": {"healthy": 1, "failing": 0, "ejected": 0, "unchecked": 0}}
+    assert orjson.loads(text)["pools"] == {
+        "main": {"healthy": 1, "failing": 0, "ejected": 0, "unchecked": 0}
+    }
     assert stub.url not in text and "acme" not in text
     assert any("server.metrics_port" in r.getMessage() for r in caplog.records)
     async with http.get(f"{gw.metrics_url}/metrics") as resp:  # where `metrics_port` serves it

@@ -84,7 +84,13 @@ async def test_health_and_readiness(stub, gateway_factory, tokenizer_dir, http) 
         assert resp.status == 200
         pools = (await resp.json())["pools"]
     assert pools == {
-        "main": {"healthy": 1, "failing": 0, "ejected": 0, "unchecked": 0, "replicas": {stub.url: "healthy"}}
+        "main": {
+            "healthy": 1,
+            "failing": 0,
+            "ejected": 0,
+            "unchecked": 0,
+            "replicas": {stub.url: "healthy"},
+        }
     }
     gw.gateway.draining = True
     async with http.get(f"{gw.url}/readyz") as resp:
