@@ -11,6 +11,7 @@ gateway, through a renewal.
 
 from __future__ import annotations
 
+import os
 import re
 import ssl
 import subprocess
@@ -127,6 +128,31 @@ def test_each_pool_finds_the_teams_replicas_and_its_hpa_scales_the_teams_workloa
             assert metric["external"]["metric"]["name"] in served_metrics
             assert metric["external"]["metric"]["selector"]["matchLabels"] == {"pool": pool}
     check_policy(deployed_policy(objects), tmp_path)
+
+
+def documented_check() -> str:
+    """docs/operations.md's render-and-check of a gateway-only install, as one shell script."""
+    text = (CHART.parent.parent.parent / "docs" / "operations.md").read_text()
+    block = text.split("3. **Check it before installing.**", 1)[1].split("```sh\n", 1)[1]
+    lines = block.split("```", 1)[0].splitlines()
+    return "\n".join(line.removeprefix("   ") for line in lines)
+
+
+def test_the_documented_check_renders_the_gateway_only_policy_and_checks_it(
+    tmp_path: Path,
+) -> None:
+    script = documented_check().replace("deploy/helm/llm-admission-gateway", str(CHART))
+    script = script.replace("my-values.yaml", str(CHART / EXISTING))
+    env = {k: os.environ[k] for k in ("PYTHONPATH", "HOME") if k in os.environ}
+    env["PATH"] = f"{Path(tool('helm')).parent}:{Path(sys.executable).parent}:/usr/bin:/bin"
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    checked = yaml.safe_load((tmp_path / "policy.yaml").read_text())
+    assert set(checked["pools"]) == set(deployed_policy(helm(EXISTING))["pools"])
+    assert checked["pools"]["chat-8b"]["dns"] == "vllm-llama-8b.inference.svc.cluster.local:8000"
 
 
 def test_the_prometheus_operator_scrapes_the_gateway_only_install_as_any_other() -> None:
