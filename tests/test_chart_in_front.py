@@ -210,7 +210,8 @@ def test_a_policy_change_keeps_the_configmaps_name_and_the_pods_unless_asked_to_
 # --- TLS from a Secret ----------------------------------------------------------------------------
 
 TLS = {"tls": {"secretName": "llm-gateway-tls",
-               "certManager": {"issuerRef": {"name": "internal-ca", "kind": "ClusterIssuer"}}}}  # fmt: skip
+               "certManager": {"issuerRef": {"name": "internal-ca", "kind": "ClusterIssuer"},
+                               "dnsNames": ["llm.example.internal"]}}}  # fmt: skip
 # cert-manager.io/v1 Certificate, from cert-manager's CRD (deploy/crds): the spec's fields, the
 # required ones, and the enumerations the chart uses.
 CERTIFICATE_SPEC = {
@@ -274,7 +275,8 @@ def test_tls_comes_from_a_mounted_secret_cert_manager_issues_and_the_probes_spea
     assert go_hours(spec["renewBefore"]) < go_hours(spec["duration"])
     services = {s["metadata"]["name"] for s in kinds(objects, "Service")}
     assert "llm-gateway" in services
-    assert f"llm-gateway.{NAMESPACE}.svc.cluster.local" in spec["dnsNames"]
+    cluster_name = f"llm-gateway.{NAMESPACE}.svc.cluster.local"  # what a BackendTLSPolicy names
+    assert {cluster_name, "llm.example.internal"} <= set(spec["dnsNames"])
     assert not kinds(helm(), "Certificate")  # off unless asked
     said = helm_fails(values_file(tmp_path, {"tls": {"certManager": TLS["tls"]["certManager"]}}, "no-secret.yaml"))  # fmt: skip
     assert "tls.certManager.issuerRef needs tls.secretName" in said
