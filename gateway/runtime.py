@@ -37,6 +37,7 @@ from gateway.state import SlotLedger, State
 from gateway.state.build import build_state
 from gateway.tls import ListenerTls, replica_context
 from gateway.upstream import Upstream, replica_session
+from gateway.watched import stamp
 
 log = logging.getLogger("gateway.runtime")
 PASSIVE_WATCH_S = 5.0  # with watching off, how often to look whether a reload turned it on
@@ -298,21 +299,15 @@ class Gateway:
             await self.listener_tls.refresh(self.policy.spec.server.tls, _base(self.policy))
 
     async def _watch(self) -> None:
-        """Reload when the policy file changes (a ConfigMap update swaps it under us)."""
+        """Reload when the policy file changes: rewritten, or another file behind its path (a
+        mounted ConfigMap's update swaps the kubelet's `..data` symlink; `gateway/watched.py`)."""
 
-        def stamp() -> tuple[int, int] | None:
-            try:
-                st = os.stat(self.policy.path)
-            except OSError:
-                return None  # mid-swap, or gone: keep the running policy
-            return (st.st_mtime_ns, st.st_size)
-
-        seen = stamp()
+        seen = stamp(self.policy.path)
         while True:
             await asyncio.sleep(self.policy.spec.admin.watch_interval_s or PASSIVE_WATCH_S)
             if not self.policy.spec.admin.watch_interval_s:
                 continue
-            now = stamp()
+            now = stamp(self.policy.path)  # None mid-swap, or gone: keep the running policy
             if now is not None and now != seen:
                 seen = now
                 with contextlib.suppress(PolicyError, ReloadFailed):  # logged and counted

@@ -38,27 +38,16 @@ from pathlib import Path
 
 from gateway.policy.load import PolicyError
 from gateway.policy.schema import ListenerTlsSpec
+from gateway.watched import Stamp, stamp
 
 log = logging.getLogger("gateway.tls")
 
 MAX_PEM_BYTES = 1 << 20  # a certificate chain or a key: a few KB; past this, refused unread
 UNREADABLE_GRACE_S = 5.0  # a Secret's swap leaves a path missing for milliseconds, not seconds
 
-Stamp = tuple[int, int, int]
-
 
 class Unusable(ValueError):
     """A certificate or key path that names no regular file of a bounded size."""
-
-
-def _stamp(path: Path) -> Stamp | None:
-    """What changes when a file is renewed: the inode it resolves to (a symlink swap), its
-    modification time and size (a rewrite); None while it cannot be read."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 def _read(path: Path) -> bytes:
@@ -108,7 +97,7 @@ class _Pair:
     key: Path
 
     def stamps(self) -> tuple[Stamp | None, Stamp | None]:
-        return (_stamp(self.cert), _stamp(self.key))
+        return (stamp(self.cert), stamp(self.key))
 
     def tried(self) -> tuple[bytes, bytes]:
         """The pair's bytes, once they loaded on a throwaway context."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -13,7 +14,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 import gateway.runtime as runtime
-from tests.conftest import basic_policy, eventually
+from tests.conftest import basic_policy, eventually, serving
+from tests.test_tls import served
 
 TOKEN = "s3cret-admin"
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
@@ -309,3 +311,66 @@ async def test_any_failed_reload_is_counted_answered_and_outlived(
     policy["routes"][0]["match"]["model"].append("next-alias")
     (tmp_path / "policy.yaml").write_text(yaml.safe_dump(policy))
     await eventually(lambda: "next-alias" in gw.gateway.policy.served_models)
+
+
+def kubelet_update(volume: Path, version: str, files: dict[str, str]) -> None:
+    """What the kubelet's atomic writer does to a mounted ConfigMap: the files in a new
+    timestamped directory, `..data_tmp -> it` renamed over `..data`, each key's link
+    `<key> -> ..data/<key>` made once, and the previous directory removed."""
+    new = volume / f"..2026_12_06_{version}"
+    new.mkdir()
+    for name, text in files.items():
+        (new / name).write_text(text)
+    data = volume / "..data"
+    old = data.readlink() if data.is_symlink() else None
+    (volume / "..data_tmp").symlink_to(new.name)
+    os.replace(volume / "..data_tmp", data)
+    for name in files:
+        if not (volume / name).is_symlink():
+            (volume / name).symlink_to(Path("..data") / name)
+    if old is not None:
+        for stale in (volume / old).iterdir():
+            stale.unlink()
+        (volume / old).rmdir()
+
+
+async def served_model(http: aiohttp.ClientSession, url: str, model: str) -> int:
+    async with http.post(f"{url}/v1/chat/completions", json={**CHAT, "model": model}) as resp:
+        return resp.status
+
+
+async def test_a_mounted_configmaps_update_is_served_and_a_bad_one_refused_counted_and_outlived(
+    stub, tokenizer_dir, tmp_path, http
+) -> None:
+    """The chart's policy ConfigMap, mounted as a directory: `llm-gateway serve --policy
+    <volume>/policy.yaml` follows each swap of `..data`. The first update is a file of the same
+    size and modification time as the one it replaces (written within one tick of the kernel's
+    file clock, say): only where the path leads now tells it apart. A bad update is refused, the
+    running policy serves on, the refusal is counted; the next good one applies."""
+    volume = tmp_path / "policy"
+    volume.mkdir()
+    policy = basic_policy(tokenizer_dir, [stub.url])
+    policy["admin"] = {"watch_interval_s": 0.05}
+    first = yaml.safe_dump(policy)
+    kubelet_update(volume, "v1", {"policy.yaml": first})
+    path = volume / "policy.yaml"
+    async with serving(path) as (proc, url):
+        assert await served_model(http, url, "tiny-alias") == 200
+        times = path.stat().st_mtime_ns
+        kubelet_update(volume, "v2", {"policy.yaml": first.replace("tiny-alias", "tiny-other")})
+        os.utime(path, ns=(times, times))
+        assert path.stat().st_size == len(first)
+
+        await served(lambda: served_model(http, url, "tiny-other"), 200)
+        assert await served_model(http, url, "tiny-alias") == 404
+        bad = first.replace("tiny-alias", "tiny-third").replace(
+            "max_concurrency: 8", "max_concurrency: 0"
+        )
+        kubelet_update(volume, "v3", {"policy.yaml": bad})
+        await served(lambda: reload_errors(http, url), 1)
+        assert await served_model(http, url, "tiny-other") == 200  # the running policy stays
+        assert await served_model(http, url, "tiny-third") == 404
+        kubelet_update(volume, "v4", {"policy.yaml": first.replace("tiny-alias", "tiny-fourth")})
+        await served(lambda: served_model(http, url, "tiny-fourth"), 200)
+        assert await reload_errors(http, url) == 1
+        assert proc.returncode is None

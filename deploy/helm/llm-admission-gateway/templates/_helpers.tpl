@@ -10,19 +10,57 @@ helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
 {{- .pool.service | default (printf "vllm-%s" .name) -}}
 {{- end }}
 
-{{/* The policy the gateway runs: the values' `policy`, each pool found through its headless
-Service's DNS name, and the shared state in the chart's Redis for `gateway.replicas` gateways. */}}
+{{/* Where a pool's replicas are found, as the policy says it: the headless Service's DNS name
+(the chart's, or with `existing` the team's own Service, or the chart's over the team's pods), or
+`existing.urls`. */}}
+{{- define "llm.poolReplicas" -}}
+{{- $existing := .pool.existing | default dict -}}
+{{- $given := pick $existing "service" "selector" "urls" | keys -}}
+{{- if and .pool.existing (ne (len $given) 1) -}}
+{{- fail (printf "pools.%s.existing: give one of service (a headless Service), selector (pods the chart's headless Service selects) or urls" .name) -}}
+{{- end -}}
+{{- if $existing.urls -}}
+{{- dict "replicas" $existing.urls | toYaml -}}
+{{- else -}}
+{{- $service := $existing.service | default (include "llm.poolService" .) -}}
+{{- $namespace := $existing.namespace | default .root.Release.Namespace -}}
+{{- $name := printf "%s.%s.svc.cluster.local:%v" $service $namespace (include "llm.poolPort" .) -}}
+{{- if $existing.scheme -}}
+{{- dict "dns" (dict "name" $name "scheme" $existing.scheme) | toYaml -}}
+{{- else -}}
+{{- dict "dns" $name | toYaml -}}
+{{- end -}}
+{{- end -}}
+{{- end }}
+
+{{/* The port a pool's replicas serve on: the team's (`existing.port`) or the chart's vLLM's. */}}
+{{- define "llm.poolPort" -}}
+{{- (.pool.existing | default dict).port | default .root.Values.vllm.port -}}
+{{- end }}
+
+{{/* Where a `tls.secretName` Secret is mounted: a directory, so that its renewals reach the pod. */}}
+{{- define "llm.tlsDir" -}}
+/etc/llm-gateway-tls
+{{- end }}
+
+{{/* The policy the gateway runs: the values' `policy`, each pool's replicas (`llm.poolReplicas`),
+the listener's certificate from `tls.secretName`, and the shared state in the chart's Redis for
+`gateway.replicas` gateways. */}}
 {{- define "llm.policy" -}}
 {{- $policy := deepCopy .Values.policy -}}
 {{- $pools := dict -}}
 {{- range $name, $pool := .Values.pools -}}
 {{- if $pool -}}
-{{- $service := include "llm.poolService" (dict "name" $name "pool" $pool) -}}
-{{- $dns := printf "%s.%s.svc.cluster.local:%v" $service $.Release.Namespace $.Values.vllm.port -}}
-{{- $_ := set $pools $name (merge (dict "dns" $dns) (deepCopy $pool.policy)) -}}
+{{- $replicas := include "llm.poolReplicas" (dict "name" $name "pool" $pool "root" $) | fromYaml -}}
+{{- $_ := set $pools $name (merge $replicas (deepCopy $pool.policy)) -}}
 {{- end -}}
 {{- end -}}
 {{- $_ := set $policy "pools" $pools -}}
+{{- if .Values.tls.secretName -}}
+{{- $dir := include "llm.tlsDir" . -}}
+{{- $tls := dict "cert_file" (printf "%s/tls.crt" $dir) "key_file" (printf "%s/tls.key" $dir) -}}
+{{- $_ := set $policy "server" (merge (dict "tls" $tls) (deepCopy ($policy.server | default dict))) -}}
+{{- end -}}
 {{- if .Values.redis.enabled -}}
 {{- $url := printf "redis://redis.%s.svc.cluster.local:6379/0" .Release.Namespace -}}
 {{- $state := merge (dict "backend" "redis" "url" $url "gateways" (int .Values.gateway.replicas)) (deepCopy (.Values.state | default dict)) -}}
