@@ -40,7 +40,9 @@ if [[ -z $("${buildah[@]}" images --quiet "$base" 2>/dev/null) ]]; then
     "${buildah[@]}" commit --quiet --rm "$container" "$base" >/dev/null
 fi
 
-"${buildah[@]}" bud --quiet --isolation chroot --pull-never -t llm-admission-gateway:ci . >/dev/null
+# The release workflow (.github/workflows/release.yml) builds the same file, context and arguments.
+"${buildah[@]}" bud --quiet --isolation chroot --pull-never --file Dockerfile -t llm-admission-gateway:ci \
+    . >/dev/null
 # The chart's pod: its policy, and its init container's command (NUL-separated) and environment.
 "$venv/bin/helm" template llm deploy/helm/llm-admission-gateway --namespace llm \
     --show-only templates/gateway.yaml |
