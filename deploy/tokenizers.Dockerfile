@@ -10,8 +10,16 @@
 # Built on the gateway's own image: the cluster's registry already holds it and its nodes its
 # layers, so a pull costs the files' layer alone, and the init container that copies them finds
 # `cp` in it (an image volume needs nothing from the base). No ConfigMap instead: a Gemma 3
-# tokenizer.json is 33 MB, past a ConfigMap's 1 MiB. GATEWAY_IMAGE has no default: name the release
-# the chart runs (its appVersion).
+# tokenizer.json is 33 MB, past a ConfigMap's 1 MiB. GATEWAY_IMAGE has no default: name the
+# release the chart runs (its appVersion).
 ARG GATEWAY_IMAGE
-FROM ${GATEWAY_IMAGE}
+
+# The files readable by the pod's user (10001), without huggingface_hub's `.cache` bookkeeping
+# (its files are the downloader's alone, mode 0600), in one layer of the final image.
+FROM ${GATEWAY_IMAGE} AS files
+USER root
 COPY . /tokenizers/
+RUN rm -rf /tokenizers/*/.cache && chmod -R a+rX /tokenizers
+
+FROM ${GATEWAY_IMAGE}
+COPY --from=files /tokenizers /tokenizers/

@@ -264,11 +264,10 @@ def test_a_pvc_is_mounted_read_only_and_holds_what_the_policy_loads(tmp_path: Pa
 
 def image_root(root: Path) -> Path:
     """`root` as deploy/tokenizers.Dockerfile builds the image from step 2's directory: the
-    build context copied to its COPY line's destination."""
+    directories at its final COPY's destination (`make image` builds the image itself)."""
     lines = (ROOT / "deploy" / "tokenizers.Dockerfile").read_text().splitlines()
-    (copy,) = [line.split() for line in lines if line.startswith("COPY ")]
-    assert copy[1] == ".", copy  # the whole context: every directory of step 2
-    shutil.copytree(downloaded(root.parent / "context"), root / copy[2].strip("/"))
+    destination = [line.split() for line in lines if line.startswith("COPY ")][-1][-1]
+    shutil.copytree(downloaded(root.parent / "context"), root / destination.strip("/"))
     return root
 
 
