@@ -5,8 +5,10 @@
 # stand-in of the same Debian and Python (bookworm, 3.11) made by debootstrap from Debian's
 # packages: every step of the Dockerfile runs, and the image then does what the chart's pod does
 # at start: its init container fetches the tokenizer (from tests/hub.py, a Hub on loopback), and
-# the gateway, as user 10001, loads the chart's policy with it. The published base itself is not
-# what this builds on.
+# the gateway, as user 10001, loads the chart's policy with it. Then the air-gapped way: the
+# tokenizer image (deploy/tokenizers.Dockerfile) built on it from those files, and the chart's
+# copying init container run in it, whose copy the policy loads from. The published base itself
+# is not what this builds on.
 #
 #     .ci/image.sh VENV        # as root; VENV has helm (tests/setup/tools.sh put it there)
 set -euo pipefail
