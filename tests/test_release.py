@@ -67,7 +67,8 @@ def what_it_builds(words: list[str]) -> list[tuple[str, str]]:
         elif name in HOW_FLAGS:
             continue
         elif name in HOW_VALUED:
-            value if eq else next(rest)
+            if not eq:
+                next(rest)  # its value
         elif name in BUILD_OPTIONS:
             built.append((BUILD_OPTIONS[name], value if eq else next(rest)))
         else:
