@@ -25,7 +25,17 @@ import yaml
 
 from gateway.policy.compile import load_policy
 from tests.hub import TOKEN, WEIGHTS, Hub, serving
-from tests.test_deploy import CHART, ROOT, deployed_policy, helm, one, tool, validate_core
+from tests.test_deploy import (
+    CHART,
+    ROOT,
+    deployed_policy,
+    helm,
+    hub_offline,
+    image_env,
+    one,
+    tool,
+    validate_core,
+)
 
 MIRROR_PATH = "/api/huggingface"  # where a repository manager's Hugging Face remote answers, say
 SOURCES = ["hub", "pvc", "image", "imageVolume"]
@@ -210,6 +220,12 @@ def test_each_documented_source_renders_objects_kubernetes_accepts_from_its_regi
     assert len(images) == (1 if source in ("hub", "pvc") else 2), images
     assert all(i.startswith(gateway["image"]["registry"] + "/") for i in images), images
     assert pod["imagePullSecrets"] == gateway["imagePullSecrets"]
+    # Nothing in the pod reaches the Hub (the images, the gateway's and the tokenizer image on
+    # it, set HF_HUB_OFFLINE=1) but the `hub` source's init container.
+    for container in [*pod.get("initContainers", []), *pod["containers"]]:
+        env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+        reaches_hub = source == "hub" and container["name"] == "tokenizers"
+        assert hub_offline({**image_env(), **env}) is not reaches_hub, container["name"]
     release = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     (container,) = pod["containers"]
     assert container["image"] == f"{gateway['image']['registry']}/llm-admission-gateway:{release}"
