@@ -1,8 +1,9 @@
 # The gateway's image: slim, non-root, nothing to write but /tmp (the Deployment mounts the root
 # filesystem read-only). Tokenizers are mounted at run time (deploy/base: a read-only volume at
 # /models/gemma-3-tokenizer; the chart: an emptyDir its init container, this image with
-# HF_HUB_OFFLINE=0, fills from the Hub), never baked in: the image stays model-agnostic and small,
-# and a new tokenizer is a values change, not a rebuild. The policy comes from a ConfigMap mount. The
+# HF_HUB_OFFLINE=0, fills from the Hub or a mirror, or a PVC, or deploy/tokenizers.Dockerfile's
+# image), never baked in: the image stays model-agnostic and small, and a new tokenizer is a
+# values change, not a rebuild. The policy comes from a ConfigMap mount. The
 # `kv-events` extra (pyzmq, msgspec: a few MB) is in, so a policy can turn `precise_prefix` on.
 #
 #   docker build -t llm-admission-gateway:0.1.0 .

@@ -33,7 +33,8 @@ test-vllm: $(STAMP)
 		$(BIN)/python -m pytest -q tests_vllm
 
 # The Dockerfile built by buildah (daemonless, as root) on a Debian stand-in for its base, which
-# CI cannot pull; the image then checks the chart's policy (.ci/image.sh says why and how).
+# CI cannot pull; the image then checks the chart's policy, and the air-gapped tokenizer image
+# (deploy/tokenizers.Dockerfile) is built on it and copied from (.ci/image.sh says why and how).
 image: $(STAMP)
 	tests/setup/tools.sh $(VENV)
 	.ci/image.sh $(VENV)

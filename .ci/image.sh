@@ -5,8 +5,10 @@
 # stand-in of the same Debian and Python (bookworm, 3.11) made by debootstrap from Debian's
 # packages: every step of the Dockerfile runs, and the image then does what the chart's pod does
 # at start: its init container fetches the tokenizer (from tests/hub.py, a Hub on loopback), and
-# the gateway, as user 10001, loads the chart's policy with it. The published base itself is not
-# what this builds on.
+# the gateway, as user 10001, loads the chart's policy with it. Then the air-gapped way: the
+# tokenizer image (deploy/tokenizers.Dockerfile) built on it from those files, and the chart's
+# copying init container run in it, whose copy the policy loads from. The published base itself
+# is not what this builds on.
 #
 #     .ci/image.sh VENV        # as root; VENV has helm (tests/setup/tools.sh put it there)
 set -euo pipefail
@@ -40,26 +42,36 @@ if [[ -z $("${buildah[@]}" images --quiet "$base" 2>/dev/null) ]]; then
     "${buildah[@]}" commit --quiet --rm "$container" "$base" >/dev/null
 fi
 
-"${buildah[@]}" bud --quiet --isolation chroot --pull-never -t llm-admission-gateway:ci . >/dev/null
-# The chart's pod: its policy, and its init container's command (NUL-separated) and environment.
-"$venv/bin/helm" template llm deploy/helm/llm-admission-gateway --namespace llm \
-    --show-only templates/gateway.yaml |
-    "$venv/bin/python" -c 'import sys, yaml
+# The release workflow (.github/workflows/release.yml) builds the same file, context and arguments.
+"${buildah[@]}" bud --quiet --isolation chroot --pull-never --file Dockerfile -t llm-admission-gateway:ci \
+    . >/dev/null
+# The chart's pod, rendered with the given values flags: its policy, and its init container's
+# command (NUL-separated) and environment, as PREFIX.policy.yaml, PREFIX.args and PREFIX.env.
+render_pod() {
+    local prefix=$1
+    shift
+    "$venv/bin/helm" template llm deploy/helm/llm-admission-gateway --namespace llm \
+        --show-only templates/gateway.yaml "$@" |
+        "$venv/bin/python" -c 'import sys, yaml
 docs = [d for d in yaml.safe_load_all(sys.stdin) if d]
 (policy,) = [d["data"]["policy.yaml"] for d in docs if d["kind"] == "ConfigMap"]
 (pod,) = [d["spec"]["template"]["spec"] for d in docs if d["kind"] == "Deployment"]
 (init,) = pod["initContainers"]
 open(sys.argv[1], "w").write(policy)
 open(sys.argv[2], "w").write("\0".join(init["command"] + init["args"]) + "\0")
-env = [e["name"] + "=" + e["value"] for e in init["env"] if "value" in e]
+env = [e["name"] + "=" + e["value"] for e in init.get("env", []) if "value" in e]
 open(sys.argv[3], "w").write("\0".join(env) + "\0")' \
-        "$work/policy.yaml" "$work/init.args" "$work/init.env"
+            "$prefix.policy.yaml" "$prefix.args" "$prefix.env"
+}
+render_pod "$work/hub"
 mkdir "$work/models"
 chmod -R a+rX "$work"
 chmod a+w "$work/models"  # the pod's emptyDir, written by user 10001
 container=$("${buildah[@]}" from --pull-never llm-admission-gateway:ci)
 hub=""
-trap '[[ -n $hub ]] && kill "$hub"; "${buildah[@]}" rm "$container" >/dev/null; rm -rf "$work"' EXIT
+tokenizers=""
+trap '[[ -n $hub ]] && kill "$hub"; "${buildah[@]}" rm "$container" $tokenizers >/dev/null
+    [[ -n $tokenizers ]] && "${buildah[@]}" rmi llm-tokenizers:ci >/dev/null; rm -rf "$work"' EXIT
 
 # The init container, run in the image as the pod runs it, against a Hub on loopback
 # (tests/hub.py: the real Gemma 3 tokenizer files beside weights it must not fetch).
@@ -67,8 +79,8 @@ trap '[[ -n $hub ]] && kill "$hub"; "${buildah[@]}" rm "$container" >/dev/null; 
 "$venv/bin/python" -m tests.hub "$work/hub.port" &
 hub=$!
 for _ in $(seq 100); do [[ -s $work/hub.port ]] && break; sleep 0.1; done
-mapfile -d '' init <"$work/init.args"
-mapfile -d '' envs <"$work/init.env"
+mapfile -d '' init <"$work/hub.args"
+mapfile -d '' envs <"$work/hub.env"
 env_flags=()
 for e in "${envs[@]}"; do env_flags+=(--env "$e"); done
 "${buildah[@]}" run --isolation chroot --volume "$work/models:/models" "${env_flags[@]}" \
@@ -76,6 +88,25 @@ for e in "${envs[@]}"; do env_flags+=(--env "$e"); done
 # Then the gateway's check of the chart's policy, as user 10001, loading what it fetched.
 "${buildah[@]}" run --isolation chroot --volume "$work:/check:ro" \
     --volume "$work/models:/models:ro" "$container" -- \
-    sh -c '[ "$(id -u)" = 10001 ] && llm-gateway check --load-tokenizers /check/policy.yaml'
+    sh -c '[ "$(id -u)" = 10001 ] && llm-gateway check --load-tokenizers /check/hub.policy.yaml'
+
+# The air-gapped way (docs/operations.md): deploy/tokenizers.Dockerfile on this image, its
+# context the directory the init container filled, and the chart's `tokenizerSource.type: image`
+# init container run in that image as the pod runs it, copying into an empty volume (user 10001
+# again) that the gateway then loads the policy from.
+"${buildah[@]}" bud --quiet --isolation chroot --pull-never --file deploy/tokenizers.Dockerfile \
+    --build-arg GATEWAY_IMAGE=llm-admission-gateway:ci -t llm-tokenizers:ci "$work/models" >/dev/null
+render_pod "$work/image" --set tokenizerSource.type=image \
+    --set tokenizerSource.image.reference=localhost/llm-tokenizers:ci
+mapfile -d '' copy <"$work/image.args"
+mkdir "$work/copied"
+chmod a+w "$work/copied"
+tokenizers=$("${buildah[@]}" from --pull-never llm-tokenizers:ci)
+"${buildah[@]}" run --isolation chroot --volume "$work/copied:/models" "$tokenizers" -- \
+    sh -c '[ "$(id -u)" = 10001 ] && exec "$@"' copy "${copy[@]}"
+"${buildah[@]}" run --isolation chroot --volume "$work:/check:ro" \
+    --volume "$work/copied:/models:ro" "$container" -- \
+    llm-gateway check --load-tokenizers /check/image.policy.yaml
 echo "image: llm-admission-gateway:ci built; its init container fetched the chart's tokenizer" \
-    "and, as user 10001, it loaded the chart's policy with it"
+    "and, as user 10001, it loaded the chart's policy with it; the tokenizer image built from" \
+    "the fetched files, its init container copied them and the policy loaded from the copy"

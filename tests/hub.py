@@ -81,18 +81,19 @@ class Hub:
 
 
 @asynccontextmanager
-async def serving() -> AsyncIterator[Hub]:
-    """The Hub on a free loopback port, its `url` set, until the block ends."""
+async def serving(prefix: str = "") -> AsyncIterator[Hub]:
+    """The Hub on a free loopback port, its `url` set, until the block ends; under `prefix` (a
+    mirror's path, e.g. "/hf") and nowhere else when one is given."""
     served = Hub()
     app = web.Application()
-    app.router.add_get("/api/models/{org}/{name}/revision/{rev}", served.revision)
-    app.router.add_get("/api/models/{org}/{name}/tree/{rev}", served.tree)
-    app.router.add_route("*", "/{org}/{name}/resolve/{rev}/{file}", served.resolve)
+    app.router.add_get(prefix + "/api/models/{org}/{name}/revision/{rev}", served.revision)
+    app.router.add_get(prefix + "/api/models/{org}/{name}/tree/{rev}", served.tree)
+    app.router.add_route("*", prefix + "/{org}/{name}/resolve/{rev}/{file}", served.resolve)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    served.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    served.url = f"http://127.0.0.1:{runner.addresses[0][1]}{prefix}"
     yield served
     await runner.cleanup()
 

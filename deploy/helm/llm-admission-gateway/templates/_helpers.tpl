@@ -68,3 +68,26 @@ the listener's certificate from `tls.secretName`, and the shared state in the ch
 {{- end -}}
 {{- toYaml $policy -}}
 {{- end }}
+
+{{/* The gateway's image: the release the chart came with (its appVersion) unless `tag` says
+otherwise, from `registry` (the release workflow's IMAGE_REGISTRY, or a mirror of it). */}}
+{{- define "llm.gatewayImage" -}}
+{{- $image := .Values.gateway.image -}}
+{{- with $image.registry }}{{ trimSuffix "/" . }}/{{ end -}}
+{{- $image.repository }}:{{ $image.tag | default .Chart.AppVersion -}}
+{{- end }}
+
+{{/* `tokenizerSource`, checked: its type is one the chart knows and what that type needs is set. */}}
+{{- define "llm.tokenizerSource" -}}
+{{- $source := .Values.tokenizerSource -}}
+{{- if not (has $source.type (list "hub" "pvc" "image" "imageVolume")) -}}
+{{- fail (printf "tokenizerSource.type is %q: one of hub, pvc, image, imageVolume" $source.type) -}}
+{{- end -}}
+{{- if eq $source.type "pvc" -}}
+{{- $_ := required "tokenizerSource.type pvc needs tokenizerSource.pvc.claimName" $source.pvc.claimName -}}
+{{- end -}}
+{{- if has $source.type (list "image" "imageVolume") -}}
+{{- $_ := required (printf "tokenizerSource.type %s needs tokenizerSource.image.reference" $source.type) $source.image.reference -}}
+{{- end -}}
+{{- $source.type -}}
+{{- end }}
