@@ -306,6 +306,20 @@ def test_every_fleets_pools_resolve_to_headless_services_and_its_policy_checks(
         assert set(init["args"][1::2]) == tokenizers  # the script, then directory, repo, ...
 
 
+def test_a_policy_change_updates_one_configmap_the_gateways_watch(
+    tpu_fleet: list[dict[str, Any]],
+) -> None:
+    """Issue 36 item 2, the kustomize tree as the chart: the policy ConfigMap keeps its name (a
+    hashed one rolled every gateway on any policy edit), is mounted as a directory (the kubelet
+    swaps a whole-volume mount only) and watched, so the gateways hot-reload it."""
+    pod = one(tpu_fleet, "Deployment", "llm-gateway")["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "policy"]
+    assert not re.search(r"-[a-z0-9]{10}$", volume["configMap"]["name"]), volume
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "policy"]
+    assert "subPath" not in mount
+    assert deployed_policy(tpu_fleet)["admin"]["watch_interval_s"] > 0
+
+
 def test_the_deployed_policy_is_the_articles_fleet_on_headless_services_and_checks(
     tpu_fleet: list[dict[str, Any]], tmp_path: Path
 ) -> None:
@@ -319,7 +333,7 @@ def test_the_deployed_policy_is_the_articles_fleet_on_headless_services_and_chec
         pool.pop("dns", None)
         pool.pop("replicas", None)
     deployed.pop("server")
-    deployed.pop("admin", None)  # the chart sets it (tests/test_chart_in_front.py)
+    assert deployed.pop("admin")["watch_interval_s"] > 0
     assert deployed.pop("state")["url"] == "redis://redis.llm.svc.cluster.local:6379/0"
     assert deployed == example
     path = tmp_path / "policy.yaml"
