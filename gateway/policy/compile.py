@@ -23,6 +23,7 @@ from gateway.replicas.adapters import Adapters
 from gateway.route import Route, compile_route
 from gateway.tokenizer.counters import CharCounter, HFCounter, TokenCounter
 from gateway.tokenizer.cpus import available_cpus
+from gateway.tokenizer.loaded import return_freed_memory
 from gateway.tokenizer.threads import TokenizerThreads
 
 
@@ -327,6 +328,8 @@ def compile_policy(
     for model in built:
         if isinstance(model.counter, HFCounter):
             model.counter.warm()
+    if built:
+        return_freed_memory()
     pools = {
         name: Pool(name, pool_spec, models[pool_spec.model], pickers.get(name, plugins["picker"]))
         for name, pool_spec in spec.pools.items()
