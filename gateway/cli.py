@@ -108,7 +108,11 @@ def check(args: argparse.Namespace) -> int:
     from gateway.policy.compile import load_policy
 
     try:
-        policy = load_policy(args.file, load_tokenizers=args.load_tokenizers)
+        policy = load_policy(
+            args.file,
+            load_tokenizers=args.load_tokenizers,
+            tokenizer_files=not args.skip_tokenizers,
+        )
     except PolicyError as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -482,8 +486,17 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=serve)
     p = sub.add_parser("check", help="validate a policy file")
     p.add_argument("file")
-    p.add_argument(
-        "--load-tokenizers", action="store_true", help="also load every tokenizer directory"
+    tokenizers = p.add_mutually_exclusive_group()
+    tokenizers.add_argument(
+        "--load-tokenizers",
+        action="store_true",
+        help="load every tokenizer as serve does (default: only check that each directory holds"
+        " tokenizer.json, and a chat template where a route sends the model chat requests)",
+    )
+    tokenizers.add_argument(
+        "--skip-tokenizers",
+        action="store_true",
+        help="do not look at the tokenizer directories (a machine without them)",
     )
     p.set_defaults(func=check)
     p = sub.add_parser(

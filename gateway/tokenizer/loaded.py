@@ -38,6 +38,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TOKENIZER_FILE = "tokenizer.json"
+_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 # Files transformers may read besides tokenizer.json, in a subdirectory of the tokenizer's.
 _NESTED = ("additional_chat_templates",)
 
@@ -143,3 +144,33 @@ def return_freed_memory() -> None:
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None:
         trim(0)
+
+
+def lacks(directory: Path, chat: str | None) -> str | None:
+    """What `directory` lacks for counting, said, or None: `tokenizer.json` (what both encoders
+    load), and where `chat` says why one is needed a default chat template, transformers' own file (chat_template.jinja,
+    or the older chat_template.json) or tokenizer_config.json's `chat_template` (a text, or named
+    ones among which `default`). Reads tokenizer_config.json at most: a check without the
+    seconds and hundreds of MB a load costs."""
+    where = f"tokenizer directory {str(directory)!r}"
+    if not directory.is_dir():
+        return f"{where} does not exist"
+    if not (directory / TOKENIZER_FILE).is_file():
+        return f"{where} holds no {TOKENIZER_FILE}"
+    if not chat or any((directory / f).is_file() for f in _TEMPLATE_FILES):
+        return None
+    config_file = directory / "tokenizer_config.json"
+    try:
+        config = json.loads(config_file.read_bytes()) if config_file.is_file() else {}
+    except (OSError, ValueError) as exc:  # unreadable, or not JSON
+        return f"{where}: cannot read tokenizer_config.json: {exc}"
+    template = config.get("chat_template") if isinstance(config, dict) else None
+    if isinstance(template, list):
+        if any(isinstance(t, dict) and t.get("name") == "default" for t in template):
+            return None
+    elif isinstance(template, str) and template:
+        return None
+    return (
+        f"{where} holds no chat template (chat_template.jinja, or tokenizer_config.json's),"
+        f" and {chat}"
+    )
