@@ -74,6 +74,32 @@ def _safe(config: dict[str, Any]) -> tuple[bool, bool] | None:
     return (byte_level, byte_fallback) if byte_level or byte_fallback else None
 
 
+def _config(backend: Any) -> dict[str, Any]:
+    """What `_safe` and the added tokens' bound read of a tokenizer's serialized form, without
+    serializing its vocabulary (tens of MB of JSON for a large one): each component's own
+    state, the model's kind and byte fallback, the added tokens. A model other than BPE keeps
+    its byte fallback in its state only, read whole then."""
+
+    def state(component: Any) -> Any:
+        return None if component is None else json.loads(component.__getstate__())
+
+    model = backend.model
+    kind = type(model).__name__
+    if kind == "BPE":
+        model_config = {"type": kind, "byte_fallback": model.byte_fallback}
+    else:
+        model_config = state(model)
+    added = backend.get_added_tokens_decoder().values()
+    return {
+        "normalizer": state(backend.normalizer),
+        "pre_tokenizer": state(backend.pre_tokenizer),
+        "model": model_config,
+        "added_tokens": [
+            {"content": t.content, "lstrip": t.lstrip, "rstrip": t.rstrip} for t in added
+        ],
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class TokenFloor:
     """At most `max_bytes` input bytes, and `max_high_bytes` non-ASCII ones, per token."""
@@ -92,10 +118,9 @@ class TokenFloor:
         return floor
 
     @classmethod
-    def of(cls, backend: Any, config: dict[str, Any] | None = None) -> TokenFloor | None:
-        """The floor of a `tokenizers.Tokenizer`, or None when none is provable; `config` is its
-        serialized form when the caller parsed it already (it grows with the vocabulary)."""
-        config = json.loads(backend.to_str()) if config is None else config
+    def of(cls, backend: Any) -> TokenFloor | None:
+        """The floor of a `tokenizers.Tokenizer`, or None when none is provable."""
+        config = _config(backend)
         kind = _safe(config)
         if kind is None:
             return None

@@ -82,14 +82,12 @@ class Identity:
 class LoadedTokenizer:
     """One tokenizer directory's counting parts: the encoder, the chat template, the floor."""
 
-    def __init__(
-        self, identity: Identity, tokenizer: Any, encoder: Encoder, config: dict[str, Any]
-    ):
+    def __init__(self, identity: Identity, tokenizer: Any, encoder: Encoder):
         self.identity = identity
         self.encoder = encoder
         host = TemplateHost.of(tokenizer)
         self.template = ChatTemplate(host)
-        self.floor = TokenFloor.of(tokenizer.backend_tokenizer, config)
+        self.floor = TokenFloor.of(tokenizer.backend_tokenizer)
         self.specials = encoder.counts([""], True)[0]
         self.vocab_size = len(tokenizer)  # token ids, added tokens included
         # Kept where the tokenizers library counts (it is the engine) or renders the template
@@ -101,9 +99,8 @@ class LoadedTokenizer:
     @classmethod
     def load(cls, identity: Identity, model: str) -> LoadedTokenizer:
         tokenizer = load_tokenizer(identity.directory)
-        serialized = tokenizer.backend_tokenizer.to_str()  # large: made once for both readers
-        encoder = choose(tokenizer, identity.backend, model or identity.directory, serialized)
-        return cls(identity, tokenizer, encoder, json.loads(serialized))
+        encoder = choose(tokenizer, identity.backend, model or identity.directory)
+        return cls(identity, tokenizer, encoder)
 
     @property
     def resident(self) -> bool:
