@@ -126,6 +126,11 @@ def _tokenizer_files(spec: PolicySpec, base: Path) -> list[Problem]:
     return problems
 
 
+def _current(counter: TokenCounter) -> bool:
+    """Whether a reload may keep `counter`: its tokenizer's files did not change."""
+    return not isinstance(counter, HFCounter) or counter.loaded.current
+
+
 def _cross_check(spec: PolicySpec) -> list[Problem]:
     problems = []
     for name, pool in spec.pools.items():
@@ -319,8 +324,9 @@ def compile_policy(
     hold what counting needs, unless `tokenizer_files=False` too (a machine without the model
     directories: a laptop). With `previous` (a
     reload), what did not change is carried over rather than rebuilt: models with their loaded
-    tokenizers, the tokenizer threads, and the output-length estimator with
-    what it learned.
+    tokenizers (while the tokenizer's files are the same; a changed model whose files are
+    finds its tokenizer loaded still, gateway/tokenizer/loaded.py), the tokenizer threads, and
+    the output-length estimator with what it learned.
     """
     spec = loaded.spec
     problems = _references(spec)
@@ -351,7 +357,7 @@ def compile_policy(
         kept = reusable.get(name)
         if name in lacking:
             continue
-        if kept is not None and kept.spec == model_spec:
+        if kept is not None and kept.spec == model_spec and _current(kept.counter):
             models[name] = kept
             continue
         try:

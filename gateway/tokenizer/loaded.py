@@ -103,6 +103,14 @@ class LoadedTokenizer:
         return cls(identity, tokenizer, encoder)
 
     @property
+    def current(self) -> bool:
+        """Whether the directory still holds the files this was loaded from."""
+        try:
+            return Identity.of(self.identity.directory, self.identity.backend) == self.identity
+        except FileNotFoundError:
+            return False
+
+    @property
     def resident(self) -> bool:
         """Whether the transformers tokenizer is loaded (decoding costs no load)."""
         return self._tokenizer is not None
