@@ -131,16 +131,23 @@ class TokenFloor:
             return None  # a byte with no token of its own would be dropped, or become <unk>
         if byte_fallback and not all(f"<0x{b:02X}>" in vocab for b in range(256)):
             return None
+        # Each character of a byte-level token stands for one byte (one it does not know, for
+        # 0xFF): deleting those standing for ASCII bytes leaves the non-ASCII ones. Per token,
+        # at C speed: a vocabulary has hundreds of thousands.
+        ascii_stand_ins = str.maketrans(dict.fromkeys(c for c, b in alphabet.items() if b < 0x80))
         max_bytes = max_high = 1
         for token in vocab:
-            if byte_fallback and (match := _BYTE_TOKEN.fullmatch(token)):
+            if (
+                byte_fallback
+                and token.startswith("<0x")
+                and (match := _BYTE_TOKEN.fullmatch(token))
+            ):
                 size, high = 1, int(int(match.group(1), 16) >= 0x80)
             elif byte_level:
-                covered = [alphabet.get(char, 0xFF) for char in token]
-                size, high = len(covered), sum(b >= 0x80 for b in covered)
+                size, high = len(token), len(token.translate(ascii_stand_ins))
             else:  # normalized text: as long as or longer than what it came from
                 size = len(token.encode())
-                high = size - sum(char.isascii() for char in token)
+                high = size - len(token.encode("ascii", "ignore"))
             max_bytes, max_high = max(max_bytes, size), max(max_high, high)
         for added in config.get("added_tokens", []):  # matched on the raw text, before the model
             if added.get("lstrip") or added.get("rstrip"):
