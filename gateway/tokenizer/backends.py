@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, Protocol
 
 log = logging.getLogger("gateway.tokenizer.backends")
@@ -146,31 +145,16 @@ def _probes(added: list[str]) -> Iterator[str]:
 
 
 def disagreement(fast: Encoder, reference: Encoder, added: list[str]) -> str | None:
-    """The first probe on which `fast` and `reference` encode different ids, described, or None.
-
-    The reference, the slower, encodes on two threads (its batch call lets go of the GIL) while
-    fastokens encodes on this one: a large vocabulary's added tokens make tens of thousands of
-    probes, seconds of a start-up."""
+    """The first probe on which `fast` and `reference` encode different ids, described, or None."""
     texts = list(_probes(added))
-    parts = (texts[: len(texts) // 2], texts[len(texts) // 2 :])
-    with ThreadPoolExecutor(2, thread_name_prefix="self-check") as pool:
-        for special in (False, True):
-            halves = [pool.submit(reference.batch_ids, part, special) for part in parts]
-            got_all = fast.batch_ids(texts, special)
-            want_all = [ids for half in halves for ids in half.result()]
-            found = _first_difference(got_all, want_all, texts, special)
-            if found is not None:
-                return found
-    return None
-
-
-def _first_difference(
-    got_all: list[list[int]], want_all: list[list[int]], texts: list[str], special: bool
-) -> str | None:
-    for got, want, text in zip(got_all, want_all, texts, strict=True):
-        if got != want:
-            shown = text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
-            return f"{shown!r} (add_special_tokens={special})"
+    for special in (False, True):
+        pairs = zip(
+            fast.batch_ids(texts, special), reference.batch_ids(texts, special), texts, strict=True
+        )
+        for got, want, text in pairs:
+            if got != want:
+                shown = text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
+                return f"{shown!r} (add_special_tokens={special})"
     return None
 
 
