@@ -82,7 +82,7 @@ class Identity:
 class LoadedTokenizer:
     """One tokenizer directory's counting parts: the encoder, the chat template, the floor."""
 
-    def __init__(self, identity: Identity, tokenizer: Any, encoder: Encoder):
+    def __init__(self, identity: Identity, tokenizer: Any, encoder: Encoder) -> None:
         self.identity = identity
         self.encoder = encoder
         host = TemplateHost.of(tokenizer)
@@ -126,7 +126,7 @@ class LoadedTokenizer:
 
 
 _loaded: weakref.WeakValueDictionary[Identity, LoadedTokenizer] = weakref.WeakValueDictionary()
-_loading = threading.Lock()  # a policy compiles on the loop's thread at start, on another on reload
+_loading = threading.Lock()  # policies compile on threads (start, reload); tests call it anywhere
 
 
 def shared(directory: str, backend: Backend, model: str = "") -> LoadedTokenizer:
