@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The real-vLLM suite's tiny model; vLLM's own environment is cached outside the repository.
 TINY_LLAMA := loadtest/out/tiny-llama
 
-.PHONY: test test-vllm image lint demo schema bench-overhead bench-endpoints bench-vllm soak fuzz clean
+.PHONY: test test-vllm image lint demo schema bench-overhead bench-endpoints bench-startup bench-vllm soak fuzz clean
 
 $(STAMP): pyproject.toml
 	python=$$(PYTHON='$(PYTHON)' tests/setup/python.sh) && tests/setup/venv.sh "$$python" $(VENV)
@@ -57,6 +57,12 @@ bench-overhead: $(STAMP)
 
 bench-endpoints: $(STAMP)
 	$(BIN)/python -m loadtest.bench_endpoints
+
+# Ready-time and RSS of `serve` on the real Gemma 3 and Llama 3 tokenizers (one model, two, three
+# naming one directory) and `explain`'s time; two checkouts side by side, by ratio, with
+# BENCH_STARTUP_ARGS='--tree before=<worktree> --tree after=.'.
+bench-startup: $(STAMP)
+	$(BIN)/python -m loadtest.bench_startup $(BENCH_STARTUP_ARGS)
 
 soak: $(STAMP)
 	$(BIN)/python -m loadtest.soak

@@ -32,47 +32,70 @@ log = logging.getLogger("gateway")
 async def _serve(policy_path: str, host: str, port: int) -> int:
     from aiohttp import web
 
-    from gateway.policy.compile import load_policy
-    from gateway.server.app import GATEWAY, create_app, create_metrics_app
+    from gateway.policy.compile import compile_policy, reference_problems
+    from gateway.policy.load import load_spec
+    from gateway.server.app import GATEWAY, create_app, create_metrics_app, create_starting_app
     from gateway.server.protocol import GatewayRunner
+    from gateway.tls import ListenerTls
 
-    policy = load_policy(policy_path)
-    server = policy.spec.server
-    app = create_app(policy, access_log=sys.stdout.buffer)
-    # transformers, the tokenizer and pydantic leave a great many long-lived objects: without
-    # this every full collection walks them all and stalls the event loop
-    # (docs/benchmarks-history.md).
-    gc.collect()
-    gc.freeze()
-    # Requests in flight keep a young generation of a few thousand objects that refcounting
-    # frees; at the default threshold (700 allocations net) the collector runs every few short
-    # requests under load and finds nothing. Cycles still get collected, after 10,000 net
-    # allocations: a short pause, rarely.
-    gc.set_threshold(10_000)
-    # Signals are handled before the listener opens: a SIGHUP right after start must not kill us.
-    stop = asyncio.Event()
+    loaded = load_spec(policy_path, reference_problems)
+    server = loaded.spec.server
+    tls = ListenerTls(server.tls, Path(loaded.path).parent) if server.tls is not None else None
+    context = tls.context if tls is not None else None
+    scheme = "https" if context is not None else "http"
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    reloads: set[asyncio.Task[object]] = set()
-
-    def reload_on_hup() -> None:
-        task = loop.create_task(app[GATEWAY].reload())
-        reloads.add(task)
-        task.add_done_callback(reloads.discard)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # logged by reload
-
-    loop.add_signal_handler(signal.SIGHUP, reload_on_hup)
-    runner = GatewayRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=server.drain_grace_s
+    # Signals are handled before the listener opens: a SIGHUP right after start must not kill
+    # us. One during the load reloads once the gateway serves: the file may have changed since.
+    hup_while_loading = asyncio.Event()
+    loop.add_signal_handler(signal.SIGHUP, hup_while_loading.set)
+    # While the tokenizers load (seconds, a minute for several large ones on a small CPU), the
+    # listener answers the probes: alive, not ready (`create_starting_app`). The load runs on a
+    # thread so that the loop answers them meanwhile.
+    starting = GatewayRunner(create_starting_app(), access_log=None, shutdown_timeout=0.1)
+    await starting.setup()
+    await web.TCPSite(starting, host, port, backlog=1024, ssl_context=context).start()
+    port = starting.addresses[0][1]  # `--port 0`: the port the system gave, kept for serving
+    log.info(
+        "answering probes on %s://%s:%s while policy %s loads", scheme, host, port, policy_path
     )
-    await runner.setup()
+    try:
+        loaded_at = time.perf_counter()
+        policy = await asyncio.to_thread(compile_policy, loaded)
+        log.info("policy %s loaded in %.1f s", policy_path, time.perf_counter() - loaded_at)
+        app = create_app(policy, access_log=sys.stdout.buffer)
+        # transformers, the tokenizer and pydantic leave a great many long-lived objects:
+        # without this every full collection walks them all and stalls the event loop
+        # (docs/benchmarks-history.md).
+        gc.collect()
+        gc.freeze()
+        # Requests in flight keep a young generation of a few thousand objects that refcounting
+        # frees; at the default threshold (700 allocations net) the collector runs every few
+        # short requests under load and finds nothing. Cycles still get collected, after 10,000
+        # net allocations: a short pause, rarely.
+        gc.set_threshold(10_000)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        reloads: set[asyncio.Task[object]] = set()
+
+        def reload_on_hup() -> None:
+            task = loop.create_task(app[GATEWAY].reload())
+            reloads.add(task)
+            task.add_done_callback(reloads.discard)
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # logged by reload
+
+        runner = GatewayRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=server.drain_grace_s
+        )
+        await runner.setup()
+    finally:
+        await starting.cleanup()  # the port is the gateway's own next, at once
     tls = app[GATEWAY].listener_tls
     context = tls.context if tls is not None else None
     await web.TCPSite(runner, host, port, backlog=1024, ssl_context=context).start()
-    scheme = "https" if context is not None else "http"
-    for address in runner.addresses:
-        log.info("listening on %s://%s:%s (policy %s)", scheme, address[0], address[1], policy_path)
+    loop.add_signal_handler(signal.SIGHUP, reload_on_hup)
+    if hup_while_loading.is_set():
+        reload_on_hup()
     runners = [runner]
     if server.metrics_port is not None:  # its labels name tenants and replicas: not public
         metrics = GatewayRunner(create_metrics_app(app), access_log=None)
@@ -80,6 +103,8 @@ async def _serve(policy_path: str, host: str, port: int) -> int:
         runners.append(metrics)
         await web.TCPSite(metrics, host, server.metrics_port).start()
         log.info("metrics on http://%s:%s/metrics", host, server.metrics_port)
+    for address in runner.addresses:  # last: every listener is open once this is said
+        log.info("listening on %s://%s:%s (policy %s)", scheme, address[0], address[1], policy_path)
     await stop.wait()
     app[GATEWAY].draining = True
     log.info(
@@ -108,7 +133,11 @@ def check(args: argparse.Namespace) -> int:
     from gateway.policy.compile import load_policy
 
     try:
-        policy = load_policy(args.file, load_tokenizers=args.load_tokenizers)
+        policy = load_policy(
+            args.file,
+            load_tokenizers=args.load_tokenizers,
+            tokenizer_files=not args.skip_tokenizers,
+        )
     except PolicyError as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -482,8 +511,17 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=serve)
     p = sub.add_parser("check", help="validate a policy file")
     p.add_argument("file")
-    p.add_argument(
-        "--load-tokenizers", action="store_true", help="also load every tokenizer directory"
+    tokenizers = p.add_mutually_exclusive_group()
+    tokenizers.add_argument(
+        "--load-tokenizers",
+        action="store_true",
+        help="load every tokenizer as serve does (default: only check that each directory holds"
+        " tokenizer.json, and a chat template where a route sends the model chat requests)",
+    )
+    tokenizers.add_argument(
+        "--skip-tokenizers",
+        action="store_true",
+        help="do not look at the tokenizer directories (a machine without them)",
     )
     p.set_defaults(func=check)
     p = sub.add_parser(

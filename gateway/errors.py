@@ -60,6 +60,7 @@ class Refusal(StrEnum):
     # The service.
     NO_REPLICA = "no_replica"
     SHUTTING_DOWN = "shutting_down"
+    STARTING = "starting"  # the policy and its tokenizers still loading: nothing served yet
     STATE_UNAVAILABLE = "state_unavailable"
     UPSTREAM_ERROR = "upstream_error"
     UPSTREAM_TIMEOUT = "upstream_timeout"
@@ -400,6 +401,15 @@ class ShuttingDown(Retryable):
     """Raised for new requests that arrive while the gateway drains."""
 
     refusal = Refusal.SHUTTING_DOWN
+    status = 503
+    type = "service_unavailable_error"
+
+
+class Starting(Retryable):
+    """Raised for requests that arrive while the gateway loads its policy and tokenizers: its
+    listener answers the probes then (`/healthz` alive, `/readyz` not ready) and nothing else."""
+
+    refusal = Refusal.STARTING
     status = 503
     type = "service_unavailable_error"
 

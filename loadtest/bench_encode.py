@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from gateway.tokenizer.backends import FastokensEncoder, TokenizersEncoder
-from gateway.tokenizer.counters import load_tokenizer
+from gateway.tokenizer.loaded import load_tokenizer
 from loadtest import prose, real_tokenizers
 
 

@@ -172,8 +172,8 @@ async def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(gw, http, e
     ],
 )
 def test_the_floor_never_exceeds_the_count(tokenizer_dir, text):
-    from gateway.tokenizer.counters import load_tokenizer
     from gateway.tokenizer.floor import TokenFloor
+    from gateway.tokenizer.loaded import load_tokenizer
 
     backend = load_tokenizer(str(tokenizer_dir)).backend_tokenizer
     floor = TokenFloor.of(backend)

@@ -10,7 +10,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from gateway.tokenizer.backends import BackendError, TokenizersEncoder, disagreement
-from gateway.tokenizer.counters import HFCounter, load_tokenizer
+from gateway.tokenizer.counters import HFCounter
+from gateway.tokenizer.loaded import load_tokenizer
 from gateway.tokenizer.threads import CountingThreads
 from loadtest.tiny_tokenizer import SPECIALS, WORDS, save
 

@@ -23,6 +23,7 @@ from gateway.replicas.adapters import Adapters
 from gateway.route import Route, compile_route
 from gateway.tokenizer.counters import CharCounter, HFCounter, TokenCounter
 from gateway.tokenizer.cpus import available_cpus
+from gateway.tokenizer.loaded import lacks, return_freed_memory
 from gateway.tokenizer.threads import TokenizerThreads
 
 
@@ -94,6 +95,40 @@ def _counter(
         large_min_chars=server.large_tokenize_chars,
         image_tokens=spec.image_tokens,
     )
+
+
+# The endpoints whose requests are rendered by the model's chat template (embeddings and the
+# pooling endpoints render one only for a request with `messages`, which a model may never get).
+TEMPLATE_ENDPOINTS = frozenset({"chat", "messages", "responses"})
+
+
+def _tokenizer_files(spec: PolicySpec, base: Path) -> list[Problem]:
+    """Each model's tokenizer directory holds what counting needs (`loaded.lacks`): its
+    `tokenizer.json`, and a chat template when a route may send it chat requests (a route
+    naming no endpoint, or one of `TEMPLATE_ENDPOINTS`, to its pool or a fallback's)."""
+    chat: dict[str, int] = {}  # model -> the first route sending it chat requests
+    for index, route in enumerate(spec.routes):
+        endpoints = route.match.endpoint
+        named = {endpoints} if isinstance(endpoints, str) else set(endpoints or ())
+        if named and not named & TEMPLATE_ENDPOINTS:
+            continue
+        for pool in (route.pool, *(f.pool for f in route.fallback)):
+            if pool in spec.pools:
+                chat.setdefault(spec.pools[pool].model, index)
+    problems = []
+    for name, model in spec.models.items():
+        if model.tokenizer == COUNT_BY_CHARS:
+            continue
+        why = f"routes.{chat[name]} sends it chat requests" if name in chat else None
+        lacking = lacks(tokenizer_dir(model, base), why)
+        if lacking is not None:
+            problems.append(Problem(("models", name, "tokenizer"), lacking))
+    return problems
+
+
+def _current(counter: TokenCounter) -> bool:
+    """Whether a reload may keep `counter`: its tokenizer's files did not change."""
+    return not isinstance(counter, HFCounter) or counter.loaded.current
 
 
 def _cross_check(spec: PolicySpec) -> list[Problem]:
@@ -276,15 +311,22 @@ def _served(spec: PolicySpec) -> tuple[str, ...]:
 
 
 def compile_policy(
-    loaded: LoadedSpec, *, load_tokenizers: bool = True, previous: Policy | None = None
+    loaded: LoadedSpec,
+    *,
+    load_tokenizers: bool = True,
+    tokenizer_files: bool = True,
+    previous: Policy | None = None,
 ) -> Policy:
     """Build the runtime policy; raise `PolicyError` naming file, line and field of each problem.
 
-    `load_tokenizers=False` checks a policy on a machine without the model directories (CI, a
-    laptop): token counting then falls back to the character estimate. With `previous` (a
+    `load_tokenizers=False` checks a policy without loading its tokenizers (CI): token counting
+    then falls back to the character estimate, and each tokenizer directory is only checked to
+    hold what counting needs, unless `tokenizer_files=False` too (a machine without the model
+    directories: a laptop). With `previous` (a
     reload), what did not change is carried over rather than rebuilt: models with their loaded
-    tokenizers, the tokenizer threads, and the output-length estimator with
-    what it learned.
+    tokenizers (while the tokenizer's files are the same; a changed model whose files are
+    finds its tokenizer loaded still, gateway/tokenizer/loaded.py), the tokenizer threads, and
+    the output-length estimator with what it learned.
     """
     spec = loaded.spec
     problems = _references(spec)
@@ -303,6 +345,9 @@ def compile_policy(
     base = Path(loaded.path).parent
     tenants, tenant_problems = compile_tenants(spec.tenants, base)
     problems += tenant_problems
+    file_problems = _tokenizer_files(spec, base) if load_tokenizers or tokenizer_files else []
+    problems += file_problems
+    lacking = {problem.loc[1] for problem in file_problems}
     models: dict[str, Model] = {}
     built: list[Model] = []  # counters loaded now, warmed once the policy is known to compile
     reusable = (
@@ -310,7 +355,9 @@ def compile_policy(
     )
     for name, model_spec in spec.models.items():
         kept = reusable.get(name)
-        if kept is not None and kept.spec == model_spec:
+        if name in lacking:
+            continue
+        if kept is not None and kept.spec == model_spec and _current(kept.counter):
             models[name] = kept
             continue
         try:
@@ -327,6 +374,8 @@ def compile_policy(
     for model in built:
         if isinstance(model.counter, HFCounter):
             model.counter.warm()
+    if built:
+        return_freed_memory()
     pools = {
         name: Pool(name, pool_spec, models[pool_spec.model], pickers.get(name, plugins["picker"]))
         for name, pool_spec in spec.pools.items()
@@ -427,8 +476,14 @@ def json_schema() -> dict[str, Any]:
     return schema
 
 
-def load_policy(path: str | Path, *, load_tokenizers: bool = True) -> Policy:
-    return compile_policy(load_spec(path, reference_problems), load_tokenizers=load_tokenizers)
+def load_policy(
+    path: str | Path, *, load_tokenizers: bool = True, tokenizer_files: bool = True
+) -> Policy:
+    return compile_policy(
+        load_spec(path, reference_problems),
+        load_tokenizers=load_tokenizers,
+        tokenizer_files=tokenizer_files,
+    )
 
 
 __all__ = [

@@ -27,6 +27,7 @@ from gateway.errors import (
     InvalidPolicy,
     MethodNotAllowed,
     NotFound,
+    Starting,
     Unauthorized,
     error_body,
 )
@@ -349,6 +350,28 @@ def create_app(policy: Policy, *, access_log: IO[bytes] | None = None) -> web.Ap
     if server.metrics_port is None:
         routes["/metrics"] = {"GET": partial(metrics, public=True)}
     add_routes(app, server, routes, partial(passthrough_or_not_found, gateway))
+    return app
+
+
+def create_starting_app() -> web.Application:
+    """What the listener serves while the policy and its tokenizers load (`llm-gateway serve`):
+    alive (`/healthz`, `/health`), not ready (`/readyz` 503, `"starting": true`), and any other
+    request refused 503 `starting` in its API's shape. Liveness so holds however long a load
+    takes, and a pod joins its Service only once it counts as it will: loaded and warm."""
+
+    async def not_ready(request: web.Request) -> web.Response:
+        return _json({"ready": False, "starting": True, "draining": False, "pools": {}}, 503)
+
+    async def refuse(request: web.Request) -> web.Response:
+        error = Starting(
+            "the gateway is starting: its policy and tokenizers are loading", retry_after_s=1.0
+        )
+        return renderer(request.path)(error, None)
+
+    app = web.Application()
+    for path, handler in (("/healthz", healthz), ("/health", health), ("/readyz", not_ready)):
+        app.router.add_get(path, handler, allow_head=False)
+    app.router.add_route("*", "/{anything:.*}", refuse)
     return app
 
 

@@ -162,16 +162,16 @@ class BackendError(ValueError):
     """`tokenizer_backend: fastokens` was asked for, and it cannot count this tokenizer exactly."""
 
 
-def choose(tokenizer: Any, wanted: Backend, model: str, serialized: str) -> Encoder:
-    """The encoder for a transformers `tokenizer` (`serialized`: its backend's JSON): fastokens
-    when wanted (or `auto`) and it agrees with the tokenizers library on every probe, else the
-    tokenizers library. Raise `BackendError` when fastokens is forced and cannot be used."""
+def choose(tokenizer: Any, wanted: Backend, model: str) -> Encoder:
+    """The encoder for a transformers `tokenizer`: fastokens when wanted (or `auto`) and it
+    agrees with the tokenizers library on every probe, else the tokenizers library. Raise
+    `BackendError` when fastokens is forced and cannot be used."""
     reference = TokenizersEncoder(tokenizer.backend_tokenizer)
     if wanted == TOKENIZERS:
         return reference
     backend = tokenizer.backend_tokenizer
     try:
-        fast: Encoder = FastokensEncoder(serialized)
+        fast: Encoder = FastokensEncoder(backend.to_str())
     except Exception as exc:  # an unsupported model or component: fastokens says which
         problem = f"fastokens cannot load it: {exc}"
     else:

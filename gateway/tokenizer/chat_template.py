@@ -580,6 +580,42 @@ def _content_loops(root: Any) -> Iterable[Any]:
             yield loop
 
 
+class TemplateHost:
+    """What rendering reads of a transformers tokenizer, without its vocabulary: its chat
+    templates and special tokens, and transformers' own `get_chat_template` and
+    `apply_chat_template` run on them (with `tokenize=False` they read nothing else of the
+    tokenizer), so a chat renders exactly as vLLM's transformers renders it while the
+    tokenizer, hundreds of MB for a large vocabulary, is let go (gateway/tokenizer/loaded.py)."""
+
+    def __init__(self, chat_template: Any, special_tokens_map: dict[str, Any]) -> None:
+        self.chat_template = chat_template
+        self.special_tokens_map = special_tokens_map
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> Any:
+        """The host of `tokenizer`'s templates; the tokenizer itself where its class renders
+        in a way of its own (transformers' Mistral tokenizers)."""
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+        own = PreTrainedTokenizerBase
+        if (
+            type(tokenizer).apply_chat_template is not own.apply_chat_template
+            or type(tokenizer).get_chat_template is not own.get_chat_template
+        ):
+            return tokenizer
+        return cls(tokenizer.chat_template, dict(tokenizer.special_tokens_map))
+
+    def get_chat_template(self, chat_template: str | None, tools: Any) -> str:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+        return str(PreTrainedTokenizerBase.get_chat_template(self, chat_template, tools))  # type: ignore[arg-type]
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+        return PreTrainedTokenizerBase.apply_chat_template(self, conversation, **kwargs)  # type: ignore[arg-type]
+
+
 class ChatTemplate:
     """One model's chat template, examined once at load as vLLM examines it.
 

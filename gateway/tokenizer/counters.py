@@ -18,24 +18,15 @@ encoders let the loop run meanwhile), so the event loop is never held for long. 
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from gateway.policy.schema import ServerSpec
-from gateway.tokenizer.backends import AUTO, WARM_TEXT, Backend, Encoder, choose, ids
-from gateway.tokenizer.chat_template import ChatTemplate, message_text, render_weight
-from gateway.tokenizer.floor import TokenFloor
+from gateway.tokenizer.backends import AUTO, WARM_TEXT, Backend, ids
+from gateway.tokenizer.chat_template import message_text, render_weight
+from gateway.tokenizer.loaded import LoadedTokenizer, shared
 from gateway.tokenizer.threads import CountingThreads
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-# The gateway spreads counting over its own threads (`server.tokenizer_threads`), one text
-# each; the tokenizers library's own pool splitting a batch again adds its threads' wake-ups to
-# every request's CPU.
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 T = TypeVar("T")
 # Converting a request to the chat vLLM renders, and rendering it, cost per JSON value (a
@@ -140,45 +131,35 @@ class CharCounter:
         return None
 
 
-def load_tokenizer(directory: str) -> Any:
-    """Load a Hugging Face tokenizer from a local directory, never from the hub."""
-    from transformers import AutoTokenizer
-
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"tokenizer directory {directory!r} does not exist")
-    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
-
-
 class HFCounter:
-    """Counts with a transformers tokenizer's chat template and the chosen `Encoder`."""
+    """Counts one model's tokens with a shared `LoadedTokenizer` (its chat template and chosen
+    `Encoder`), with this model's threads and image cost."""
 
     exact = True
 
     def __init__(
         self,
-        tokenizer: Any,
-        encoder: Encoder,
+        loaded: LoadedTokenizer,
         *,
         threads: CountingThreads | None,
         inline_max_chars: int,
         large_threads: CountingThreads | None = None,
         large_min_chars: int = 0,
         image_tokens: int | None = None,
-        config: dict[str, Any] | None = None,
     ) -> None:
-        self.tokenizer = tokenizer
-        self.encoder = encoder
+        self.loaded = loaded
+        self.encoder = loaded.encoder
+        self.template = loaded.template
+        self.floor = loaded.floor
+        self.specials = loaded.specials
         self.threads = threads
-        self.inline_max_chars = inline_max_chars // encoder.inline_share
+        self.inline_max_chars = inline_max_chars // self.encoder.inline_share
         self.large_threads = large_threads  # None: the large texts share `threads`
         self.large_min_chars = large_min_chars
-        self.template = ChatTemplate(tokenizer)
         # The placeholder an "openai"-format template writes per image is already in the count;
         # a string-format template writes none (vLLM adds it, inside the image's cost).
         placeholder = self._image_placeholder()
         self.image_cost = max(0, (image_tokens or 0) - placeholder)
-        self.floor = TokenFloor.of(tokenizer.backend_tokenizer, config)
-        self.specials = encoder.counts([""], True)[0]
 
     @classmethod
     def load(
@@ -194,19 +175,21 @@ class HFCounter:
         image_tokens: int | None = None,
     ) -> HFCounter:
         """The counter of the tokenizer in `directory`, encoding with `backend`
-        (gateway/tokenizer/backends.py; `BackendError` when a forced fastokens cannot count it exactly)."""
-        tokenizer = load_tokenizer(directory)
-        serialized = tokenizer.backend_tokenizer.to_str()  # large: made once for both readers
+        (gateway/tokenizer/backends.py; `BackendError` when a forced fastokens cannot count it
+        exactly), loaded once for every model naming the same files (gateway/tokenizer/loaded.py)."""
         return cls(
-            tokenizer,
-            choose(tokenizer, backend, model or directory, serialized),
-            config=json.loads(serialized),
+            shared(directory, backend, model),
             threads=threads,
             inline_max_chars=inline_max_chars,
             large_threads=large_threads,
             large_min_chars=large_min_chars,
             image_tokens=image_tokens,
         )
+
+    @property
+    def tokenizer(self) -> Any:
+        """The transformers tokenizer (`LoadedTokenizer.tokenizer`: perhaps loaded again now)."""
+        return self.loaded.tokenizer
 
     def warm(self) -> None:
         """Encode once on every tokenizer thread, waited for: a thread's first encode with a
@@ -300,12 +283,20 @@ class HFCounter:
     @property
     def vocab_size(self) -> int:
         """Token ids the tokenizer knows, added tokens included: 0 to `vocab_size - 1`."""
-        return len(self.tokenizer)
+        return self.loaded.vocab_size
+
+    async def _decoding(self, ids: list[int], work: Callable[[Any, list[int]], T]) -> T:
+        """`work(tokenizer, ids)` with the transformers tokenizer; on the tokenizer threads
+        whatever the length while it must be loaded again."""
+        size = len(ids) if self.loaded.resident else self.inline_max_chars + 1
+        return await self._run(size, lambda: work(self.tokenizer, ids))
 
     async def decode(self, ids: list[int]) -> str:
         """The text of `ids`, special tokens kept, as vLLM's `/detokenize` decodes them."""
-        return str(await self._run(len(ids), self.tokenizer.decode, ids))
+        return str(await self._decoding(ids, lambda tokenizer, ids: tokenizer.decode(ids)))
 
     async def token_strs(self, ids: list[int]) -> list[str]:
         """Each id's token string (`convert_ids_to_tokens`), for `return_token_strs`."""
-        return list(await self._run(len(ids), self.tokenizer.convert_ids_to_tokens, ids))
+        return list(
+            await self._decoding(ids, lambda tokenizer, ids: tokenizer.convert_ids_to_tokens(ids))
+        )

@@ -74,6 +74,32 @@ def _safe(config: dict[str, Any]) -> tuple[bool, bool] | None:
     return (byte_level, byte_fallback) if byte_level or byte_fallback else None
 
 
+def _config(backend: Any) -> dict[str, Any]:
+    """What `_safe` and the added tokens' bound read of a tokenizer's serialized form, without
+    serializing its vocabulary (tens of MB of JSON for a large one): each component's own
+    state, the model's kind and byte fallback, the added tokens. A model other than BPE keeps
+    its byte fallback in its state only, read whole then."""
+
+    def state(component: Any) -> Any:
+        return None if component is None else json.loads(component.__getstate__())
+
+    model = backend.model
+    kind = type(model).__name__
+    if kind == "BPE":
+        model_config = {"type": kind, "byte_fallback": model.byte_fallback}
+    else:
+        model_config = state(model)
+    added = backend.get_added_tokens_decoder().values()
+    return {
+        "normalizer": state(backend.normalizer),
+        "pre_tokenizer": state(backend.pre_tokenizer),
+        "model": model_config,
+        "added_tokens": [
+            {"content": t.content, "lstrip": t.lstrip, "rstrip": t.rstrip} for t in added
+        ],
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class TokenFloor:
     """At most `max_bytes` input bytes, and `max_high_bytes` non-ASCII ones, per token."""
@@ -92,10 +118,9 @@ class TokenFloor:
         return floor
 
     @classmethod
-    def of(cls, backend: Any, config: dict[str, Any] | None = None) -> TokenFloor | None:
-        """The floor of a `tokenizers.Tokenizer`, or None when none is provable; `config` is its
-        serialized form when the caller parsed it already (it grows with the vocabulary)."""
-        config = json.loads(backend.to_str()) if config is None else config
+    def of(cls, backend: Any) -> TokenFloor | None:
+        """The floor of a `tokenizers.Tokenizer`, or None when none is provable."""
+        config = _config(backend)
         kind = _safe(config)
         if kind is None:
             return None
@@ -106,16 +131,23 @@ class TokenFloor:
             return None  # a byte with no token of its own would be dropped, or become <unk>
         if byte_fallback and not all(f"<0x{b:02X}>" in vocab for b in range(256)):
             return None
+        # Each character of a byte-level token stands for one byte (one it does not know, for
+        # 0xFF): deleting those standing for ASCII bytes leaves the non-ASCII ones. Per token,
+        # at C speed: a vocabulary has hundreds of thousands.
+        ascii_stand_ins = str.maketrans(dict.fromkeys(c for c, b in alphabet.items() if b < 0x80))
         max_bytes = max_high = 1
         for token in vocab:
-            if byte_fallback and (match := _BYTE_TOKEN.fullmatch(token)):
+            if (
+                byte_fallback
+                and token.startswith("<0x")
+                and (match := _BYTE_TOKEN.fullmatch(token))
+            ):
                 size, high = 1, int(int(match.group(1), 16) >= 0x80)
             elif byte_level:
-                covered = [alphabet.get(char, 0xFF) for char in token]
-                size, high = len(covered), sum(b >= 0x80 for b in covered)
+                size, high = len(token), len(token.translate(ascii_stand_ins))
             else:  # normalized text: as long as or longer than what it came from
                 size = len(token.encode())
-                high = size - sum(char.isascii() for char in token)
+                high = size - len(token.encode("ascii", "ignore"))
             max_bytes, max_high = max(max_bytes, size), max(max_high, high)
         for added in config.get("added_tokens", []):  # matched on the raw text, before the model
             if added.get("lstrip") or added.get("rstrip"):

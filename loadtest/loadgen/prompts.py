@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import orjson
 
-from gateway.tokenizer.counters import load_tokenizer
+from gateway.tokenizer.loaded import load_tokenizer
 from loadtest.loadgen.workloads import Planned
 from loadtest.tiny_tokenizer import WORDS
 

@@ -152,7 +152,7 @@ class Libraries:
 
     @classmethod
     def load(cls, counted: Counted, directory: Path, backend: str, threads: int) -> Libraries:
-        from gateway.tokenizer.counters import load_tokenizer
+        from gateway.tokenizer.loaded import load_tokenizer
 
         alone = {
             library: Alone(library, directory / "tokenizer.json", threads)

@@ -1,0 +1,118 @@
+"""A tokenizer directory is loaded once, whatever number of models name it and reloads keep it
+(gateway/tokenizer/loaded.py); where fastokens counts, the transformers tokenizer is let go and
+loaded again only for decoding."""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from gateway.policy.compile import compile_policy, load_policy, reference_problems
+from gateway.policy.load import load_spec
+from gateway.tokenizer import loaded
+from gateway.tokenizer.counters import HFCounter
+from tests.conftest import basic_policy, write_policy
+
+
+def three_models(directory: Path, tmp_path: Path, **tiny: object) -> Path:
+    """Three models naming one directory, spelled three ways (a symlink, a `..`)."""
+    link = tmp_path / "link"
+    if not link.exists():
+        link.symlink_to(directory)
+    policy = basic_policy(directory, ["http://127.0.0.1:9"])
+    policy["models"]["tiny"].update(tiny)
+    for name, spelled in (("b", link), ("c", directory / ".." / directory.name)):
+        policy["models"][name] = {"tokenizer": str(spelled), "max_model_len": 4096}
+        policy["pools"][name] = {
+            "model": name,
+            "replicas": ["http://127.0.0.1:9"],
+            "max_concurrency": 1,
+        }
+        policy["routes"].insert(0, {"match": {"model": name}, "pool": name})
+    return write_policy(tmp_path, policy)
+
+
+def counters(policy) -> list[HFCounter]:  # type: ignore[no-untyped-def]
+    found = [m.counter for m in policy.models.values()]
+    assert all(isinstance(c, HFCounter) for c in found)
+    return found
+
+
+def test_models_naming_one_directory_share_one_load(tokenizer_dir: Path, tmp_path: Path) -> None:
+    policy = load_policy(three_models(tokenizer_dir, tmp_path))
+    try:
+        tiny, b, c = counters(policy)
+        assert tiny.encoder is b.encoder is c.encoder
+        assert tiny.template is b.template is c.template
+        # each model keeps its own settings over the shared load
+        assert tiny.threads is b.threads and tiny.image_cost == b.image_cost == 0
+    finally:
+        policy.close()
+
+
+def test_another_backend_is_another_load(tokenizer_dir: Path, tmp_path: Path) -> None:
+    policy = load_policy(three_models(tokenizer_dir, tmp_path, tokenizer_backend="tokenizers"))
+    try:
+        tiny, b, _ = counters(policy)
+        assert (tiny.backend, b.backend) == ("tokenizers", "fastokens")
+        assert tiny.encoder is not b.encoder
+    finally:
+        policy.close()
+
+
+def test_a_reload_keeps_the_load_until_the_files_change(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    directory = Path(shutil.copytree(tokenizer_dir, tmp_path / "tokenizer"))
+    path = three_models(directory, tmp_path)
+    first = load_policy(path)
+    # Every model's spec changes (so none is carried over as it is): the files are the same.
+    path.write_text(path.read_text().replace("max_model_len: 4096", "max_model_len: 2048"))
+    path.write_text(path.read_text().replace("max_model_len: 8192", "max_model_len: 2048"))
+    second = compile_policy(load_spec(path, reference_problems), previous=first)
+    assert all(m.spec.max_model_len == 2048 for m in second.models.values())
+    assert counters(second)[0].encoder is counters(first)[0].encoder
+    # kubelet's swap of a mounted directory, or a new file written: loaded anew.
+    config = directory / "tokenizer_config.json"
+    config.write_text(config.read_text())
+    os.utime(config, ns=(0, 0))
+    third = compile_policy(load_spec(path, reference_problems), previous=second)
+    try:
+        assert counters(third)[0].encoder is not counters(second)[0].encoder
+        assert len({id(c.encoder) for c in counters(third)}) == 1
+    finally:
+        for policy in (first, second, third):
+            policy.close()
+
+
+def test_a_load_no_policy_holds_is_freed(tokenizer_dir: Path, tmp_path: Path) -> None:
+    policy = load_policy(three_models(tokenizer_dir, tmp_path))
+    identity = counters(policy)[0].loaded.identity
+    assert identity in loaded._loaded
+    policy.close()
+    del policy
+    gc.collect()
+    assert identity not in loaded._loaded
+
+
+async def test_where_fastokens_counts_decoding_loads_transformers_again(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    policy = load_policy(
+        write_policy(tmp_path, basic_policy(tokenizer_dir, ["http://127.0.0.1:9"]))
+    )
+    try:
+        (counter,) = counters(policy)
+        assert counter.backend == "fastokens" and not counter.loaded.resident
+        reference = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        ids = reference.encode("Hello there, general decoding")
+        assert await counter.decode(ids) == reference.decode(ids)
+        assert await counter.token_strs(ids) == reference.convert_ids_to_tokens(ids)
+        assert counter.vocab_size == len(reference)
+        assert counter.loaded.resident
+    finally:
+        policy.close()
