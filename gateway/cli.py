@@ -131,6 +131,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def check(args: argparse.Namespace) -> int:
     from gateway.policy.compile import load_policy
+    from gateway.tokenizer.counters import HFCounter
 
     try:
         policy = load_policy(
@@ -141,12 +142,19 @@ def check(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         print(exc, file=sys.stderr)
         return 1
-    policy.close()
     pools = ", ".join(
         f"{name} ({len(p.spec.replicas)} x {p.spec.max_concurrency})"
         for name, p in policy.pools.items()
     )
     print(f"{args.file}: ok — {len(policy.models)} model(s), pools: {pools}")
+    if args.load_tokenizers:  # which library `serve` counts each model with (`tokenizer_backend`)
+        counted = {
+            name: m.counter.backend
+            for name, m in policy.models.items()
+            if isinstance(m.counter, HFCounter)
+        }
+        print("counted by: " + (", ".join(f"{n} {b}" for n, b in counted.items()) or "estimate"))
+    policy.close()
     return 0
 
 
@@ -211,6 +219,17 @@ def _without_tokenizers(loaded: LoadedSpec, fallback: bool) -> tuple[LoadedSpec,
     }
     spec = loaded.spec.model_copy(update={"models": models, "pools": pools})
     return dataclasses.replace(loaded, spec=spec), missing
+
+
+def _counted_by_reference(loaded: LoadedSpec) -> LoadedSpec:
+    """The spec with every model counted by the tokenizers library, vLLM's own: the same counts
+    as fastokens (a policy whose fastokens disagrees does not load), without building fastokens
+    and its self-check for one request, most of a start's time (`make bench-startup`)."""
+    models = {
+        name: model.model_copy(update={"tokenizer_backend": "tokenizers"})
+        for name, model in loaded.spec.models.items()
+    }
+    return dataclasses.replace(loaded, spec=loaded.spec.model_copy(update={"models": models}))
 
 
 def _assumed(text: str) -> tuple[str, float]:
@@ -327,7 +346,7 @@ async def _explain(
         load_spec(policy_path, reference_problems), tokenizer_fallback
     )
     try:
-        policy = compile_policy(loaded)
+        policy = compile_policy(_counted_by_reference(loaded))
     except PolicyError as exc:
         if missing and not tokenizer_fallback:
             raise PolicyError([*exc.lines, _NO_TOKENIZER_HINT]) from None

@@ -274,14 +274,26 @@ def test_an_assumed_load_names_a_pool_of_the_policy(capsys) -> None:
         shipped(capsys, "--predicted-wait", "classify-27b=soon")
 
 
-def test_explain_says_which_library_counted(capsys, tmp_path, tokenizer_dir) -> None:
+def test_explain_counts_with_vllms_library_and_check_says_which_serve_uses(
+    capsys, tmp_path, tokenizer_dir
+) -> None:
+    """Issue 36 item 7: `explain` counts one request, so it builds no fastokens (most of a start's
+    time, with its self-check): the tokenizers library, vLLM's own, counts the same. Which library
+    `serve` counts with, `check --load-tokenizers` says, as it builds them."""
     policy = basic_policy(tokenizer_dir, ["http://127.0.0.1:1"])
+    counts = set()
     for backend in ("auto", "fastokens", "tokenizers"):
         policy["models"]["tiny"]["tokenizer_backend"] = backend
         path = str(write_policy(tmp_path, policy))
         code, out, _ = explain(capsys, "--json", "--policy", path, chat(tmp_path))
-        counted = "tokenizers" if backend == "tokenizers" else "fastokens"
-        assert (code, json.loads(out)["counting_backend"]) == (0, counted)
+        decision = json.loads(out)
+        assert (code, decision["counting_backend"]) == (0, "tokenizers")
+        counts.add(decision["input_tokens"])
+        code = gateway(["check", "--load-tokenizers", path])
+        out = capsys.readouterr().out
+        served = "tokenizers" if backend == "tokenizers" else "fastokens"
+        assert code == 0 and out.endswith(f"counted by: tiny {served}\n"), out
+    assert len(counts) == 1
 
 
 def test_a_body_from_standard_input_without_messages_is_explained_as_chat(
