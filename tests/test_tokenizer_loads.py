@@ -90,7 +90,9 @@ def test_a_reload_keeps_the_load_until_the_files_change(
 
 
 def test_a_load_no_policy_holds_is_freed(tokenizer_dir: Path, tmp_path: Path) -> None:
-    policy = load_policy(three_models(tokenizer_dir, tmp_path))
+    # A copy of its own: another test's policy still alive may hold the shared directory's load.
+    own = shutil.copytree(tokenizer_dir, tmp_path / "tokenizer")
+    policy = load_policy(three_models(own, tmp_path))
     identity = counters(policy)[0].loaded.identity
     assert identity in loaded._loaded
     policy.close()
