@@ -26,6 +26,7 @@ from tests.conftest import basic_policy, serving
 from tests.test_deploy import (
     CHART,
     adapter_rules,
+    check_policy,
     deployed_policy,
     helm,
     kinds,
@@ -67,16 +68,6 @@ def mount(pod: dict[str, Any], volume: str) -> dict[str, Any]:
     (gateway,) = pod["spec"]["containers"]
     (found,) = [m for m in gateway["volumeMounts"] if m["name"] == volume]
     return found  # type: ignore[no-any-return]
-
-
-def check_policy(policy: dict[str, Any], directory: Path) -> None:
-    path = directory / "policy.yaml"
-    path.write_text(yaml.safe_dump(policy))
-    done = subprocess.run(
-        [sys.executable, "-m", "gateway", "check", "--skip-tokenizers", str(path)],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
 
 
 # --- In front of vLLM the chart does not create --------------------------------------------------

@@ -132,6 +132,18 @@ def deployed_policy(objects: list[dict[str, Any]]) -> dict[str, Any]:
     return yaml.safe_load(config["data"]["policy.yaml"])  # type: ignore[no-any-return]
 
 
+def check_policy(policy: dict[str, Any], directory: Path) -> None:
+    """`llm-gateway check` passes the rendered `policy`; its `/models/...` tokenizer directories
+    are the pod's, not this machine's, so only their files are not looked at."""
+    path = directory / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", "check", "--skip-tokenizers", str(path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def gateway_policy_name(objects: list[dict[str, Any]]) -> str:
     volumes = one(objects, "Deployment", "llm-gateway")["spec"]["template"]["spec"]["volumes"]
     return next(v["configMap"]["name"] for v in volumes if v["name"] == "policy")  # type: ignore[no-any-return]
@@ -293,13 +305,7 @@ def test_every_fleets_pools_resolve_to_headless_services_and_its_policy_checks(
         }
         tensor_parallel = flags.get("tensor-parallel-size", "1")
         assert accelerators in ({"google.com/tpu": "4"}, {"nvidia.com/gpu": tensor_parallel})
-    path = tmp_path / "policy.yaml"
-    path.write_text(yaml.safe_dump(policy))
-    check = subprocess.run(
-        [sys.executable, "-m", "gateway", "check", "--skip-tokenizers", str(path)],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert check.returncode == 0, check.stdout + check.stderr
+    check_policy(policy, tmp_path)
     pod = one(fleet, "Deployment", "llm-gateway")["spec"]["template"]["spec"]
     tokenizers = {m["tokenizer"] for m in policy["models"].values()}
     for init in pod.get("initContainers", []):
@@ -336,15 +342,7 @@ def test_the_deployed_policy_is_the_articles_fleet_on_headless_services_and_chec
     assert deployed.pop("admin")["watch_interval_s"] > 0
     assert deployed.pop("state")["url"] == "redis://redis.llm.svc.cluster.local:6379/0"
     assert deployed == example
-    path = tmp_path / "policy.yaml"
-    path.write_text(
-        one(tpu_fleet, "ConfigMap", gateway_policy_name(tpu_fleet))["data"]["policy.yaml"]
-    )
-    check = subprocess.run(
-        [sys.executable, "-m", "gateway", "check", "--skip-tokenizers", str(path)],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert check.returncode == 0, check.stdout + check.stderr
+    check_policy(deployed_policy(tpu_fleet), tmp_path)
 
 
 def test_the_policys_redis_is_the_statefulsets_and_counts_the_deployments_gateways(
