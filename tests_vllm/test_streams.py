@@ -83,6 +83,12 @@ async def test_running_usage_is_asked_and_the_client_gets_what_vllm_sends(
 
 async def test_disconnect_mid_stream_aborts_vllm(vllm, gateway_factory, http) -> None:
     gw = await gateway_factory(vllm_policy(vllm))
+    # Nothing else runs: the session's vLLM is every module's, and its running gauge reading 0
+    # after the hang-up is the abort only if it read 0 before (CI once timed out waiting for it).
+    async with asyncio.timeout(120):
+        while (running := await scrape(http, vllm.url, RUNNING)) != 0:
+            print(f"vLLM runs {running:.0f} requests before the test: waiting for them to end")
+            await asyncio.sleep(1)
     before = await scrape(http, vllm.url, GENERATED)
     # One sequence of 60,000 tokens: at the tiny model's ~1,000 tokens/s that is a minute, far
     # longer than any abort latency or a slow scrape before the hang-up, so a count that stops well
