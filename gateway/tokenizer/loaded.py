@@ -29,6 +29,7 @@ from typing import Any
 from gateway.tokenizer.backends import TOKENIZERS, Backend, Encoder, choose
 from gateway.tokenizer.chat_template import ChatTemplate, TemplateHost
 from gateway.tokenizer.floor import TokenFloor
+from gateway.watched import Stamp, stamp
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -57,7 +58,7 @@ class Identity:
     """What a load depends on: the resolved directory, each file's stat, the backend asked for."""
 
     directory: str
-    files: tuple[tuple[str, int, int, int], ...]
+    files: tuple[tuple[str, Stamp | None], ...]
     backend: Backend
 
     @classmethod
@@ -73,9 +74,8 @@ class Identity:
             for entry in os.scandir(folder):
                 if entry.name.startswith("."):  # kubelet's `..data` and its timestamped copies
                     continue
-                st = entry.stat()  # through symlinks: a swapped ConfigMap shows as changed
-                rel = os.path.relpath(entry.path, root)
-                files.append((rel, st.st_size, st.st_mtime_ns, st.st_ino))
+                # through symlinks: a swapped ConfigMap shows as changed (gateway/watched.py)
+                files.append((os.path.relpath(entry.path, root), stamp(entry.path)))
         return cls(str(root), tuple(sorted(files)), backend)
 
 
@@ -153,10 +153,10 @@ def return_freed_memory() -> None:
 
 def lacks(directory: Path, chat: str | None) -> str | None:
     """What `directory` lacks for counting, said, or None: `tokenizer.json` (what both encoders
-    load), and where `chat` says why one is needed a default chat template, transformers' own file (chat_template.jinja,
-    or the older chat_template.json) or tokenizer_config.json's `chat_template` (a text, or named
-    ones among which `default`). Reads tokenizer_config.json at most: a check without the
-    seconds and hundreds of MB a load costs."""
+    load), and, where `chat` says why one is needed, a default chat template: transformers' own
+    file (chat_template.jinja, or the older chat_template.json) or tokenizer_config.json's
+    `chat_template` (a text, or named ones among which `default`). Reads tokenizer_config.json
+    at most: a check without the seconds and hundreds of MB a load costs."""
     where = f"tokenizer directory {str(directory)!r}"
     if not directory.is_dir():
         return f"{where} does not exist"
