@@ -326,7 +326,7 @@ async def test_a_fresh_gateway_reports_what_its_replicas_answered(
 ) -> None:
     """Issue 36 item 12: a replica counted as healthy until it had failed three probes five
     seconds apart, so a fresh gateway called one that does not listen healthy for 15 s. It probes
-    before it listens: its first `/readyz` has the listening replica healthy, the other failing
+    before it serves: its first `/readyz` has the listening replica healthy, the other failing
     (not yet ejected: one failure of three); with probes off, both are unchecked until a request
     reaches them."""
     dead = dead_url()
