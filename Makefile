@@ -44,10 +44,10 @@ lint: $(STAMP)
 	$(BIN)/ruff format gateway tests tests_vllm loadtest
 	$(BIN)/mypy gateway
 
-# The policy's JSON Schema (for editors) and its field reference (docs), both from gateway/policy/schema.py.
+# The policy's JSON Schema (for editors) and its field reference (docs), both from gateway/config/schema.py.
 schema: $(STAMP)
 	$(BIN)/llm-gateway schema > policies/schema.json
-	$(BIN)/python -m gateway.policy.reference > docs/policy-reference.md
+	$(BIN)/python -m gateway.config.reference > docs/policy-reference.md
 
 demo: $(STAMP)
 	$(BIN)/python -m loadtest.demo

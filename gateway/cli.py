@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any, get_args
 import orjson
 
 from gateway import __version__
-from gateway.authenticate import key_entry
-from gateway.policy.load import LoadedSpec, PolicyError
-from gateway.policy.schema import Endpoint
+from gateway.config.load import LoadedSpec, PolicyError
+from gateway.config.schema import Endpoint
+from gateway.request.authenticate import key_entry
 
 if TYPE_CHECKING:
-    from gateway.context import Ctx
+    from gateway.config.schema import RouteMatch
     from gateway.policy.compile import Policy
-    from gateway.policy.schema import RouteMatch
+    from gateway.request.context import Ctx
 
 log = logging.getLogger("gateway")
 
@@ -32,8 +32,8 @@ log = logging.getLogger("gateway")
 async def _serve(policy_path: str, host: str, port: int) -> int:
     from aiohttp import web
 
+    from gateway.config.load import load_spec
     from gateway.policy.compile import compile_policy, reference_problems
-    from gateway.policy.load import load_spec
     from gateway.server.app import GATEWAY, create_app, create_metrics_app, create_starting_app
     from gateway.server.protocol import GatewayRunner
     from gateway.tls import ListenerTls
@@ -255,7 +255,7 @@ class _AssumedLoad:
 
 def _passed_over_text(why: str) -> str:
     """`spill.passed_over`'s reason, as explain says it."""
-    from gateway import spill
+    from gateway.request import spill
 
     return {
         spill.TIER: "not for tier {tier}",
@@ -269,8 +269,8 @@ def _fallbacks(
     ctx: Ctx, policy: Policy, saturation: dict[str, float], waits: dict[str, float]
 ) -> list[str] | None:
     """The route's fallback chain, each with whether it takes the request at the load assumed."""
-    from gateway import spill
-    from gateway.policy.schema import PRIORITIES
+    from gateway.config.schema import PRIORITIES
+    from gateway.request import spill
 
     assert ctx.route is not None and ctx.pool is not None
     if not ctx.route.fallbacks:
@@ -331,15 +331,15 @@ async def _explain(
     from multidict import CIMultiDict, CIMultiDictProxy
 
     from gateway.api import BY_NAME
-    from gateway.authenticate import authenticate
-    from gateway.context import Ctx
-    from gateway.forward import upstream_priority
-    from gateway.parse import parse
-    from gateway.pipeline import decide
+    from gateway.config.load import load_spec
+    from gateway.config.schema import COUNT_BY_CHARS, PRIORITIES
     from gateway.policy.compile import compile_policy, reference_problems
-    from gateway.policy.load import load_spec
-    from gateway.policy.schema import COUNT_BY_CHARS, PRIORITIES
-    from gateway.quota import reservation, tenant_windows
+    from gateway.request.authenticate import authenticate
+    from gateway.request.context import Ctx
+    from gateway.request.forward import upstream_priority
+    from gateway.request.parse import parse
+    from gateway.request.pipeline import decide
+    from gateway.request.quota import reservation, tenant_windows
     from gateway.tokenizer.counters import HFCounter
 
     loaded, missing = _without_tokenizers(

@@ -4,7 +4,7 @@
 swaps a single reference, so a request keeps the runtime it started with. `Gateway` owns what
 outlives reloads (shared state, quotas, accounting, upstream sessions) and every background task:
 health checks, DNS discovery, adapter lists, lease renewal, the policy-file watch, loop lag. The
-request path is gateway/pipeline.py; it reads this, never the other way round.
+request path is gateway/request/pipeline.py; it reads this, never the other way round.
 """
 
 from __future__ import annotations
@@ -20,19 +20,19 @@ from typing import IO, Any
 
 import aiohttp
 
-from gateway.account import Accountant
 from gateway.admit import LivePool
+from gateway.config.load import PolicyError, load_spec
 from gateway.errors import ReloadFailed
-from gateway.holders import Holders
+from gateway.fleet import adapters, discovery
+from gateway.fleet.health import HealthChecker
 from gateway.observability.loop_lag import watch_lag
 from gateway.observability.metrics import Metrics
 from gateway.observability.state_metrics import BackendUp
 from gateway.observability.tracing import Tracing
 from gateway.policy.compile import Policy, compile_policy, reference_problems
-from gateway.policy.load import PolicyError, load_spec
-from gateway.quota import Quotas
-from gateway.replicas import adapters, discovery
-from gateway.replicas.health import HealthChecker
+from gateway.request.account import Accountant
+from gateway.request.holders import Holders
+from gateway.request.quota import Quotas
 from gateway.state import SlotLedger, State
 from gateway.state.build import build_state
 from gateway.tls import ListenerTls, replica_context

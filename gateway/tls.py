@@ -36,8 +36,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.policy.load import PolicyError
-from gateway.policy.schema import ListenerTlsSpec
+from gateway.config.load import PolicyError
+from gateway.config.schema import ListenerTlsSpec
 from gateway.watched import Stamp, stamp
 
 log = logging.getLogger("gateway.tls")

@@ -3,7 +3,7 @@
 The gateway asks vLLM for `continuous_usage_stats` on a one-sequence chat or completions stream,
 so every chunk carries its running usage (what a client that leaves is settled on), and strips
 it when the client did not ask. This times the relay's work on a run of whole events
-(gateway/forward.py `_relayed`: account, drop the final usage chunk, strip), on vLLM's bytes as
+(gateway/request/forward.py `_relayed`: account, drop the final usage chunk, strip), on vLLM's bytes as
 the simulator writes them, in this process:
 - `before`: the chunks without usage, as they came when the gateway asked `include_usage` only;
 - `stripped`: with the running usage, stripped (a client that did not ask for it);
@@ -24,8 +24,8 @@ import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.api import CHAT
-from gateway.context import Ctx
-from gateway.forward import _relayed
+from gateway.request.context import Ctx
+from gateway.request.forward import _relayed
 
 
 def _chunk(tokens: int | None) -> bytes:

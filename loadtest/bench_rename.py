@@ -12,7 +12,7 @@ from __future__ import annotations
 import timeit
 from collections.abc import Callable
 
-from gateway.forward import ModelRename
+from gateway.request.forward import ModelRename
 
 EVENT = (
     b'data: {"id":"cmpl-1","object":"chat.completion.chunk","created":1,'

@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 import orjson
 import yaml
 
-from gateway.policy.schema import COUNT_BY_CHARS
+from gateway.config.schema import COUNT_BY_CHARS
 from loadtest import processes
 from loadtest.loadgen import (
     Mark,

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import get_args
 
 from gateway.api import APIS, BY_NAME, BY_PATH, CHAT, COMPLETIONS, MESSAGES
+from gateway.config.schema import Endpoint
 from gateway.policy.compile import load_policy
-from gateway.policy.schema import Endpoint
 from gateway.server.app import create_app
 from tests.conftest import basic_policy, write_policy
 

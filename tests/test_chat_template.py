@@ -13,10 +13,10 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from transformers import AutoTokenizer
 
 from gateway.api import CHAT, Api
-from gateway.context import Ctx
+from gateway.config.schema import ServerSpec
 from gateway.errors import BadRequest
-from gateway.parse import parse
-from gateway.policy.schema import ServerSpec
+from gateway.request.context import Ctx
+from gateway.request.parse import parse
 from gateway.tokenizer.chat_template import ChatTemplate
 from gateway.tokenizer.counters import HFCounter
 from loadtest.real_tokenizers import directory

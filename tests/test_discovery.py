@@ -12,7 +12,7 @@ from aiohttp import web
 from dnslib import QTYPE, RR, A, DNSRecord
 from dnslib.server import BaseResolver, DNSHandler, DNSServer
 
-from gateway.replicas.discovery import LOOKUP_S
+from gateway.fleet.discovery import LOOKUP_S
 from loadtest.stub_backend import STATS, create_stub_app
 from tests.conftest import eventually
 

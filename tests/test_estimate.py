@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 
-from gateway.estimate import RollingQuantileEstimator
+from gateway.request.estimate import RollingQuantileEstimator
 
 
 def test_the_estimator_learns_a_p90_and_keeps_one_offs_cheap() -> None:

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.admit.forecast import DEFAULT, Holt
-from gateway.policy.schema import PoolSpec
+from gateway.config.schema import PoolSpec
 from tests.conftest import basic_policy, eventually
 from tests.test_resilience import CHAT, scrape
 

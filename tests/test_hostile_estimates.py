@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gateway.estimate import RollingQuantileEstimator
+from gateway.request.estimate import RollingQuantileEstimator
 from tests.conftest import RunningGateway, accounted, basic_policy
 from tests.test_tenants import hashed
 

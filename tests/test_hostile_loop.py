@@ -250,9 +250,9 @@ async def test_a_body_of_thousands_of_messages_is_checked_off_the_loop():
     from multidict import CIMultiDict, CIMultiDictProxy
 
     from gateway.api import CHAT
-    from gateway.context import Ctx
-    from gateway.parse import INLINE_PARSE_BYTES, parse_request
-    from gateway.policy.schema import ServerSpec
+    from gateway.config.schema import ServerSpec
+    from gateway.request.context import Ctx
+    from gateway.request.parse import INLINE_PARSE_BYTES, parse_request
     from gateway.tokenizer.threads import CountingThreads
 
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}

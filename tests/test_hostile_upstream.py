@@ -394,7 +394,7 @@ async def test_a_502_names_no_replica_to_the_client_and_logs_it(
     policy = basic_policy(tokenizer_dir, [url])
     policy["pools"]["main"]["health"] = {"interval_s": 0}
     gw = await gateway_factory(policy)
-    with caplog.at_level(logging.WARNING, logger="gateway.forward"):
+    with caplog.at_level(logging.WARNING, logger="gateway.request.forward"):
         async with http.post(
             f"{gw.url}/v1/chat/completions", json=CHAT, headers={"x-request-id": "req-502"}
         ) as resp:
@@ -402,7 +402,7 @@ async def test_a_502_names_no_replica_to_the_client_and_logs_it(
     assert (status, body["error"]["code"]) == (502, "upstream_error")
     message = body["error"]["message"]
     assert message == "the replica failed before answering"
-    lines = [r for r in caplog.records if r.name == "gateway.forward"]
+    lines = [r for r in caplog.records if r.name == "gateway.request.forward"]
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING
     assert "req-502" in lines[0].getMessage() and url in lines[0].getMessage()
     assert lines[0].exc_info is None  # one line, no traceback
@@ -415,11 +415,13 @@ async def test_a_504_names_no_replica_to_the_client(
     policy = basic_policy(tokenizer_dir, [slow.url])
     policy["pools"]["main"]["timeouts"] = {"read_s": 0.3}
     gw = await gateway_factory(policy)
-    with caplog.at_level(logging.WARNING, logger="gateway.forward"):
+    with caplog.at_level(logging.WARNING, logger="gateway.request.forward"):
         status, body = await post(http, gw.url, CHAT)
     assert (status, body["error"]["code"]) == (504, "upstream_timeout")
     assert body["error"]["message"] == "the replica did not answer in time"
-    assert any(slow.url in r.getMessage() for r in caplog.records if r.name == "gateway.forward")
+    assert any(
+        slow.url in r.getMessage() for r in caplog.records if r.name == "gateway.request.forward"
+    )
 
 
 async def test_a_broken_stream_names_no_replica_to_the_client(

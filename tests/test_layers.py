@@ -24,21 +24,21 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "gateway"
 
-POLICY_BOTTOM = ("gateway.policy.schema", "gateway.policy.load")
+POLICY_BOTTOM = ("gateway.config.schema", "gateway.config.load")
 STAGES = (
-    "gateway.authenticate",
-    "gateway.parse",
-    "gateway.route",
-    "gateway.tokenize",
-    "gateway.estimate",
-    "gateway.classify",
-    "gateway.spill",
-    "gateway.quota",
+    "gateway.request.authenticate",
+    "gateway.request.parse",
+    "gateway.request.route",
+    "gateway.request.count",
+    "gateway.request.estimate",
+    "gateway.request.workload",
+    "gateway.request.spill",
+    "gateway.request.quota",
     "gateway.admit",
-    "gateway.forward",
-    "gateway.account",
+    "gateway.request.forward",
+    "gateway.request.account",
 )
-ABOVE_STAGES = ("gateway.runtime", "gateway.pipeline", "gateway.server", "gateway.cli")
+ABOVE_STAGES = ("gateway.runtime", "gateway.request.pipeline", "gateway.server", "gateway.cli")
 STATE = "gateway.state"
 NOT_IN_STATE = ("gateway.errors", "aiohttp", "prometheus_client", "gateway.observability")
 
@@ -69,7 +69,7 @@ def _imports(tree: ast.AST, with_type_only: bool) -> Iterator[str]:
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module is not None and not node.level:
             yield node.module
-            # `from gateway.replicas import adapters` imports the module `adapters`
+            # `from gateway.fleet import adapters` imports the module `adapters`
             yield from (f"{node.module}.{alias.name}" for alias in node.names)
         else:
             yield from _imports(node, with_type_only)
@@ -120,7 +120,7 @@ def _breaks(modules: list[str], forbidden: tuple[str, ...]) -> list[str]:
 
 def test_the_modules_are_found() -> None:
     modules = _modules()
-    assert set(POLICY_BOTTOM) | {"gateway.pipeline", "gateway.runtime"} <= modules.keys()
+    assert set(POLICY_BOTTOM) | {"gateway.request.pipeline", "gateway.runtime"} <= modules.keys()
     for stage in STAGES:
         assert any(_within(m, stage) for m in modules), stage
 
@@ -145,4 +145,4 @@ def test_a_rule_broken_is_seen() -> None:
     """The checker itself: a module that reaches the server through another is caught."""
     chains = reachable("gateway.runtime")
     assert "gateway.policy.compile" in chains
-    assert _breaks(["gateway.runtime"], ("gateway.policy.schema",)) != []
+    assert _breaks(["gateway.runtime"], ("gateway.config.schema",)) != []

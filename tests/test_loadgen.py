@@ -17,7 +17,7 @@ import yaml
 from aiohttp import web
 from transformers import AutoTokenizer
 
-from gateway.policy.schema import PoolSpec
+from gateway.config.schema import PoolSpec
 from loadtest.loadgen import cli
 from loadtest.loadgen.knee import KneeParams, find_knee, policy_snippet
 from loadtest.loadgen.profile import build_profile, concurrency, read_access_log, table

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from gateway.api import MESSAGES
 from gateway.api.anthropic import anthropic_status, to_chat
+from gateway.config.schema import ServerSpec
 from gateway.errors import (
     BadRequest,
     BodyTooLarge,
@@ -32,7 +33,6 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from gateway.policy.schema import ServerSpec
 from tests.conftest import _serve, accounted, basic_policy
 from tests.fuzzing import counted_or_refused, values
 

@@ -18,7 +18,7 @@ import pytest
 from aiohttp import FormData, web
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.policy.load import PolicyError
+from gateway.config.load import PolicyError
 from loadtest.sim import Profile, ReplicaOptions, start_replica
 from tests.conftest import Handler, _serve, accounted, basic_policy, eventually, write_policy
 from tests.test_simulator import write_profile

@@ -15,12 +15,12 @@ from aiohttp import web
 
 from gateway.admit import Claim, LivePool, Replica
 from gateway.admit.replica import EngineGauges
+from gateway.config.load import PolicyError
+from gateway.config.schema import PoolSpec
 from gateway.pick.affinity import Affinity
 from gateway.pick.picker import RoundRobinPicker
 from gateway.pick.scorers import KvCacheScorer, QueueScorer
 from gateway.policy.compile import load_policy
-from gateway.policy.load import PolicyError
-from gateway.policy.schema import PoolSpec
 from loadtest.sim.profiles import Profile
 from loadtest.sim.server import ReplicaOptions, start_replica
 from loadtest.stub_backend import STATS, StubConfig, create_stub_app

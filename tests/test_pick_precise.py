@@ -23,6 +23,7 @@ from aiohttp import web
 from transformers import AutoTokenizer
 
 from gateway.admit import Claim, Replica
+from gateway.config.load import PolicyError
 from gateway.pick.affinity import Affinity
 from gateway.pick.kv_events import EngineBlocks, token_blocks
 from gateway.pick.precise import (
@@ -34,7 +35,6 @@ from gateway.pick.precise import (
     endpoints_of,
 )
 from gateway.policy.compile import load_policy
-from gateway.policy.load import PolicyError
 from tests.conftest import (
     RunningGateway,
     Stub,

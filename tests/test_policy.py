@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gateway.config.load import PolicyError
 from gateway.policy.compile import json_schema, load_policy
-from gateway.policy.load import PolicyError
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.config.load import PolicyError
 from gateway.policy.compile import load_policy
-from gateway.policy.load import PolicyError
-from gateway.quota import duration
+from gateway.request.quota import duration
 from gateway.state import WINDOW_S, Limit, MemoryState, Reservation, WindowFull
 from tests.conftest import RunningGateway, accounted, basic_policy, eventually, write_policy
 from tests.test_tenants import ACME_KEY, hashed

@@ -6,8 +6,8 @@ import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.api import CHAT
-from gateway.context import Ctx
-from gateway.forward import _scan
+from gateway.request.context import Ctx
+from gateway.request.forward import _scan
 
 
 def ctx() -> Ctx:

@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from gateway.admit import Claim, Grant, HoldTimes, LivePool
+from gateway.config.load import PolicyError
+from gateway.config.schema import PRIORITIES, PoolSpec
 from gateway.errors import QueueWaitTooLong
 from gateway.pick.picker import LeastInflightPicker
 from gateway.policy.compile import load_policy
-from gateway.policy.load import PolicyError
-from gateway.policy.schema import PRIORITIES, PoolSpec
 from loadtest.tiny_tokenizer import WORDS
 from tests.conftest import RunningGateway, basic_policy, eventually
 

@@ -12,8 +12,8 @@ import orjson
 import pytest
 from aiohttp import web
 
+from gateway.config.load import PolicyError
 from gateway.policy.compile import load_policy
-from gateway.policy.load import PolicyError
 from tests.conftest import basic_policy, write_policy
 
 ALIAS = "tiny-alias"  # basic_policy routes it to the pool of model `tiny`

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from gateway.admit import Claim, LivePool
+from gateway.config.schema import PoolSpec
 from gateway.errors import QueueFull, QueueTimeout
 from gateway.pick.picker import LeastInflightPicker
-from gateway.policy.schema import PoolSpec
 
 
 def pool(replicas: int = 1, cap: int = 1, **spec: object) -> LivePool:

@@ -17,10 +17,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.admit import Claim, LivePool
+from gateway.config.load import PolicyError
+from gateway.config.schema import PoolSpec
 from gateway.pick.picker import LeastInflightPicker
 from gateway.policy.compile import load_policy
-from gateway.policy.load import PolicyError
-from gateway.policy.schema import PoolSpec
 from tests.conftest import RedisServer, eventually, write_policy
 from tests.test_tenants import hashed
 

@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.policy.load import PolicyError
+from gateway.config.load import PolicyError
 from tests.conftest import basic_policy, eventually, write_policy
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from gateway.config.load import load_spec
 from gateway.policy.compile import compile_policy, load_policy, reference_problems
-from gateway.policy.load import load_spec
 from gateway.tokenizer import loaded
 from gateway.tokenizer.counters import HFCounter
 from tests.conftest import basic_policy, write_policy

@@ -70,8 +70,8 @@ def test_every_tokenizer_thread_has_encoded_with_each_new_counter_before_traffic
     """A thread's first encode with a tokenizer costs fastokens ~120-140 ms of CPU (Qwen 3,
     Llama 3; 0.1 ms after): compiling the policy, at start or on a reload that builds counters,
     encodes once with each new counter on every thread of both pools, so no request pays it."""
+    from gateway.config.load import load_spec
     from gateway.policy.compile import compile_policy, load_policy, reference_problems
-    from gateway.policy.load import load_spec
     from gateway.tokenizer import backends
     from tests.conftest import basic_policy, write_policy
 

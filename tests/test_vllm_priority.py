@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from gateway.config.load import PolicyError
 from gateway.policy.compile import load_policy
-from gateway.policy.load import PolicyError
 from tests.conftest import basic_policy, write_policy
 
 TIERS = ("critical", "standard", "sheddable")

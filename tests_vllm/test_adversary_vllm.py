@@ -34,7 +34,7 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.authenticate import key_entry
+from gateway.request.authenticate import key_entry
 from loadtest.adversary.generator import ENDPOINT_PATHS, Generator, Planned, fresh_seed
 from loadtest.vllm_server import SERVED_NAME, VLLMServer
 from tests_vllm.conftest import eventually, vllm_policy

@@ -26,9 +26,9 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.api import RESPONSES, Api
 from gateway.api.responses import Continued, output_messages, stored_turns
-from gateway.context import Ctx
 from gateway.errors import BadRequest
-from gateway.parse import parse
+from gateway.request.context import Ctx
+from gateway.request.parse import parse
 from tests_vllm.test_anthropic_parity import collect
 from tests_vllm.test_render_parity import MAX_MODEL_LEN
 
@@ -190,7 +190,7 @@ CHAINS: list[dict[str, Any]] = [
 
 async def gateway_chain(policy: Any, model: str, chain: dict[str, Any], api: Api) -> dict[str, Any]:
     """Each turn's count as the gateway makes it: the turn's body parsed, carrying the turns
-    the gateway stored of those before it (gateway/holders.py `remember`), then counted."""
+    the gateway stored of those before it (gateway/request/holders.py `remember`), then counted."""
     counter = policy.models[model].counter
     counts, turns = [], None
     try:

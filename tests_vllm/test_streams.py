@@ -11,7 +11,7 @@ import time
 import aiohttp
 import orjson
 
-from gateway.authenticate import key_entry
+from gateway.request.authenticate import key_entry
 from loadtest.vllm_server import MAX_MODEL_LEN
 from tests_vllm.conftest import eventually, scrape, scrape_all, vllm_policy
 from tests_vllm.test_passthrough import CHAT, events

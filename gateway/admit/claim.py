@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from gateway.context import Ctx
 from gateway.pick.affinity import Affinity
+from gateway.request.context import Ctx
 
 
 class Claim(NamedTuple):

@@ -7,7 +7,7 @@ import time
 from collections import deque
 
 from gateway.admit.forecast import Holt
-from gateway.policy.schema import ForecastSpec
+from gateway.config.schema import ForecastSpec
 
 
 class HoldTimes:

@@ -1,6 +1,6 @@
 """Passive outlier detection: a pool's replicas ejected after failures in a row, or when they
 decode far slower than their peers; each ejection lasts longer; a bounded share of the pool at
-most is ever out. Active probes (`gateway/replicas/health.py`) decide when one comes back.
+most is ever out. Active probes (`gateway/fleet/health.py`) decide when one comes back.
 Why one was ejected is an `Ejection` (gateway/errors.py, beside the refusals: a broken stream is
 held against its replica under the refusal's own name), the `reason` of
 `llm_replica_ejections_total`.
@@ -14,8 +14,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 from gateway.admit.replica import Replica
+from gateway.config.schema import HealthSpec
 from gateway.errors import Ejection
-from gateway.policy.schema import HealthSpec
 
 log = logging.getLogger("gateway.admit")  # one logger for the whole stage: operators grep it
 

@@ -16,7 +16,7 @@ from operator import itemgetter
 from gateway.admit.claim import Claim
 from gateway.admit.demand import HoldTimes
 from gateway.admit.replica import Grant, Replica
-from gateway.policy.schema import PRIORITIES
+from gateway.config.schema import PRIORITIES
 
 
 class Place:

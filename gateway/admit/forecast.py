@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 
-from gateway.policy.schema import ForecastSpec
+from gateway.config.schema import ForecastSpec
 
 DEFAULT = ForecastSpec()  # the policy's defaults: a pool's `forecast` unset
 

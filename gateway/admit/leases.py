@@ -14,8 +14,8 @@ from typing import Any
 
 from gateway.admit.claim import Claim
 from gateway.admit.replica import Grant, Replica
+from gateway.config.schema import PRIORITIES
 from gateway.errors import StateUnavailable
-from gateway.policy.schema import PRIORITIES
 from gateway.state.base import SlotClaim, SlotLedger, StateUnreachable
 
 # With a ledger, waiters look for a free slot this often (jittered). A release here does not

@@ -29,7 +29,7 @@ from gateway.admit.fairqueue import Place, Queue
 from gateway.admit.leases import Leases
 from gateway.admit.reconcile import Reconciler
 from gateway.admit.replica import EngineGauges, Grant, Replica
-from gateway.context import Ctx
+from gateway.config.schema import PRIORITIES, PoolSpec
 from gateway.deadline import Deadline
 from gateway.errors import (
     Ejection,
@@ -41,7 +41,7 @@ from gateway.errors import (
     Shed,
 )
 from gateway.pick.picker import Picker
-from gateway.policy.schema import PRIORITIES, PoolSpec
+from gateway.request.context import Ctx
 from gateway.state.base import SlotClaim, SlotLedger
 
 log = logging.getLogger("gateway.admit")  # one logger for the whole stage: operators grep it

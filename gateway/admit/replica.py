@@ -6,7 +6,7 @@ import time
 from typing import NamedTuple
 
 from gateway.admit.claim import Claim
-from gateway.policy.schema import HealthSpec
+from gateway.config.schema import HealthSpec
 
 
 class EngineGauges(NamedTuple):

@@ -3,7 +3,7 @@
 `server/app.py` serves a POST route per entry of `BY_PATH`, each handing its `Api` to the
 pipeline, which sets it on the request's `Ctx`; every stage reads `ctx.api` after that. The
 names are policy vocabulary (a route's or class's `match.endpoint`), declared once in
-gateway/policy/schema.py `Endpoint`, which imports no stage: the registry is checked against it
+gateway/config/schema.py `Endpoint`, which imports no stage: the registry is checked against it
 here, at import, so an API added without its name there (or the reverse) fails to start.
 """
 
@@ -20,7 +20,7 @@ from gateway.api.embeddings import EMBEDDINGS
 from gateway.api.pooling import POOLING
 from gateway.api.responses import RESPONSES
 from gateway.api.scoring import RERANK, SCORE
-from gateway.policy.schema import Endpoint
+from gateway.config.schema import Endpoint
 
 APIS: tuple[Api, ...] = (
     CHAT, COMPLETIONS, MESSAGES, RESPONSES, EMBEDDINGS, RERANK, SCORE, CLASSIFY, POOLING
@@ -33,7 +33,7 @@ if sorted(BY_NAME) != sorted(get_args(Endpoint)) or len(BY_PATH) != sum(
 ):
     raise RuntimeError(
         f"gateway/api/ serves {sorted(BY_NAME)} at {sorted(BY_PATH)}; the policy's endpoints"
-        f" (gateway/policy/schema.py `Endpoint`) are {sorted(get_args(Endpoint))}"
+        f" (gateway/config/schema.py `Endpoint`) are {sorted(get_args(Endpoint))}"
     )
 
 __all__ = [

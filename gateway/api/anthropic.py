@@ -34,15 +34,15 @@ from gateway.api.base import FINGERPRINT_CHARS, Api
 from gateway.api.chat import check_message_list
 from gateway.api.openai import is_tokens
 from gateway.errors import BadRequest, GatewayError
-from gateway.parse import check_prompt_chars, lax_int, text_chars
+from gateway.request.parse import check_prompt_chars, lax_int, text_chars
 from gateway.tokenizer.chat_template import lax_bool
 from gateway.tokenizer.counters import HFCounter
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from gateway.context import Ctx
-    from gateway.policy.schema import ServerSpec
+    from gateway.config.schema import ServerSpec
+    from gateway.request.context import Ctx
     from gateway.state.base import Window
     from gateway.tokenizer.counters import TokenCounter
 

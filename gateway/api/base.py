@@ -20,13 +20,13 @@ if TYPE_CHECKING:
 
     from aiohttp import web
 
-    from gateway.context import Ctx
+    from gateway.config.schema import ServerSpec
     from gateway.errors import GatewayError
-    from gateway.policy.schema import ServerSpec
+    from gateway.request.context import Ctx
     from gateway.state.base import Window
     from gateway.tokenizer.counters import TokenCounter
 
-# How much of a prompt's start keys the output estimator (gateway/estimate.py): a system prompt
+# How much of a prompt's start keys the output estimator (gateway/request/estimate.py): a system prompt
 # or a rules block, what makes a classification prompt recognisable from one request to the next.
 FINGERPRINT_CHARS = 256
 FINGERPRINT_IDS = 64  # the same for a prompt given as token ids
@@ -36,7 +36,7 @@ class Api(ABC):
     """One API shape: the endpoint-specific part of every stage.
 
     `name` is the endpoint as policies, metrics labels and the access log name it (a route's
-    `match.endpoint`: gateway/policy/schema.py `Endpoint`); `path` is where it is served (and
+    `match.endpoint`: gateway/config/schema.py `Endpoint`); `path` is where it is served (and
     `aliases`, other paths vLLM serves it at: each is forwarded as the client called it);
     `prompt_param` is the field a refusal about the prompt names. `exact`: with a tokenizer,
     `count` is vLLM's own count, so a replica's `prompt_tokens` far from it is not believed;
@@ -56,7 +56,7 @@ class Api(ABC):
     stream_end: ClassVar[bytes]
     exact: ClassVar[bool] = True
     # The body field that bounds the output, where the gateway writes its own bound for a
-    # request that states none (gateway/quota.py `bound_output`); None: nothing is generated.
+    # request that states none (gateway/request/quota.py `bound_output`); None: nothing is generated.
     bound_field: ClassVar[str | None] = None
     # Whether the pipeline reads the body (parse, count, classify); an API that does not
     # (gateway/api/passthrough.py) is routed by its path and forwarded as it came.

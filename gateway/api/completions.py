@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 from gateway.api.base import FINGERPRINT_CHARS, FINGERPRINT_IDS
 from gateway.api.openai import OpenAIApi
 from gateway.errors import BadRequest
-from gateway.parse import check_prompt_chars, positive_int
+from gateway.request.parse import check_prompt_chars, positive_int
 from gateway.tokenizer.counters import HFCounter
 
 if TYPE_CHECKING:
-    from gateway.context import Ctx
-    from gateway.policy.schema import ServerSpec
+    from gateway.config.schema import ServerSpec
+    from gateway.request.context import Ctx
     from gateway.tokenizer.counters import TokenCounter
     from gateway.tokenizer.floor import TokenFloor
 

@@ -30,13 +30,13 @@ from gateway.api.chat import check_chat
 from gateway.api.completions import _prompt_floor, _prompt_shape
 from gateway.api.openai import OpenAIApi, is_tokens
 from gateway.errors import BadRequest
-from gateway.parse import check_prompt_chars
+from gateway.request.parse import check_prompt_chars
 from gateway.tokenizer.chat_template import lax_bool, message_text
 from gateway.tokenizer.counters import HFCounter
 
 if TYPE_CHECKING:
-    from gateway.context import Ctx
-    from gateway.policy.schema import ServerSpec
+    from gateway.config.schema import ServerSpec
+    from gateway.request.context import Ctx
     from gateway.tokenizer.counters import TokenCounter
 
 # The fields of vLLM's embedding chat request a template reads (ChatRequestOptionsMixin).

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 
     from aiohttp import web
 
-    from gateway.context import Ctx
     from gateway.errors import GatewayError
+    from gateway.request.context import Ctx
     from gateway.state.base import Window
 
 

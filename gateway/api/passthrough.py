@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from gateway.api.openai import OpenAIApi
 
 if TYPE_CHECKING:
-    from gateway.context import Ctx
-    from gateway.policy.schema import ServerSpec
+    from gateway.config.schema import ServerSpec
+    from gateway.request.context import Ctx
     from gateway.tokenizer.counters import TokenCounter
 
 

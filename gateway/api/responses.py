@@ -12,7 +12,7 @@ template's `reasoning_effort`). `to_chat` is that conversion, and the chat's own
 
 A request that continues a stored response (`previous_response_id`) is also the conversation the
 replica holds: the gateway sends it to that replica and renders the stored turns with its own
-input (gateway/holders.py keeps them; `Continued` carries them to the count). `background` is
+input (gateway/request/holders.py keeps them; `Continued` carries them to the count). `background` is
 refused: its generation outlives the request, so no slot could be held for it. The answer's
 usage is `usage.input_tokens` and `output_tokens`, in a stream on the terminal
 `response.completed` (or `.incomplete`, `.failed`) event; refusals are OpenAI's error shape, a
@@ -31,14 +31,14 @@ from gateway.api.base import FINGERPRINT_CHARS
 from gateway.api.chat import REASONING_EFFORTS, check_chat
 from gateway.api.openai import OpenAIApi
 from gateway.errors import BadRequest
-from gateway.forward import read_usage
-from gateway.parse import lax_int
+from gateway.request.forward import read_usage
+from gateway.request.parse import lax_int
 from gateway.tokenizer.chat_template import essentials, lax_bool, message_text
 
 if TYPE_CHECKING:
-    from gateway.context import Ctx
+    from gateway.config.schema import ServerSpec
     from gateway.errors import GatewayError
-    from gateway.policy.schema import ServerSpec
+    from gateway.request.context import Ctx
     from gateway.tokenizer.counters import TokenCounter
 
 # `custom_tool_parameters`: the one-string function a custom tool is shown to the model as.
@@ -221,7 +221,7 @@ def _input_messages(items: Any) -> list[dict[str, Any]]:
 class Continued(dict[str, Any]):
     """A request body that continues a stored response, as the gateway counts it: the body
     itself (what goes upstream) and the stored turns the replica renders before its input
-    (`turns`, gateway/holders.py). Only the gateway makes one: a client's JSON cannot."""
+    (`turns`, gateway/request/holders.py). Only the gateway makes one: a client's JSON cannot."""
 
     __slots__ = ("turns",)
 

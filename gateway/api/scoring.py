@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any
 from gateway.api.base import FINGERPRINT_CHARS
 from gateway.api.embeddings import PoolingApi
 from gateway.errors import BadRequest
-from gateway.parse import check_prompt_chars
+from gateway.request.parse import check_prompt_chars
 from gateway.tokenizer.counters import HFCounter
 
 if TYPE_CHECKING:
-    from gateway.context import Ctx
-    from gateway.policy.schema import ServerSpec
+    from gateway.config.schema import ServerSpec
+    from gateway.request.context import Ctx
     from gateway.tokenizer.counters import TokenCounter
 
 # vLLM's names of a score request's two sides, in the order its request union tries them.

@@ -19,9 +19,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gateway.admit import LivePool
+from gateway.config.schema import COUNT_BY_CHARS, PRIORITIES
 from gateway.observability.fast import Counter, Histogram
 from gateway.observability.loop_lag import LAG_BUCKETS
-from gateway.policy.schema import COUNT_BY_CHARS, PRIORITIES
 from gateway.tokenizer.counters import HFCounter
 
 if TYPE_CHECKING:

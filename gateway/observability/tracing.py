@@ -39,13 +39,13 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from gateway.policy.schema import PRIORITIES
+from gateway.config.schema import PRIORITIES
 
 if TYPE_CHECKING:
     from multidict import CIMultiDict
 
-    from gateway.context import Ctx
-    from gateway.policy.schema import TracingSpec
+    from gateway.config.schema import TracingSpec
+    from gateway.request.context import Ctx
 
 # `gen_ai.operation.name` by endpoint; the pooling endpoints keep their own names.
 _OPERATIONS = {

@@ -13,14 +13,14 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from gateway.policy.plugins import register
+from gateway.config.plugins import register
 
 if TYPE_CHECKING:
     from gateway.admit.claim import Claim
     from gateway.admit.replica import Replica
-    from gateway.context import Ctx
     from gateway.errors import Ejection
     from gateway.pick.affinity import Affinity
+    from gateway.request.context import Ctx
 
 
 class Picker(Protocol):

@@ -41,15 +41,15 @@ from urllib.parse import urlsplit
 import aiohttp
 from pydantic import Field, PositiveFloat, PositiveInt
 
+from gateway.config.plugins import PluginError, register
 from gateway.pick import zmtp
 from gateway.pick.kv_events import EngineBlocks, token_blocks
 from gateway.pick.scorers import Scorer, _Params
-from gateway.policy.plugins import PluginError, register
 from gateway.upstream import replica_session
 
 if TYPE_CHECKING:
     from gateway.admit import Claim, Replica
-    from gateway.context import Ctx
+    from gateway.request.context import Ctx
 
 log = logging.getLogger(__name__)
 

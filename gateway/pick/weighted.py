@@ -20,17 +20,17 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
+from gateway.config.plugins import PluginError, create
+from gateway.config.schema import PickSpec
 from gateway.pick.affinity import Affinity
 from gateway.pick.scorers import Scorer, spread_limit
-from gateway.policy.plugins import PluginError, create
-from gateway.policy.schema import PickSpec
 
 if TYPE_CHECKING:
     from gateway.admit import Claim, Replica
-    from gateway.context import Ctx
     from gateway.errors import Ejection
     from gateway.pick.precise import PrecisePrefixScorer
     from gateway.pick.scorers import PrefixScorer
+    from gateway.request.context import Ctx
 
 
 def _overrides(scorer: Scorer, hook: str) -> bool:

@@ -1,1 +1,1 @@
-"""Policy files: schema, loading with line numbers, compilation into runtime objects."""
+"""The policy compiled into the objects a request meets: routes, pools, predicates, plug-ins."""

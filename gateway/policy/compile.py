@@ -12,15 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from gateway.api import BY_PATH
-from gateway.authenticate import Tenant, compile_tenants
-from gateway.classify import Workload, compile_class
-from gateway.estimate import OutputEstimator
+from gateway.config.load import LoadedSpec, PolicyError, Problem, load_spec
+from gateway.config.plugins import PluginError, create, lookup, names
+from gateway.config.schema import COUNT_BY_CHARS, ModelSpec, PolicySpec, PoolSpec
+from gateway.fleet.adapters import Adapters
 from gateway.pick import Picker, WeightedPicker  # the package registers every picker and scorer
-from gateway.policy.load import LoadedSpec, PolicyError, Problem, load_spec
-from gateway.policy.plugins import PluginError, create, lookup, names
-from gateway.policy.schema import COUNT_BY_CHARS, ModelSpec, PolicySpec, PoolSpec
-from gateway.replicas.adapters import Adapters
-from gateway.route import Route, compile_route
+from gateway.request.authenticate import Tenant, compile_tenants
+from gateway.request.estimate import OutputEstimator
+from gateway.request.route import Route, compile_route
+from gateway.request.workload import Workload, compile_class
 from gateway.tokenizer.counters import CharCounter, HFCounter, TokenCounter
 from gateway.tokenizer.cpus import available_cpus
 from gateway.tokenizer.loaded import lacks, return_freed_memory

@@ -6,8 +6,8 @@ import fnmatch
 import re
 from collections.abc import Callable, Mapping
 
-from gateway.context import Ctx
-from gateway.policy.schema import Endpoint, Range
+from gateway.config.schema import Endpoint, Range
+from gateway.request.context import Ctx
 
 Check = Callable[[Ctx], bool]
 

@@ -20,7 +20,8 @@ from prometheus_client.openmetrics import exposition as openmetrics
 from gateway.admit import Replica
 from gateway.api import BY_PATH, MESSAGES, Api, anthropic
 from gateway.api.passthrough import PASSTHROUGH
-from gateway.authenticate import identify
+from gateway.config.load import PolicyError
+from gateway.config.schema import ServerSpec
 from gateway.errors import (
     AdminDisabled,
     GatewayError,
@@ -31,11 +32,10 @@ from gateway.errors import (
     Unauthorized,
     error_body,
 )
-from gateway.parse import by_size, decode_checked
-from gateway.pipeline import handle
 from gateway.policy.compile import Policy
-from gateway.policy.load import PolicyError
-from gateway.policy.schema import ServerSpec
+from gateway.request.authenticate import identify
+from gateway.request.parse import by_size, decode_checked
+from gateway.request.pipeline import handle
 from gateway.runtime import Gateway
 from gateway.server import body, logs, vllm_endpoints
 from gateway.server.limits import RequestLimits, handler_args

@@ -20,8 +20,8 @@ from typing import Any
 
 from aiohttp import StreamReader, web
 
+from gateway.config.schema import ServerSpec
 from gateway.errors import HeadersTooLarge, RequestTimeout
-from gateway.policy.schema import ServerSpec
 
 
 def handler_args(server: ServerSpec) -> dict[str, Any]:

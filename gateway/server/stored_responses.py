@@ -1,5 +1,5 @@
 """`GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`, sent to the replica that
-stores the response (gateway/holders.py).
+stores the response (gateway/request/holders.py).
 
 They read or change what one replica holds and generate nothing: no slot is taken and nothing
 is charged, but the caller is authenticated and must be the tenant whose request made the
@@ -16,9 +16,9 @@ import aiohttp
 from aiohttp import web
 
 from gateway.api import RESPONSES
-from gateway.authenticate import authenticate
-from gateway.context import Ctx
 from gateway.errors import ResponseTooLarge, UpstreamError, UpstreamTimeout
+from gateway.request.authenticate import authenticate
+from gateway.request.context import Ctx
 from gateway.runtime import Gateway
 
 _PARAM = "response_id"

@@ -13,7 +13,7 @@ Models counted by `tokenizer: estimate` have no token ids: asking for them is a 
 `count_tokens` counts them by estimate, as `/v1/messages` admits them.
 
 Each answer comes with the tokens it handled (counted, or decoded), for the tenant's TPM: the
-gateway's tokenizer time is paid for like a prompt's (gateway/quota.py `reserve_counting`).
+gateway's tokenizer time is paid for like a prompt's (gateway/request/quota.py `reserve_counting`).
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from multidict import CIMultiDictProxy
 from gateway.api import CHAT, COMPLETIONS, MESSAGES, Api
 from gateway.api.anthropic import chat_for, check_messages
 from gateway.api.chat import check_chat
-from gateway.context import Ctx
+from gateway.config.schema import ServerSpec
 from gateway.errors import BadRequest, ModelNotFound
-from gateway.parse import check_model, check_prompt_chars
 from gateway.policy.compile import Model, Policy
-from gateway.policy.schema import ServerSpec
-from gateway.route import find_candidates
+from gateway.request.context import Ctx
+from gateway.request.parse import check_model, check_prompt_chars
+from gateway.request.route import find_candidates
 from gateway.tokenizer.chat_template import lax_bool
 from gateway.tokenizer.counters import HFCounter
 

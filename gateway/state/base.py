@@ -7,7 +7,7 @@
   are every slot there is, and the pool (gateway/admit/pool.py) takes a slot without an await.
 - `HolderRecord`, which replica stores each response (the Responses API): again only gateways
   that share, so a conversation's next turn may reach any of them. A gateway alone keeps its
-  own record (gateway/holders.py) and needs no other.
+  own record (gateway/request/holders.py) and needs no other.
 
 They are apart because their users are: the quota stage calls `State`, the pool's leases
 (gateway/admit/leases.py) call `SlotLedger`, the holder stages `HolderRecord`; one object may

@@ -6,7 +6,7 @@ one: a new backend is a new branch here.
 
 from __future__ import annotations
 
-from gateway.policy.schema import StateSpec
+from gateway.config.schema import StateSpec
 from gateway.state.base import HolderRecord, SlotLedger, State
 from gateway.state.failover import FailoverState
 from gateway.state.memory import MemoryState

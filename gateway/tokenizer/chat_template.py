@@ -286,7 +286,7 @@ _MESSAGE_FIELDS = (
 
 def essentials(message: dict[str, Any]) -> dict[str, Any]:
     """`message` with only what a template gets of it, for a conversation kept to be rendered
-    again (a stored response's, gateway/holders.py): the fields `_message` reads, a typed part's
+    again (a stored response's, gateway/request/holders.py): the fields `_message` reads, a typed part's
     kind and text (an image or other media part its type alone: its data is the replica's, its
     tokens the image's cost), a tool call's id, type, name and arguments. The fields of a part
     vLLM does not know, which it hands an "openai" template, go too: no template prints them."""

@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from gateway.policy.schema import ServerSpec
+from gateway.config.schema import ServerSpec
 from gateway.tokenizer.backends import AUTO, WARM_TEXT, Backend, ids
 from gateway.tokenizer.chat_template import message_text, render_weight
 from gateway.tokenizer.loaded import LoadedTokenizer, shared

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from gateway.policy.schema import COUNT_BY_CHARS
+from gateway.config.schema import COUNT_BY_CHARS
 from loadtest.autoscale import hpa, report
 from loadtest.autoscale.loop import (
     FORECAST,

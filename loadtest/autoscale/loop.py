@@ -26,7 +26,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.admit.forecast import DEFAULT as FORECAST_DEFAULT
-from gateway.policy.schema import COUNT_BY_CHARS
+from gateway.config.schema import COUNT_BY_CHARS
 from loadtest import processes
 from loadtest.autoscale.dns import DnsServer
 from loadtest.autoscale.hpa import (
@@ -62,7 +62,7 @@ MODEL_ALIAS = "gemma-3"  # what the load generator asks for; the policy routes i
 STEP_WALL_S = 0.05  # how often starting replicas are checked for readiness (wall)
 TAIL_S = 120.0  # simulated seconds the last arrivals get to finish before they are cut off
 HEALTH_TICK_S = (
-    1.0  # simulated: gateway/replicas/health.py's PASSIVE_TICK_S, the tick of a real gateway
+    1.0  # simulated: gateway/fleet/health.py's PASSIVE_TICK_S, the tick of a real gateway
 )
 # gateway/admit/forecast.py's time constants (real seconds in a real gateway: simulated here)
 FORECAST_TIMES = ("level_s", "trend_s", "damping_s")

@@ -1,7 +1,7 @@
 """`profile`: the article's step 1 — real ISL, OSL and concurrency distributions, from the
 gateway's own access log, written as a workload file that `sweep` replays.
 
-Each access-log line (gateway/account.py) ends a request at `ts` after `e2e_s`, so its interval
+Each access-log line (gateway/request/account.py) ends a request at `ts` after `e2e_s`, so its interval
 is [ts - e2e_s, ts]. Per route (pool) and class:
 - ISL: `input_tokens` of every request the gateway classified (rejected ones too: they are demand);
 - OSL: `output_tokens` of the completed ones, else the gateway's `expected_output_tokens`;

@@ -80,7 +80,7 @@ class Alone:
 
     def __init__(self, library: str, tokenizer_json: Path, threads: int) -> None:
         import gateway.tokenizer.counters  # noqa: F401  sets the gateway's TOKENIZERS_PARALLELISM
-        from gateway.policy.schema import ServerSpec
+        from gateway.config.schema import ServerSpec
         from gateway.tokenizer.backends import FastokensEncoder, TokenizersEncoder
 
         self.count: Callable[[str], int] = (

@@ -12,12 +12,12 @@ from multidict import CIMultiDictProxy
 
 if TYPE_CHECKING:
     from gateway.api.base import Api
-    from gateway.authenticate import Tenant
     from gateway.errors import Refusal
     from gateway.observability.tracing import RequestTrace
     from gateway.pick.affinity import Affinity
     from gateway.policy.compile import Model, Pool
-    from gateway.route import Route
+    from gateway.request.authenticate import Tenant
+    from gateway.request.route import Route
     from gateway.state import Holder
 
 CLIENT_CLOSED = 499  # nginx's code for "the client went away"; bounded, so fine as a label
@@ -45,7 +45,7 @@ class Ctx:
     sequences: int = 1  # completions generated: n x prompts
     max_output: int | None = None  # the client's max_tokens / max_completion_tokens
     # `max_output` is the gateway's, not the client's: written into the replica's body so it
-    # cannot generate more than the tenant's TPM window reserved (gateway/quota.py).
+    # cannot generate more than the tenant's TPM window reserved (gateway/request/quota.py).
     bounded_by_gateway: bool = False
     # The request holds tokens of its tenant's TPM windows, settled when it ends: only then is a
     # stream's running count worth asking the replica for (`Api.asks_continuous`).
@@ -55,7 +55,7 @@ class Ctx:
     images: int = 0  # image parts in a chat's messages, counted by tokenize at the model's rate
     continues: str | None = None  # a stored response the request continues (Responses API)
     stores_as: str | None = None  # the id the replica stores this request's response under
-    # what the replica holding `continues` holds of it (gateway/holders.py)
+    # what the replica holding `continues` holds of it (gateway/request/holders.py)
     holder: Holder | None = None
     # tokenize
     input_tokens: int = 0
@@ -87,9 +87,9 @@ class Ctx:
     cached_tokens: int | None = None
     untrusted_usage: str = ""  # the usage field a replica reported out of bounds, if any
     # The output (and prompt) counts came from the replica's usage, every field in bounds: what
-    # the quota settles on; otherwise it settles on the reservation (gateway/quota.py).
+    # the quota settles on; otherwise it settles on the reservation (gateway/request/quota.py).
     usage_believed: bool = False
-    # A stored response's `output` items, from its stream's terminal event (gateway/holders.py)
+    # A stored response's `output` items, from its stream's terminal event (gateway/request/holders.py)
     output: Any = None
     # A whole answer and where its `"usage"` is: decoded by the accounting, after the client
     # has the answer (`forward.read_usage`), so its few µs are not on the client's path.

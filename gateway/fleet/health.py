@@ -16,9 +16,9 @@ import aiohttp
 
 from gateway.admit import LivePool, Replica
 from gateway.errors import Ejection
-from gateway.replicas.engine import read_engine
+from gateway.fleet.engine import read_engine
 
-log = logging.getLogger("gateway.replicas.health")
+log = logging.getLogger("gateway.fleet.health")
 
 PASSIVE_TICK_S = 1.0  # the longest tick: the demand signal, and ejections that ran out
 MAX_METRICS_BYTES = 8 * 1024 * 1024  # a replica's /metrics beyond this is not read at all

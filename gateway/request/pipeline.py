@@ -22,9 +22,6 @@ from aiohttp import web
 
 from gateway.admit import Place
 from gateway.api import Api
-from gateway.authenticate import authenticate
-from gateway.classify import classify
-from gateway.context import Ctx
 from gateway.errors import (
     Ejection,
     GatewayError,
@@ -33,21 +30,24 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from gateway.estimate import estimate_output, force_length
-from gateway.forward import check_forwardable, client_left, forward
-from gateway.holders import pin
-from gateway.parse import parse_request
 from gateway.policy.compile import Policy
-from gateway.quota import Charge, bound_output
-from gateway.route import find_candidates, route, route_unread
+from gateway.request.authenticate import authenticate
+from gateway.request.context import Ctx
+from gateway.request.count import check_context_length, check_images, count_input
+from gateway.request.estimate import estimate_output, force_length
+from gateway.request.forward import check_forwardable, client_left, forward
+from gateway.request.holders import pin
+from gateway.request.parse import parse_request
+from gateway.request.quota import Charge, bound_output
+from gateway.request.route import find_candidates, route, route_unread
+from gateway.request.spill import spill
+from gateway.request.workload import classify
 from gateway.server import body
-from gateway.spill import spill
-from gateway.tokenize import check_context_length, check_images, count_input
 
 if TYPE_CHECKING:
     from gateway.runtime import Gateway, Runtime
 
-log = logging.getLogger("gateway.pipeline")
+log = logging.getLogger("gateway.request.pipeline")
 
 
 def before_count(ctx: Ctx, policy: Policy) -> None:

@@ -1,9 +1,9 @@
 """docs/policy-reference.md, rendered from the policy's pydantic models: every section (model),
 and in it every field with its type, default and description.
 
-`python -m gateway.policy.reference > docs/policy-reference.md` (`make schema` runs it);
+`python -m gateway.config.reference > docs/policy-reference.md` (`make schema` runs it);
 tests/test_docs.py fails when the file is not what this renders now. It reads only
-`gateway.policy.schema`, the bottom layer, and its output depends on nothing else: no dates,
+`gateway.config.schema`, the bottom layer, and its output depends on nothing else: no dates,
 no machine, fields in the models' own order.
 """
 
@@ -19,12 +19,12 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from gateway.policy.schema import PolicySpec
+from gateway.config.schema import PolicySpec
 
 HEADER = """\
 # Policy field reference
 
-<!-- Generated from gateway/policy/schema.py by `python -m gateway.policy.reference`
+<!-- Generated from gateway/config/schema.py by `python -m gateway.config.reference`
      (`make schema`); do not edit by hand: tests/test_docs.py checks it is current. -->
 
 Every field a policy file may hold, section by section: its type, its default ("required" when it

@@ -19,7 +19,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
-from gateway.policy.schema import PolicySpec
+from gateway.config.schema import PolicySpec
 
 Loc = tuple[str | int, ...]
 Checks = Callable[[PolicySpec], list["Problem"]]

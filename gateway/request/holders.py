@@ -19,7 +19,7 @@ messages left out) between the request's instructions and its input. So the reco
 each holder, those turns as chat messages (`Holder.turns`): what the request's input stood for,
 known when it was parsed, and its output's text, taken from the answer the relay already read
 (a stream's terminal event carries the whole response; a whole answer is decoded when it is
-small enough not to hold the loop). The count renders them exactly (gateway/tokenize.py). In
+small enough not to hold the loop). The count renders them exactly (gateway/request/count.py). In
 memory a turn costs its own input and output text: a record shares the earlier turns' messages
 with the record of the response they came from. An answer whose text is not kept (over the
 bounds in gateway/api/responses.py) is counted by its `output_tokens` instead (`unheard`), in an
@@ -48,8 +48,8 @@ from gateway.tokenizer.chat_template import image_parts
 
 if TYPE_CHECKING:
     from gateway.admit import LivePool
-    from gateway.context import Ctx
     from gateway.policy.compile import Pool
+    from gateway.request.context import Ctx
 
 
 # The ids the gateway gives the responses it forwards (gateway/api/responses.py).

@@ -25,7 +25,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy, MultiMapping
 
-from gateway.context import CLIENT_CLOSED, Ctx
+from gateway.config.schema import PRIORITIES, TimeoutSpec
 from gateway.errors import (
     GatewayError,
     MalformedRequest,
@@ -36,10 +36,10 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from gateway.policy.schema import PRIORITIES, TimeoutSpec
+from gateway.request.context import CLIENT_CLOSED, Ctx
 from gateway.upstream import Answer, ExchangeError, ExchangeTimeout, Refused, Upstream
 
-log = logging.getLogger("gateway.forward")
+log = logging.getLogger("gateway.request.forward")
 
 # Hop-by-hop headers, plus those the gateway recomputes: it re-frames bodies and reads SSE events,
 # so it asks for identity encoding and sets its own lengths.

@@ -25,8 +25,8 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.context import Ctx
-from gateway.policy.plugins import register
+from gateway.config.plugins import register
+from gateway.request.context import Ctx
 
 Key = tuple[
     str | None, str, str, int
@@ -63,7 +63,7 @@ def estimate_output(ctx: Ctx, estimator: OutputEstimator, default_tokens: int) -
     A request that forces its length is not estimated: `ignore_eos` generates `max_tokens`
     (without it, to the context's end: `force_length` once counted), and `min_tokens` at least
     that many, whatever the tenant's past answers taught the estimator. A bound the gateway
-    gave (gateway/quota.py `bound_output`) is no client's number: it only caps the estimate."""
+    gave (gateway/request/quota.py `bound_output`) is no client's number: it only caps the estimate."""
     ctx.fingerprint = ctx.api.fingerprint(ctx.body)
     bound = None if ctx.bounded_by_gateway else ctx.max_output
     learned = None if ctx.forced_output else estimator.estimate(estimator.key(ctx))
@@ -80,7 +80,7 @@ def estimate_output(ctx: Ctx, estimator: OutputEstimator, default_tokens: int) -
 def force_length(ctx: Ctx, max_model_len: int) -> None:
     """Once counted: an `ignore_eos` request without `max_tokens` generates to the end of the
     context, as vLLM's default `max_tokens` is what the context leaves; a bound the gateway gave
-    (gateway/quota.py `bound_output`) is cut to what the context leaves."""
+    (gateway/request/quota.py `bound_output`) is cut to what the context leaves."""
     if ctx.bounded_by_gateway and ctx.max_output is not None:
         room = max_model_len - ctx.longest_prompt
         if 0 < room < ctx.max_output:

@@ -16,19 +16,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gateway.context import Ctx
+from gateway.config.schema import PRIORITIES, RouteSpec
 from gateway.errors import ModelNotFound, NoRoute
 from gateway.policy.match import Check, all_of, names, request_checks
-from gateway.policy.schema import PRIORITIES, RouteSpec
+from gateway.request.context import Ctx
 
 if TYPE_CHECKING:
+    from gateway.fleet.adapters import Adapters
     from gateway.policy.compile import Pool
-    from gateway.replicas.adapters import Adapters
 
 
 @dataclass(frozen=True, slots=True)
 class Fallback:
-    """A pool the route spills to (`gateway/spill.py`), with its conditions compiled."""
+    """A pool the route spills to (`gateway/request/spill.py`), with its conditions compiled."""
 
     pool: Pool
     saturation_gte: float | None

@@ -17,9 +17,9 @@ import dns.exception
 import dns.resolver
 
 from gateway.admit import LivePool
-from gateway.policy.schema import DnsSpec
+from gateway.config.schema import DnsSpec
 
-log = logging.getLogger("gateway.replicas.discovery")
+log = logging.getLogger("gateway.fleet.discovery")
 
 LOOKUP_S = 2.0  # one lookup's deadline: a slow resolver never stalls the loop that calls it
 

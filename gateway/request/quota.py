@@ -61,10 +61,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.api.base import Api
-from gateway.authenticate import Tenant
-from gateway.context import CLIENT_CLOSED, Ctx
 from gateway.errors import GatewayError, OverQuota, QuotaExceeded, StateUnavailable
 from gateway.observability.metrics import Metrics
+from gateway.request.authenticate import Tenant
+from gateway.request.context import CLIENT_CLOSED, Ctx
 from gateway.state.base import (
     Correction,
     Limit,
@@ -75,7 +75,7 @@ from gateway.state.base import (
     WindowFull,
 )
 
-log = logging.getLogger("gateway.quota")
+log = logging.getLogger("gateway.request.quota")
 
 
 @dataclass(slots=True)
@@ -151,7 +151,7 @@ def bound_output(ctx: Ctx, default_tokens: int) -> None:
     """Give a request that states no output bound the tenant's (`max_output_tokens`, else the
     model's `default_output_tokens`) when the tenant has a TPM window: the quota reserves what a
     request may produce, and without a bound vLLM generates to the end of the context. The
-    bound is written into the replica's body (gateway/forward.py `upstream_body`), so what was
+    bound is written into the replica's body (gateway/request/forward.py `upstream_body`), so what was
     reserved is all the replica may produce. Set before the estimate, which treats it as a
     client's bound; `force_length` and `Quotas.reserve` cut it to the context and the window."""
     tenant = ctx.tenant

@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.context import Ctx
+from gateway.config.load import Problem
+from gateway.config.schema import PRIORITIES, TenantSpec
 from gateway.errors import InvalidApiKey
-from gateway.policy.load import Problem
-from gateway.policy.schema import PRIORITIES, TenantSpec
+from gateway.request.context import Ctx
 
 _HASH_PREFIX = "sha256:"
 

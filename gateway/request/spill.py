@@ -20,13 +20,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from gateway.admit import LivePool
-from gateway.context import Ctx
-from gateway.policy.schema import PRIORITIES
+from gateway.config.schema import PRIORITIES
+from gateway.request.context import Ctx
 
 if TYPE_CHECKING:
+    from gateway.fleet.adapters import Adapters
     from gateway.observability.fast import Counter
-    from gateway.replicas.adapters import Adapters
-    from gateway.route import Fallback
+    from gateway.request.route import Fallback
 
 
 class PoolLoad(Protocol):

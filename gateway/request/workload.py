@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.context import Ctx
+from gateway.config.schema import ClassSpec
 from gateway.policy.match import Check, all_of, in_range, request_checks
-from gateway.policy.schema import ClassSpec
+from gateway.request.context import Ctx
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,9 +23,9 @@ from typing import Any, TypeVar
 
 import orjson
 
-from gateway.context import Ctx
+from gateway.config.schema import PRIORITIES, ServerSpec
 from gateway.errors import BadRequest, UnsupportedMediaType
-from gateway.policy.schema import PRIORITIES, ServerSpec
+from gateway.request.context import Ctx
 from gateway.tokenizer.chat_template import lax_bool
 from gateway.tokenizer.threads import CountingThreads
 

@@ -24,7 +24,7 @@ import orjson
 
 from gateway.admit import LivePool
 
-log = logging.getLogger("gateway.replicas.adapters")
+log = logging.getLogger("gateway.fleet.adapters")
 
 MAX_PER_POOL = 256  # adapters discovered per pool beyond the policy's: the rest are ignored
 MAX_NAME_CHARS = 256  # a request's `model` is no longer (parse.MAX_MODEL_CHARS)

@@ -13,13 +13,13 @@ from typing import IO, Any
 
 import orjson
 
-from gateway.context import Ctx
-from gateway.estimate import OutputEstimator
-from gateway.forward import read_usage
+from gateway.config.schema import PRIORITIES
 from gateway.observability.metrics import NONE, Metrics
-from gateway.policy.schema import PRIORITIES
+from gateway.request.context import Ctx
+from gateway.request.estimate import OutputEstimator
+from gateway.request.forward import read_usage
 
-log = logging.getLogger("gateway.account")
+log = logging.getLogger("gateway.request.account")
 MAX_LOGGED_REPLICAS = 1024  # replicas come from the policy and discovery; a bound all the same
 
 
