@@ -23,8 +23,8 @@ from gateway.request.authenticate import key_entry
 
 if TYPE_CHECKING:
     from gateway.config.schema import RouteMatch
+    from gateway.context.ctx import Ctx
     from gateway.policy.compile import Policy
-    from gateway.request.context import Ctx
 
 log = logging.getLogger("gateway")
 
@@ -333,12 +333,12 @@ async def _explain(
     from gateway.api import BY_NAME
     from gateway.config.load import load_spec
     from gateway.config.schema import COUNT_BY_CHARS, PRIORITIES
+    from gateway.context.ctx import Ctx
+    from gateway.pipeline import decide
     from gateway.policy.compile import compile_policy, reference_problems
     from gateway.request.authenticate import authenticate
-    from gateway.request.context import Ctx
     from gateway.request.forward import upstream_priority
     from gateway.request.parse import parse
-    from gateway.request.pipeline import decide
     from gateway.request.quota import reservation, tenant_windows
     from gateway.tokenizer.counters import HFCounter
 

@@ -4,7 +4,7 @@
 swaps a single reference, so a request keeps the runtime it started with. `Gateway` owns what
 outlives reloads (shared state, quotas, accounting, upstream sessions) and every background task:
 health checks, DNS discovery, adapter lists, lease renewal, the policy-file watch, loop lag. The
-request path is gateway/request/pipeline.py; it reads this, never the other way round.
+request path is gateway/pipeline.py; it reads this, never the other way round.
 """
 
 from __future__ import annotations
@@ -71,12 +71,12 @@ class Runtime:
             upstreams[name] = carried
             kept = previous.slots.get(name) if previous is not None else None
             if kept is None:
-                slots[name] = LivePool(name, pool.spec, pool.picker, ledger)
+                slots[name] = LivePool(name, pool.spec, policy.pickers[name], ledger)
             else:  # its replicas keep their counts: in-flight requests release where they took
                 spec = pool.spec
                 if spec.dns is not None:  # keep what DNS found until the next lookup
                     spec = spec.model_copy(update={"replicas": [r.url for r in kept.replicas]})
-                kept.update(spec, pool.picker)
+                kept.update(spec, policy.pickers[name])
                 slots[name] = kept
         return cls(
             policy=policy,
@@ -356,8 +356,8 @@ class Gateway:
                 self._in_background(self.tracing.close(), "tracing-close")  # not under the lock
             self.tracing = tracing
             await self._retire(previous, self._serve_pools())
-            kept = {id(pool.picker) for pool in policy.pools.values()}
-            retired = {id(p.picker): p.picker for p in current.pools.values()}
+            kept = {id(picker) for picker in policy.pickers.values()}
+            retired = {id(p): p for p in current.pickers.values()}
             await asyncio.gather(*(p.close() for key, p in retired.items() if key not in kept))
             log.info("policy %s reloaded: %s -> %s (%s)", policy.path, current.digest,
                      policy.digest, _pool_changes(current, policy))  # fmt: skip

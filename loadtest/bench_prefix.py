@@ -19,9 +19,9 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from gateway.pick.affinity import chain, prompt_text
 from gateway.pick.kv_events import EngineBlocks, token_blocks
 from gateway.pick.prefix_index import PrefixIndex
+from gateway.pick.prompt import chain, prompt_text
 from loadtest.tiny_tokenizer import WORDS, build
 
 BLOCK_CHARS = 256

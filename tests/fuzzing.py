@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.api import Api
+from gateway.context.ctx import Ctx
 from gateway.errors import BadRequest
-from gateway.request.context import Ctx
 from gateway.request.parse import parse
 
 scalars = st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=6)

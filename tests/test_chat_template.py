@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 
 from gateway.api import CHAT, Api
 from gateway.config.schema import ServerSpec
+from gateway.context.ctx import Ctx
 from gateway.errors import BadRequest
-from gateway.request.context import Ctx
 from gateway.request.parse import parse
 from gateway.tokenizer.chat_template import ChatTemplate
 from gateway.tokenizer.counters import HFCounter

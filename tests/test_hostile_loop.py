@@ -251,7 +251,7 @@ async def test_a_body_of_thousands_of_messages_is_checked_off_the_loop():
 
     from gateway.api import CHAT
     from gateway.config.schema import ServerSpec
-    from gateway.request.context import Ctx
+    from gateway.context.ctx import Ctx
     from gateway.request.parse import INLINE_PARSE_BYTES, parse_request
     from gateway.tokenizer.threads import CountingThreads
 

@@ -421,7 +421,7 @@ def test_any_body_is_counted_or_refused_never_a_crash(
 
 
 def test_prefix_affinity_hashes_the_system_prompt_first() -> None:
-    from gateway.pick.affinity import prompt_text
+    from gateway.pick.prompt import prompt_text
 
     body = {"system": [{"type": "text", "text": "rules"}], "messages": [HELLO["messages"][0]]}
     assert prompt_text(body) == "system\x1frules\x1euser\x1fhi\x1e"

@@ -17,7 +17,7 @@ from gateway.admit import Claim, LivePool, Replica
 from gateway.admit.replica import EngineGauges
 from gateway.config.load import PolicyError
 from gateway.config.schema import PoolSpec
-from gateway.pick.affinity import Affinity
+from gateway.context.affinity import Affinity
 from gateway.pick.picker import RoundRobinPicker
 from gateway.pick.scorers import KvCacheScorer, QueueScorer
 from gateway.policy.compile import load_policy
@@ -268,7 +268,7 @@ def test_a_policy_names_unknown_scorers_and_bad_parameters(tmp_path: Path) -> No
     with pytest.raises(PolicyError, match=r"pools\.main\.pick\.scorers: prefix: block_char"):
         load_policy(write_policy(tmp_path, policy))
     policy["pools"]["main"]["pick"] = {"scorers": {"prefix": 2, "queue": {"max_age_s": 3}}}
-    picker = load_policy(write_policy(tmp_path, policy)).pools["main"].picker
+    picker = load_policy(write_policy(tmp_path, policy)).pickers["main"]
     assert [weight for weight, _ in picker.scorers] == [2.0, 1.0]
 
 

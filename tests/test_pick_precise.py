@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 from gateway.admit import Claim, Replica
 from gateway.config.load import PolicyError
-from gateway.pick.affinity import Affinity
+from gateway.context.affinity import Affinity
 from gateway.pick.kv_events import EngineBlocks, token_blocks
 from gateway.pick.precise import (
     MAX_EVENT_BLOCKS,

@@ -3,8 +3,8 @@ per-replica index of what was sent where, bounded and closed under prefixes."""
 
 from __future__ import annotations
 
-from gateway.pick.affinity import chain, prompt_text
 from gateway.pick.prefix_index import PrefixIndex
+from gateway.pick.prompt import chain, prompt_text
 
 RULES = "Rule: no weapons, no drugs, no counterfeits. " * 40  # ~1,800 characters
 

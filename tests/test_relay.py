@@ -6,7 +6,7 @@ import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.api import CHAT
-from gateway.request.context import Ctx
+from gateway.context.ctx import Ctx
 from gateway.request.forward import _scan
 
 

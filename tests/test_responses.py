@@ -453,7 +453,7 @@ def test_a_long_stored_conversation_weighs_as_much_as_a_long_input() -> None:
 
 
 def test_prefix_affinity_reads_the_instructions_then_the_input() -> None:
-    from gateway.pick.affinity import prompt_text
+    from gateway.pick.prompt import prompt_text
 
     as_string = prompt_text({"instructions": "Rules.", "input": "Hi"})
     as_items = prompt_text({"instructions": "Rules.", "input": [{"role": "user", "content": "Hi"}]})

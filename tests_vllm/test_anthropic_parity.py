@@ -31,9 +31,9 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.api import MESSAGES, Api
+from gateway.context.ctx import Ctx
 from gateway.errors import BadRequest
 from gateway.policy.compile import load_policy
-from gateway.request.context import Ctx
 from gateway.request.parse import parse
 from loadtest.real_tokenizers import directory
 from tests_vllm.test_render_parity import (

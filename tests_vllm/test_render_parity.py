@@ -53,9 +53,9 @@ import yaml
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.api import CHAT
+from gateway.context.ctx import Ctx
 from gateway.errors import BadRequest
 from gateway.policy.compile import load_policy
-from gateway.request.context import Ctx
 from gateway.request.parse import parse
 from loadtest.real_tokenizers import directory
 from tests.test_real_tokenizers import SCHEMA, TOOL_NAMES, first_difference

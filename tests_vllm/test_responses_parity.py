@@ -26,8 +26,8 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.api import RESPONSES, Api
 from gateway.api.responses import Continued, output_messages, stored_turns
+from gateway.context.ctx import Ctx
 from gateway.errors import BadRequest
-from gateway.request.context import Ctx
 from gateway.request.parse import parse
 from tests_vllm.test_anthropic_parity import collect
 from tests_vllm.test_render_parity import MAX_MODEL_LEN

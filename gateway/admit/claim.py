@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from gateway.pick.affinity import Affinity
-from gateway.request.context import Ctx
+from gateway.context.affinity import Affinity
+from gateway.context.ctx import Ctx
 
 
 class Claim(NamedTuple):

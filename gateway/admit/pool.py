@@ -27,9 +27,11 @@ from gateway.admit.demand import Demand, HoldTimes
 from gateway.admit.ejection import Ejector
 from gateway.admit.fairqueue import Place, Queue
 from gateway.admit.leases import Leases
+from gateway.admit.picking import Picker
 from gateway.admit.reconcile import Reconciler
 from gateway.admit.replica import EngineGauges, Grant, Replica
 from gateway.config.schema import PRIORITIES, PoolSpec
+from gateway.context.ctx import Ctx
 from gateway.deadline import Deadline
 from gateway.errors import (
     Ejection,
@@ -40,8 +42,6 @@ from gateway.errors import (
     QueueWaitTooLong,
     Shed,
 )
-from gateway.pick.picker import Picker
-from gateway.request.context import Ctx
 from gateway.state.base import SlotClaim, SlotLedger
 
 log = logging.getLogger("gateway.admit")  # one logger for the whole stage: operators grep it

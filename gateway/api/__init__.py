@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import get_args
 
 from gateway.api.anthropic import MESSAGES
-from gateway.api.base import Api
 from gateway.api.chat import CHAT
 from gateway.api.classify import CLASSIFY
 from gateway.api.completions import COMPLETIONS
@@ -21,6 +20,7 @@ from gateway.api.pooling import POOLING
 from gateway.api.responses import RESPONSES
 from gateway.api.scoring import RERANK, SCORE
 from gateway.config.schema import Endpoint
+from gateway.context.endpoint import Api
 
 APIS: tuple[Api, ...] = (
     CHAT, COMPLETIONS, MESSAGES, RESPONSES, EMBEDDINGS, RERANK, SCORE, CLASSIFY, POOLING

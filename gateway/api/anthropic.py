@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
-from gateway.api.base import FINGERPRINT_CHARS, Api
 from gateway.api.chat import check_message_list
 from gateway.api.openai import is_tokens
+from gateway.context.endpoint import FINGERPRINT_CHARS, Api
 from gateway.errors import BadRequest, GatewayError
 from gateway.request.parse import check_prompt_chars, lax_int, text_chars
 from gateway.tokenizer.chat_template import lax_bool
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from gateway.config.schema import ServerSpec
-    from gateway.request.context import Ctx
+    from gateway.context.ctx import Ctx
     from gateway.state.base import Window
     from gateway.tokenizer.counters import TokenCounter
 

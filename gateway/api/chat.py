@@ -12,16 +12,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gateway.api.base import FINGERPRINT_CHARS
 from gateway.api.message_types import check_message_type
 from gateway.api.openai import OpenAIApi
+from gateway.context.endpoint import FINGERPRINT_CHARS
 from gateway.errors import BadRequest
 from gateway.request.parse import check_prompt_chars, positive_int, text_chars
 from gateway.tokenizer.chat_template import extra_fields, lax_bool, message_text, part_kind
 
 if TYPE_CHECKING:
     from gateway.config.schema import ServerSpec
-    from gateway.request.context import Ctx
+    from gateway.context.ctx import Ctx
     from gateway.tokenizer.counters import TokenCounter
 
 # vLLM takes any role, and templates print it in every turn's header: OpenAI's longest is 9

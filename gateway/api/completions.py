@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gateway.api.base import FINGERPRINT_CHARS, FINGERPRINT_IDS
 from gateway.api.openai import OpenAIApi
+from gateway.context.endpoint import FINGERPRINT_CHARS, FINGERPRINT_IDS
 from gateway.errors import BadRequest
 from gateway.request.parse import check_prompt_chars, positive_int
 from gateway.tokenizer.counters import HFCounter
 
 if TYPE_CHECKING:
     from gateway.config.schema import ServerSpec
-    from gateway.request.context import Ctx
+    from gateway.context.ctx import Ctx
     from gateway.tokenizer.counters import TokenCounter
     from gateway.tokenizer.floor import TokenFloor
 

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gateway.api.base import FINGERPRINT_CHARS, FINGERPRINT_IDS
 from gateway.api.chat import check_chat
 from gateway.api.completions import _prompt_floor, _prompt_shape
 from gateway.api.openai import OpenAIApi, is_tokens
+from gateway.context.endpoint import FINGERPRINT_CHARS, FINGERPRINT_IDS
 from gateway.errors import BadRequest
 from gateway.request.parse import check_prompt_chars
 from gateway.tokenizer.chat_template import lax_bool, message_text
@@ -36,7 +36,7 @@ from gateway.tokenizer.counters import HFCounter
 
 if TYPE_CHECKING:
     from gateway.config.schema import ServerSpec
-    from gateway.request.context import Ctx
+    from gateway.context.ctx import Ctx
     from gateway.tokenizer.counters import TokenCounter
 
 # The fields of vLLM's embedding chat request a template reads (ChatRequestOptionsMixin).

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar, TypeGuard
 
-from gateway.api.base import Api
+from gateway.context.endpoint import Api
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from aiohttp import web
 
+    from gateway.context.ctx import Ctx
     from gateway.errors import GatewayError
-    from gateway.request.context import Ctx
     from gateway.state.base import Window
 
 

@@ -18,7 +18,7 @@ from gateway.api.openai import OpenAIApi
 
 if TYPE_CHECKING:
     from gateway.config.schema import ServerSpec
-    from gateway.request.context import Ctx
+    from gateway.context.ctx import Ctx
     from gateway.tokenizer.counters import TokenCounter
 
 

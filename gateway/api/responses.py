@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from gateway.api.base import FINGERPRINT_CHARS
 from gateway.api.chat import REASONING_EFFORTS, check_chat
 from gateway.api.openai import OpenAIApi
+from gateway.context.endpoint import FINGERPRINT_CHARS
 from gateway.errors import BadRequest
 from gateway.request.forward import read_usage
 from gateway.request.parse import lax_int
@@ -37,8 +37,8 @@ from gateway.tokenizer.chat_template import essentials, lax_bool, message_text
 
 if TYPE_CHECKING:
     from gateway.config.schema import ServerSpec
+    from gateway.context.ctx import Ctx
     from gateway.errors import GatewayError
-    from gateway.request.context import Ctx
     from gateway.tokenizer.counters import TokenCounter
 
 # `custom_tool_parameters`: the one-string function a custom tool is shown to the model as.

@@ -27,15 +27,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gateway.api.base import FINGERPRINT_CHARS
 from gateway.api.embeddings import PoolingApi
+from gateway.context.endpoint import FINGERPRINT_CHARS
 from gateway.errors import BadRequest
 from gateway.request.parse import check_prompt_chars
 from gateway.tokenizer.counters import HFCounter
 
 if TYPE_CHECKING:
     from gateway.config.schema import ServerSpec
-    from gateway.request.context import Ctx
+    from gateway.context.ctx import Ctx
     from gateway.tokenizer.counters import TokenCounter
 
 # vLLM's names of a score request's two sides, in the order its request union tries them.

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from multidict import CIMultiDict
 
     from gateway.config.schema import TracingSpec
-    from gateway.request.context import Ctx
+    from gateway.context.ctx import Ctx
 
 # `gen_ai.operation.name` by endpoint; the pooling endpoints keep their own names.
 _OPERATIONS = {

@@ -12,8 +12,8 @@ claims carry an `Affinity`), and a picker only needs its types to be annotated.
 """
 
 from gateway.pick import precise  # noqa: F401  # registers `precise_prefix`
-from gateway.pick.picker import LeastInflightPicker, Picker, RoundRobinPicker
+from gateway.pick.picker import LeastInflightPicker, RoundRobinPicker
 from gateway.pick.scorers import Scorer
 from gateway.pick.weighted import WeightedPicker
 
-__all__ = ["LeastInflightPicker", "Picker", "RoundRobinPicker", "Scorer", "WeightedPicker"]
+__all__ = ["LeastInflightPicker", "RoundRobinPicker", "Scorer", "WeightedPicker"]

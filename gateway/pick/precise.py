@@ -49,7 +49,7 @@ from gateway.upstream import replica_session
 
 if TYPE_CHECKING:
     from gateway.admit import Claim, Replica
-    from gateway.request.context import Ctx
+    from gateway.context.ctx import Ctx
 
 log = logging.getLogger(__name__)
 

@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
 from gateway.config.plugins import register
-from gateway.pick.affinity import MAX_SESSION_CHARS, chain, prompt_text
 from gateway.pick.prefix_index import PrefixIndex
+from gateway.pick.prompt import MAX_SESSION_CHARS, chain, prompt_text
 
 if TYPE_CHECKING:
     from gateway.admit import Claim, Replica
     from gateway.admit.replica import EngineGauges
+    from gateway.context.ctx import Ctx
     from gateway.errors import Ejection
-    from gateway.request.context import Ctx
 
 
 class _Params(BaseModel):

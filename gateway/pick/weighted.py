@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING, cast
 
 from gateway.config.plugins import PluginError, create
 from gateway.config.schema import PickSpec
-from gateway.pick.affinity import Affinity
+from gateway.context.affinity import Affinity
 from gateway.pick.scorers import Scorer, spread_limit
 
 if TYPE_CHECKING:
     from gateway.admit import Claim, Replica
+    from gateway.context.ctx import Ctx
     from gateway.errors import Ejection
     from gateway.pick.precise import PrecisePrefixScorer
     from gateway.pick.scorers import PrefixScorer
-    from gateway.request.context import Ctx
 
 
 def _overrides(scorer: Scorer, hook: str) -> bool:

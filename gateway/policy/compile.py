@@ -11,35 +11,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway.admit.picking import Picker
 from gateway.api import BY_PATH
 from gateway.config.load import LoadedSpec, PolicyError, Problem, load_spec
 from gateway.config.plugins import PluginError, create, lookup, names
-from gateway.config.schema import COUNT_BY_CHARS, ModelSpec, PolicySpec, PoolSpec
+from gateway.config.schema import COUNT_BY_CHARS, ModelSpec, PolicySpec
+from gateway.context.placement import Model, Pool, Route, Tenant
 from gateway.fleet.adapters import Adapters
-from gateway.pick import Picker, WeightedPicker  # the package registers every picker and scorer
-from gateway.request.authenticate import Tenant, compile_tenants
+from gateway.pick import WeightedPicker  # the package registers every picker and scorer
+from gateway.request.authenticate import compile_tenants
 from gateway.request.estimate import OutputEstimator
-from gateway.request.route import Route, compile_route
+from gateway.request.route import compile_route
 from gateway.request.workload import Workload, compile_class
 from gateway.tokenizer.counters import CharCounter, HFCounter, TokenCounter
 from gateway.tokenizer.cpus import available_cpus
 from gateway.tokenizer.loaded import lacks, return_freed_memory
 from gateway.tokenizer.threads import TokenizerThreads
-
-
-@dataclass(frozen=True, slots=True)
-class Model:
-    name: str
-    spec: ModelSpec
-    counter: TokenCounter
-
-
-@dataclass(frozen=True, slots=True)
-class Pool:
-    name: str
-    spec: PoolSpec
-    model: Model
-    picker: Picker  # its own weighted picker with `pick:`, else the policy's
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +40,8 @@ class Policy:
     passthrough: dict[str, Route]
     """The routes' passthrough paths, each to its route."""
     picker: Picker
+    pickers: dict[str, Picker]
+    """Each pool's: its own weighted picker with `pick:`, else the policy's `picker`."""
     estimator: OutputEstimator
     served_models: tuple[str, ...]
     """Names `GET /v1/models` lists: each pool's model and each literal alias a route accepts."""
@@ -377,7 +366,7 @@ def compile_policy(
     if built:
         return_freed_memory()
     pools = {
-        name: Pool(name, pool_spec, models[pool_spec.model], pickers.get(name, plugins["picker"]))
+        name: Pool(name, pool_spec, models[pool_spec.model])
         for name, pool_spec in spec.pools.items()
     }
     bases = {name: pool.model for name, pool in spec.pools.items()}
@@ -392,6 +381,7 @@ def compile_policy(
         routes=routes,
         passthrough={path: route for route in routes for path in route.passthrough},
         picker=plugins["picker"],
+        pickers={name: pickers.get(name, plugins["picker"]) for name in pools},
         estimator=plugins["output_estimator"],
         served_models=served,
         adapters=Adapters(
@@ -442,8 +432,8 @@ def _pool_pickers(
         if pool.pick is None:
             continue
         kept = previous.pools.get(name) if previous is not None else None
-        if kept is not None and kept.spec.pick == pool.pick:
-            pickers[name] = kept.picker
+        if previous is not None and kept is not None and kept.spec.pick == pool.pick:
+            pickers[name] = previous.pickers[name]
             continue
         scorers, known = pool.pick.scorers, names("scorer")
         if any(s not in known for s in scorers):

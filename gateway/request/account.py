@@ -14,8 +14,8 @@ from typing import IO, Any
 import orjson
 
 from gateway.config.schema import PRIORITIES
+from gateway.context.ctx import Ctx
 from gateway.observability.metrics import NONE, Metrics
-from gateway.request.context import Ctx
 from gateway.request.estimate import OutputEstimator
 from gateway.request.forward import read_usage
 

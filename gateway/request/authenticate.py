@@ -12,22 +12,15 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.config.load import Problem
 from gateway.config.schema import PRIORITIES, TenantSpec
+from gateway.context.ctx import Ctx
+from gateway.context.placement import Tenant
 from gateway.errors import InvalidApiKey
-from gateway.request.context import Ctx
 
 _HASH_PREFIX = "sha256:"
-
-
-@dataclass(frozen=True, slots=True)
-class Tenant:
-    name: str
-    spec: TenantSpec
-    tier: int  # index into PRIORITIES: the highest priority its requests may have
 
 
 def _digest(entry: str) -> bytes:

@@ -8,8 +8,8 @@ cannot fit.
 
 from __future__ import annotations
 
+from gateway.context.ctx import Ctx
 from gateway.errors import BadRequest, ContextLengthExceeded
-from gateway.request.context import Ctx
 from gateway.tokenizer.counters import TooManyTokens
 
 

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.config.plugins import register
-from gateway.request.context import Ctx
+from gateway.context.ctx import Ctx
 
 Key = tuple[
     str | None, str, str, int

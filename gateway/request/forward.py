@@ -26,6 +26,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy, MultiMapping
 
 from gateway.config.schema import PRIORITIES, TimeoutSpec
+from gateway.context.ctx import CLIENT_CLOSED, Ctx
 from gateway.errors import (
     GatewayError,
     MalformedRequest,
@@ -36,7 +37,6 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from gateway.request.context import CLIENT_CLOSED, Ctx
 from gateway.upstream import Answer, ExchangeError, ExchangeTimeout, Refused, Upstream
 
 log = logging.getLogger("gateway.request.forward")

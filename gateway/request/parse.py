@@ -24,8 +24,8 @@ from typing import Any, TypeVar
 import orjson
 
 from gateway.config.schema import PRIORITIES, ServerSpec
+from gateway.context.ctx import Ctx
 from gateway.errors import BadRequest, UnsupportedMediaType
-from gateway.request.context import Ctx
 from gateway.tokenizer.chat_template import lax_bool
 from gateway.tokenizer.threads import CountingThreads
 

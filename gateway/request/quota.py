@@ -60,11 +60,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.api.base import Api
+from gateway.context.ctx import CLIENT_CLOSED, Ctx
+from gateway.context.endpoint import Api
+from gateway.context.placement import Tenant
 from gateway.errors import GatewayError, OverQuota, QuotaExceeded, StateUnavailable
 from gateway.observability.metrics import Metrics
-from gateway.request.authenticate import Tenant
-from gateway.request.context import CLIENT_CLOSED, Ctx
 from gateway.state.base import (
     Correction,
     Limit,

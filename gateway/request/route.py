@@ -12,44 +12,17 @@ counts it, and it keeps the adapter's name upstream (`Ctx.adapter`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from gateway.config.schema import PRIORITIES, RouteSpec
+from gateway.context.ctx import Ctx
+from gateway.context.match import all_of, names, request_checks
+from gateway.context.placement import Fallback, Pool, Route
 from gateway.errors import ModelNotFound, NoRoute
-from gateway.policy.match import Check, all_of, names, request_checks
-from gateway.request.context import Ctx
 
 if TYPE_CHECKING:
     from gateway.fleet.adapters import Adapters
-    from gateway.policy.compile import Pool
-
-
-@dataclass(frozen=True, slots=True)
-class Fallback:
-    """A pool the route spills to (`gateway/request/spill.py`), with its conditions compiled."""
-
-    pool: Pool
-    saturation_gte: float | None
-    predicted_wait_gte_s: float | None
-    below_saturation: float
-    tiers: frozenset[int]  # priority indexes that may spill
-
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    index: int
-    pool: Pool
-    accepts_model: Callable[[str], bool]
-    accepts_request: Check  # its endpoint and header conditions
-    accepts_class: Check
-    fallbacks: tuple[Fallback, ...] = ()
-    passthrough: tuple[str, ...] = ()  # more paths its pool serves, bodies unread
-
-    @property
-    def label(self) -> str:
-        return f"routes[{self.index}]"
 
 
 def compile_route(index: int, spec: RouteSpec, pools: Mapping[str, Pool]) -> Route:

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Protocol
 
 from gateway.admit import LivePool
 from gateway.config.schema import PRIORITIES
-from gateway.request.context import Ctx
+from gateway.context.ctx import Ctx
 
 if TYPE_CHECKING:
+    from gateway.context.placement import Fallback
     from gateway.fleet.adapters import Adapters
     from gateway.observability.fast import Counter
-    from gateway.request.route import Fallback
 
 
 class PoolLoad(Protocol):

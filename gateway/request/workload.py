@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.config.schema import ClassSpec
-from gateway.policy.match import Check, all_of, in_range, request_checks
-from gateway.request.context import Ctx
+from gateway.context.ctx import Ctx
+from gateway.context.match import Check, all_of, in_range, request_checks
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,12 +32,13 @@ from gateway.errors import (
     Unauthorized,
     error_body,
 )
+from gateway.pipeline import handle
 from gateway.policy.compile import Policy
+from gateway.request import body
 from gateway.request.authenticate import identify
 from gateway.request.parse import by_size, decode_checked
-from gateway.request.pipeline import handle
 from gateway.runtime import Gateway
-from gateway.server import body, logs, vllm_endpoints
+from gateway.server import logs, vllm_endpoints
 from gateway.server.limits import RequestLimits, handler_args
 from gateway.server.model_cards import model_cards
 from gateway.server.stored_responses import relay

@@ -16,9 +16,9 @@ import aiohttp
 from aiohttp import web
 
 from gateway.api import RESPONSES
+from gateway.context.ctx import Ctx
 from gateway.errors import ResponseTooLarge, UpstreamError, UpstreamTimeout
 from gateway.request.authenticate import authenticate
-from gateway.request.context import Ctx
 from gateway.runtime import Gateway
 
 _PARAM = "response_id"

@@ -7,7 +7,7 @@ import re
 from collections.abc import Callable, Mapping
 
 from gateway.config.schema import Endpoint, Range
-from gateway.request.context import Ctx
+from gateway.context.ctx import Ctx
 
 Check = Callable[[Ctx], bool]
 

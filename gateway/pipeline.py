@@ -22,6 +22,7 @@ from aiohttp import web
 
 from gateway.admit import Place
 from gateway.api import Api
+from gateway.context.ctx import Ctx
 from gateway.errors import (
     Ejection,
     GatewayError,
@@ -31,8 +32,8 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.policy.compile import Policy
+from gateway.request import body
 from gateway.request.authenticate import authenticate
-from gateway.request.context import Ctx
 from gateway.request.count import check_context_length, check_images, count_input
 from gateway.request.estimate import estimate_output, force_length
 from gateway.request.forward import check_forwardable, client_left, forward
@@ -42,12 +43,11 @@ from gateway.request.quota import Charge, bound_output
 from gateway.request.route import find_candidates, route, route_unread
 from gateway.request.spill import spill
 from gateway.request.workload import classify
-from gateway.server import body
 
 if TYPE_CHECKING:
     from gateway.runtime import Gateway, Runtime
 
-log = logging.getLogger("gateway.request.pipeline")
+log = logging.getLogger("gateway.pipeline")
 
 
 def before_count(ctx: Ctx, policy: Policy) -> None:

@@ -16,17 +16,11 @@ the gateway that made them, which is where they are used.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 from gateway.tokenizer.chat_template import message_text
 
 MAX_SESSION_CHARS = 256  # a session id longer than this is cut: it only has to tell sessions apart
-
-
-class Affinity(NamedTuple):
-    blocks: tuple[int, ...] = ()  # chained hashes of the prompt's full leading chunks
-    session: str | None = None  # tenant + session id, from a header or the OpenAI `user` field
-    tokens: tuple[int, ...] = ()  # keys of its full leading token blocks (`kv_events.py`)
 
 
 def prompt_text(body: dict[str, Any]) -> str | list[int] | None:

@@ -6,19 +6,31 @@ Each stage reads what earlier stages filled in and adds its own part; `account` 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from multidict import CIMultiDictProxy
+from multidict import CIMultiDict, CIMultiDictProxy
 
 if TYPE_CHECKING:
-    from gateway.api.base import Api
+    from gateway.context.affinity import Affinity
+    from gateway.context.endpoint import Api
+    from gateway.context.placement import Model, Pool, Route, Tenant
     from gateway.errors import Refusal
-    from gateway.observability.tracing import RequestTrace
-    from gateway.pick.affinity import Affinity
-    from gateway.policy.compile import Model, Pool
-    from gateway.request.authenticate import Tenant
-    from gateway.request.route import Route
     from gateway.state import Holder
+
+
+class Trace(Protocol):
+    """What the stages tell a traced request's spans (gateway/observability/tracing.py's
+    `RequestTrace`): named here so the record carries it without importing the exporter."""
+
+    @property
+    def trace_id(self) -> str: ...
+
+    def sending(self, replica: str, headers: CIMultiDict[str]) -> None: ...
+
+    def answered(self, status: int | None) -> None: ...
+
+    def finish(self, ctx: Ctx) -> None: ...
+
 
 CLIENT_CLOSED = 499  # nginx's code for "the client went away"; bounded, so fine as a label
 
@@ -107,7 +119,7 @@ class Ctx:
     # the route; the slot's grant (the queue's span ends there).
     counted: tuple[float, float] | None = None
     granted: float = 0.0
-    trace: RequestTrace | None = None  # the request's spans, when the policy traces
+    trace: Trace | None = None  # the request's spans, when the policy traces
     # outcome
     status: int = 0
     refusal: Refusal | None = None  # what refused it (gateway/errors.py), or client_disconnect

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from aiohttp import web
 
     from gateway.config.schema import ServerSpec
+    from gateway.context.ctx import Ctx
     from gateway.errors import GatewayError
-    from gateway.request.context import Ctx
     from gateway.state.base import Window
     from gateway.tokenizer.counters import TokenCounter
 
