@@ -12,8 +12,8 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 if TYPE_CHECKING:
     from gateway.context.affinity import Affinity
+    from gateway.context.compiled import Model, Pool, Route, Tenant
     from gateway.context.endpoint import Api
-    from gateway.context.placement import Model, Pool, Route, Tenant
     from gateway.errors import Refusal
     from gateway.state import Holder
 

@@ -16,7 +16,7 @@ from gateway.api import BY_PATH
 from gateway.config.load import LoadedSpec, PolicyError, Problem, load_spec
 from gateway.config.plugins import PluginError, create, lookup, names
 from gateway.config.schema import COUNT_BY_CHARS, ModelSpec, PolicySpec
-from gateway.context.placement import Model, Pool, Route, Tenant
+from gateway.context.compiled import Model, Pool, Route, Tenant
 from gateway.fleet.adapters import Adapters
 from gateway.pick import WeightedPicker  # the package registers every picker and scorer
 from gateway.request.authenticate import compile_tenants

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from gateway.config.load import Problem
 from gateway.config.schema import PRIORITIES, TenantSpec
+from gateway.context.compiled import Tenant
 from gateway.context.ctx import Ctx
-from gateway.context.placement import Tenant
 from gateway.errors import InvalidApiKey
 
 _HASH_PREFIX = "sha256:"

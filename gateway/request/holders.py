@@ -48,8 +48,8 @@ from gateway.tokenizer.chat_template import image_parts
 
 if TYPE_CHECKING:
     from gateway.admit import LivePool
+    from gateway.context.compiled import Pool
     from gateway.context.ctx import Ctx
-    from gateway.context.placement import Pool
 
 
 # The ids the gateway gives the responses it forwards (gateway/api/responses.py).

@@ -60,9 +60,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.context.compiled import Tenant
 from gateway.context.ctx import CLIENT_CLOSED, Ctx
 from gateway.context.endpoint import Api
-from gateway.context.placement import Tenant
 from gateway.errors import GatewayError, OverQuota, QuotaExceeded, StateUnavailable
 from gateway.observability.metrics import Metrics
 from gateway.state.base import (

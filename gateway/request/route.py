@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from gateway.config.schema import PRIORITIES, RouteSpec
+from gateway.context.compiled import Fallback, Pool, Route
 from gateway.context.ctx import Ctx
 from gateway.context.match import all_of, names, request_checks
-from gateway.context.placement import Fallback, Pool, Route
 from gateway.errors import ModelNotFound, NoRoute
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from gateway.config.schema import PRIORITIES
 from gateway.context.ctx import Ctx
 
 if TYPE_CHECKING:
-    from gateway.context.placement import Fallback
+    from gateway.context.compiled import Fallback
     from gateway.fleet.adapters import Adapters
     from gateway.observability.fast import Counter
 

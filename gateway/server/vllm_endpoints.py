@@ -28,8 +28,8 @@ from gateway.api import CHAT, COMPLETIONS, MESSAGES, Api
 from gateway.api.anthropic import chat_for, check_messages
 from gateway.api.chat import check_chat
 from gateway.config.schema import ServerSpec
+from gateway.context.compiled import Model
 from gateway.context.ctx import Ctx
-from gateway.context.placement import Model
 from gateway.errors import BadRequest, ModelNotFound
 from gateway.policy.compile import Policy
 from gateway.request.parse import check_model, check_prompt_chars

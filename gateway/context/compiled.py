@@ -1,4 +1,4 @@
-"""Where a request is put, as the policy compiled it: the tenant it is charged to, the route it
+"""The compiled policy's records a request is put on: the tenant it is charged to, the route it
 matched, the pool and model that serve it.
 
 Plain records: the compiled policy (gateway/policy/compile.py) makes them, the stages read them
