@@ -19,6 +19,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import textwrap
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,6 +196,29 @@ def test_rendering_never_replaces_a_directory_it_did_not_write(tmp_path: Path) -
     done = render_base(tmp_path)
     assert done.returncode != 0 and "was not rendered here" in done.stderr
     assert tree(tmp_path) == {"mine.yaml": "kind: Mine\n"}
+
+
+def test_an_overlay_replaces_the_rendered_policy_as_docs_operations_md_shows(
+    tmp_path: Path,
+) -> None:
+    """The base's policy is the chart's; a kustomize user's own replaces it in an overlay, under
+    the name the gateways mount and watch, with the generator docs/operations.md shows."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    (snippet,) = [
+        textwrap.dedent(block)
+        for block in re.findall(r"```yaml\n(.*?)```", text, flags=re.DOTALL)
+        if "behavior: replace" in block
+    ]
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    shutil.copytree(DEPLOY / "base", tmp_path / "base")
+    mine = {"models": {"tiny": {"tokenizer": "estimate"}}}
+    (overlay / "my-policy.yaml").write_text(yaml.safe_dump(mine))
+    kustomization = {"resources": ["../base"], **yaml.safe_load(snippet)}
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    objects = kustomize(overlay)
+    assert gateway_policy_name(objects) == "llm-gateway-policy"
+    assert deployed_policy(objects) == mine
 
 
 def validate_core(objects: list[dict[str, Any]]) -> int:
