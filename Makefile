@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The real-vLLM suite's tiny model; vLLM's own environment is cached outside the repository.
 TINY_LLAMA := loadtest/out/tiny-llama
 
-.PHONY: test test-vllm image lint demo schema bench-overhead bench-endpoints bench-startup bench-vllm soak fuzz clean
+.PHONY: test test-vllm image lint demo schema deploy-base bench-overhead bench-endpoints bench-startup bench-vllm soak fuzz clean
 
 $(STAMP): pyproject.toml
 	python=$$(PYTHON='$(PYTHON)' tests/setup/python.sh) && tests/setup/venv.sh "$$python" $(VENV)
@@ -19,8 +19,8 @@ $(STAMP): pyproject.toml
 # prometheus, promtool, kubectl. $(BIN) leads PATH so a kubectl it put there is found.
 test: $(STAMP)
 	tests/setup/tools.sh $(VENV)
-	$(BIN)/ruff check gateway tests tests_vllm loadtest
-	$(BIN)/ruff format --check gateway tests tests_vllm loadtest
+	$(BIN)/ruff check gateway tests tests_vllm loadtest deploy
+	$(BIN)/ruff format --check gateway tests tests_vllm loadtest deploy
 	$(BIN)/mypy gateway
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q
 
@@ -40,14 +40,21 @@ image: $(STAMP)
 	.ci/image.sh $(VENV)
 
 lint: $(STAMP)
-	$(BIN)/ruff check --fix gateway tests tests_vllm loadtest
-	$(BIN)/ruff format gateway tests tests_vllm loadtest
+	$(BIN)/ruff check --fix gateway tests tests_vllm loadtest deploy
+	$(BIN)/ruff format gateway tests tests_vllm loadtest deploy
 	$(BIN)/mypy gateway
 
 # The policy's JSON Schema (for editors) and its field reference (docs), both from gateway/config/schema.py.
 schema: $(STAMP)
 	$(BIN)/llm-gateway schema > policies/schema.json
 	$(BIN)/python -m gateway.config.reference > docs/policy-reference.md
+
+# deploy/base, the kustomize tree, is the Helm chart rendered with its TPU values
+# (deploy/render.py): after changing the chart, render it again; tests/test_deploy.py checks it.
+deploy-base: $(STAMP)
+	export PATH="$(abspath $(BIN)):$$PATH"; \
+	{ command -v helm >/dev/null || $(BIN)/python tests/setup/install_kubectl.py $(BIN); } && \
+	$(BIN)/python deploy/render.py
 
 demo: $(STAMP)
 	$(BIN)/python -m loadtest.demo

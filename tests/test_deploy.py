@@ -1,5 +1,6 @@
 """deploy/ checked by the real tools: kustomize and helm render it (the Helm chart with its TPU and
-GPU values files too, the same checks on every fleet), the Kubernetes schemas accept every core
+GPU values files too, the same checks on every fleet), the kustomize base is the chart rendered
+(deploy/render.py) as committed, the Kubernetes schemas accept every core
 object, promtool checks and unit-tests the alerts, and a real Prometheus scrapes a running gateway
 under traffic and evaluates every expression of the rules, the adapter config and the dashboard.
 
@@ -18,6 +19,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import textwrap
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,8 +91,8 @@ FLEETS: dict[str, Callable[[], list[dict[str, Any]]]] = {
 
 @pytest.fixture(scope="module")
 def rendered() -> list[dict[str, Any]]:
-    """The kustomize overlay: what the rules' and the dashboard's checks run on (the chart
-    renders the same files)."""
+    """The kustomize overlay: what the rules' checks run on (the chart rendered, as
+    `test_the_kustomize_base_is_the_chart_rendered` proves)."""
     return kustomize(OVERLAY)
 
 
@@ -124,7 +126,7 @@ def adapter_rules() -> list[dict[str, Any]]:
 
 
 def dashboard() -> dict[str, Any]:
-    return json.loads((DEPLOY / "base" / "monitoring" / "dashboard.json").read_text())  # type: ignore[no-any-return]
+    return json.loads((CHART / "files" / "dashboard.json").read_text())  # type: ignore[no-any-return]
 
 
 def deployed_policy(objects: list[dict[str, Any]]) -> dict[str, Any]:
@@ -161,6 +163,62 @@ def test_kustomize_renders_every_tree_with_kustomize_v5() -> None:
     assert re.match(r"v[5-9]\.", version), f"kubectl's kustomize is {version}; the tree needs v5+"
     for tree in (DEPLOY / "base", OVERLAY, ADAPTER):
         assert kustomize(tree), tree
+
+
+def tree(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): p.read_text() for p in root.rglob("*") if p.is_file()}
+
+
+def render_base(out: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(DEPLOY / "render.py"), "--out", str(out)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def test_the_kustomize_base_is_the_chart_rendered(tmp_path: Path) -> None:
+    """Issue 37 item 6: deploy/base is `helm template` of the chart (deploy/render.py), so the
+    HPAs, Redis and the monitoring objects are written once, in the chart. A chart change not
+    rendered into the base, or a hand edit of the base, fails here, file by file."""
+    tool("helm")
+    done = render_base(tmp_path / "base")
+    assert done.returncode == 0, done.stderr
+    rendered, committed = tree(tmp_path / "base"), tree(DEPLOY / "base")
+    stale = sorted(
+        p for p in rendered.keys() | committed.keys() if rendered.get(p) != committed.get(p)
+    )
+    assert not stale, f"deploy/base differs from the chart in {stale}: run `make deploy-base`"
+
+
+def test_rendering_never_replaces_a_directory_it_did_not_write(tmp_path: Path) -> None:
+    tool("helm")
+    (tmp_path / "mine.yaml").write_text("kind: Mine\n")
+    done = render_base(tmp_path)
+    assert done.returncode != 0 and "was not rendered here" in done.stderr
+    assert tree(tmp_path) == {"mine.yaml": "kind: Mine\n"}
+
+
+def test_an_overlay_replaces_the_rendered_policy_as_docs_operations_md_shows(
+    tmp_path: Path,
+) -> None:
+    """The base's policy is the chart's; a kustomize user's own replaces it in an overlay, under
+    the name the gateways mount and watch, with the generator docs/operations.md shows."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    (snippet,) = [
+        textwrap.dedent(block)
+        for block in re.findall(r"```yaml\n(.*?)```", text, flags=re.DOTALL)
+        if "behavior: replace" in block
+    ]
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    shutil.copytree(DEPLOY / "base", tmp_path / "base")
+    mine = {"models": {"tiny": {"tokenizer": "estimate"}}}
+    (overlay / "my-policy.yaml").write_text(yaml.safe_dump(mine))
+    kustomization = {"resources": ["../base"], **yaml.safe_load(snippet)}
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    objects = kustomize(overlay)
+    assert gateway_policy_name(objects) == "llm-gateway-policy"
+    assert deployed_policy(objects) == mine
 
 
 def validate_core(objects: list[dict[str, Any]]) -> int:
@@ -390,6 +448,25 @@ def test_one_hpa_per_vllm_deployment_on_the_gateways_signals_never_cpu(
         assert up["stabilizationWindowSeconds"] == 0
         assert down["stabilizationWindowSeconds"] >= 300
         assert max(p["value"] for p in down["policies"] if p["type"] == "Pods") == 1
+
+
+def test_each_pools_hpa_holds_the_queue_wait_to_its_own_slo(
+    tpu_fleet: list[dict[str, Any]],
+) -> None:
+    """docs/operations.md's targets: 5 s for classification, 10 s for generation, which waits
+    longer by design (its queue's max_wait_s is 30 s against classification's 20 s)."""
+    slos = {}
+    for hpa in kinds(tpu_fleet, "HorizontalPodAutoscaler"):
+        (wait,) = [
+            m["external"] for m in hpa["spec"]["metrics"]
+            if m["external"]["metric"]["name"] == "llm_pool_queue_wait_p95_seconds"
+        ]  # fmt: skip
+        slos[wait["metric"]["selector"]["matchLabels"]["pool"]] = wait["target"]
+    assert slos == {
+        "classify-27b": {"type": "Value", "value": "5"},
+        "generate-12b": {"type": "Value", "value": "10"},
+        "generate-27b": {"type": "Value", "value": "10"},
+    }
 
 
 def test_the_adapter_serves_the_forecast_summed_over_gateways_as_the_reactive_estimate() -> None:

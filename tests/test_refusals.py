@@ -2,7 +2,8 @@
 names the alert rules and the dashboard match exist, and the documents say what the code does.
 
 Alerts match label values as strings: a refusal renamed in the code, or a typo in a rule, would
-leave an alert silently matching nothing. These tests read the deployed files, not a copy.
+leave an alert silently matching nothing. These tests read the chart's files, which deploy/base
+renders, not a copy.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from gateway.errors import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-MONITORING = ROOT / "deploy" / "base" / "monitoring"
+MONITORING = ROOT / "deploy" / "helm" / "llm-admission-gateway" / "files"
 # Where label values are written as strings: the alerts, their unit tests' input, the dashboard.
 MATCHERS = [
-    MONITORING / "prometheusrule.yaml",
+    MONITORING / "alerts.yaml",
     MONITORING / "dashboard.json",
     ROOT / "tests" / "deploy" / "rules_test.yaml",
 ]
@@ -113,7 +114,7 @@ def test_every_reason_the_rules_and_dashboard_match_is_in_the_vocabulary(path: P
     found = list(_matched(path.read_text()))
     unknown = sorted({(m, v) for m, v in found if v not in known[m]})
     assert not unknown, f"{path.name} matches reasons no code emits: {unknown}"
-    if path.name == "prometheusrule.yaml":  # the scan itself must see the alerts' lists
+    if path.name == "alerts.yaml":  # the scan itself must see the alerts' lists
         assert ("llm_rejections_total", "queue_wait") in found
 
 
