@@ -19,7 +19,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.state import Correction, Limit, MemoryState, Reservation, WindowFull
+from gateway.state import (
+    Correction,
+    Limit,
+    MemoryState,
+    Reservation,
+    TenantWindow,
+    WindowFull,
+)
 from gateway.state.base import StateUnreachable
 from gateway.state.failover import FailoverState
 from gateway.state.redis import RedisState
@@ -45,7 +52,7 @@ async def test_redis_answers_as_the_in_memory_state_does(
     clock = Clock()
     memory, shared = MemoryState(clock), RedisState(redis_server.url, clock=clock)
     await shared.client.flushdb()
-    keys = ("quota:{acme}:tokens", "quota:{acme}:requests")
+    keys = (TenantWindow("acme", "tokens"), TenantWindow("acme", "requests"))
     later: list[tuple[str, str, int, int]] = []
     try:
         for at, amount, actual, now in sorted(steps):
@@ -81,7 +88,7 @@ async def test_redis_answers_as_the_in_memory_state_does(
 async def test_ids_are_unique_across_gateways(fresh_redis: RedisServer) -> None:
     one, two = RedisState(fresh_redis.url), RedisState(fresh_redis.url)
     try:
-        limits = [Limit("quota:{acme}:requests", 1, 10)]
+        limits = [Limit(TenantWindow("acme", "requests"), 1, 10)]
         first, second = await one.reserve(limits), await two.reserve(limits)
         assert isinstance(first, Reservation) and isinstance(second, Reservation)
         assert first.id != second.id
@@ -106,7 +113,7 @@ async def black_hole() -> AsyncIterator[str]:
 
 
 async def test_a_hung_redis_fails_within_the_time_out(black_hole: str) -> None:
-    limits = [Limit("quota:{acme}:tokens", 10, 100)]
+    limits = [Limit(TenantWindow("acme", "tokens"), 10, 100)]
     closed = FailoverState(RedisState(black_hole, timeout_s=0.2), on_failure="closed", gateways=2)
     started = time.monotonic()
     with pytest.raises(StateUnreachable):
