@@ -29,14 +29,14 @@ class BackendUp(Collector):
         current = self.state().mode()
         up = GaugeMetricFamily(
             "llm_state_backend_up",
-            "1: the policy's state backend serves (always with `backend: memory`); 0: Redis"
-            " failed and limits are local or refused (llm_state_mode says which).",
+            "1: the policy's state backend serves (always with `backend: memory`); 0: the shared"
+            " backend failed and limits are local or refused (llm_state_mode says which).",
         )
         up.add_metric([], 1 if current in _SERVING else 0)
         mode = GaugeMetricFamily(
             "llm_state_mode",
-            "1 for the mode in force: memory (one gateway), shared (Redis), local (Redis failed:"
-            " 1/gateways of every limit and cap) or refusing (Redis failed: 503).",
+            "1 for the mode in force: memory (one gateway), shared (the shared backend answers),"
+            " local (it failed: 1/gateways of every limit and cap) or refusing (it failed: 503).",
             labels=["mode"],
         )
         for name in MODES:
