@@ -9,7 +9,7 @@ the same policy is tests/test_redis_state.py's.
 
 from __future__ import annotations
 
-from typing import get_args
+from typing import Literal, get_args
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -49,11 +49,13 @@ class FlakyMemory(MemoryState):
     failures = (Unreachable,)
 
 
-def failover(on_failure: str, gateways: int = 4) -> tuple[FailoverState, FlakyClock]:
+def failover(
+    on_failure: Literal["open", "closed"], gateways: int = 4
+) -> tuple[FailoverState, FlakyClock]:
     clock = FlakyClock()
     state = FailoverState(
         FlakyMemory(clock),  # type: ignore[arg-type]  # windows only: no slot or holder calls
-        on_failure=on_failure,  # type: ignore[arg-type]
+        on_failure=on_failure,
         gateways=gateways,
         retry_s=1.0,
         monotonic=lambda: clock.now,  # the policy's clock never fails
