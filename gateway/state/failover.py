@@ -50,9 +50,9 @@ class FailoverState:
     `open`: fall back to a `MemoryState` whose limits are 1/`gateways` of the global ones, so
     the gateways together stay near the global limit while each counts alone. `closed`: raise
     `StateUnreachable` (the client's 503) rather than admit uncounted. After a failure the
-    backend is tried again once `retry_s` has passed (by the next call, no background task), so requests
-    do not each wait out a time-out on a dead backend, and shared limits resume without a restart.
-    Charges made locally carry a `local:` id and are corrected locally.
+    backend is tried again once `retry_s` has passed (by the next call, no background task), so
+    requests do not each wait out a time-out on a dead backend, and shared limits resume without
+    a restart. Charges made locally carry a `local:` id and are corrected locally.
     """
 
     MAX_LOST = 100_000  # per replica: past it, leases left behind expire with their TTL
