@@ -15,11 +15,11 @@ from typing import Any
 
 import aiohttp
 
-from gateway.state import Limit
+from gateway.state import Limit, TenantWindow
 from tests.conftest import RedisServer, RunningGateway, accounted, eventually
 from tests.test_quotas import AUTH, chat, quota_policy, sized, with_clock
 
-TOKENS, REQUESTS = "quota:{acme}:tokens", "quota:{acme}:requests"
+TOKENS, REQUESTS = TenantWindow("acme", "tokens"), TenantWindow("acme", "requests")
 
 
 class Spy:

@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from gateway.policy.compile import load_policy
-from gateway.state import Limit
+from gateway.state import Limit, TenantWindow
 from loadtest.tiny_tokenizer import build
 from tests.conftest import RunningGateway, accounted, basic_policy, write_policy
 from tests.test_tenants import ACME_KEY, hashed
@@ -159,7 +159,7 @@ async def test_the_tenant_is_settled_on_the_replicas_prompt_tokens(
         await resp.read()
     await accounted(gw, 0)
     assert last_log(gw)["input_tokens"] != 1234
-    (window,) = await gw.gateway.state.peek([Limit("quota:{acme}:tokens", 0, 100_000)])
+    (window,) = await gw.gateway.state.peek([Limit(TenantWindow("acme", "tokens"), 0, 100_000)])
     assert window.remaining == 100_000 - (1234 + 5)
 
 

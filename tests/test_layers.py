@@ -5,7 +5,8 @@
 - Stages are the request path's steps. They import neither the process around them (runtime,
   pipeline) nor the HTTP server: a stage is testable with a `Ctx` and a policy, nothing running.
 - Shared state speaks its own protocol: no HTTP errors, no aiohttp, no prometheus-client. What a
-  refusal looks like to a client, and what is exported, are decided above it.
+  refusal looks like to a client, and what is exported, are decided above it. Outside it, code
+  imports the protocols and `build_state` only: which backend runs is the state's business.
 
 Imports are read from the source (`ast`), the type-only ones (`if TYPE_CHECKING:`) included for
 the direct rules, and followed transitively through the runtime ones: a stage that reaches the
@@ -41,6 +42,7 @@ STAGES = (
 ABOVE_STAGES = ("gateway.runtime", "gateway.pipeline", "gateway.server", "gateway.cli")
 STATE = "gateway.state"
 NOT_IN_STATE = ("gateway.errors", "aiohttp", "prometheus_client", "gateway.observability")
+STATE_FACE = ("gateway.state", "gateway.state.base", "gateway.state.build")
 
 
 def _module_name(path: Path) -> str:
@@ -139,6 +141,17 @@ def test_a_stage_imports_neither_the_runtime_nor_the_server(stage: str) -> None:
 def test_state_imports_no_http_errors_and_no_prometheus() -> None:
     modules = [m for m in _modules() if _within(m, STATE)]
     assert _breaks(modules, NOT_IN_STATE) == []
+
+
+def test_only_the_state_names_a_backend() -> None:
+    outside = [m for m in _modules() if not _within(m, STATE)]
+    named = [
+        f"{module} imports {name}"
+        for module in outside
+        for name in imports(module, with_type_only=True)
+        if _within(name, STATE) and name not in STATE_FACE
+    ]
+    assert named == []
 
 
 def test_a_rule_broken_is_seen() -> None:

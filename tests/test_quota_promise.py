@@ -22,7 +22,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.state import Limit
+from gateway.state import Limit, TenantWindow
 from tests.conftest import RunningGateway, accounted, eventually
 from tests.test_quotas import ACME_KEY, AUTH, chat, quota_policy, with_clock
 
@@ -275,7 +275,7 @@ async def test_two_gateways_sharing_redis_hold_the_window_against_a_trained_esti
 
 async def _window_used(gw: RunningGateway, tpm: int) -> int:
     await eventually(lambda: gw.gateway.quotas.pending == 0)
-    [window] = await gw.gateway.state.peek([Limit("quota:{acme}:tokens", 0, tpm)])
+    [window] = await gw.gateway.state.peek([Limit(TenantWindow("acme", "tokens"), 0, tpm)])
     return tpm - window.remaining
 
 

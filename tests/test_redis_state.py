@@ -16,10 +16,21 @@ from typing import Any
 
 import aiohttp
 import pytest
+import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from redis.crc import key_slot
 
-from gateway.state import Correction, Limit, MemoryState, Reservation, WindowFull
+from gateway.state import (
+    Correction,
+    Limit,
+    MemoryState,
+    PoolReplica,
+    Reservation,
+    SlotClaim,
+    TenantWindow,
+    WindowFull,
+)
 from gateway.state.base import StateUnreachable
 from gateway.state.failover import FailoverState
 from gateway.state.redis import RedisState
@@ -45,7 +56,7 @@ async def test_redis_answers_as_the_in_memory_state_does(
     clock = Clock()
     memory, shared = MemoryState(clock), RedisState(redis_server.url, clock=clock)
     await shared.client.flushdb()
-    keys = ("quota:{acme}:tokens", "quota:{acme}:requests")
+    keys = (TenantWindow("acme", "tokens"), TenantWindow("acme", "requests"))
     later: list[tuple[str, str, int, int]] = []
     try:
         for at, amount, actual, now in sorted(steps):
@@ -81,7 +92,7 @@ async def test_redis_answers_as_the_in_memory_state_does(
 async def test_ids_are_unique_across_gateways(fresh_redis: RedisServer) -> None:
     one, two = RedisState(fresh_redis.url), RedisState(fresh_redis.url)
     try:
-        limits = [Limit("quota:{acme}:requests", 1, 10)]
+        limits = [Limit(TenantWindow("acme", "requests"), 1, 10)]
         first, second = await one.reserve(limits), await two.reserve(limits)
         assert isinstance(first, Reservation) and isinstance(second, Reservation)
         assert first.id != second.id
@@ -89,6 +100,29 @@ async def test_ids_are_unique_across_gateways(fresh_redis: RedisServer) -> None:
     finally:
         await one.close()
         await two.close()
+
+
+async def test_what_one_call_touches_is_one_redis_cluster_slot(fresh_redis: RedisServer) -> None:
+    """Callers name a tenant's windows and a pool's replica; the Redis backend's keys for them
+    hash to one Cluster slot per call (a tenant's windows, a replica's leases), so each script
+    runs on Redis Cluster as on one Redis."""
+    shared = RedisState(fresh_redis.url)
+    try:
+        windows = ("tokens", "requests", "model:m:tokens", "pool:p:requests")
+        for tenant in ("acme", "globex"):
+            await shared.reserve([Limit(TenantWindow(tenant, w), 1, 10) for w in windows])
+        claim = SlotClaim(PoolReplica("chat", "http://10.0.0.1:8000"), "batch", (("batch", 1),), 4)
+        await shared.lease(claim, shared.lease_id())
+        keys = [k.decode() for k in redis.Redis(port=fresh_redis.port).scan_iter("*")]
+        by_owner: dict[str, set[int]] = {}
+        for key in keys:
+            owner = next(o for o in ("acme", "globex", "10.0.0.1") if o in key)
+            by_owner.setdefault(owner, set()).add(key_slot(key.encode()))
+        assert len(keys) == 2 * 3 * len(windows) + 2  # each window's three keys; two of leases
+        assert all(len(slots) == 1 for slots in by_owner.values()), by_owner
+        assert by_owner.keys() == {"acme", "globex", "10.0.0.1"}
+    finally:
+        await shared.close()
 
 
 @pytest.fixture
@@ -106,7 +140,7 @@ async def black_hole() -> AsyncIterator[str]:
 
 
 async def test_a_hung_redis_fails_within_the_time_out(black_hole: str) -> None:
-    limits = [Limit("quota:{acme}:tokens", 10, 100)]
+    limits = [Limit(TenantWindow("acme", "tokens"), 10, 100)]
     closed = FailoverState(RedisState(black_hole, timeout_s=0.2), on_failure="closed", gateways=2)
     started = time.monotonic()
     with pytest.raises(StateUnreachable):

@@ -16,7 +16,7 @@ from gateway.admit.claim import Claim
 from gateway.admit.replica import Grant, Replica
 from gateway.config.schema import PRIORITIES
 from gateway.errors import StateUnavailable
-from gateway.state.base import SlotClaim, SlotLedger, StateUnreachable
+from gateway.state.base import PoolReplica, SlotClaim, SlotLedger, StateUnreachable
 
 # With a ledger, waiters look for a free slot this often (jittered). A release here does not
 # wake them: the gateway that frees a slot must not win it back every time, or a gateway that
@@ -83,7 +83,7 @@ class Leases:
                 result = await ledger.lease(asked, lease_id)
             except BaseException as exc:  # failed closed, or cancelled: it may have been written
                 replica.untake(claim)
-                self._spawn(self._unlease(replica.key, workload, lease_id))
+                self._spawn(self._unlease(replica, workload, lease_id))
                 if isinstance(exc, StateUnreachable):  # the client's 503, as the quota stage's
                     raise StateUnavailable(exc.message, retry_after_s=exc.retry_after_s) from exc
                 raise
@@ -91,7 +91,7 @@ class Leases:
             if result is None:  # failing open: counted here only, within this gateway's share
                 if replica.inflight > replica.cap:
                     replica.untake(claim)
-                    self._spawn(self._unlease(replica.key, workload, lease_id))
+                    self._spawn(self._unlease(replica, workload, lease_id))
                     continue
             else:
                 granted, replica.shared = result
@@ -108,11 +108,15 @@ class Leases:
 
     def release(self, replica: Replica, lease: str) -> None:
         workload = replica.lease_ids.pop(lease, "")
-        self._spawn(self._unlease(replica.key, workload, lease))
+        self._spawn(self._unlease(replica, workload, lease))
 
-    async def _unlease(self, key: str, workload: str, lease: str) -> None:
+    def _named(self, replica: Replica) -> PoolReplica:
+        """The ledger's name for `replica`: a member of this pool (departed ones too)."""
+        return PoolReplica(self.pool, replica.url)
+
+    async def _unlease(self, replica: Replica, workload: str, lease: str) -> None:
         try:
-            await self.ledger.unlease(key, workload, lease)
+            await self.ledger.unlease(self._named(replica), workload, lease)
         finally:
             self._freed()
 
@@ -137,7 +141,10 @@ class Leases:
         replicas = [*replicas, *self.departed]  # a replica that left still runs some
         held = [[(workload, lease) for lease, workload in r.lease_ids.items()] for r in replicas]
         totals = await asyncio.gather(
-            *(ledger.renew(r.key, leases) for r, leases in zip(replicas, held, strict=True))
+            *(
+                ledger.renew(self._named(r), leases)
+                for r, leases in zip(replicas, held, strict=True)
+            )
         )
         for replica, leases, total in zip(replicas, held, totals, strict=True):
             if total is not None:
@@ -147,7 +154,7 @@ class Leases:
             # first and the renewal written it back.
             for workload, lease in leases:
                 if lease not in replica.lease_ids:
-                    self._spawn(self._unlease(replica.key, workload, lease))
+                    self._spawn(self._unlease(replica, workload, lease))
         # As soon as the renewals say how the ledger is, not one round-trip later: the leases
         # they wrote back already count against the shared caps.
         self.set_degraded(not ledger.up)

@@ -42,7 +42,7 @@ from gateway.errors import (
     QueueWaitTooLong,
     Shed,
 )
-from gateway.state.base import SlotClaim, SlotLedger
+from gateway.state.base import PoolReplica, SlotClaim, SlotLedger
 
 log = logging.getLogger("gateway.admit")  # one logger for the whole stage: operators grep it
 
@@ -83,7 +83,6 @@ class LivePool:
             self.queue.regroup(groups)
         reserve = self._reservations = tuple(spec.reserve.items())
         for replica in self.replicas:
-            replica.key = f"{{{self.name}|{replica.url}}}"
             replica.max_concurrency = spec.max_concurrency
             replica.cap = self._cap(replica)
             replica.max_tokens = spec.max_inflight_tokens
@@ -289,7 +288,12 @@ class LivePool:
     def _ask(self, replica: Replica, claim: Claim) -> SlotClaim:
         """The lease `claim` takes on `replica`: against its class's reservation, if it has one."""
         workload = claim.workload if claim.workload in self.queue.groups else ""
-        return SlotClaim(replica.key, workload, self._reservations, replica.max_concurrency)
+        return SlotClaim(
+            PoolReplica(self.name, replica.url),
+            workload,
+            self._reservations,
+            replica.max_concurrency,
+        )
 
     def release(self, grant: Grant) -> None:
         grant.replica.untake(grant.claim)

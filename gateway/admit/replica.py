@@ -36,7 +36,6 @@ class Replica:
         "inflight",
         "inflight_tokens",
         "kept_warned_at",
-        "key",
         "lease_ids",
         "leased_elsewhere",
         "leases",
@@ -53,7 +52,6 @@ class Replica:
 
     def __init__(self, url: str, max_concurrency: int, max_tokens: int | None) -> None:
         self.url = url
-        self.key = url  # the ledger's name for it, `{pool|url}`, set by its pool
         self.max_concurrency = max_concurrency
         self.cap = max_concurrency  # in force: less while a failing ledger leaves a share
         self.max_tokens = max_tokens

@@ -1,7 +1,8 @@
 """`BackendUp`: the state backend's health and mode as Prometheus gauges, read at each scrape.
 
 Here rather than in gateway/state/ so the state stays free of the metrics library: the collector
-reads what the state exposes (`up`, `on_failure`), the state knows nothing of being scraped.
+asks the state its `mode()`, the state knows nothing of being scraped, and the collector nothing
+of which backend runs.
 """
 
 from __future__ import annotations
@@ -11,38 +12,33 @@ from collections.abc import Callable, Iterable
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.state.base import State
-from gateway.state.failover import FailoverState
+from gateway.state.base import MODES, State
+
+_SERVING = ("memory", "shared")  # the modes in which the policy's backend answers
 
 
 class BackendUp(Collector):
     """`llm_state_backend_up`: 1 while the policy's state backend serves (always, in memory),
-    0 while a Redis failure has the gateway on local limits or 503s; `llm_state_mode` names the
-    mode in force, so a dashboard shows which limits apply without reading the policy."""
+    0 while a backend failure has the gateway on local limits or 503s; `llm_state_mode` names
+    the mode in force, so a dashboard shows which limits apply without reading the policy."""
 
     def __init__(self, state: Callable[[], State]) -> None:
         self.state = state
 
     def collect(self) -> Iterable[Metric]:
-        state = self.state()
+        current = self.state().mode()
         up = GaugeMetricFamily(
             "llm_state_backend_up",
-            "1: the policy's state backend serves (always with `backend: memory`); 0: Redis"
-            " failed and limits are local or refused (llm_state_mode says which).",
+            "1: the policy's state backend serves (always with `backend: memory`); 0: the shared"
+            " backend failed and limits are local or refused (llm_state_mode says which).",
         )
-        up.add_metric([], 1 if getattr(state, "up", True) else 0)
+        up.add_metric([], 1 if current in _SERVING else 0)
         mode = GaugeMetricFamily(
             "llm_state_mode",
-            "1 for the mode in force: memory (one gateway), shared (Redis), local (Redis failed:"
-            " 1/gateways of every limit and cap) or refusing (Redis failed: 503).",
+            "1 for the mode in force: memory (one gateway), shared (the shared backend answers),"
+            " local (it failed: 1/gateways of every limit and cap) or refusing (it failed: 503).",
             labels=["mode"],
         )
-        if not isinstance(state, FailoverState):
-            current = "memory"
-        elif state.up:
-            current = "shared"
-        else:
-            current = "local" if state.on_failure == "open" else "refusing"
-        for name in ("memory", "shared", "local", "refusing"):
+        for name in MODES:
             mode.add_metric([name], 1 if name == current else 0)
         return [up, mode]

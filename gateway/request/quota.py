@@ -71,6 +71,7 @@ from gateway.state.base import (
     Reservation,
     State,
     StateUnreachable,
+    TenantWindow,
     Window,
     WindowFull,
 )
@@ -88,9 +89,9 @@ class Charge:
     only what the first did not; `windows` the latest view of each, for the headers.
     """
 
-    parts: list[tuple[str, str, int]] = field(default_factory=list)
-    charged: dict[str, int] = field(default_factory=dict)
-    windows: dict[str, Window] = field(default_factory=dict)
+    parts: list[tuple[str, TenantWindow, int]] = field(default_factory=list)
+    charged: dict[TenantWindow, int] = field(default_factory=dict)
+    windows: dict[TenantWindow, Window] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,12 +210,7 @@ def _charged(reserved: int, stated: int, tpm: int) -> int:
 def _windows(
     tenant: Tenant, reserved: int, stated: int, model: str | None, pool: str | None
 ) -> list[_Scoped]:
-    """The tenant's overall windows, then those of `model` and `pool` (None: not known).
-
-    One hash tag per tenant: all its windows share a Redis Cluster slot, so one script can
-    charge them together.
-    """
-    prefix = f"quota:{{{tenant.name}}}:"
+    """The tenant's overall windows, then those of `model` and `pool` (None: not known)."""
     scopes = [("", tenant.spec.tpm, tenant.spec.rpm)]
     by_model = tenant.spec.models.get(model) if model is not None else None
     by_pool = tenant.spec.pools.get(pool) if pool is not None else None
@@ -226,9 +222,11 @@ def _windows(
     for scope, tpm, rpm in scopes:
         if tpm is not None:
             amount = _charged(reserved, stated, tpm)
-            out.append(_Scoped("tokens", scope, Limit(prefix + scope + "tokens", amount, tpm)))
+            window = TenantWindow(tenant.name, scope + "tokens")
+            out.append(_Scoped("tokens", scope, Limit(window, amount, tpm)))
         if rpm is not None:
-            out.append(_Scoped("requests", scope, Limit(prefix + scope + "requests", 1, rpm)))
+            window = TenantWindow(tenant.name, scope + "requests")
+            out.append(_Scoped("requests", scope, Limit(window, 1, rpm)))
     return out
 
 
@@ -310,11 +308,11 @@ def used(ctx: Ctx, burst: int) -> int:
     return max(reserved, ctx.input_tokens + ctx.chunks)
 
 
-def _spread(parts: Sequence[tuple[str, str, int]], use: int) -> list[Correction]:
+def _spread(parts: Sequence[tuple[str, TenantWindow, int]], use: int) -> list[Correction]:
     """Each token part with what it is corrected to, `use` spread over a window's parts in order:
     each takes up to what it reserved, the last the rest, so while the charges are in the window
     their sum becomes `use`, and once they have left only an excess is charged (`State.adjust`)."""
-    by_key: dict[str, list[tuple[str, int]]] = {}
+    by_key: dict[TenantWindow, list[tuple[str, int]]] = {}
     for charge_id, key, amount in parts:
         by_key.setdefault(key, []).append((charge_id, amount))
     out = []

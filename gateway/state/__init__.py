@@ -1,10 +1,12 @@
 """Shared admission state behind three protocols (base.py): `State`, the quota windows, in memory
-for one gateway or in Redis for several; `SlotLedger`, the replicas' slots, and `HolderRecord`,
-which replica stores each response, only for several.
+for one gateway or in a shared backend (Redis) for several; `SlotLedger`, the replicas' slots, and
+`HolderRecord`, which replica stores each response, only for several.
 
-Modules: base.py (the protocols and their values), memory.py (`MemoryState`), redis.py (the Redis
-backends and their Lua), failover.py (`FailoverState`: Redis behind `on_failure`), build.py
-(`build_state`: the policy's `state` section made into them).
+Modules: base.py (the protocols, their values and `Backend`, what a shared store implements),
+memory.py (`MemoryState`), redis.py (the Redis backend: its Lua, its keys, its failures),
+failover.py (`FailoverState`: any backend behind `on_failure`), build.py (`build_state`: the
+policy's `state` section made into them, the backends by name). Code outside this package imports
+the protocols only (here, base.py) and build.py: which backend runs is never its business.
 """
 
 from gateway.state.base import (
@@ -13,11 +15,14 @@ from gateway.state.base import (
     Holder,
     HolderRecord,
     Limit,
+    Mode,
+    PoolReplica,
     Reservation,
     SlotClaim,
     SlotLedger,
     State,
     StateUnreachable,
+    TenantWindow,
     Window,
     WindowFull,
 )
@@ -30,11 +35,14 @@ __all__ = [
     "HolderRecord",
     "Limit",
     "MemoryState",
+    "Mode",
+    "PoolReplica",
     "Reservation",
     "SlotClaim",
     "SlotLedger",
     "State",
     "StateUnreachable",
+    "TenantWindow",
     "Window",
     "WindowFull",
 ]

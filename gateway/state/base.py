@@ -11,11 +11,15 @@
 
 They are apart because their users are: the quota stage calls `State`, the pool's leases
 (gateway/admit/leases.py) call `SlotLedger`, the holder stages `HolderRecord`; one object may
-implement all three. Each call that
-changes state is one atomic read-modify-write, so the Redis backend is one Lua script per call;
-the in-memory one gets atomicity from the event loop (its methods never await). A backend that
-fails closed raises `StateUnreachable`, a plain exception: state/ knows nothing of HTTP, and the
-callers turn it into the client's refusal.
+implement all three. A shared store (Redis) is a `Backend`: those calls undecorated, with the
+exceptions that mean it is unreachable; `FailoverState` wraps any backend in the failure policy.
+Callers name what they keep (a tenant's window, a pool's replica, a response), never a storage
+key: the layout is the backend's.
+
+Each call that changes state is one atomic read-modify-write, so the Redis backend is one Lua
+script per call; the in-memory one gets atomicity from the event loop (its methods never await).
+A state that fails closed raises `StateUnreachable`, a plain exception: state/ knows nothing of
+HTTP, and the callers turn it into the client's refusal.
 
 Rate windows are exact sliding windows of `WINDOW_S` seconds, kept as a log of charges: a charge
 made at `t` counts during `[t, t + WINDOW_S)`, and a new one is granted only if it fits with
@@ -30,9 +34,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 WINDOW_S = 60.0
+
+# What the state does right now, for the operator (`llm_state_mode`): `memory`, one gateway's own
+# windows; `shared`, a shared backend answers; `local`, it failed and limits are this gateway's
+# share; `refusing`, it failed and requests are refused.
+Mode = Literal["memory", "shared", "local", "refusing"]
+MODES: tuple[Mode, ...] = ("memory", "shared", "local", "refusing")
 
 
 class StateUnreachable(Exception):
@@ -47,6 +57,24 @@ class StateUnreachable(Exception):
         self.retry_after_s = retry_after_s
 
 
+class TenantWindow(NamedTuple):
+    """Which window: one of `tenant`'s, named `window` by the caller (e.g. `model:m:tokens`).
+
+    The caller names what it counts; the backend lays out its keys (Redis Cluster wants a
+    tenant's windows in one hash slot, so one script may charge them together).
+    """
+
+    tenant: str
+    window: str
+
+
+class PoolReplica(NamedTuple):
+    """Which replica's slots: `url` as a member of `pool` (one URL in two pools is two ledgers)."""
+
+    pool: str
+    url: str
+
+
 @dataclass(frozen=True, slots=True)
 class Limit:
     """Charge `amount` to window `key`, which holds at most `limit` per `WINDOW_S`.
@@ -55,7 +83,7 @@ class Limit:
     limits apply to the very next request and windows outlive reloads.
     """
 
-    key: str
+    key: TenantWindow
     amount: int
     limit: int
 
@@ -90,13 +118,15 @@ class WindowFull:
 class Correction:
     """Charge `charge_id` in window `key`, `reserved` when made, is really `actual`."""
 
-    key: str
+    key: TenantWindow
     charge_id: str
     reserved: int
     actual: int
 
 
-class State(Protocol):
+class Windows(Protocol):
+    """The quota windows' calls, as every backend makes them."""
+
     async def reserve(self, limits: Sequence[Limit]) -> Reservation | WindowFull:
         """Charge every limit, all or none: a request refused for RPM spends no tokens. Raises
         `StateUnreachable` when the backend is down and the policy fails closed."""
@@ -110,7 +140,7 @@ class State(Protocol):
 
     async def adjust(self, corrections: Sequence[Correction]) -> None:
         """Make each correction, once, when its request ends: one call for all of a request's
-        charges (its windows are one tenant's, one Redis Cluster slot).
+        charges (its windows are one tenant's).
 
         While a charge is in its window it is rewritten in place (it keeps its time). Once it
         has left, only an excess is still owed and is charged now, without a limit check: the
@@ -123,6 +153,15 @@ class State(Protocol):
         ...
 
 
+class State(Windows, Protocol):
+    """The windows as the quota stage holds them: a backend, with what it does right now."""
+
+    def mode(self) -> Mode:
+        """What the operator's `llm_state_mode` shows: asked of the state, so the exporter
+        names no backend."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class SlotClaim:
     """One slot asked of a replica that several gateways share.
@@ -131,23 +170,14 @@ class SlotClaim:
     classes keep and do not use stay under `cap`.
     """
 
-    replica: str  # the replica's key, `{pool|url}`: a hash tag, one Redis Cluster slot
+    replica: PoolReplica
     workload: str  # the class it is for; "" or a class without a reservation shares the rest
     reserved: tuple[tuple[str, int], ...]  # (class, slots kept for it) of the pool
     cap: int
 
 
-class SlotLedger(Protocol):
-    """Replica slots shared by several gateways, as leases that live `ttl_s` unless renewed.
-
-    A gateway alone needs no ledger: its own counts (`LivePool`) are every slot there is. With
-    several, each slot a gateway holds is also a lease here, so together they never exceed a
-    replica's cap, and the slots of a gateway that dies come back when its leases expire.
-    Leases are named with their class ("" for none reserved) so reservations can be counted.
-    """
-
-    gateways: int  # how many share: while the ledger fails open, each keeps 1/gateways of a cap
-    up: bool  # False while failing over
+class Slots(Protocol):
+    """The slot ledger's calls, as every shared backend makes them."""
 
     def lease_id(self) -> str:
         """A new id, unique across gateways: taken before the call so a cancelled call can
@@ -161,7 +191,7 @@ class SlotLedger(Protocol):
 
     async def renew(
         self,
-        replica: str,
+        replica: PoolReplica,
         held: Sequence[tuple[str, str]],
         released: Sequence[tuple[str, str]] = (),
     ) -> int | None:
@@ -170,14 +200,27 @@ class SlotLedger(Protocol):
         raced the renewal); the replica's leases in all, None if unreachable."""
         ...
 
-    async def unlease(self, replica: str, workload: str, lease_id: str) -> None:
-        """Give a slot back; one Redis missed is dropped by the replica's next renewal."""
+    async def unlease(self, replica: PoolReplica, workload: str, lease_id: str) -> None:
+        """Give a slot back; one the backend missed is dropped by the replica's next renewal."""
         ...
 
     async def share_waiting(self, pool: str, waiting: Sequence[int]) -> tuple[int, ...] | None:
         """Report this gateway's waiters in `pool` per tier; all gateways' (recent reports) per
         tier, or None."""
         ...
+
+
+class SlotLedger(Slots, Protocol):
+    """Replica slots shared by several gateways, as leases that live `ttl_s` unless renewed.
+
+    A gateway alone needs no ledger: its own counts (`LivePool`) are every slot there is. With
+    several, each slot a gateway holds is also a lease here, so together they never exceed a
+    replica's cap, and the slots of a gateway that dies come back when its leases expire.
+    Leases are named with their class ("" for none reserved) so reservations can be counted.
+    """
+
+    gateways: int  # how many share: while the ledger fails open, each keeps 1/gateways of a cap
+    up: bool  # False while failing over
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,3 +254,14 @@ class HolderRecord(Protocol):
     async def forget(self, response_id: str) -> None:
         """Drop a record whose replica has gone."""
         ...
+
+
+class Backend(Windows, Slots, HolderRecord, Protocol):
+    """A store several gateways share (Redis; build.py's `BACKENDS` names each), as
+    `FailoverState` wraps it: every call undecorated, raising one of `failures` when the store
+    cannot be reached (down, hung past its time-out, a connection lost). Which exceptions mean
+    that, as opposed to a bug, only the backend knows; what the gateway does then (local limits
+    or refusals, when to try again) is the policy's, in failover.py, the same for every backend.
+    """
+
+    failures: tuple[type[BaseException], ...]

@@ -1,10 +1,11 @@
-"""`FailoverState`: the Redis backends behind the policy's `on_failure`, one object serving as the
+"""`FailoverState`: a shared `Backend` behind the policy's `on_failure`, one object serving as the
 `State`, the `SlotLedger` and the `HolderRecord` of a gateway that shares them.
 
-Kept apart from the backends (redis.py) because it is policy, not storage: which failures count
-(`FAILURES`), when Redis is tried again, what failing open falls back to (a `MemoryState` at
+Kept apart from the backends (redis.py) because it is policy, not storage, and the same for every
+backend: when the backend is tried again, what failing open falls back to (a `MemoryState` at
 1/`gateways` of each limit; the pool's share of each cap) and failing closed raises
-(`StateUnreachable`, which the stages calling the state turn into the client's 503).
+(`StateUnreachable`, which the stages calling the state turn into the client's 503). Which
+exceptions mean "unreachable" is the backend's to say (`Backend.failures`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Literal, TypeVar
 
 from gateway.state.base import (
+    Backend,
     Correction,
     Holder,
     Limit,
+    Mode,
+    PoolReplica,
     Reservation,
     SlotClaim,
     StateUnreachable,
@@ -26,37 +30,36 @@ from gateway.state.base import (
     WindowFull,
 )
 from gateway.state.memory import MemoryState
-from gateway.state.redis import FAILURES, RedisState
 
 log = logging.getLogger("gateway.state")  # one logger for state/, the name operators grep
 _LOCAL = "local:"
-RETRY_S = 1.0  # after a failure, Redis is tried again by the first call this long after it
+RETRY_S = 1.0  # after a failure, the backend is tried again by the first call this long after it
 T = TypeVar("T")
 
 
 class _Down:
-    """What `FailoverState._shared` gives for a call Redis did not answer."""
+    """What `FailoverState._shared` gives for a call the backend did not answer."""
 
 
 DOWN = _Down()
 
 
 class FailoverState:
-    """`RedisState` with a policy for when Redis fails.
+    """A shared `Backend` with a policy for when it fails.
 
     `open`: fall back to a `MemoryState` whose limits are 1/`gateways` of the global ones, so
     the gateways together stay near the global limit while each counts alone. `closed`: raise
-    `StateUnreachable` (the client's 503) rather than admit uncounted. After a failure Redis is
-    tried again once `retry_s` has passed (by the next call, no background task), so requests
-    do not each wait out a time-out on a dead Redis, and shared limits resume without a restart.
-    Charges made locally carry a `local:` id and are corrected locally.
+    `StateUnreachable` (the client's 503) rather than admit uncounted. After a failure the
+    backend is tried again once `retry_s` has passed (by the next call, no background task), so
+    requests do not each wait out a time-out on a dead backend, and shared limits resume without
+    a restart. Charges made locally carry a `local:` id and are corrected locally.
     """
 
     MAX_LOST = 100_000  # per replica: past it, leases left behind expire with their TTL
 
     def __init__(
         self,
-        shared: RedisState,
+        shared: Backend,
         *,
         on_failure: Literal["open", "closed"],
         gateways: int,
@@ -71,7 +74,12 @@ class FailoverState:
         self.monotonic = monotonic
         self.up = True
         self._retry_at = 0.0
-        self._lost: dict[str, dict[str, str]] = {}  # replica -> lease id -> class
+        self._lost: dict[PoolReplica, dict[str, str]] = {}  # replica -> lease id -> class
+
+    def mode(self) -> Mode:
+        if self.up:
+            return "shared"
+        return "local" if self.on_failure == "open" else "refusing"
 
     def _usable(self) -> bool:
         return self.up or self.monotonic() >= self._retry_at
@@ -81,12 +89,12 @@ class FailoverState:
         if self.up:
             self.up = False
             mode = f"local limits at 1/{self.gateways}" if self.on_failure == "open" else "503"
-            log.error("shared state (Redis) failed: %r; now serving with %s", exc, mode)
+            log.error("shared state failed: %r; now serving with %s", exc, mode)
 
     def _recovered(self) -> None:
         if not self.up:
             self.up = True
-            log.warning("shared state (Redis) is back; shared limits apply again")
+            log.warning("shared state is back; shared limits apply again")
 
     def _refuse(self) -> StateUnreachable:
         return StateUnreachable(
@@ -101,7 +109,7 @@ class FailoverState:
         ]
 
     async def _shared(self, call: Coroutine[Any, Any, T]) -> T | _Down:
-        """`call` on Redis, unless Redis is known down (then it is not even sent); a failure
+        """`call` on the backend, unless it is known down (then it is not even sent); a failure
         switches to the failure policy, and any answer (a renewal's too) ends it, so shared
         state resumes even while no request asks."""
         if not self._usable():
@@ -109,7 +117,7 @@ class FailoverState:
             return DOWN
         try:
             result = await call
-        except FAILURES as exc:
+        except self.shared.failures as exc:
             self._failed(exc)
             return DOWN
         self._recovered()
@@ -135,7 +143,7 @@ class FailoverState:
         return await self.local.peek(self._scaled(limits))
 
     async def adjust(self, corrections: Sequence[Correction]) -> None:
-        """Each correction where its charge was made: `local:` ones here, the rest in Redis."""
+        """Each correction where its charge was made: `local:` ones here, the rest shared."""
         local = [
             Correction(fix.key, fix.charge_id[len(_LOCAL) :], fix.reserved, fix.actual)
             for fix in corrections
@@ -148,9 +156,13 @@ class FailoverState:
             return
         try:
             await self.shared.adjust(shared)
-        except FAILURES as exc:  # called once: a lost correction is logged, never retried
+        except (
+            self.shared.failures
+        ) as exc:  # called once: a lost correction is logged, never retried
             self._failed(exc)
-            lost = ", ".join(f"{fix.charge_id} in {fix.key}" for fix in shared)
+            lost = ", ".join(
+                f"{fix.charge_id} in {fix.key.tenant}'s {fix.key.window}" for fix in shared
+            )
             log.warning("correction of charges %s lost: %r", lost, exc)
 
     # --- replica slots: failing open counts locally (the caller keeps 1/gateways of a cap) ---
@@ -166,8 +178,8 @@ class FailoverState:
             raise self._refuse()
         return None
 
-    def _lose(self, replica: str, workload: str, lease_id: str) -> None:
-        """A release Redis did not get (or a lease a failed call may have written): the next
+    def _lose(self, replica: PoolReplica, workload: str, lease_id: str) -> None:
+        """A release the backend did not get (or a lease a failed call may have written): the next
         renewal of the replica drops it, rather than it outliving its request by a TTL."""
         lost = self._lost.setdefault(replica, {})
         if len(lost) < self.MAX_LOST:
@@ -175,7 +187,7 @@ class FailoverState:
 
     async def renew(
         self,
-        replica: str,
+        replica: PoolReplica,
         held: Sequence[tuple[str, str]],
         released: Sequence[tuple[str, str]] = (),
     ) -> int | None:
@@ -188,7 +200,7 @@ class FailoverState:
             return None
         return total
 
-    async def unlease(self, replica: str, workload: str, lease_id: str) -> None:
+    async def unlease(self, replica: PoolReplica, workload: str, lease_id: str) -> None:
         if isinstance(await self._shared(self.shared.unlease(replica, workload, lease_id)), _Down):
             self._lose(replica, workload, lease_id)
 

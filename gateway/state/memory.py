@@ -13,7 +13,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from gateway.state.base import WINDOW_S, Correction, Limit, Reservation, Window, WindowFull
+from gateway.state.base import (
+    WINDOW_S,
+    Correction,
+    Limit,
+    Mode,
+    Reservation,
+    TenantWindow,
+    Window,
+    WindowFull,
+)
 
 
 class _Charge:
@@ -71,10 +80,13 @@ class MemoryState:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self._logs: dict[str, _Log] = {}
+        self._logs: dict[TenantWindow, _Log] = {}
         self._ids = itertools.count(1)
 
-    def _log(self, key: str, now: float) -> _Log:
+    def mode(self) -> Mode:
+        return "memory"
+
+    def _log(self, key: TenantWindow, now: float) -> _Log:
         log = self._logs.get(key)
         if log is None:
             log = self._logs[key] = _Log()

@@ -1,10 +1,13 @@
 """The Redis backends: the quota windows (`RedisState`'s `State` calls, the same sliding-window
 logs as `MemoryState`, kept for every gateway) and the slot ledger (its `SlotLedger` calls).
-They let a failing Redis raise (`FAILURES`); what the gateway does then is `FailoverState`'s
-(failover.py), so these stay a plain mapping of calls to scripts.
+They let a failing Redis raise (`failures`); what the gateway does then is `FailoverState`'s
+(failover.py), so these stay a plain mapping of calls to scripts. The key layout is theirs alone:
+callers name a tenant's window or a pool's replica, and the hash tags below keep what one script
+touches in one Redis Cluster slot.
 
-Each call is one Lua script, so each is atomic across gateways without locks or WATCH retries. Per window key `K` (always `quota:{tenant}:...`, so a tenant's keys share one
-Redis Cluster slot and one script may charge them together) the script keeps:
+Each call is one Lua script, so each is atomic across gateways without locks or WATCH retries.
+Per window `K` (`quota:{tenant}:<window>`, so a tenant's windows share one Redis Cluster slot and
+one script may charge them together) the script keeps:
 
 - `K:z`, a ZSET of charge ids scored by the time they were made;
 - `K:a`, a hash of their amounts;
@@ -46,15 +49,14 @@ from gateway.state.base import (
     Correction,
     Holder,
     Limit,
+    PoolReplica,
     Reservation,
     SlotClaim,
+    TenantWindow,
     Window,
     WindowFull,
 )
 
-# What a call raises when Redis fails (down, hung past `timeout_s`, a stale connection twice),
-# as opposed to a bug: the errors `FailoverState` answers with its failure policy.
-FAILURES = (RedisError, OSError, TimeoutError)
 T = TypeVar("T")
 
 # Every script's clock: the caller's (tests move time) or, given '', Redis' own TIME.
@@ -210,10 +212,11 @@ end
 """
 )
 
-# A replica's leases: KEYS[1], every lease (id -> expiry), against the cap; KEYS[2..], one per
-# reserved class, its leases again, against the reservations. Keys are named by class, and the
-# cap counts every lease whatever its class, so a reload that changes reservations (or two
-# gateways mid-rollout with different ones) can never hide a lease from the cap.
+# A replica's leases (`slots:{pool|url}:...`, one Redis Cluster slot per replica): KEYS[1],
+# every lease (id -> expiry), against the cap; KEYS[2..], one per reserved class, its leases
+# again, against the reservations. Keys are named by class, and the cap counts every lease
+# whatever its class, so a reload that changes reservations (or two gateways mid-rollout with
+# different ones) can never hide a lease from the cap.
 
 # ARGV: now, ttl, id, the index of its class among KEYS[2..] (0: unreserved), cap, then the slots
 # reserved per class. Returns {granted 1/0, the replica's leases}.
@@ -288,15 +291,25 @@ return totals
 )
 
 
-def _slot_keys(replica: str, classes: Iterable[str]) -> list[str]:
-    """Every lease of the replica, then the leases of each reserved class named."""
-    return [f"slots:{replica}:all", *(f"slots:{replica}:class:{c}" for c in classes)]
+def _slot_keys(replica: PoolReplica, classes: Iterable[str]) -> list[str]:
+    """Every lease of the replica, then the leases of each reserved class named: one hash tag
+    per replica of a pool keeps them in one slot."""
+    base = f"slots:{{{replica.pool}|{replica.url}}}"
+    return [f"{base}:all", *(f"{base}:class:{c}" for c in classes)]
 
 
-def _keys(windows: Iterable[str]) -> list[str]:
+def _keys(windows: Iterable[TenantWindow]) -> list[str]:
     """Each window's ZSET, amounts and total: declared, as Redis Cluster wants every key a
     script touches; one hash tag per tenant keeps them in one slot."""
-    return [f"{key}:{part}" for key in windows for part in ("z", "a", "u")]
+    return [
+        f"quota:{{{tenant}}}:{window}:{part}"
+        for tenant, window in windows
+        for part in ("z", "a", "u")
+    ]
+
+
+def _holder_key(response_id: str) -> str:
+    return f"holder:{response_id}"
 
 
 def _holder(raw: bytes | str | None) -> Holder | None:
@@ -339,6 +352,10 @@ class RedisState:
     Reservation ids are this gateway's random prefix plus a counter, so charges of several
     gateways in one window never collide.
     """
+
+    # What a call raises when Redis fails (down, hung past `timeout_s`, a stale connection
+    # twice), as opposed to a bug: the errors `FailoverState` answers with its failure policy.
+    failures: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
 
     def __init__(
         self,
@@ -427,7 +444,7 @@ class RedisState:
 
     async def renew(
         self,
-        replica: str,
+        replica: PoolReplica,
         held: Sequence[tuple[str, str]],
         released: Sequence[tuple[str, str]] = (),
     ) -> int:
@@ -440,7 +457,7 @@ class RedisState:
                 args += [op, index.get(workload, 0), lease_id]
         return int(await self._run(self._renew, _slot_keys(replica, classes), args))
 
-    async def unlease(self, replica: str, workload: str, lease_id: str) -> None:
+    async def unlease(self, replica: PoolReplica, workload: str, lease_id: str) -> None:
         await self.renew(replica, (), [(workload, lease_id)])
 
     async def share_waiting(self, pool: str, waiting: Sequence[int]) -> tuple[int, ...]:
@@ -455,15 +472,15 @@ class RedisState:
         value = orjson.dumps(
             [holder.tenant, holder.pool, holder.replica, holder.turns, holder.unheard]
         )
-        key = f"holder:{response_id}"
+        key = _holder_key(response_id)
         await self._bounded(self.client.set(key, value, px=self._holder_ttl_ms))
 
     async def holder(self, response_id: str) -> Holder | None:
-        key = f"holder:{response_id}"  # read, it lives on: a conversation in use is kept
+        key = _holder_key(response_id)  # read, it lives on: a conversation in use is kept
         return _holder(await self._bounded(self.client.getex(key, px=self._holder_ttl_ms)))
 
     async def forget(self, response_id: str) -> None:
-        await self._bounded(self.client.delete(f"holder:{response_id}"))
+        await self._bounded(self.client.delete(_holder_key(response_id)))
 
     async def close(self) -> None:
         await self.client.aclose()
