@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.observability.metrics import MAX_ADAPTER_LABELS, OTHER
+from gateway.observability.instruments import MAX_ADAPTER_LABELS, OTHER
 from gateway.policy.compile import load_policy
 from gateway.policy.load import PolicyError
 from gateway.replicas.adapters import MAX_PER_POOL

@@ -1,4 +1,4 @@
-"""`BackendUp`: the state backend's health and mode as Prometheus gauges, read at each scrape.
+"""`Backend`: the state backend's health and mode as Prometheus gauges, read at each scrape.
 
 Here rather than in gateway/state/ so the state stays free of the metrics library: the collector
 reads what the state exposes (`up`, `on_failure`), the state knows nothing of being scraped.
@@ -6,37 +6,38 @@ reads what the state exposes (`up`, `on_failure`), the state knows nothing of be
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
-from gateway.state.base import State
+from gateway.observability.collectors.source import Scraped
+from gateway.observability.registry import Declared
 from gateway.state.failover import FailoverState
 
+UP = Declared(
+    GaugeMetricFamily,
+    "llm_state_backend_up",
+    "1: the policy's state backend serves (always with `backend: memory`); 0: Redis"
+    " failed and limits are local or refused (llm_state_mode says which).",
+)
+MODE = Declared(
+    GaugeMetricFamily,
+    "llm_state_mode",
+    "1 for the mode in force: memory (one gateway), shared (Redis), local (Redis failed:"
+    " 1/gateways of every limit and cap) or refusing (Redis failed: 503).",
+    ("mode",),
+)
 
-class BackendUp(Collector):
+
+class Backend(Scraped):
     """`llm_state_backend_up`: 1 while the policy's state backend serves (always, in memory),
     0 while a Redis failure has the gateway on local limits or 503s; `llm_state_mode` names the
     mode in force, so a dashboard shows which limits apply without reading the policy."""
 
-    def __init__(self, state: Callable[[], State]) -> None:
-        self.state = state
+    declared = (UP, MODE)
 
-    def collect(self) -> Iterable[Metric]:
-        state = self.state()
-        up = GaugeMetricFamily(
-            "llm_state_backend_up",
-            "1: the policy's state backend serves (always with `backend: memory`); 0: Redis"
-            " failed and limits are local or refused (llm_state_mode says which).",
-        )
+    def collect(self) -> list[Metric]:
+        state = self.source().state
+        up, mode = UP(), MODE()
         up.add_metric([], 1 if getattr(state, "up", True) else 0)
-        mode = GaugeMetricFamily(
-            "llm_state_mode",
-            "1 for the mode in force: memory (one gateway), shared (Redis), local (Redis failed:"
-            " 1/gateways of every limit and cap) or refusing (Redis failed: 503).",
-            labels=["mode"],
-        )
         if not isinstance(state, FailoverState):
             current = "memory"
         elif state.up:
