@@ -6,6 +6,10 @@
   pipeline) nor the HTTP server: a stage is testable with a `Ctx` and a policy, nothing running.
 - Shared state speaks its own protocol: no HTTP errors, no aiohttp, no prometheus-client. What a
   refusal looks like to a client, and what is exported, are decided above it.
+- Observability's primitives (the instruments stages observe into, the registry, loop lag,
+  tracing) are below every stage, so any stage may import them: they import no stage, pool, picker,
+  replica or state. What reads live pools and state at scrape time, the exporter
+  (`observability.collectors`), is above admission, and no stage imports it.
 
 Imports are read from the source (`ast`), the type-only ones (`if TYPE_CHECKING:`) included for
 the direct rules, and followed transitively through the runtime ones: a stage that reaches the
@@ -38,9 +42,20 @@ STAGES = (
     "gateway.forward",
     "gateway.account",
 )
-ABOVE_STAGES = ("gateway.runtime", "gateway.pipeline", "gateway.server", "gateway.cli")
+EXPORTER = "gateway.observability.collectors"
+ABOVE_STAGES = ("gateway.runtime", "gateway.pipeline", "gateway.server", "gateway.cli", EXPORTER)
 STATE = "gateway.state"
 NOT_IN_STATE = ("gateway.errors", "aiohttp", "prometheus_client", "gateway.observability")
+OBSERVABILITY = "gateway.observability"
+NOT_IN_OBSERVABILITY_PRIMITIVES = (
+    *STAGES,
+    *ABOVE_STAGES,
+    "gateway.context",
+    "gateway.pick",
+    "gateway.replicas",
+    "gateway.state",
+    "gateway.policy.compile",
+)
 
 
 def _module_name(path: Path) -> str:
@@ -139,6 +154,15 @@ def test_a_stage_imports_neither_the_runtime_nor_the_server(stage: str) -> None:
 def test_state_imports_no_http_errors_and_no_prometheus() -> None:
     modules = [m for m in _modules() if _within(m, STATE)]
     assert _breaks(modules, NOT_IN_STATE) == []
+
+
+def test_observability_primitives_import_no_stage_pool_picker_replica_or_state() -> None:
+    """Every observability module outside the exporter is a primitive: a new one is held to
+    this until it is placed among the collectors."""
+    modules = _modules()
+    primitives = [m for m in modules if _within(m, OBSERVABILITY) and not _within(m, EXPORTER)]
+    assert {f"{OBSERVABILITY}.instruments", f"{OBSERVABILITY}.tracing"} <= set(primitives)
+    assert _breaks(primitives, NOT_IN_OBSERVABILITY_PRIMITIVES) == []
 
 
 def test_a_rule_broken_is_seen() -> None:
