@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The real-vLLM suite's tiny model; vLLM's own environment is cached outside the repository.
 TINY_LLAMA := loadtest/out/tiny-llama
 
-.PHONY: test test-vllm image lint demo schema bench-overhead bench-endpoints bench-startup bench-vllm soak fuzz clean
+.PHONY: test test-vllm image lint demo schema metrics-reference bench-overhead bench-endpoints bench-startup bench-vllm soak fuzz clean
 
 $(STAMP): pyproject.toml
 	python=$$(PYTHON='$(PYTHON)' tests/setup/python.sh) && tests/setup/venv.sh "$$python" $(VENV)
@@ -48,6 +48,10 @@ lint: $(STAMP)
 schema: $(STAMP)
 	$(BIN)/llm-gateway schema > policies/schema.json
 	$(BIN)/python -m gateway.policy.reference > docs/policy-reference.md
+
+# Every metric family /metrics exports (docs), from the gateway's metrics registry.
+metrics-reference: $(STAMP)
+	$(BIN)/python -m gateway.observability.reference > docs/metrics-reference.md
 
 demo: $(STAMP)
 	$(BIN)/python -m loadtest.demo

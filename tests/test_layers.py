@@ -9,7 +9,8 @@
 - Observability's primitives (the instruments stages observe into, the registry, loop lag,
   tracing) are below every stage, so any stage may import them: they import no stage, pool, picker,
   replica or state. What reads live pools and state at scrape time, the exporter
-  (`observability.collectors`), is above admission, and no stage imports it.
+  (`observability.collectors`, and the metrics reference that lists it), is above admission, and
+  no stage imports it.
 
 Imports are read from the source (`ast`), the type-only ones (`if TYPE_CHECKING:`) included for
 the direct rules, and followed transitively through the runtime ones: a stage that reaches the
@@ -42,8 +43,8 @@ STAGES = (
     "gateway.forward",
     "gateway.account",
 )
-EXPORTER = "gateway.observability.collectors"
-ABOVE_STAGES = ("gateway.runtime", "gateway.pipeline", "gateway.server", "gateway.cli", EXPORTER)
+EXPORTER = ("gateway.observability.collectors", "gateway.observability.reference")
+ABOVE_STAGES = ("gateway.runtime", "gateway.pipeline", "gateway.server", "gateway.cli", *EXPORTER)
 STATE = "gateway.state"
 NOT_IN_STATE = ("gateway.errors", "aiohttp", "prometheus_client", "gateway.observability")
 OBSERVABILITY = "gateway.observability"
