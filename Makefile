@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The real-vLLM suite's tiny model; vLLM's own environment is cached outside the repository.
 TINY_LLAMA := loadtest/out/tiny-llama
 
-.PHONY: test test-vllm image lint demo schema deploy-base bench-overhead bench-endpoints bench-startup bench-vllm soak fuzz clean
+.PHONY: test test-vllm image lint demo schema deploy-base metrics-reference bench-overhead bench-endpoints bench-startup bench-vllm soak fuzz clean
 
 $(STAMP): pyproject.toml
 	python=$$(PYTHON='$(PYTHON)' tests/setup/python.sh) && tests/setup/venv.sh "$$python" $(VENV)
@@ -55,6 +55,10 @@ deploy-base: $(STAMP)
 	export PATH="$(abspath $(BIN)):$$PATH"; \
 	{ command -v helm >/dev/null || $(BIN)/python tests/setup/install_kubectl.py $(BIN); } && \
 	$(BIN)/python deploy/render.py
+
+# Every metric family /metrics exports (docs), from the gateway's metrics registry.
+metrics-reference: $(STAMP)
+	$(BIN)/python -m gateway.observability.reference > docs/metrics-reference.md
 
 demo: $(STAMP)
 	$(BIN)/python -m loadtest.demo

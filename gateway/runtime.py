@@ -25,9 +25,9 @@ from gateway.config.load import PolicyError, load_spec
 from gateway.errors import ReloadFailed
 from gateway.fleet import adapters, discovery
 from gateway.fleet.health import HealthChecker
+from gateway.observability.collectors import export
+from gateway.observability.instruments import Instruments
 from gateway.observability.loop_lag import watch_lag
-from gateway.observability.metrics import Metrics
-from gateway.observability.state_metrics import BackendUp
 from gateway.observability.tracing import Tracing
 from gateway.policy.compile import Policy, compile_policy, reference_problems
 from gateway.request.account import Accountant
@@ -149,8 +149,9 @@ class Gateway:
         self._tls_watch: asyncio.Task[None] | None = None
         self._retiring: dict[str, LivePool] = {}  # removed pools, for `retiring`
         self.reload_errors = 0
-        self.accountant = Accountant(Metrics(self), access_log)  # reads the above at scrape time
-        self.accountant.metrics.registry.register(BackendUp(lambda: self.state))
+        instruments = Instruments()
+        export(instruments.registry, lambda: self)  # read at each scrape, from the gateway built
+        self.accountant = Accountant(instruments, access_log)
         self.quotas = Quotas(self.state, self.accountant.metrics)
         self.holders = Holders(policy.spec.server.max_stored_responses, holder_record)
         self.tracing = _tracing(policy, None)

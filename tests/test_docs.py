@@ -1,6 +1,6 @@
-"""The docs a user reads stay true: the policy reference is what the schema renders now, every
-relative link in a Markdown file leads to a file (and heading) that exists, and the README's
-minimal policy is the shipped one."""
+"""The docs a user reads stay true: the policy reference is what the schema renders now, the
+metrics reference what the metrics registry renders now, every relative link in a Markdown file
+leads to a file (and heading) that exists, and the README's minimal policy is the shipped one."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from gateway.config.reference import render
+from gateway.observability import reference as metrics_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
@@ -18,6 +19,11 @@ FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
 def test_policy_reference_is_up_to_date() -> None:
     shipped = (ROOT / "docs" / "policy-reference.md").read_text()
     assert shipped == render(), "run `make schema`"
+
+
+def test_metrics_reference_is_up_to_date() -> None:
+    shipped = (ROOT / "docs" / "metrics-reference.md").read_text()
+    assert shipped == metrics_reference.render(), "run `make metrics-reference`"
 
 
 def _anchors(path: Path) -> set[str]:

@@ -7,7 +7,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.observability import fast as loopmetrics
-from gateway.observability.metrics import E2E_BUCKETS, LAG_BUCKETS
+from gateway.observability.instruments import E2E_BUCKETS
+from gateway.observability.loop_lag import LAG_BUCKETS
 
 VALUES = (0.0, 0.001, 0.01, 0.0100001, 0.5, 1, 1.0000001, 42.0, 600, 601, 1e9)
 

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config.load import PolicyError
 from gateway.fleet.adapters import MAX_PER_POOL
-from gateway.observability.metrics import MAX_ADAPTER_LABELS, OTHER
+from gateway.observability.instruments import MAX_ADAPTER_LABELS, OTHER
 from gateway.policy.compile import load_policy
 from loadtest.sim.server import ReplicaOptions, start_replica
 from tests.conftest import _serve, basic_policy, eventually, write_policy

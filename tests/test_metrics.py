@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.observability.instruments import Instruments
 from loadtest.tiny_tokenizer import WORDS
 from tests.conftest import basic_policy
 
@@ -187,3 +192,50 @@ async def test_no_tokenizer_thread_series_when_every_count_is_estimated(
     gw = await gateway_factory(policy)
     found = samples(await scrape(http, gw))
     assert not [name for name in found if name.startswith("llm_tokenizer_")]
+
+
+async def test_a_gateway_with_every_feature_exports_exactly_the_declared_families(
+    stub, gateway_factory, tokenizer_dir, http, tmp_path: Path
+) -> None:
+    """What each collector fills at a scrape is what it declares: the same families, types, help
+    texts and label names, so docs/metrics-reference.md (rendered from the declarations) lists
+    what a scrape shows. Prefix and precise-prefix scorers, tokenizer threads and two counting
+    libraries make every family appear."""
+    policy = {
+        **basic_policy(tokenizer_dir, [stub.url], pick={"scorers": {"prefix": 1}}),
+        "server": {"tokenizer_threads": 2},
+    }
+    kv_events = {"weight": 1, "endpoint": f"ipc://{tmp_path}/kv-{{port}}"}
+    policy["pools"]["precise"] = {
+        "model": "tiny",
+        "replicas": [stub.url],
+        "max_concurrency": 8,
+        "pick": {"scorers": {"precise_prefix": kv_events}},
+    }
+    policy["models"]["rough"] = {"tokenizer": "estimate", "max_model_len": 4096}
+    gw = await gateway_factory(policy)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with http.post(f"{gw.url}/v1/chat/completions", json=chat) as resp:
+        assert resp.status == 200
+
+    exported = {}
+    for family in text_string_to_metric_families(await scrape(http, gw)):
+        label_sets = {tuple(k for k in s.labels if k != "le") for s in family.samples}
+        exported[family.name] = (family.type, family.documentation, label_sets)
+    declared = {
+        d.name: (d().type, d.help, {tuple(sorted(d.labels))})
+        for d in gw.gateway.accountant.metrics.registry.declared()
+    }
+    assert exported.keys() == declared.keys()
+    for name, (kind, documentation, label_sets) in exported.items():
+        assert (kind, documentation) == declared[name][:2], name
+        assert {tuple(sorted(labels)) for labels in label_sets} <= declared[name][2], name
+
+
+def test_the_registry_takes_only_collectors_that_declare_their_families() -> None:
+    class Undeclared:
+        def collect(self) -> list[Metric]:
+            return [GaugeMetricFamily("llm_undeclared", "A family no reference would list.")]
+
+    with pytest.raises(TypeError, match="Undeclared declares no families"):
+        Instruments().registry.register(Undeclared())

@@ -8,7 +8,7 @@ exposition is prometheus-client's, from the families built at scrape time, so th
 and `_bucket`/`_sum`/`_count` series and `le` values are exactly what its classes export.
 
 Not for threads: a tokenizer thread that counted here would race the loop. Those keep plain ints
-under their own lock, read at scrape time (`metrics._Gauges`).
+under their own lock, read at scrape time (`collectors.counting`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from itertools import accumulate
 from typing import Any, Generic, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, Exemplar, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.registry import CollectorRegistry
 from prometheus_client.utils import floatToGoString
+
+from gateway.observability.registry import Declared, Declaring
 
 Child = TypeVar("Child")
 Family = TypeVar("Family", bound=Metric)
@@ -61,53 +63,49 @@ class HistogramChild:
             self.exemplars[bucket] = Exemplar({"trace_id": trace_id}, value, time.time())
 
 
-class _Family(Collector, Generic[Child, Family]):
+class _Family(Declaring, Generic[Child, Family]):
     """Children by label values, made on first use; a family of them built at scrape time."""
+
+    kind: type[Family]
 
     def __init__(
         self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry
     ) -> None:
-        self.name, self.documentation = name, documentation
-        self.labelnames = tuple(labelnames)
+        self.family = Declared(self.kind, name, documentation, tuple(labelnames))
+        self.declared = (self.family,)
         self._children: dict[tuple[str, ...], Child] = {}
         registry.register(self)
 
     def labels(self, *values: str) -> Child:
         child = self._children.get(values)
         if child is None:
-            if len(values) != len(self.labelnames):
-                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
+            labelnames = self.family.labels
+            if len(values) != len(labelnames):
+                raise ValueError(f"{self.family.name} takes labels {labelnames}, got {values}")
             child = self._children[values] = self._new_child()
         return child
 
-    # What a kind of metric says for itself: its child, its empty family, a child's samples.
+    # What a kind of metric says for itself: its child, a child's samples.
     @abstractmethod
     def _new_child(self) -> Child: ...
-
-    @abstractmethod
-    def _family(self) -> Family: ...
 
     @abstractmethod
     def _add(self, family: Family, values: tuple[str, ...], child: Child) -> None: ...
 
     def collect(self) -> list[Metric]:
-        family = self._family()
+        family = self.family()
         for values, child in list(self._children.items()):
             self._add(family, values, child)
         return [family]
-
-    def describe(self) -> list[Metric]:
-        return [self._family()]
 
 
 class Counter(_Family[CounterChild, CounterMetricFamily]):
     """A labelled counter; `name` without `_total`, as prometheus-client's `Counter` takes it."""
 
+    kind = CounterMetricFamily
+
     def _new_child(self) -> CounterChild:
         return CounterChild()
-
-    def _family(self) -> CounterMetricFamily:
-        return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
     def _add(
         self, family: CounterMetricFamily, values: tuple[str, ...], child: CounterChild
@@ -117,6 +115,8 @@ class Counter(_Family[CounterChild, CounterMetricFamily]):
 
 class Histogram(_Family[HistogramChild, HistogramMetricFamily]):
     """A labelled histogram with fixed buckets (+Inf added)."""
+
+    kind = HistogramMetricFamily
 
     def __init__(
         self,
@@ -135,9 +135,6 @@ class Histogram(_Family[HistogramChild, HistogramMetricFamily]):
 
     def _new_child(self) -> HistogramChild:
         return HistogramChild(self._bounds)
-
-    def _family(self) -> HistogramMetricFamily:
-        return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
     def _add(
         self, family: HistogramMetricFamily, values: tuple[str, ...], child: HistogramChild

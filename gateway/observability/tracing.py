@@ -28,7 +28,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -42,10 +42,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from gateway.config.schema import PRIORITIES
 
 if TYPE_CHECKING:
-    from multidict import CIMultiDict
+    from multidict import CIMultiDict, CIMultiDictProxy
 
     from gateway.config.schema import TracingSpec
-    from gateway.context.ctx import Ctx
 
 # `gen_ai.operation.name` by endpoint; the pooling endpoints keep their own names.
 _OPERATIONS = {
@@ -56,6 +55,65 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 CLOSE_S = 2.0  # the longest closing waits for the last spans to be exported
 
 log = logging.getLogger("gateway.observability.tracing")
+
+
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+class _Endpoint(Protocol):
+    @property
+    def path(self) -> str: ...
+
+
+class Traced(Protocol):
+    """What a trace reads of its request: the pipeline's `Ctx`, named here so that tracing, which
+    every stage may reach, imports none of them."""
+
+    headers: CIMultiDictProxy[str]
+    arrived: float
+    request_id: str
+    requested_model: str
+    stream: bool
+    priority: int
+    max_output: int | None
+    input_tokens: int
+    expected_output: int
+    workload: str
+    spilled_from: str
+    replica: str
+    retries: int
+    queue_wait: float | None
+    output_tokens: int | None
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    counted: tuple[float, float] | None
+    granted: float
+    status: int
+    code: str
+    ended: float
+
+    @property
+    def api(self) -> _Endpoint: ...
+
+    @property
+    def tenant(self) -> _Named | None: ...
+
+    @property
+    def pool(self) -> _Named | None: ...
+
+    @property
+    def refusal(self) -> object: ...
+
+    @property
+    def endpoint(self) -> str: ...
+
+    @property
+    def served_model(self) -> str: ...
+
+    @property
+    def refused(self) -> bool: ...
 
 
 class Tracing:
@@ -71,7 +129,7 @@ class Tracing:
         self._provider.add_span_processor(BatchSpanProcessor(exporter))
         self.tracer = self._provider.get_tracer("llm-admission-gateway")
 
-    def begin(self, ctx: Ctx, method: str) -> RequestTrace | None:
+    def begin(self, ctx: Traced, method: str) -> RequestTrace | None:
         """The request's server span, a child of the client's `traceparent` if it sent one;
         None when the sampler leaves it out: then nothing more is made for it, and a client's
         `traceparent` goes to the replica as it came, its decision with it."""
@@ -164,7 +222,7 @@ class RequestTrace:
         self.upstream.end()
         self.upstream = None
 
-    def finish(self, ctx: Ctx) -> None:
+    def finish(self, ctx: Traced) -> None:
         """The stages' spans from the times they recorded, the request's attributes, the end."""
         self.answered(None)  # an upstream span still open: the request ended without an answer
         if ctx.counted:
@@ -181,7 +239,7 @@ class RequestTrace:
         span.end(end_time=self._at(ctx.ended))
 
 
-def _attributes(ctx: Ctx) -> dict[str, Any]:
+def _attributes(ctx: Traced) -> dict[str, Any]:
     """GenAI's conventions and the gateway's own; unset values left out (OTel takes no None)."""
     values: dict[str, Any] = {
         "gen_ai.operation.name": _OPERATIONS.get(ctx.endpoint, ctx.endpoint),

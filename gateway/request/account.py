@@ -15,7 +15,7 @@ import orjson
 
 from gateway.config.schema import PRIORITIES
 from gateway.context.ctx import Ctx
-from gateway.observability.metrics import NONE, Metrics
+from gateway.observability.instruments import NONE, Instruments
 from gateway.request.estimate import OutputEstimator
 from gateway.request.forward import read_usage
 
@@ -29,7 +29,7 @@ class _Series:
     __slots__ = ("_labels", "_metrics", "_queue_wait", "e2e", "input_tokens", "output_tokens",
                  "tpot", "ttft")  # fmt: skip
 
-    def __init__(self, metrics: Metrics, labels: tuple[str, str, str]) -> None:
+    def __init__(self, metrics: Instruments, labels: tuple[str, str, str]) -> None:
         self._metrics, self._labels = metrics, labels
         self.e2e = metrics.e2e.labels(*labels)
         self.ttft = metrics.ttft.labels(*labels)
@@ -60,7 +60,7 @@ def _delivered(ctx: Ctx) -> None:
 
 
 class Accountant:
-    def __init__(self, metrics: Metrics, access_log: IO[bytes] | None) -> None:
+    def __init__(self, metrics: Instruments, access_log: IO[bytes] | None) -> None:
         self.metrics = metrics
         self.access_log = access_log
         self._series: dict[tuple[str, str, str], _Series] = {}

@@ -64,7 +64,7 @@ from gateway.context.compiled import Tenant
 from gateway.context.ctx import CLIENT_CLOSED, Ctx
 from gateway.context.endpoint import Api
 from gateway.errors import GatewayError, OverQuota, QuotaExceeded, StateUnavailable
-from gateway.observability.metrics import Metrics
+from gateway.observability.instruments import Instruments
 from gateway.state.base import (
     Correction,
     Limit,
@@ -329,7 +329,7 @@ class Quotas:
     """Tenants' windows in a `State`. Corrections run as tasks kept here and awaited at close,
     so the pipeline's `finally` never awaits (a cancelled handler still corrects its charge)."""
 
-    def __init__(self, state: State, metrics: Metrics) -> None:
+    def __init__(self, state: State, metrics: Instruments) -> None:
         self.state = state
         self.metrics = metrics
         self._pending: set[asyncio.Task[Any]] = set()

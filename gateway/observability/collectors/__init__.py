@@ -1,0 +1,32 @@
+"""The exporter: collectors that read the running gateway's live state at each scrape, one module
+per concern, all registered from `COLLECTORS`.
+
+They sit above admission (they read live pools, replicas, scorers, the state backend); the
+instruments the request path observes into (`observability.instruments`) sit below every stage.
+A new signal is a `Declared` family filled by one of these, or a new module and its line here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gateway.observability.collectors.backend import Backend
+from gateway.observability.collectors.counting import Counting
+from gateway.observability.collectors.demand import Demand
+from gateway.observability.collectors.health import Health
+from gateway.observability.collectors.prefix import Prefix
+from gateway.observability.collectors.reloads import Reloads
+from gateway.observability.collectors.slots import Slots
+from gateway.observability.collectors.source import Scraped, Source
+from gateway.observability.registry import Registry
+
+# In the order a scrape exports them (after the instruments).
+COLLECTORS: tuple[type[Scraped], ...] = (
+    Slots, Health, Prefix, Demand, Counting, Reloads, Backend,
+)  # fmt: skip
+
+
+def export(registry: Registry, source: Callable[[], Source]) -> None:
+    """Every collector in `registry`, reading `source()` when scraped."""
+    for collector in COLLECTORS:
+        registry.register(collector(source))
