@@ -58,7 +58,7 @@ deploy-base: $(STAMP)
 
 # Every metric family /metrics exports (docs), from the gateway's metrics registry.
 metrics-reference: $(STAMP)
-	$(BIN)/python -m gateway.observability.reference > docs/metrics-reference.md
+	$(BIN)/python -m gateway.exporter.reference > docs/metrics-reference.md
 
 demo: $(STAMP)
 	$(BIN)/python -m loadtest.demo

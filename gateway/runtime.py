@@ -23,9 +23,9 @@ import aiohttp
 from gateway.admit import LivePool
 from gateway.config.load import PolicyError, load_spec
 from gateway.errors import ReloadFailed
+from gateway.exporter import export
 from gateway.fleet import adapters, discovery
 from gateway.fleet.health import HealthChecker
-from gateway.observability.collectors import export
 from gateway.observability.instruments import Instruments
 from gateway.observability.loop_lag import watch_lag
 from gateway.observability.tracing import Tracing

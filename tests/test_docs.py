@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from gateway.config.reference import render
-from gateway.observability import reference as metrics_reference
+from gateway.exporter import reference as metrics_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])

@@ -41,7 +41,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pick", "fleet"),
     ("request",),
     ("policy",),
-    ("exporter", "runtime"),  # what is scraped, read from the live pools; the process
+    ("exporter",),  # what a scrape reads from the live pools, replicas and state
+    ("runtime",),  # the process: policy, live pools, reloads, background tasks
     ("pipeline",),
     ("server",),
     ("cli",),
@@ -54,7 +55,13 @@ STAGES = tuple(
 )
 ABOVE_STAGES = ("gateway.runtime", "gateway.pipeline", "gateway.server", "gateway.cli")
 STATE = "gateway.state"
-NOT_IN_STATE = ("gateway.errors", "aiohttp", "prometheus_client", "gateway.observability")
+NOT_IN_STATE = (
+    "gateway.errors",
+    "aiohttp",
+    "prometheus_client",
+    "gateway.observability",
+    "gateway.exporter",
+)
 STATE_FACE = ("gateway.state", "gateway.state.base", "gateway.state.build")
 
 

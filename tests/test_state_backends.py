@@ -9,13 +9,14 @@ the same policy is tests/test_redis_state.py's.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Literal, get_args
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from gateway.config.schema import StateSpec
-from gateway.observability.state_metrics import BackendUp
+from gateway.exporter.backend import Backend
 from gateway.state import Correction, Limit, MemoryState, Reservation, State, TenantWindow
 from gateway.state.base import StateUnreachable
 from gateway.state.build import BACKENDS, build_state
@@ -117,7 +118,7 @@ async def test_only_the_failures_a_backend_declares_fail_over(fault: type[Except
 
 def scrape(state: State) -> dict[str, float]:
     registry = CollectorRegistry()
-    registry.register(BackendUp(lambda: state))
+    registry.register(Backend(lambda: SimpleNamespace(state=state)))  # type: ignore[arg-type, return-value]
     return {
         f"{s.name}{s.labels.get('mode', '')}": s.value
         for family in registry.collect()

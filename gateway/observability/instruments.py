@@ -4,7 +4,7 @@ label values only.
 Latency histograms and token counters are labelled {model, pool, class} where `model` is the name
 the pool serves (never the client's free text); requests for LoRA adapters are also counted by
 adapter, a name the adapter catalog knows. What is read from live state at scrape time instead
-(in-flight, queues, replicas, tokenizer threads) is the exporter's: `observability.collectors`.
+(in-flight, queues, replicas, tokenizer threads) is the exporter's: `exporter`.
 These import no stage, pool or state, so every stage may import them.
 """
 

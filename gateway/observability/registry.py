@@ -4,7 +4,7 @@ prometheus-client asks a collector for its names when it is registered: from `de
 one, else by scraping it. A collector of live state scraped while the gateway is still being built
 would read what is not there yet; a declared one answers with its families' names, types, help
 and labels and reads nothing. The declarations are also what docs/metrics-reference.md lists
-(`gateway.observability.reference`), so the reference is this registry's content, not a second
+(`gateway.exporter.reference`), so the reference is this registry's content, not a second
 list kept by hand.
 """
 

@@ -12,7 +12,7 @@ from itertools import chain
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gateway.config.schema import PRIORITIES
-from gateway.observability.collectors.source import Scraped
+from gateway.exporter.source import Scraped
 from gateway.observability.registry import Declared
 
 REPLICA = ("pool", "replica")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gateway.config.schema import COUNT_BY_CHARS
-from gateway.observability.collectors.source import Scraped
+from gateway.exporter.source import Scraped
 from gateway.observability.registry import Declared
 from gateway.tokenizer.counters import HFCounter
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from gateway.observability.collectors.source import Scraped
+from gateway.exporter.source import Scraped
 from gateway.observability.registry import Declared
 from gateway.state.base import MODES
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gateway.observability.collectors.source import Scraped
+from gateway.exporter.source import Scraped
 from gateway.observability.registry import Declared
 
 INDEX = Declared(

@@ -1,4 +1,4 @@
-"""The exporter: collectors that read the running gateway's live state at each scrape, one module
+"""The exporter (`gateway/exporter/`): collectors that read the running gateway's live state at each scrape, one module
 per concern, all registered from `COLLECTORS`.
 
 They sit above admission (they read live pools, replicas, scorers, the state backend); the
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gateway.observability.collectors.backend import Backend
-from gateway.observability.collectors.counting import Counting
-from gateway.observability.collectors.demand import Demand
-from gateway.observability.collectors.health import Health
-from gateway.observability.collectors.prefix import Prefix
-from gateway.observability.collectors.reloads import Reloads
-from gateway.observability.collectors.slots import Slots
-from gateway.observability.collectors.source import Scraped, Source
+from gateway.exporter.backend import Backend
+from gateway.exporter.counting import Counting
+from gateway.exporter.demand import Demand
+from gateway.exporter.health import Health
+from gateway.exporter.prefix import Prefix
+from gateway.exporter.reloads import Reloads
+from gateway.exporter.slots import Slots
+from gateway.exporter.source import Scraped, Source
 from gateway.observability.registry import Registry
 
 # In the order a scrape exports them (after the instruments).

@@ -1,7 +1,7 @@
 """docs/metrics-reference.md, rendered from the gateway's metrics registry: every family `/metrics`
 exports, with its type, labels and help, in the order a scrape exports them.
 
-`python -m gateway.observability.reference > docs/metrics-reference.md` (`make metrics-reference`
+`python -m gateway.exporter.reference > docs/metrics-reference.md` (`make metrics-reference`
 runs it); tests/test_docs.py fails when the file is not what this renders now. The registry is
 built as the gateway builds it (the instruments, then `collectors.export`), with no gateway behind
 it: the collectors' declarations answer, nothing is scraped.
@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.observability.collectors import export
-from gateway.observability.collectors.source import Source
+from gateway.exporter import export
+from gateway.exporter.source import Source
 from gateway.observability.instruments import Instruments
 from gateway.observability.registry import Declared
 
 HEADER = """\
 # Metrics reference
 
-<!-- Generated from the gateway's metrics registry by `python -m gateway.observability.reference`
+<!-- Generated from the gateway's metrics registry by `python -m gateway.exporter.reference`
      (`make metrics-reference`); do not edit by hand: tests/test_docs.py checks it is current. -->
 
 Every metric family `/metrics` exports, in the order a scrape lists them. A counter's samples are
