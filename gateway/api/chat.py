@@ -233,6 +233,7 @@ class ChatApi(OpenAIApi):
     __slots__ = ()
     name = "chat"
     path = "/v1/chat/completions"
+    sample = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16}
     prompt_param = "messages"
     bound_field = "max_completion_tokens"
     continuous_usage = True

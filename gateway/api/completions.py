@@ -61,6 +61,7 @@ class CompletionsApi(OpenAIApi):
     __slots__ = ()
     name = "completions"
     path = "/v1/completions"
+    sample = {"prompt": "Say hello.", "max_tokens": 16}
     prompt_param = "prompt"
     bound_field = "max_tokens"
     continuous_usage = True

@@ -120,6 +120,7 @@ class EmbeddingsApi(PoolingApi):
     __slots__ = ()
     name = "embeddings"
     path = "/v1/embeddings"
+    sample = {"input": "Ships in two days."}
     prompt_param = "input"
 
     def parse(self, ctx: Ctx, body: dict[str, Any], limits: ServerSpec) -> tuple[int, int | None]:

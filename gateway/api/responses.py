@@ -357,6 +357,7 @@ class ResponsesApi(OpenAIApi):
     __slots__ = ()
     name = "responses"
     path = "/v1/responses"
+    sample = {"input": "Say hello.", "max_output_tokens": 16}
     prompt_param = "input"
     bound_field = "max_output_tokens"
     openai_fields = False

@@ -127,6 +127,7 @@ class RerankApi(ScoringApi):
     __slots__ = ()
     name = "rerank"
     path = "/v1/rerank"
+    sample = {"query": "Ships when?", "documents": ["In two days.", "No returns."]}
     aliases = ("/rerank", "/v2/rerank")
     prompt_param = "documents"
 
@@ -143,6 +144,7 @@ class ScoreApi(ScoringApi):
     __slots__ = ()
     name = "score"
     path = "/score"
+    sample = {"text_1": "Ships when?", "text_2": ["In two days.", "No returns."]}
     aliases = ("/v1/score",)
     prompt_param = "text_2"
 

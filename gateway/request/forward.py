@@ -98,15 +98,10 @@ def upstream_priority(ctx: Ctx) -> int | None:
 
 
 def upstream_body(ctx: Ctx) -> bytes:
-    """The client's bytes, re-encoded only when the model is rewritten, usage must be asked,
-    the output bound is the gateway's (`Ctx.bounded_by_gateway`), or `priority` is the
-    gateway's to set.
-
-    The client's own `priority` never goes upstream: on replicas scheduling by priority it would
-    let a tenant jump the queue its tier puts it in. The pool's is sent instead, or none. A body
-    the gateway did not read goes as it came."""
-    if not ctx.api.reads_body:
-        return ctx.raw
+    """The body the replica gets (the endpoint's to encode: `Api.upstream_body`), with what the
+    gateway changes: the model when it is rewritten, usage when it must be asked, the output
+    bound when it is the gateway's (`Ctx.bounded_by_gateway`), `priority` when the pool sends
+    one. Nothing changed: the client's own bytes."""
     changes: dict[str, Any] = {}
     if ctx.requested_model != ctx.upstream_model:
         changes["model"] = ctx.upstream_model
@@ -117,12 +112,7 @@ def upstream_body(ctx: Ctx) -> bytes:
     priority = upstream_priority(ctx)
     if priority is not None:
         changes["priority"] = priority
-    body = ctx.body
-    if "priority" in body:
-        body = {k: v for k, v in body.items() if k != "priority"}
-    elif not changes:
-        return ctx.raw
-    return orjson.dumps({**body, **changes})
+    return ctx.api.upstream_body(ctx, changes)
 
 
 @dataclass(frozen=True, slots=True)
