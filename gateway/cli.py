@@ -12,13 +12,13 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from gateway import __version__
+from gateway.api import BY_NAME
 from gateway.config.load import LoadedSpec, PolicyError
-from gateway.config.schema import Endpoint
 from gateway.request.authenticate import key_entry
 
 if TYPE_CHECKING:
@@ -328,7 +328,7 @@ async def _explain(
 ) -> dict[str, Any]:
     from multidict import CIMultiDict, CIMultiDictProxy
 
-    from gateway.api import BY_NAME, CHAT
+    from gateway.api import CHAT
     from gateway.config.load import load_spec
     from gateway.config.schema import COUNT_BY_CHARS, PRIORITIES
     from gateway.policy.compile import compile_policy, reference_problems
@@ -551,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", required=True, help="the policy file (YAML)")
     p.add_argument(
         "--endpoint",
-        choices=get_args(Endpoint),
+        choices=sorted(BY_NAME),
         help="default: completions when the body has `prompt` and no `messages`, else chat"
         " (an Anthropic /v1/messages body needs `--endpoint messages`)",
     )

@@ -11,17 +11,9 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Endpoint = Literal[
-    "chat",
-    "completions",
-    "messages",
-    "responses",
-    "embeddings",
-    "rerank",
-    "score",
-    "classify",
-    "pooling",
-]
+# An endpoint's name (`match.endpoint`): one of the APIs gateway/api/ registers, checked when
+# the policy is compiled, as a plug-in's type is; this layer is below the registry.
+Endpoint = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]
 PRIORITIES: tuple[str, ...] = ("critical", "standard", "sheddable")
 """Queue priorities, highest first: a tenant's tier, which `x-priority` may lower."""
 
@@ -437,7 +429,10 @@ class When(Spec):
     output_tokens: Range | None = Field(None, description="Expected output tokens.")
     output_input_ratio: Range | None = Field(None, description="Expected output / input tokens.")
     model: StrOrList | None = Field(None, description="Requested model name(s); `*` globs allowed.")
-    endpoint: Endpoint | list[Endpoint] | None = None
+    endpoint: Endpoint | list[Endpoint] | None = Field(
+        None,
+        description="Endpoint name(s): `chat`, `messages`, ... (docs/api.md, Endpoints and headers).",
+    )
     header: dict[str, str] | None = Field(
         None, description="Header name -> value (`*` globs allowed); all must match."
     )
@@ -451,7 +446,10 @@ class ClassSpec(Spec):
 class RouteMatch(Spec):
     model: StrOrList | None = Field(None, description="Requested model name(s); `*` globs allowed.")
     class_: StrOrList | None = Field(None, alias="class")
-    endpoint: Endpoint | list[Endpoint] | None = None
+    endpoint: Endpoint | list[Endpoint] | None = Field(
+        None,
+        description="Endpoint name(s): `chat`, `messages`, ... (docs/api.md, Endpoints and headers).",
+    )
     header: dict[str, str] | None = None
 
 

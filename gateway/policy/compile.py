@@ -11,10 +11,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.api import BY_PATH
+from gateway.api import BY_NAME, BY_PATH
 from gateway.config.load import LoadedSpec, PolicyError, Problem, load_spec
 from gateway.config.plugins import PluginError, create, lookup, names
-from gateway.config.schema import COUNT_BY_CHARS, ModelSpec, PolicySpec, PoolSpec
+from gateway.config.schema import (
+    COUNT_BY_CHARS,
+    ModelSpec,
+    PolicySpec,
+    PoolSpec,
+    RouteMatch,
+    When,
+)
 from gateway.fleet.adapters import Adapters
 from gateway.pick import Picker, WeightedPicker  # the package registers every picker and scorer
 from gateway.request.authenticate import Tenant, compile_tenants
@@ -181,7 +188,25 @@ def _references(spec: PolicySpec) -> list[Problem]:
         + _adapter_problems(spec)
         + _fallback_problems(spec)
         + _passthrough_problems(spec)
+        + _endpoint_problems(spec)
     )
+
+
+def _endpoint_problems(spec: PolicySpec) -> list[Problem]:
+    """A class's or route's `endpoint` names an API the gateway serves (gateway/api/)."""
+    problems = []
+    known = ", ".join(BY_NAME)
+    matches: list[tuple[tuple[str, int, str], When | RouteMatch]] = [
+        (("classes", i, "when"), c.when) for i, c in enumerate(spec.classes)
+    ]
+    matches += [(("routes", i, "match"), r.match) for i, r in enumerate(spec.routes)]
+    for where, match in matches:
+        given = match.endpoint
+        for name in [given] if isinstance(given, str) else given or []:
+            if name not in BY_NAME:
+                message = f"unknown endpoint {name!r}; known: {known}"
+                problems.append(Problem((*where, "endpoint"), message))
+    return problems
 
 
 def _passthrough_problems(spec: PolicySpec) -> list[Problem]:
