@@ -11,6 +11,7 @@ line in `APIS`.
 from __future__ import annotations
 
 from gateway.api.anthropic import MESSAGES
+from gateway.api.audio import TRANSCRIPTIONS
 from gateway.api.base import Api
 from gateway.api.chat import CHAT
 from gateway.api.classify import CLASSIFY
@@ -21,7 +22,8 @@ from gateway.api.responses import RESPONSES
 from gateway.api.scoring import RERANK, SCORE
 
 APIS: tuple[Api, ...] = (
-    CHAT, COMPLETIONS, MESSAGES, RESPONSES, EMBEDDINGS, RERANK, SCORE, CLASSIFY, POOLING
+    CHAT, COMPLETIONS, MESSAGES, RESPONSES, EMBEDDINGS, RERANK, SCORE, CLASSIFY, POOLING,
+    TRANSCRIPTIONS,
 )  # fmt: skip
 BY_NAME: dict[str, Api] = {api.name: api for api in APIS}
 BY_PATH: dict[str, Api] = {path: api for api in APIS for path in (api.path, *api.aliases)}
@@ -42,5 +44,6 @@ __all__ = [
     "RERANK",
     "RESPONSES",
     "SCORE",
+    "TRANSCRIPTIONS",
     "Api",
 ]

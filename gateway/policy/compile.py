@@ -216,7 +216,9 @@ def _passthrough_problems(spec: PolicySpec) -> list[Problem]:
         for i, path in enumerate(route.passthrough):
             where = ("routes", index, "passthrough", i)
             if path in BY_PATH:
-                problems.append(Problem(where, f"{path} is the gateway's {BY_PATH[path].name} API"))
+                api = BY_PATH[path].name
+                message = f"{path} is the gateway's {api} API, routed by its `model`: remove it"
+                problems.append(Problem(where, message))
             elif path in seen:
                 problems.append(Problem(where, f"{path} is named by an earlier route already"))
             seen.add(path)
