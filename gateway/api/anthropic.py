@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
-from gateway.api.base import FINGERPRINT_CHARS
+from gateway.api.base import FINGERPRINT_CHARS, SAMPLE_TEXT
 from gateway.api.chat import check_message_list
 from gateway.api.json_body import JsonApi
 from gateway.api.openai import is_tokens
@@ -544,7 +544,7 @@ class MessagesApi(JsonApi):
     __slots__ = ()
     name = "messages"
     path = "/v1/messages"
-    sample = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16}
+    sample = {"messages": [{"role": "user", "content": SAMPLE_TEXT}], "max_tokens": 16}
     prompt_param = "messages"
     bound_field = "max_tokens"
     openai_fields = False

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 # or a rules block, what makes a classification prompt recognisable from one request to the next.
 FINGERPRINT_CHARS = 256
 FINGERPRINT_IDS = 64  # the same for a prompt given as token ids
+# What the APIs' example requests (`Api.example`) say: one text, and two documents to score.
+SAMPLE_TEXT = "Lithium battery packs must show a valid safety certificate and its number."
+SAMPLE_DOCS = ["Ships in two days with a one year warranty.", "Replica brand items are prohibited."]
 
 
 class Api(ABC):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gateway.api.base import FINGERPRINT_CHARS
+from gateway.api.base import FINGERPRINT_CHARS, SAMPLE_TEXT
 from gateway.api.message_types import check_message_type
 from gateway.api.openai import OpenAIApi
 from gateway.errors import BadRequest
@@ -233,7 +233,7 @@ class ChatApi(OpenAIApi):
     __slots__ = ()
     name = "chat"
     path = "/v1/chat/completions"
-    sample = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16}
+    sample = {"messages": [{"role": "user", "content": SAMPLE_TEXT}], "max_tokens": 16}
     prompt_param = "messages"
     bound_field = "max_completion_tokens"
     continuous_usage = True

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gateway.api.base import FINGERPRINT_CHARS, FINGERPRINT_IDS
+from gateway.api.base import FINGERPRINT_CHARS, FINGERPRINT_IDS, SAMPLE_TEXT
 from gateway.api.openai import OpenAIApi
 from gateway.errors import BadRequest
 from gateway.request.parse import check_prompt_chars, positive_int
@@ -61,7 +61,7 @@ class CompletionsApi(OpenAIApi):
     __slots__ = ()
     name = "completions"
     path = "/v1/completions"
-    sample = {"prompt": "Say hello.", "max_tokens": 16}
+    sample = {"prompt": SAMPLE_TEXT, "max_tokens": 16}
     prompt_param = "prompt"
     bound_field = "max_tokens"
     continuous_usage = True

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gateway.api.base import FINGERPRINT_CHARS, FINGERPRINT_IDS
+from gateway.api.base import FINGERPRINT_CHARS, FINGERPRINT_IDS, SAMPLE_TEXT
 from gateway.api.chat import check_chat
 from gateway.api.completions import _prompt_floor, _prompt_shape
 from gateway.api.openai import OpenAIApi, is_tokens
@@ -120,7 +120,7 @@ class EmbeddingsApi(PoolingApi):
     __slots__ = ()
     name = "embeddings"
     path = "/v1/embeddings"
-    sample = {"input": "Ships in two days."}
+    sample = {"input": SAMPLE_TEXT}
     prompt_param = "input"
 
     def parse(self, ctx: Ctx, body: dict[str, Any], limits: ServerSpec) -> tuple[int, int | None]:

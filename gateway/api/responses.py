@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from gateway.api.base import FINGERPRINT_CHARS
+from gateway.api.base import FINGERPRINT_CHARS, SAMPLE_TEXT
 from gateway.api.chat import REASONING_EFFORTS, check_chat
 from gateway.api.openai import OpenAIApi
 from gateway.errors import BadRequest
@@ -357,7 +357,7 @@ class ResponsesApi(OpenAIApi):
     __slots__ = ()
     name = "responses"
     path = "/v1/responses"
-    sample = {"input": "Say hello.", "max_output_tokens": 16}
+    sample = {"input": SAMPLE_TEXT, "max_output_tokens": 16}
     prompt_param = "input"
     bound_field = "max_output_tokens"
     openai_fields = False

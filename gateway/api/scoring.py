@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gateway.api.base import FINGERPRINT_CHARS
+from gateway.api.base import FINGERPRINT_CHARS, SAMPLE_DOCS, SAMPLE_TEXT
 from gateway.api.embeddings import PoolingApi
 from gateway.errors import BadRequest
 from gateway.request.parse import check_prompt_chars
@@ -127,7 +127,7 @@ class RerankApi(ScoringApi):
     __slots__ = ()
     name = "rerank"
     path = "/v1/rerank"
-    sample = {"query": "Ships when?", "documents": ["In two days.", "No returns."]}
+    sample = {"query": SAMPLE_TEXT, "documents": SAMPLE_DOCS}
     aliases = ("/rerank", "/v2/rerank")
     prompt_param = "documents"
 
@@ -144,7 +144,7 @@ class ScoreApi(ScoringApi):
     __slots__ = ()
     name = "score"
     path = "/score"
-    sample = {"text_1": "Ships when?", "text_2": ["In two days.", "No returns."]}
+    sample = {"text_1": SAMPLE_TEXT, "text_2": SAMPLE_DOCS}
     aliases = ("/v1/score",)
     prompt_param = "text_2"
 
