@@ -1,11 +1,13 @@
-"""vLLM's speech-to-text endpoints (gateway/api/audio.py), admitted and counted: the `openai`
-SDK's multipart upload through the gateway to a replica on loopback, its body forwarded byte for
-byte (a rewritten `model` spliced in), its text prompt counted; a body that is not a whole form
-is a 400 in OpenAI's shape, one over the body limit a 413, and neither holds anything after."""
+"""vLLM's speech-to-text endpoints (gateway/api/audio.py), transcriptions and translations,
+admitted and counted: the `openai` SDK's multipart upload through the gateway to a replica on
+loopback (the test's own, or the simulated vLLM), its body forwarded byte for byte (a rewritten
+`model` spliced in), its text prompt counted; a body that is not a whole form is a 400 in
+OpenAI's shape, one over the body limit a 413, and neither holds anything after."""
 
 from __future__ import annotations
 
 import io
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +19,13 @@ from tokenizers import Tokenizer
 
 from gateway.api.audio import MAX_PARTS, decode_form
 from gateway.errors import GatewayError
-from tests.conftest import accounted, basic_policy
+from loadtest.sim import ReplicaOptions, start_replica
+from tests.conftest import _serve, accounted, basic_policy
+from tests.test_simulator import write_profile
 
 AUDIO = bytes(range(256)) * 40  # 10 KB of "audio": the gateway never looks inside it
 TRANSCRIBE = "/v1/audio/transcriptions"
+PATHS = (TRANSCRIBE, "/v1/audio/translations")
 
 
 class Replica:
@@ -49,10 +54,13 @@ def logged(gw: Any) -> list[dict[str, Any]]:
 
 
 @pytest.fixture
-async def speech(replica_app, tokenizer_dir: Path, gateway_factory) -> tuple[Any, Replica]:
-    replica = Replica()
-    url = await replica_app(replica.handle, TRANSCRIBE)
-    return await gateway_factory(basic_policy(tokenizer_dir, [url])), replica
+async def speech(tokenizer_dir: Path, gateway_factory) -> AsyncIterator[tuple[Any, Replica]]:
+    replica, app = Replica(), web.Application()
+    for path in PATHS:
+        app.router.add_post(path, replica.handle)
+    runner, url = await _serve(app)
+    yield await gateway_factory(basic_policy(tokenizer_dir, [url])), replica
+    await runner.cleanup()
 
 
 def sdk(gw: Any, sent: list[bytes]) -> openai.AsyncOpenAI:
@@ -170,13 +178,12 @@ WHOLE = part("model", b"tiny") + part("file", AUDIO, "a.wav") + f"--{BOUNDARY}--
         "json",
     ],
 )
+@pytest.mark.parametrize("path", PATHS)
 async def test_a_body_that_is_not_a_whole_form_is_refused_in_openais_shape(
-    speech, http, body: bytes, content_type: str, status: int, code: str, param: str | None
+    speech, http, path, body: bytes, content_type: str, status: int, code: str, param: str | None
 ) -> None:
     gw, replica = speech
-    async with http.post(
-        gw.url + TRANSCRIBE, data=body, headers={"Content-Type": content_type}
-    ) as resp:
+    async with http.post(gw.url + path, data=body, headers={"Content-Type": content_type}) as resp:
         assert resp.status == status
         error = (await resp.json())["error"]
     assert (error["code"], error["param"]) == (code, param)
@@ -185,14 +192,15 @@ async def test_a_body_that_is_not_a_whole_form_is_refused_in_openais_shape(
     assert gw.inflight() == 0
 
 
+@pytest.mark.parametrize("path", PATHS)
 async def test_an_upload_over_the_body_limit_is_a_413_and_holds_nothing(
-    replica_app, tokenizer_dir: Path, gateway_factory, http
+    replica_app, tokenizer_dir: Path, gateway_factory, http, path: str
 ) -> None:
     replica = Replica()
-    policy = basic_policy(tokenizer_dir, [await replica_app(replica.handle, TRANSCRIBE)])
+    policy = basic_policy(tokenizer_dir, [await replica_app(replica.handle, path)])
     policy["server"] = {"max_body_bytes": len(WHOLE) - 1}
     gw = await gateway_factory(policy)
-    async with http.post(gw.url + TRANSCRIBE, data=WHOLE, headers={"Content-Type": FORM}) as resp:
+    async with http.post(gw.url + path, data=WHOLE, headers={"Content-Type": FORM}) as resp:
         assert resp.status == 413
         assert (await resp.json())["error"]["code"] == "request_too_large"
     await accounted(gw, 0)
@@ -206,3 +214,42 @@ def test_a_form_of_too_many_parts_is_refused_before_it_is_read_whole() -> None:
     form = decode_form(part("x", b"1") * (MAX_PARTS - 2) + WHOLE, FORM)
     offset = len(part("x", b"1")) * (MAX_PARTS - 2) + WHOLE.index(b"tiny")
     assert form["model"] == "tiny" and form.spans["model"] == (offset, offset + 4)
+
+
+async def test_the_sdks_translation_is_admitted_counted_and_forwarded_byte_for_byte(
+    speech,
+) -> None:
+    gw, replica = speech
+    sent: list[bytes] = []
+    async with sdk(gw, sent) as client:
+        answer = await client.audio.translations.create(
+            model="tiny-alias", file=("speech.wav", io.BytesIO(AUDIO), "audio/wav")
+        )
+    assert answer.text == "hello"
+    await accounted(gw, 0)
+    [(_, upstream)] = replica.got
+    assert upstream == sent[0].replace(b"\r\n\r\ntiny-alias\r\n", b"\r\n\r\ntiny\r\n")
+    [line] = logged(gw)
+    assert (line["endpoint"], line["status"], line["model"]) == ("translations", 200, "tiny-alias")
+    assert gw.inflight() == 0
+
+
+async def test_the_simulated_vllm_translates_an_upload_through_the_gateway(
+    tmp_path: Path, tokenizer_dir: Path, gateway_factory
+) -> None:
+    replica = await start_replica(
+        write_profile(tmp_path), ReplicaOptions(time_scale=1000, tokenizer=tokenizer_dir)
+    )
+    try:
+        gw = await gateway_factory(basic_policy(tokenizer_dir, [replica.url]))
+        async with sdk(gw, []) as client:
+            answer = await client.audio.translations.create(
+                model="tiny", file=("speech.wav", io.BytesIO(AUDIO), "audio/wav")
+            )
+        assert answer.text
+        await accounted(gw, 0)
+    finally:
+        await replica.close()
+    [line] = logged(gw)
+    assert (line["endpoint"], line["status"], line["replica"]) == ("translations", 200, replica.url)
+    assert gw.inflight() == 0

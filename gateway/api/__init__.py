@@ -11,7 +11,7 @@ line in `APIS`.
 from __future__ import annotations
 
 from gateway.api.anthropic import MESSAGES
-from gateway.api.audio import TRANSCRIPTIONS
+from gateway.api.audio import TRANSCRIPTIONS, TRANSLATIONS
 from gateway.api.base import Api
 from gateway.api.chat import CHAT
 from gateway.api.classify import CLASSIFY
@@ -23,7 +23,7 @@ from gateway.api.scoring import RERANK, SCORE
 
 APIS: tuple[Api, ...] = (
     CHAT, COMPLETIONS, MESSAGES, RESPONSES, EMBEDDINGS, RERANK, SCORE, CLASSIFY, POOLING,
-    TRANSCRIPTIONS,
+    TRANSCRIPTIONS, TRANSLATIONS,
 )  # fmt: skip
 BY_NAME: dict[str, Api] = {api.name: api for api in APIS}
 BY_PATH: dict[str, Api] = {path: api for api in APIS for path in (api.path, *api.aliases)}
@@ -45,5 +45,6 @@ __all__ = [
     "RESPONSES",
     "SCORE",
     "TRANSCRIPTIONS",
+    "TRANSLATIONS",
     "Api",
 ]

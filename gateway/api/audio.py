@@ -1,4 +1,5 @@
-"""`POST /v1/audio/transcriptions`: a speech model's (Whisper's) upload, as vLLM serves it.
+"""`POST /v1/audio/transcriptions` and `/v1/audio/translations` (to English): a speech model's
+(Whisper's) upload, as vLLM serves them.
 
 The body is `multipart/form-data` (RFC 7578): the audio in `file`, and text fields beside it
 (`model`, `language`, `prompt`, `response_format`, `temperature`, `stream`, ...). It is read
@@ -258,3 +259,12 @@ class TranscriptionsApi(SpeechToTextApi):
 
 
 TRANSCRIPTIONS = TranscriptionsApi()
+
+
+class TranslationsApi(SpeechToTextApi):
+    __slots__ = ()
+    name = "translations"
+    path = "/v1/audio/translations"
+
+
+TRANSLATIONS = TranslationsApi()
