@@ -521,7 +521,7 @@ class RouteSpec(Spec):
     passthrough: list[Annotated[str, Field(pattern=r"^/[A-Za-z0-9._~/-]+$")]] = Field(
         [],
         description=(
-            "More paths this route's pool serves (`/v1/audio/transcriptions`, say): a `POST`"
+            "More paths this route's pool serves (a deployment's own `/asr/v1/audio/speech`, say): a `POST`"
             " there is authenticated, charged one request, admitted by request count and"
             " forwarded as it came, its body unread (multipart included), not counted."
         ),
