@@ -253,3 +253,12 @@ async def test_the_simulated_vllm_translates_an_upload_through_the_gateway(
     [line] = logged(gw)
     assert (line["endpoint"], line["status"], line["replica"]) == ("translations", 200, replica.url)
     assert gw.inflight() == 0
+
+
+def test_a_file_named_only_in_rfc_5987_form_is_a_file_and_its_bytes_are_never_decoded() -> None:
+    named = f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file";'
+    named += " filename*=UTF-8''sp%C3%A9ech.wav\r\n\r\n"
+    body = part("model", b"tiny") + named.encode() + b"\xff\xfe" + AUDIO
+    form = decode_form(body + f"\r\n--{BOUNDARY}--".encode(), FORM)
+    upload = form["file"]
+    assert body[upload.start : upload.end] == b"\xff\xfe" + AUDIO

@@ -47,7 +47,7 @@ _CRLF = b"\r\n"
 _HEAD_END = b"\r\n\r\n"
 _PARAM = re.compile(r';\s*([A-Za-z0-9_*-]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^;\s]*)')
 # The fields the gateway reads: given twice, which one the replica reads is its parser's choice.
-_READ = ("model", "prompt", "stream", "file")
+_READ = ("model", "prompt", "stream", "stream_include_usage", "file")
 
 
 def _params(value: str) -> dict[str, str]:
@@ -97,7 +97,7 @@ def _boundary(content_type: str) -> bytes:
 
 def _part(raw: bytes, start: int, end: int, form: Form) -> None:
     """One part, its headers at `start` and its content up to `end`, added to `form`."""
-    head_end = raw.find(_HEAD_END, start, min(end, start + _MAX_HEAD) + 2)
+    head_end = raw.find(_HEAD_END, start, min(end, start + _MAX_HEAD))
     if head_end < 0:
         raise _malformed("a part's headers do not end")
     try:
@@ -119,8 +119,8 @@ def _part(raw: bytes, start: int, end: int, form: Form) -> None:
         form.repeated.add(field)
         return
     content = head_end + len(_HEAD_END)
-    if "filename" in params:
-        form[field] = Upload(params["filename"], content, end)
+    if "filename" in params or "filename*" in params:  # RFC 7578, 4.2: a file part
+        form[field] = Upload(params.get("filename") or params["filename*"], content, end)
         return
     try:
         form[field] = raw[content:end].decode()
