@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
 import pytest
 
 from gateway.api import APIS, BY_NAME, BY_PATH, CHAT, COMPLETIONS, MESSAGES
 from gateway.api.completions import CompletionsApi
 from gateway.config.load import PolicyError
+from gateway.config.schema import ServerSpec
 from gateway.policy.compile import load_policy
 from gateway.server.app import create_app
 from tests.conftest import basic_policy, write_policy
@@ -46,3 +48,20 @@ def test_a_policy_names_any_registered_endpoint_and_no_other(
         load_policy(write_policy(tmp_path, policy))
     monkeypatch.setitem(BY_NAME, "drafts", _Drafts())
     load_policy(write_policy(tmp_path, policy)).close()
+
+
+@pytest.mark.parametrize("api", [CHAT, MESSAGES], ids=["openai", "anthropic"])
+def test_a_json_body_goes_upstream_as_the_clients_own_bytes_unless_a_field_changes(api) -> None:
+    """No copy, no re-encode on the common path; a change, or a client's `priority` (never the
+    replica's to read), re-encodes."""
+    from multidict import CIMultiDict, CIMultiDictProxy
+
+    from gateway.request.context import Ctx
+
+    raw, content_type = api.example("tiny")
+    ctx = Ctx("r", api, api.path, CIMultiDictProxy(CIMultiDict()), 0.0)
+    ctx.raw, ctx.body = raw, api.decode(raw, content_type, ServerSpec())
+    assert api.upstream_body(ctx, {}) is raw
+    assert orjson.loads(api.upstream_body(ctx, {"model": "big"}))["model"] == "big"
+    ctx.body = {**ctx.body, "priority": -5}
+    assert "priority" not in orjson.loads(api.upstream_body(ctx, {}))
