@@ -12,13 +12,13 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from gateway import __version__
+from gateway.api import BY_NAME
 from gateway.config.load import LoadedSpec, PolicyError
-from gateway.config.schema import Endpoint
 from gateway.request.authenticate import key_entry
 
 if TYPE_CHECKING:
@@ -166,10 +166,8 @@ def _request_bytes(name: str) -> bytes:
     return sys.stdin.buffer.read()
 
 
-def _endpoint(body: dict[str, Any], given: str | None) -> str:
-    """The endpoint `explain` runs the body through: `given`, else guessed from its shape."""
-    if given:
-        return given
+def _guessed(body: dict[str, Any]) -> str:
+    """The endpoint of a JSON body `explain` was given none for, guessed from its shape."""
     if "query" in body:
         return "rerank"
     if any(side in body for side in ("text_1", "data_1", "queries")):
@@ -330,7 +328,7 @@ async def _explain(
 ) -> dict[str, Any]:
     from multidict import CIMultiDict, CIMultiDictProxy
 
-    from gateway.api import BY_NAME
+    from gateway.api import CHAT
     from gateway.config.load import load_spec
     from gateway.config.schema import COUNT_BY_CHARS, PRIORITIES
     from gateway.context.ctx import Ctx
@@ -356,8 +354,10 @@ async def _explain(
         policy.close()
         raise PolicyError([f"--saturation / --predicted-wait: no pool {', '.join(unknown)}"])
     try:
-        body = orjson.loads(raw)
-        api = BY_NAME[_endpoint(body if isinstance(body, dict) else {}, endpoint)]
+        given = {name.lower(): value for name, value in headers}.get("content-type")
+        if endpoint is None:  # the guess reads a JSON body's fields, decoded as chat's are
+            endpoint = _guessed(CHAT.decode(raw, given or CHAT.content_type, policy.spec.server))
+        api = BY_NAME[endpoint]
         ctx = Ctx(
             request_id="explain",
             api=api,
@@ -371,7 +371,7 @@ async def _explain(
         )
         if not keyless:
             authenticate(ctx, policy.tenants)
-        parse(ctx, "application/json", raw, policy.spec.server)
+        parse(ctx, given or api.content_type, raw, policy.spec.server)
         await decide(ctx, policy)
         fallbacks = _fallbacks(ctx, policy, saturation or {}, waits or {})
     finally:
@@ -482,7 +482,7 @@ def explain(args: argparse.Namespace) -> int:
     except GatewayError as exc:
         print(f"refused: {exc.status} {exc.code}: {exc.message}", file=sys.stderr)
         return 2
-    except (OSError, orjson.JSONDecodeError) as exc:
+    except OSError as exc:
         print(f"cannot read {args.request}: {exc}", file=sys.stderr)
         return 1
     if args.json:
@@ -551,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", required=True, help="the policy file (YAML)")
     p.add_argument(
         "--endpoint",
-        choices=get_args(Endpoint),
+        choices=sorted(BY_NAME),
         help="default: completions when the body has `prompt` and no `messages`, else chat"
         " (an Anthropic /v1/messages body needs `--endpoint messages`)",
     )
@@ -594,7 +594,11 @@ def main(argv: list[str] | None = None) -> int:
         " default: 0 where saturation is under 1, else unknown)",
     )
     p.add_argument("--json", action="store_true", help="print the decision as JSON")
-    p.add_argument("request", help="a file holding the JSON request body, or - for standard input")
+    p.add_argument(
+        "request",
+        help="a file holding the request body, or - for standard input (a body that is not JSON,"
+        " a multipart upload, needs --endpoint and its -H 'Content-Type: ...')",
+    )
     p.set_defaults(func=explain)
     p = sub.add_parser("schema", help="print the policy JSON Schema (policies/schema.json)")
     p.set_defaults(func=schema)

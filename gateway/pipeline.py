@@ -178,7 +178,7 @@ async def handle(gateway: Gateway, request: web.Request, api: Api) -> web.Stream
             if api.reads_body:
                 threads = policy.tokenizer_threads
                 await parse_request(
-                    ctx, body.media_type(request), raw, policy.spec.server,
+                    ctx, request.headers.get("Content-Type", ""), raw, policy.spec.server,
                     threads.small if threads is not None else None,
                 )  # fmt: skip
                 await gateway.holders.look_up(ctx)

@@ -19,8 +19,9 @@ queues, access log on (to /dev/null). Before measuring, one request per endpoint
     python -m loadtest.bench_endpoints [--rotations 30] [--block 20] [--skip 3]
                                        [--time-scale 1000] [--out loadtest/out/endpoints.md]
 
-The endpoints and their requests are `BODIES`, one line each; every endpoint of
-`gateway.api.BY_NAME` must have one (`tests/test_bench_endpoints.py`). It prints the Markdown
+The endpoints are the gateway's registry (`gateway.api.APIS`), each request its endpoint's
+`Api.example`, in its own content type (a multipart upload for audio), so an endpoint the gateway
+admits is measured as soon as it is registered (`tests/test_bench_endpoints.py`). It prints the Markdown
 table and writes it to `--out`, the rows as JSON beside it (`.json`); it exits 1 if any request
 failed, 0 otherwise: it is a measurement, not a test. Loopback only; every child runs in its own
 process group, stopped in a `finally`; each endpoint's run is bounded by `--rotations` and
@@ -38,9 +39,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
-from gateway.api import BY_NAME
+from gateway.api import APIS, Api
 from loadtest.overhead.bodies import MODEL
 from loadtest.overhead.fleet import (
     HOST,
@@ -59,21 +59,6 @@ from loadtest.overhead.policy import write_policy
 
 PROFILE = "gemma-3-12b-tpu-v6e-2x2"
 DEFAULT_OUT = ROOT / "loadtest" / "out" / "endpoints.md"
-_TEXT = "Lithium battery packs must show a valid safety certificate and its number."
-_DOCS = ["Ships in two days with a one year warranty.", "Replica brand items are prohibited."]
-# One small request per endpoint (the model is added): an endpoint the gateway admits is
-# measured once it has a line here.
-BODIES: dict[str, dict[str, Any]] = {
-    "chat": {"messages": [{"role": "user", "content": _TEXT}], "max_tokens": 16},
-    "completions": {"prompt": _TEXT, "max_tokens": 16},
-    "messages": {"messages": [{"role": "user", "content": _TEXT}], "max_tokens": 16},
-    "responses": {"input": _TEXT, "max_output_tokens": 16},
-    "embeddings": {"input": _TEXT},
-    "rerank": {"query": _TEXT, "documents": _DOCS},
-    "score": {"text_1": _TEXT, "text_2": _DOCS},
-    "classify": {"input": _TEXT},
-    "pooling": {"input": _TEXT},
-}
 
 
 @dataclass
@@ -106,9 +91,9 @@ def start_replica(procs: Fleet, tokenizer: Path, time_scale: float) -> Service:
     return procs.start("direct", argv, port)
 
 
-def check(name: str, port: int, path: str, body: str) -> None:
+def check(name: str, port: int, path: str, body: bytes, content_type: str) -> None:
     """One request must succeed: a benchmark of fast 4xx answers is worthless."""
-    status, headers, data = http_request(port, "POST", path, body)
+    status, headers, data = http_request(port, "POST", path, body, content_type=content_type)
     if status != 200:
         raise RuntimeError(f"{name}: {path} answered {status}: {data[:300]!r}")
     if name == "gateway" and "x-request-id" not in headers:
@@ -116,15 +101,17 @@ def check(name: str, port: int, path: str, body: str) -> None:
 
 
 def measure(
-    endpoint: str, direct: Service, gateway: Service, workdir: Path, args: argparse.Namespace
+    api: Api, direct: Service, gateway: Service, workdir: Path, args: argparse.Namespace
 ) -> Row:
     """One `loadtest.paired_latency` run in a child (its CPU is not "other CPU")."""
-    path, body = BY_NAME[endpoint].path, json.dumps({"model": MODEL, **BODIES[endpoint]})
-    check("direct", direct.port, path, body)
-    check("gateway", gateway.port, path, body)
-    body_file = workdir / f"{endpoint}.json"
-    body_file.write_text(body)
+    endpoint, path = api.name, api.path
+    body, content_type = api.example(MODEL)
+    check("direct", direct.port, path, body, content_type)
+    check("gateway", gateway.port, path, body, content_type)
+    body_file = workdir / f"{endpoint}.body"
+    body_file.write_bytes(body)
     argv = [sys.executable, "-m", "loadtest.paired_latency", "--body", str(body_file)]
+    argv += ["--content-type", content_type]
     argv += ["--path", path, "--baseline", "direct", "--rotations", str(args.rotations)]
     argv += ["--block", str(args.block), "--skip", str(args.skip), "--limit-s", str(args.limit_s)]
     argv += [f"direct={direct.port}", f"gateway={gateway.port}"]
@@ -158,11 +145,6 @@ def table(rows: list[Row]) -> str:
 
 
 def run(args: argparse.Namespace) -> list[Row]:
-    if set(BODIES) != set(BY_NAME):
-        raise RuntimeError(
-            f"BODIES has requests for {sorted(BODIES)}; the gateway admits {sorted(BY_NAME)}:"
-            " one line per endpoint it admits"
-        )
     with tempfile.TemporaryDirectory(prefix="bench-endpoints-") as tmp:
         workdir = Path(tmp)
         tokenizer = build_tokenizer(workdir, "loadtest.tiny_tokenizer")
@@ -174,9 +156,9 @@ def run(args: argparse.Namespace) -> list[Row]:
             gateway = start_gateway(procs, "gateway", policy)
             wait_ready(gateway, "/readyz")
             rows = []
-            for endpoint in BODIES:
-                rows.append(measure(endpoint, direct, gateway, workdir, args))
-                log(f"{endpoint}: added p50 {rows[-1].added_p50_ms:+.2f} ms")
+            for api in APIS:
+                rows.append(measure(api, direct, gateway, workdir, args))
+                log(f"{api.name}: added p50 {rows[-1].added_p50_ms:+.2f} ms")
             return rows
         finally:
             procs.stop()

@@ -53,10 +53,11 @@ async def measure(
     limit_s: float = LIMIT_S,
     path: str = CHAT_PATH,
     baseline: str | None = None,
+    content_type: str = "application/json",
 ) -> dict[str, dict[str, Any]]:
     """Per target: p50 and p95 of the counted requests in ms, how many, and how many failed;
     with `baseline`, each other target's added latency (`added`)."""
-    requests = {name: post_request(body, port, path) for name, port in ports.items()}
+    requests = {name: post_request(body, port, path, content_type) for name, port in ports.items()}
     streams = {name: await asyncio.open_connection(HOST, port) for name, port in ports.items()}
     # Counted slots in order, the same number per target per rotation; None where one failed.
     slots: dict[str, list[float | None]] = {name: [] for name in ports}
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--body", type=Path, required=True, help="the request body, JSON")
+    parser.add_argument("--body", type=Path, required=True, help="the request body")
+    parser.add_argument("--content-type", default="application/json", help="the body's")
     parser.add_argument("--rotations", type=int, default=ROTATIONS)
     parser.add_argument("--block", type=int, default=BLOCK)
     parser.add_argument("--skip", type=int, default=SKIP, help="not counted, in each block")
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     result = uvloop.run(
         measure(
             ports, args.body.read_bytes(), args.rotations, args.block, args.skip, args.limit_s,
-            args.path, args.baseline,
+            args.path, args.baseline, args.content_type,
         )
     )  # fmt: skip
     shape = (

@@ -330,3 +330,35 @@ def test_a_messages_request_is_explained_by_the_chat_it_converts_to(
     request.write_text(json.dumps(chat))
     _, out, _ = explain(capsys, "--json", "--policy", path, str(request))
     assert json.loads(out)["input_tokens"] == decision["input_tokens"]
+
+
+def test_an_upload_is_explained_through_its_endpoints_own_decoder(
+    capsys, tmp_path, tokenizer_dir
+) -> None:
+    """A multipart body is read as the server reads it (the endpoint's `decode`), given its
+    `Content-Type` as curl gives it; without it, the endpoint's media type lacks the boundary."""
+    policy = basic_policy(tokenizer_dir, ["http://127.0.0.1:1"])
+    policy["pools"]["speech"] = {**policy["pools"]["main"], "replicas": ["http://127.0.0.1:2"]}
+    policy["routes"].insert(0, {"match": {"endpoint": "translations"}, "pool": "speech"})
+    path = str(write_policy(tmp_path, policy))
+    boundary = "x0x0"
+    fields = {"model": "tiny-alias", "prompt": "Names: Ada Lovelace."}
+    body = b"".join(
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode()
+        for name, value in fields.items()
+    )
+    upload = f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+    body += f"{upload}\r\nRIFF....\r\n--{boundary}--\r\n".encode()
+    request = tmp_path / "upload.bin"
+    request.write_bytes(body)
+    header = f"Content-Type: multipart/form-data; boundary={boundary}"
+    code, out, err = explain(
+        capsys, "--json", "--policy", path, "--endpoint", "translations", "-H", header,
+        str(request),
+    )  # fmt: skip
+    assert code == 0, err
+    decision = json.loads(out)
+    assert (decision["endpoint"], decision["pool"]) == ("translations", "speech")
+    assert decision["rewritten_model"] == "tiny" and decision["input_tokens"] > 0
+    code, _, err = explain(capsys, "--policy", path, "--endpoint", "translations", str(request))
+    assert code == 2 and "400 invalid_multipart" in err and "no valid boundary" in err

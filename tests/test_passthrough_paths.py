@@ -1,7 +1,8 @@
 """Paths a route names for its pool (`routes[].passthrough`): the `openai` SDK's audio
-transcription, a multipart upload, through the gateway to a simulated replica; admitted by
-request count under the pool's cap and the tenant's request window, its body forwarded as it
-came; every other path still a 404."""
+transcription, a multipart upload, through the gateway to a deployment's own speech service
+under its own prefix (the gateway admits vLLM's `/v1/audio/*` itself: tests/test_audio.py);
+admitted by request count under the pool's cap and the tenant's request window, its body
+forwarded as it came; every other path still a 404."""
 
 from __future__ import annotations
 
@@ -19,19 +20,17 @@ from aiohttp import FormData, web
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config.load import PolicyError
-from loadtest.sim import Profile, ReplicaOptions, start_replica
 from tests.conftest import Handler, _serve, accounted, basic_policy, eventually, write_policy
-from tests.test_simulator import write_profile
 from tests.test_tenants import hashed
 
 KEY = "sk-tenant-audio-0123456789"
 AUDIO = bytes(range(256)) * 40  # 10 KB of "audio"
-TRANSCRIBE = "/v1/audio/transcriptions"
+TRANSCRIBE = "/asr/v1/audio/transcriptions"  # the SDK's path under `base_url` .../asr/v1
 
 
 def audio_policy(tokenizer_dir: Path, replica: str, **pool: Any) -> dict[str, Any]:
     policy = basic_policy(tokenizer_dir, [replica], **pool)
-    policy["routes"][0]["passthrough"] = [TRANSCRIBE, "/v1/audio/translations"]
+    policy["routes"][0]["passthrough"] = [TRANSCRIBE, "/asr/v1/audio/translations"]
     return policy
 
 
@@ -39,31 +38,26 @@ def logged(gw: Any) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in gw.access_log.getvalue().splitlines()]
 
 
-@pytest.fixture
-def tiny(tmp_path: Path) -> Profile:
-    return write_profile(tmp_path)
-
-
 async def test_the_sdks_transcription_is_admitted_and_forwarded(
-    tiny, tokenizer_dir, gateway_factory, http
+    replica_app, tokenizer_dir, gateway_factory, http
 ) -> None:
-    replica = await start_replica(tiny, ReplicaOptions(time_scale=1000, tokenizer=tokenizer_dir))
-    try:
-        policy = audio_policy(tokenizer_dir, replica.url)
-        policy["tenants"] = {"acme": {"keys": [hashed(KEY)], "rpm": 2}}
-        gw = await gateway_factory(policy)
-        sdk = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=KEY, max_retries=0)
-        async with sdk:
-            text = await sdk.audio.transcriptions.create(
-                model="tiny", file=("speech.wav", io.BytesIO(AUDIO), "audio/wav")
-            )
-            assert text.text
-            await sdk.audio.transcriptions.create(model="tiny", file=("b.wav", io.BytesIO(AUDIO)))
-            with pytest.raises(openai.RateLimitError):  # the tenant's request window holds
-                await sdk.audio.transcriptions.create(model="tiny", file=("c.wav", b"x"))
-        await accounted(gw, 2)
-    finally:
-        await replica.close()
+    async def replica(request: web.Request) -> web.Response:
+        await request.post()
+        return web.json_response({"text": "hello"})
+
+    policy = audio_policy(tokenizer_dir, await replica_app(replica, TRANSCRIBE))
+    policy["tenants"] = {"acme": {"keys": [hashed(KEY)], "rpm": 2}}
+    gw = await gateway_factory(policy)
+    sdk = openai.AsyncOpenAI(base_url=f"{gw.url}/asr/v1", api_key=KEY, max_retries=0)
+    async with sdk:
+        text = await sdk.audio.transcriptions.create(
+            model="tiny", file=("speech.wav", io.BytesIO(AUDIO), "audio/wav")
+        )
+        assert text.text
+        await sdk.audio.transcriptions.create(model="tiny", file=("b.wav", io.BytesIO(AUDIO)))
+        with pytest.raises(openai.RateLimitError):  # the tenant's request window holds
+            await sdk.audio.transcriptions.create(model="tiny", file=("c.wav", b"x"))
+    await accounted(gw, 2)
     first, _, refused = logged(gw)
     assert first["endpoint"] == "passthrough" and first["status"] == 200
     assert first["pool"] == "main" and first["input_tokens"] == 0 and first["tenant"] == "acme"
@@ -127,12 +121,14 @@ def test_a_path_is_one_routes_and_never_an_apis(tmp_path: Path, tokenizer_dir: P
     from gateway.policy.compile import load_policy
 
     policy = audio_policy(tokenizer_dir, "http://127.0.0.1:9")
-    policy["routes"][0]["passthrough"] += ["/v1/embeddings"]
+    # A policy written when the gateway passed vLLM's audio paths through, unread.
+    policy["routes"][0]["passthrough"] += ["/v1/embeddings", "/v1/audio/transcriptions"]
     policy["routes"].append({"match": {}, "pool": "main", "passthrough": [TRANSCRIBE]})
     with pytest.raises(PolicyError) as caught:
         load_policy(write_policy(tmp_path, policy))
     text = str(caught.value)
     assert "the gateway's embeddings API" in text and "named by an earlier route" in text
+    assert "/v1/audio/transcriptions is the gateway's transcriptions API" in text
 
 
 # --- a replica that fails: what the client is told, and that nothing is left held -------------
@@ -172,7 +168,7 @@ async def nothing_held(gw: Any, http: aiohttp.ClientSession, logged: int) -> Non
 
 
 async def transcribe(gw: Any) -> Any:
-    sdk = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+    sdk = openai.AsyncOpenAI(base_url=f"{gw.url}/asr/v1", api_key="unused", max_retries=0)
     async with sdk, asyncio.timeout(10):  # a hang fails the test, not the run
         return await sdk.audio.transcriptions.create(
             model="tiny", file=("speech.wav", io.BytesIO(AUDIO), "audio/wav")

@@ -31,10 +31,11 @@ import orjson
 from aiohttp import web
 
 from gateway.api.chat import check_message_list
+from gateway.api.fields import check_prompt_chars, lax_int, text_chars
+from gateway.api.json_body import JsonApi
 from gateway.api.openai import is_tokens
-from gateway.context.endpoint import FINGERPRINT_CHARS, Api
+from gateway.context.endpoint import FINGERPRINT_CHARS, SAMPLE_TEXT
 from gateway.errors import BadRequest, GatewayError
-from gateway.request.parse import check_prompt_chars, lax_int, text_chars
 from gateway.tokenizer.chat_template import lax_bool
 from gateway.tokenizer.counters import HFCounter
 
@@ -537,12 +538,13 @@ _STREAM_END = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
 _DELTA = b"event: content_block_delta"
 
 
-class MessagesApi(Api):
+class MessagesApi(JsonApi):
     """Anthropic's Messages API, as vLLM serves it."""
 
     __slots__ = ()
     name = "messages"
     path = "/v1/messages"
+    sample = {"messages": [{"role": "user", "content": SAMPLE_TEXT}], "max_tokens": 16}
     prompt_param = "messages"
     bound_field = "max_tokens"
     openai_fields = False

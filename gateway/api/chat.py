@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from gateway.api.fields import check_prompt_chars, positive_int, text_chars
 from gateway.api.message_types import check_message_type
 from gateway.api.openai import OpenAIApi
-from gateway.context.endpoint import FINGERPRINT_CHARS
+from gateway.context.endpoint import FINGERPRINT_CHARS, SAMPLE_TEXT
 from gateway.errors import BadRequest
-from gateway.request.parse import check_prompt_chars, positive_int, text_chars
 from gateway.tokenizer.chat_template import extra_fields, lax_bool, message_text, part_kind
 
 if TYPE_CHECKING:
@@ -233,6 +233,7 @@ class ChatApi(OpenAIApi):
     __slots__ = ()
     name = "chat"
     path = "/v1/chat/completions"
+    sample = {"messages": [{"role": "user", "content": SAMPLE_TEXT}], "max_tokens": 16}
     prompt_param = "messages"
     bound_field = "max_completion_tokens"
     continuous_usage = True

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from gateway.api.fields import check_prompt_chars, positive_int
 from gateway.api.openai import OpenAIApi
-from gateway.context.endpoint import FINGERPRINT_CHARS, FINGERPRINT_IDS
+from gateway.context.endpoint import FINGERPRINT_CHARS, FINGERPRINT_IDS, SAMPLE_TEXT
 from gateway.errors import BadRequest
-from gateway.request.parse import check_prompt_chars, positive_int
 from gateway.tokenizer.counters import HFCounter
 
 if TYPE_CHECKING:
@@ -61,6 +61,7 @@ class CompletionsApi(OpenAIApi):
     __slots__ = ()
     name = "completions"
     path = "/v1/completions"
+    sample = {"prompt": SAMPLE_TEXT, "max_tokens": 16}
     prompt_param = "prompt"
     bound_field = "max_tokens"
     continuous_usage = True

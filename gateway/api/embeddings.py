@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.api.chat import check_chat
 from gateway.api.completions import _prompt_floor, _prompt_shape
+from gateway.api.fields import check_prompt_chars
 from gateway.api.openai import OpenAIApi, is_tokens
-from gateway.context.endpoint import FINGERPRINT_CHARS, FINGERPRINT_IDS
+from gateway.context.endpoint import FINGERPRINT_CHARS, FINGERPRINT_IDS, SAMPLE_TEXT
 from gateway.errors import BadRequest
-from gateway.request.parse import check_prompt_chars
 from gateway.tokenizer.chat_template import lax_bool, message_text
 from gateway.tokenizer.counters import HFCounter
 
@@ -120,6 +120,7 @@ class EmbeddingsApi(PoolingApi):
     __slots__ = ()
     name = "embeddings"
     path = "/v1/embeddings"
+    sample = {"input": SAMPLE_TEXT}
     prompt_param = "input"
 
     def parse(self, ctx: Ctx, body: dict[str, Any], limits: ServerSpec) -> tuple[int, int | None]:

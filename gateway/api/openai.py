@@ -3,8 +3,9 @@
 Both answer with a top-level `usage` (`prompt_tokens`, `completion_tokens`), stream it only when
 asked (`stream_options.include_usage`, in a last chunk with no choices; with
 `continuous_usage_stats` too, the running count on every chunk besides) and refuse with
-`{"error": {...}}` (gateway/errors.py). An API of another shape (Anthropic's messages, OpenAI's
-responses) subclasses `Api` instead and says its own.
+`{"error": {...}}` (gateway/errors.py). Their bodies are JSON (gateway/api/json_body.py) but an
+upload's (gateway/api/audio.py). An API of another shape (Anthropic's messages, OpenAI's
+responses) subclasses `JsonApi` instead and says its own.
 
 A stream's running count is what a client that leaves is settled on (`delivered`): the count of
 the last chunk relayed is the output it got, to the chunk in flight, where the chunks relayed
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar, TypeGuard
 
-from gateway.context.endpoint import Api
+from gateway.api.json_body import JsonApi
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -65,7 +66,7 @@ def delivered(ctx: Ctx, usage: Any, output_field: str) -> None:
     ctx.delivered, ctx.delivered_at = count, ctx.chunks + 1
 
 
-class OpenAIApi(Api):
+class OpenAIApi(JsonApi):
     """The usage, upstream fields and refusals of OpenAI's completion APIs, as vLLM serves them."""
 
     __slots__ = ()

@@ -54,6 +54,10 @@ class PassthroughApi(OpenAIApi):
     def upstream_fields(self, ctx: Ctx, changes: dict[str, Any]) -> None:
         """Nothing: the body goes as it came."""
 
+    def upstream_body(self, ctx: Ctx, changes: dict[str, Any]) -> bytes:
+        """The body as it came, whatever it is: not even its `model` is known to change."""
+        return ctx.raw
+
     def read_usage(self, ctx: Ctx, usage: Any) -> None:
         """Nothing: what such an answer calls usage (an audio's seconds) is no token count."""
 

@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway.api.chat import REASONING_EFFORTS, check_chat
+from gateway.api.fields import lax_int
 from gateway.api.openai import OpenAIApi
-from gateway.context.endpoint import FINGERPRINT_CHARS
+from gateway.api.usage import read_usage
+from gateway.context.endpoint import FINGERPRINT_CHARS, SAMPLE_TEXT
 from gateway.errors import BadRequest
-from gateway.request.forward import read_usage
-from gateway.request.parse import lax_int
 from gateway.tokenizer.chat_template import essentials, lax_bool, message_text
 
 if TYPE_CHECKING:
@@ -357,6 +357,7 @@ class ResponsesApi(OpenAIApi):
     __slots__ = ()
     name = "responses"
     path = "/v1/responses"
+    sample = {"input": SAMPLE_TEXT, "max_output_tokens": 16}
     prompt_param = "input"
     bound_field = "max_output_tokens"
     openai_fields = False

@@ -28,9 +28,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gateway.api.embeddings import PoolingApi
-from gateway.context.endpoint import FINGERPRINT_CHARS
+from gateway.api.fields import check_prompt_chars
+from gateway.context.endpoint import FINGERPRINT_CHARS, SAMPLE_DOCS, SAMPLE_TEXT
 from gateway.errors import BadRequest
-from gateway.request.parse import check_prompt_chars
 from gateway.tokenizer.counters import HFCounter
 
 if TYPE_CHECKING:
@@ -127,6 +127,7 @@ class RerankApi(ScoringApi):
     __slots__ = ()
     name = "rerank"
     path = "/v1/rerank"
+    sample = {"query": SAMPLE_TEXT, "documents": SAMPLE_DOCS}
     aliases = ("/rerank", "/v2/rerank")
     prompt_param = "documents"
 
@@ -143,6 +144,7 @@ class ScoreApi(ScoringApi):
     __slots__ = ()
     name = "score"
     path = "/score"
+    sample = {"text_1": SAMPLE_TEXT, "text_2": SAMPLE_DOCS}
     aliases = ("/v1/score",)
     prompt_param = "text_2"
 

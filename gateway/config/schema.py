@@ -11,17 +11,9 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Endpoint = Literal[
-    "chat",
-    "completions",
-    "messages",
-    "responses",
-    "embeddings",
-    "rerank",
-    "score",
-    "classify",
-    "pooling",
-]
+# An endpoint's name (`match.endpoint`): one of the APIs gateway/api/ registers, checked when
+# the policy is compiled, as a plug-in's type is; this layer is below the registry.
+Endpoint = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]
 PRIORITIES: tuple[str, ...] = ("critical", "standard", "sheddable")
 """Queue priorities, highest first: a tenant's tier, which `x-priority` may lower."""
 
@@ -34,7 +26,7 @@ PositiveInt = Annotated[int, Field(ge=1)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 # vLLM's request `priority` is an int64 (vllm/entrypoints/openai/chat_completion/protocol.py).
 VllmInt = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
-# A request's `model` is at most 256 characters (parse.MAX_MODEL_CHARS): a longer adapter name
+# A request's `model` is at most 256 characters (api/fields.py, MAX_MODEL_CHARS): a longer adapter name
 # could never be asked for.
 AdapterName = Annotated[str, Field(min_length=1, max_length=256)]
 
@@ -437,7 +429,10 @@ class When(Spec):
     output_tokens: Range | None = Field(None, description="Expected output tokens.")
     output_input_ratio: Range | None = Field(None, description="Expected output / input tokens.")
     model: StrOrList | None = Field(None, description="Requested model name(s); `*` globs allowed.")
-    endpoint: Endpoint | list[Endpoint] | None = None
+    endpoint: Endpoint | list[Endpoint] | None = Field(
+        None,
+        description="Endpoint name(s): `chat`, `messages`, ... (docs/api.md, Endpoints and headers).",
+    )
     header: dict[str, str] | None = Field(
         None, description="Header name -> value (`*` globs allowed); all must match."
     )
@@ -451,7 +446,10 @@ class ClassSpec(Spec):
 class RouteMatch(Spec):
     model: StrOrList | None = Field(None, description="Requested model name(s); `*` globs allowed.")
     class_: StrOrList | None = Field(None, alias="class")
-    endpoint: Endpoint | list[Endpoint] | None = None
+    endpoint: Endpoint | list[Endpoint] | None = Field(
+        None,
+        description="Endpoint name(s): `chat`, `messages`, ... (docs/api.md, Endpoints and headers).",
+    )
     header: dict[str, str] | None = None
 
 
@@ -523,7 +521,7 @@ class RouteSpec(Spec):
     passthrough: list[Annotated[str, Field(pattern=r"^/[A-Za-z0-9._~/-]+$")]] = Field(
         [],
         description=(
-            "More paths this route's pool serves (`/v1/audio/transcriptions`, say): a `POST`"
+            "More paths this route's pool serves (a deployment's own `/asr/v1/audio/speech`, say): a `POST`"
             " there is authenticated, charged one request, admitted by request count and"
             " forwarded as it came, its body unread (multipart included), not counted."
         ),

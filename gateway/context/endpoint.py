@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 # or a rules block, what makes a classification prompt recognisable from one request to the next.
 FINGERPRINT_CHARS = 256
 FINGERPRINT_IDS = 64  # the same for a prompt given as token ids
+# What the APIs' example requests (`Api.example`) say: one text, and two documents to score.
+SAMPLE_TEXT = "Lithium battery packs must show a valid safety certificate and its number."
+SAMPLE_DOCS = ["Ships in two days with a one year warranty.", "Replica brand items are prohibited."]
 
 
 class Api(ABC):
@@ -58,6 +61,8 @@ class Api(ABC):
     # The body field that bounds the output, where the gateway writes its own bound for a
     # request that states none (gateway/request/quota.py `bound_output`); None: nothing is generated.
     bound_field: ClassVar[str | None] = None
+    # The media type a client sends the body in (`example`'s, and what explain assumes).
+    content_type: ClassVar[str]
     # Whether the pipeline reads the body (parse, count, classify); an API that does not
     # (gateway/api/passthrough.py) is routed by its path and forwarded as it came.
     reads_body: ClassVar[bool] = True
@@ -65,6 +70,23 @@ class Api(ABC):
     # completions: `stream_options.continuous_usage_stats`): what a stream the client left is
     # settled on (gateway/api/openai.py `delivered`).
     continuous_usage: ClassVar[bool] = False
+
+    @abstractmethod
+    def decode(self, raw: bytes, content_type: str, limits: ServerSpec) -> dict[str, Any]:
+        """The body's fields, `content_type` its `Content-Type` header, within the body limits
+        of `limits`, or raise a 4xx `GatewayError` (415 for a media type it does not take)."""
+
+    @abstractmethod
+    def upstream_body(self, ctx: Ctx, changes: dict[str, Any]) -> bytes:
+        """The body the replica is sent: the client's, with `changes` (fields the gateway sets:
+        `model`, `priority`, the API's own `upstream_fields`, the output bound), in the client's
+        encoding, so its `Content-Type` goes upstream as it came. The client's bytes
+        themselves when nothing changes: the common case pays no copy."""
+
+    @abstractmethod
+    def example(self, model: str) -> tuple[bytes, str]:
+        """A small valid request for `model` and its `Content-Type`: what the endpoint
+        benchmark and the tests send to every endpoint the gateway admits."""
 
     @abstractmethod
     def parse(self, ctx: Ctx, body: dict[str, Any], limits: ServerSpec) -> tuple[int, int | None]:

@@ -27,7 +27,7 @@ from gateway.admit import LivePool
 log = logging.getLogger("gateway.fleet.adapters")
 
 MAX_PER_POOL = 256  # adapters discovered per pool beyond the policy's: the rest are ignored
-MAX_NAME_CHARS = 256  # a request's `model` is no longer (parse.MAX_MODEL_CHARS)
+MAX_NAME_CHARS = 256  # a request's `model` is no longer (api/fields.py, MAX_MODEL_CHARS)
 MAX_MODELS_BYTES = 1 << 20  # a /v1/models answer this large is not read
 PASSIVE_S = 5.0  # with reconciliation off, how often to look whether a reload turned it on
 _NONE: frozenset[str] = frozenset()

@@ -12,10 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from gateway.admit.picking import Picker
-from gateway.api import BY_PATH
+from gateway.api import BY_NAME, BY_PATH
 from gateway.config.load import LoadedSpec, PolicyError, Problem, load_spec
 from gateway.config.plugins import PluginError, create, lookup, names
-from gateway.config.schema import COUNT_BY_CHARS, ModelSpec, PolicySpec
+from gateway.config.schema import (
+    COUNT_BY_CHARS,
+    ModelSpec,
+    PolicySpec,
+    RouteMatch,
+    When,
+)
 from gateway.context.compiled import Model, Pool, Route, Tenant
 from gateway.fleet.adapters import Adapters
 from gateway.pick import WeightedPicker  # the package registers every picker and scorer
@@ -170,7 +176,25 @@ def _references(spec: PolicySpec) -> list[Problem]:
         + _adapter_problems(spec)
         + _fallback_problems(spec)
         + _passthrough_problems(spec)
+        + _endpoint_problems(spec)
     )
+
+
+def _endpoint_problems(spec: PolicySpec) -> list[Problem]:
+    """A class's or route's `endpoint` names an API the gateway serves (gateway/api/)."""
+    problems = []
+    known = ", ".join(BY_NAME)
+    matches: list[tuple[tuple[str, int, str], When | RouteMatch]] = [
+        (("classes", i, "when"), c.when) for i, c in enumerate(spec.classes)
+    ]
+    matches += [(("routes", i, "match"), r.match) for i, r in enumerate(spec.routes)]
+    for where, match in matches:
+        given = match.endpoint
+        for name in [given] if isinstance(given, str) else given or []:
+            if name not in BY_NAME:
+                message = f"unknown endpoint {name!r}; known: {known}"
+                problems.append(Problem((*where, "endpoint"), message))
+    return problems
 
 
 def _passthrough_problems(spec: PolicySpec) -> list[Problem]:
@@ -180,7 +204,9 @@ def _passthrough_problems(spec: PolicySpec) -> list[Problem]:
         for i, path in enumerate(route.passthrough):
             where = ("routes", index, "passthrough", i)
             if path in BY_PATH:
-                problems.append(Problem(where, f"{path} is the gateway's {BY_PATH[path].name} API"))
+                api = BY_PATH[path].name
+                message = f"{path} is the gateway's {api} API, routed by its `model`: remove it"
+                problems.append(Problem(where, message))
             elif path in seen:
                 problems.append(Problem(where, f"{path} is named by an earlier route already"))
             seen.add(path)

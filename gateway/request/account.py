@@ -13,11 +13,11 @@ from typing import IO, Any
 
 import orjson
 
+from gateway.api.usage import read_usage
 from gateway.config.schema import PRIORITIES
 from gateway.context.ctx import Ctx
 from gateway.observability.instruments import NONE, Instruments
 from gateway.request.estimate import OutputEstimator
-from gateway.request.forward import read_usage
 
 log = logging.getLogger("gateway.request.account")
 MAX_LOGGED_REPLICAS = 1024  # replicas come from the policy and discovery; a bound all the same

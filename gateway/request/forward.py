@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import time
@@ -25,6 +24,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy, MultiMapping
 
+from gateway.api.usage import USAGE, USAGE_KEY
 from gateway.config.schema import PRIORITIES, TimeoutSpec
 from gateway.context.ctx import CLIENT_CLOSED, Ctx
 from gateway.errors import (
@@ -59,10 +59,6 @@ _EVENT_END = b"\n\n"
 _MAX_PENDING = 1 << 16  # an SSE event this long without a separator is passed on unparsed
 _DATA = b"data: "
 _DATA_LINE = b"\n" + _DATA
-_USAGE = b'"usage"'
-_USAGE_KEY = re.compile(rb'"usage"\s*:\s*')
-_USAGE_SPAN = 4096  # a usage object is a few hundred bytes
-_DECODER = json.JSONDecoder()
 # A chunk's running usage as vLLM writes it, after the chunk's choices (gateway/api/openai.py
 # `delivered`): stripped when the gateway asked for it and the client did not. The final usage
 # chunk's follows `"choices":[]` and is not one. Inside a JSON string a quote is escaped, so these
@@ -98,15 +94,10 @@ def upstream_priority(ctx: Ctx) -> int | None:
 
 
 def upstream_body(ctx: Ctx) -> bytes:
-    """The client's bytes, re-encoded only when the model is rewritten, usage must be asked,
-    the output bound is the gateway's (`Ctx.bounded_by_gateway`), or `priority` is the
-    gateway's to set.
-
-    The client's own `priority` never goes upstream: on replicas scheduling by priority it would
-    let a tenant jump the queue its tier puts it in. The pool's is sent instead, or none. A body
-    the gateway did not read goes as it came."""
-    if not ctx.api.reads_body:
-        return ctx.raw
+    """The body the replica gets (the endpoint's to encode: `Api.upstream_body`), with what the
+    gateway changes: the model when it is rewritten, usage when it must be asked, the output
+    bound when it is the gateway's (`Ctx.bounded_by_gateway`), `priority` when the pool sends
+    one. Nothing changed: the client's own bytes."""
     changes: dict[str, Any] = {}
     if ctx.requested_model != ctx.upstream_model:
         changes["model"] = ctx.upstream_model
@@ -117,12 +108,7 @@ def upstream_body(ctx: Ctx) -> bytes:
     priority = upstream_priority(ctx)
     if priority is not None:
         changes["priority"] = priority
-    body = ctx.body
-    if "priority" in body:
-        body = {k: v for k, v in body.items() if k != "priority"}
-    elif not changes:
-        return ctx.raw
-    return orjson.dumps({**body, **changes})
+    return ctx.api.upstream_body(ctx, changes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,9 +262,9 @@ def _usage_event(ctx: Ctx, event: bytes, drop_usage: bool) -> bytes:
 def _last_usage(events: bytes) -> int:
     """Where the last `"usage"` key of a run is, or -1. A `"usage"` not followed by `:` is a
     string's value (a token that reads `usage`), not a key: inside a string quotes are escaped."""
-    at = events.rfind(_USAGE)
-    while at >= 0 and _USAGE_KEY.match(events, at) is None:
-        at = events.rfind(_USAGE, 0, at)
+    at = events.rfind(USAGE)
+    while at >= 0 and USAGE_KEY.match(events, at) is None:
+        at = events.rfind(USAGE, 0, at)
     return at
 
 
@@ -520,11 +506,11 @@ async def _whole(
             raise _too_large(ctx, replica_url, limit, f"Content-Length {up.content_length}")
         data = bytearray()
         while chunk := await up.read_chunk(deadline):
-            start = max(0, len(data) - len(_USAGE) + 1)
+            start = max(0, len(data) - len(USAGE) + 1)
             data += chunk
             if len(data) > limit:
                 raise _too_large(ctx, replica_url, limit, "it sent more")
-            usage_at = max(usage_at, data.rfind(_USAGE, start))
+            usage_at = max(usage_at, data.rfind(USAGE, start))
     except TimeoutError as exc:  # read_s or the deadline
         told = "the replica did not finish its answer in time"
         raise _timed_out(ctx, replica_url, told, exc, deadline) from None
@@ -539,31 +525,6 @@ async def _whole(
     if up.status == 200 and usage_at >= 0:
         ctx.unread_usage = (data, usage_at)
     return web.Response(status=up.status, body=data, headers=_response_headers(up.headers, ctx))
-
-
-def read_usage(ctx: Ctx) -> None:
-    """The output tokens of a whole answer, once it was sent: only the accounting needs them
-    (`Accountant.account` calls this, inside its guard)."""
-    if ctx.unread_usage is not None:
-        data, at = ctx.unread_usage
-        ctx.unread_usage = None
-        ctx.api.read_usage(ctx, _usage_object(data, at))
-
-
-def _usage_object(data: bytearray, at: int) -> Any:
-    """The value of the last `"usage"` key at or before `at`, decoded alone: parsing a large
-    answer whole (logprobs, many choices) would hold the event loop for up to seconds. vLLM
-    writes the top-level usage after the choices; a `"usage"` not followed by `:` is a string."""
-    while at >= 0:
-        key = _USAGE_KEY.match(data, at)
-        if key is not None:
-            span = bytes(data[key.end() : key.end() + _USAGE_SPAN]).decode("utf-8", "replace")
-            try:
-                return _DECODER.raw_decode(span)[0]
-            except (ValueError, RecursionError):  # nested thousands deep: not vLLM's usage
-                return None
-        at = data.rfind(_USAGE, 0, at)
-    return None
 
 
 def _too_large(ctx: Ctx, replica_url: str, limit: int, why: str) -> ResponseTooLarge:

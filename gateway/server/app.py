@@ -19,6 +19,7 @@ from prometheus_client.openmetrics import exposition as openmetrics
 
 from gateway.admit import Replica
 from gateway.api import BY_PATH, MESSAGES, Api, anthropic
+from gateway.api.json_body import decode_checked
 from gateway.api.passthrough import PASSTHROUGH
 from gateway.config.load import PolicyError
 from gateway.config.schema import ServerSpec
@@ -36,7 +37,7 @@ from gateway.pipeline import handle
 from gateway.policy.compile import Policy
 from gateway.request import body
 from gateway.request.authenticate import identify
-from gateway.request.parse import by_size, decode_checked
+from gateway.request.parse import by_size
 from gateway.runtime import Gateway
 from gateway.server import logs, vllm_endpoints
 from gateway.server.limits import RequestLimits, handler_args

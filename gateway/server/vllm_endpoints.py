@@ -27,12 +27,12 @@ from multidict import CIMultiDictProxy
 from gateway.api import CHAT, COMPLETIONS, MESSAGES, Api
 from gateway.api.anthropic import chat_for, check_messages
 from gateway.api.chat import check_chat
+from gateway.api.fields import check_model, check_prompt_chars
 from gateway.config.schema import ServerSpec
 from gateway.context.compiled import Model
 from gateway.context.ctx import Ctx
 from gateway.errors import BadRequest, ModelNotFound
 from gateway.policy.compile import Policy
-from gateway.request.parse import check_model, check_prompt_chars
 from gateway.request.route import find_candidates
 from gateway.tokenizer.chat_template import lax_bool
 from gateway.tokenizer.counters import HFCounter

@@ -117,11 +117,16 @@ class Fleet:
 
 
 def http_request(
-    port: int, method: str, path: str, body: str | None = None, timeout: float = 10
+    port: int,
+    method: str,
+    path: str,
+    body: str | bytes | None = None,
+    timeout: float = 10,
+    content_type: str = "application/json",
 ) -> tuple[int, dict[str, str], bytes]:
     conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
     try:
-        headers = {"Content-Type": "application/json"} if body is not None else {}
+        headers = {"Content-Type": content_type} if body is not None else {}
         conn.request(method, path, body=body, headers=headers)
         resp = conn.getresponse()
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()

@@ -127,11 +127,13 @@ async def _ttfb_connection(
         writer.close()
 
 
-def post_request(body: bytes, port: int, path: str = CHAT_PATH) -> bytes:
+def post_request(
+    body: bytes, port: int, path: str = CHAT_PATH, content_type: str = "application/json"
+) -> bytes:
     """A whole HTTP/1.1 POST of `body` to `path`, as the raw-socket clients send it."""
     return (
         f"POST {path} HTTP/1.1\r\nHost: {HOST}:{port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode() + body
 
 

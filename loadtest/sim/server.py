@@ -4,6 +4,9 @@
     POST /v1/messages                             Anthropic's, as vLLM serves it (a chat, converted)
     POST /v1/responses, GET /v1/responses/{id}    OpenAI's Responses API (loadtest/sim/responses.py)
     POST /v1/audio/transcriptions                 a multipart upload: prefill work, a short text
+    POST /v1/embeddings, /classify, /pooling, ... vLLM's pooling endpoints: prefill only
+    (every path of every endpoint the gateway admits, `gateway.api.APIS`, by its `Api` class:
+    `SERVED`, which fails at start for an endpoint it has no handler for)
     GET  /v1/models, /health, /metrics            as vLLM serves them
     GET  /kv_event_sources                        where KV-cache events are published (kv_events.py)
     GET  /admin/faults, POST /admin/faults        read or replace the fault set (faults.py)
@@ -30,7 +33,7 @@ import logging
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -40,7 +43,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
-from gateway.api.anthropic import to_chat
+from gateway.api import APIS, Api
+from gateway.api.anthropic import MessagesApi, to_chat
+from gateway.api.audio import SpeechToTextApi
+from gateway.api.chat import ChatApi
+from gateway.api.completions import CompletionsApi
+from gateway.api.embeddings import PoolingApi
+from gateway.api.responses import ResponsesApi
 from gateway.errors import BadRequest
 from loadtest.sim import responses
 from loadtest.sim.engine import Engine
@@ -619,9 +628,10 @@ TRANSCRIPT_TOKENS = 8
 
 
 async def transcriptions(request: web.Request) -> web.Response:
-    """`POST /v1/audio/transcriptions` as a multipart upload (`file`, `model`): prefill work in
-    proportion to the audio's bytes, a short transcript generated, `{"text": ...}` answered. No
-    speech model runs: it is the work, not the words, that a gateway in front has to admit."""
+    """A speech-to-text upload (`file`, `model`), transcription or translation: prefill work in
+    proportion to the audio's bytes, a short text generated, `{"text": ...}` answered (with
+    the audio's seconds as `usage`, vLLM's, which the gateway does not read). No speech model
+    runs: it is the work, not the words, that a gateway in front has to admit."""
     state = request.app[REPLICA]
     form = await request.post()
     model, audio = form.get("model"), form.get("file")
@@ -638,7 +648,9 @@ async def transcriptions(request: web.Request) -> web.Response:
         await seq.wait(any_token=False)
     finally:
         state.engine.abort(seq)
-    return web.json_response({"text": state.encoder.token_text * seq.generated})
+    seconds = max(1, size // 32_000)  # 16 kHz, 16-bit mono
+    text = state.encoder.token_text * seq.generated
+    return web.json_response({"text": text, "usage": {"type": "duration", "seconds": seconds}})
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -819,17 +831,36 @@ async def pooling(request: web.Request) -> web.Response:
             engine.abort(seq)
 
 
-# vLLM 0.32's pooling paths (entrypoints/pooling/*/api_router.py).
-POOLING_PATHS = (
-    "/v1/embeddings",
-    "/classify",
-    "/pooling",
-    "/rerank",
-    "/v1/rerank",
-    "/v2/rerank",
-    "/score",
-    "/v1/score",
-)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# What the replica does with each kind of endpoint the gateway admits, by `Api` class (the
+# nearest in an API's class hierarchy wins); every path of each is served (`serve_apis`).
+SERVED: dict[type[Api], Handler] = {
+    ChatApi: chat_completions,
+    CompletionsApi: completions,
+    MessagesApi: messages,
+    ResponsesApi: create_response,
+    PoolingApi: pooling,
+    SpeechToTextApi: transcriptions,
+}
+
+
+def handler_of(api: Api) -> Handler:
+    """The handler for `api`'s requests; an endpoint the simulator cannot serve fails here, at
+    start, so a benchmark never measures a 404."""
+    for cls in type(api).__mro__:
+        if cls in SERVED:
+            return SERVED[cls]
+    raise RuntimeError(
+        f"the simulated replica serves no {api.name} ({api.path}): add its Api class to"
+        " loadtest/sim/server.py SERVED"
+    )
+
+
+def serve_apis(app: web.Application) -> None:
+    """A POST route for every path of every endpoint the gateway admits."""
+    for api in APIS:
+        for path in (api.path, *api.aliases):
+            app.router.add_post(path, handler_of(api))
 
 
 async def models(request: web.Request) -> web.Response:
@@ -917,16 +948,10 @@ def create_replica_app(profile: Profile, options: ReplicaOptions | None = None) 
     options = options or ReplicaOptions()
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[REPLICA] = ReplicaState(profile, options)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/messages", messages)
-    app.router.add_post("/v1/responses", create_response)
-    app.router.add_post("/v1/audio/transcriptions", transcriptions)
+    serve_apis(app)
     retrieve, cancel = responses.stored_handlers(lambda request: request.app[REPLICA].responses)
     app.router.add_get("/v1/responses/{response_id}", retrieve)
     app.router.add_post("/v1/responses/{response_id}/cancel", cancel)
-    for path in POOLING_PATHS:
-        app.router.add_post(path, pooling)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
