@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
-from gateway.errors import BadRequest, ContextLengthExceeded, ModelNotFound
+from gateway.errors import BadRequest, ContextLengthExceeded, MaxOutputTokensExceeded, ModelNotFound
 
 if TYPE_CHECKING:
     from gateway.context.ctx import Ctx
@@ -70,9 +70,32 @@ class ContextLength(PoolCheck):
         return None if ctx.fits_context(limit) else too_long(ctx, limit, ctx.longest_prompt)
 
 
+class OutputBound(PoolCheck):
+    """The output the client asks for, over all its completions, is within the pool's
+    `max_output_tokens`. A bound the gateway wrote itself (`quota.bound_output`) is not the
+    client's, and a request that states none is bounded by the context alone."""
+
+    __slots__ = ()
+    label = "max_output_tokens"
+
+    def check(self, ctx: Ctx, pool: Pool) -> GatewayError | None:
+        limit = pool.spec.max_output_tokens
+        if limit is None or ctx.max_output is None or ctx.bounded_by_gateway:
+            return None
+        asked = ctx.max_output * ctx.sequences
+        if asked <= limit:
+            return None
+        each = f" ({ctx.max_output} for each of {ctx.sequences})" if ctx.sequences > 1 else ""
+        return MaxOutputTokensExceeded(
+            f"This request asks for up to {asked} output tokens{each}; pool `{pool.name}`"
+            f" serves at most {limit} a request.",
+            param=ctx.api.bound_field,
+        )
+
+
 def pool_checks(adapters: Adapters) -> tuple[PoolCheck, ...]:
     """Every pool's rules, in the order a request meets them."""
-    return (ServesAdapter(adapters), Images(), ContextLength())
+    return (ServesAdapter(adapters), Images(), ContextLength(), OutputBound())
 
 
 def image_refusal(ctx: Ctx, model: Model) -> BadRequest | None:
