@@ -33,6 +33,11 @@ class PoolCheck(ABC):
     @abstractmethod
     def check(self, ctx: Ctx, pool: Pool) -> GatewayError | None: ...
 
+    def applies(self, pool: Pool) -> bool:
+        """Whether the rule can refuse anything on `pool`: one its configuration leaves unset
+        is not run there (placement asks once per policy)."""
+        return True
+
 
 class ServesAdapter(PoolCheck):
     """A request for a LoRA adapter goes only to a pool whose replicas serve it."""
@@ -77,6 +82,9 @@ class OutputBound(PoolCheck):
 
     __slots__ = ()
     label = "max_output_tokens"
+
+    def applies(self, pool: Pool) -> bool:
+        return pool.spec.max_output_tokens is not None
 
     def check(self, ctx: Ctx, pool: Pool) -> GatewayError | None:
         limit = pool.spec.max_output_tokens

@@ -69,17 +69,17 @@ def primary_full(fallback: Fallback, primary: PoolLoad, workload: str) -> bool:
 
 
 class Placement:
-    """A policy's placement: its pools and every pool's rules."""
+    """A policy's placement: its pools, and each pool's rules (those that apply there)."""
 
-    __slots__ = ("checks", "pools")
+    __slots__ = ("pools", "rules")
 
     def __init__(self, checks: tuple[PoolCheck, ...], pools: Mapping[str, Pool]) -> None:
-        self.checks = checks
         self.pools = pools
+        self.rules = {name: tuple(c for c in checks if c.applies(p)) for name, p in pools.items()}
 
     def refusal(self, ctx: Ctx, pool: Pool) -> tuple[PoolCheck, GatewayError] | None:
         """The first of `pool`'s rules that refuses `ctx`, with its refusal; None: it may serve."""
-        for check in self.checks:
+        for check in self.rules[pool.name]:
             refused = check.check(ctx, pool)
             if refused is not None:
                 return check, refused
@@ -87,9 +87,10 @@ class Placement:
 
     def admits(self, ctx: Ctx, pool: Pool) -> None:
         """Raise the refusal of `pool`'s first rule that refuses `ctx`."""
-        refused = self.refusal(ctx, pool)
-        if refused is not None:
-            raise refused[1]
+        for check in self.rules[pool.name]:
+            refused = check.check(ctx, pool)
+            if refused is not None:
+                raise refused
 
     def passed_over(
         self, ctx: Ctx, fallback: Fallback, loads: Mapping[str, PoolLoad]
