@@ -24,7 +24,6 @@ from gateway.request.authenticate import key_entry
 if TYPE_CHECKING:
     from gateway.config.schema import RouteMatch
     from gateway.context.ctx import Ctx
-    from gateway.policy.compile import Policy
 
 log = logging.getLogger("gateway")
 
@@ -242,7 +241,7 @@ def _assumed(text: str) -> tuple[str, float]:
 
 @dataclasses.dataclass(frozen=True)
 class _AssumedLoad:
-    """A pool's load as the explain command line states it (`spill.PoolLoad`)."""
+    """A pool's load as the explain command line states it (`place.PoolLoad`)."""
 
     saturation: float
     wait_s: float | None
@@ -252,31 +251,27 @@ class _AssumedLoad:
 
 
 def _passed_over_text(why: str) -> str:
-    """`spill.passed_over`'s reason, as explain says it."""
-    from gateway.request import spill
+    """`Placement.passed_over`'s reason, as explain says it: one of spilling's conditions, or
+    the label of the fallback's rule that refused the request."""
+    from gateway.request import place
 
     return {
-        spill.TIER: "not for tier {tier}",
-        spill.PRIMARY_HAS_ROOM: "{primary} is not full",
-        spill.FALLBACK_FULL: "{pool} is full too (saturation {load:g} >= {bound:g})",
-        spill.DOES_NOT_FIT: "{pool} cannot serve it (context length or LoRA adapter)",
-    }[why]
+        place.TIER: "not for tier {tier}",
+        place.PRIMARY_HAS_ROOM: "{primary} is not full",
+        place.FALLBACK_FULL: "{pool} is full too (saturation {load:g} >= {bound:g})",
+    }.get(why, "{pool} cannot serve it ({why})")
 
 
 def _fallbacks(
-    ctx: Ctx, policy: Policy, saturation: dict[str, float], waits: dict[str, float]
+    ctx: Ctx, heard: dict[str, str | None], loads: dict[str, _AssumedLoad]
 ) -> list[str] | None:
-    """The route's fallback chain, each with whether it takes the request at the load assumed."""
+    """The route's fallback chain, each with what placement said of it at the load assumed."""
     from gateway.config.schema import PRIORITIES
-    from gateway.request import spill
 
-    assert ctx.route is not None and ctx.pool is not None
+    assert ctx.route is not None
     if not ctx.route.fallbacks:
         return None
-    loads = {
-        name: _AssumedLoad(saturation.get(name, 0.0), waits.get(name)) for name in policy.pools
-    }
-    primary, lines, taken = ctx.pool, [], False
+    primary, lines = ctx.route.pool, []
     for fallback in ctx.route.fallbacks:
         when = [
             *([f"saturation >= {fallback.saturation_gte:g}"] if fallback.saturation_gte else []),
@@ -291,19 +286,19 @@ def _fallbacks(
             f"{fallback.pool.name} (when {primary.name} {' or '.join(when)};"
             f" while under {fallback.below_saturation:g}; tiers {tiers})"
         )
-        why = spill.passed_over(ctx, fallback, loads, policy.adapters)
-        if taken:
+        name = fallback.pool.name
+        if name not in heard:
             verdict = "not reached"
-        elif why is None:
-            verdict, taken = "TAKES IT", True
-            spill.move(ctx, fallback)
+        elif (why := heard[name]) is None:
+            verdict = "TAKES IT"
         else:
             verdict = "passed over: " + _passed_over_text(why).format(
                 tier=PRIORITIES[ctx.priority],
                 primary=primary.name,
-                pool=fallback.pool.name,
-                load=loads[fallback.pool.name].saturation,
+                pool=name,
+                load=loads[name].saturation,
                 bound=fallback.below_saturation,
+                why=why,
             )
         lines.append(f"{rule}: {verdict}")
     return lines
@@ -372,8 +367,15 @@ async def _explain(
         if not keyless:
             authenticate(ctx, policy.tenants)
         parse(ctx, given or api.content_type, raw, policy.spec.server)
-        await decide(ctx, policy)
-        fallbacks = _fallbacks(ctx, policy, saturation or {}, waits or {})
+        loads = {
+            name: _AssumedLoad((saturation or {}).get(name, 0.0), (waits or {}).get(name))
+            for name in policy.pools
+        }
+        heard: dict[str, str | None] = {}
+        await decide(
+            ctx, policy, loads, lambda fallback, why: heard.update({fallback.pool.name: why})
+        )
+        fallbacks = _fallbacks(ctx, heard, loads)
     finally:
         policy.close()
     assert ctx.pool is not None and ctx.route is not None and ctx.model is not None

@@ -37,6 +37,7 @@ class Refusal(StrEnum):
     INVALID_REQUEST = "invalid_request"  # a malformed or invalid field; `BadRequest`'s details
     MALFORMED_REQUEST = "malformed_request"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    MAX_OUTPUT_TOKENS_EXCEEDED = "max_output_tokens_exceeded"  # over its pool's output bound
     NO_ROUTE = "no_route"
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
     REQUEST_TOO_LARGE = "request_too_large"
@@ -211,6 +212,12 @@ class ContextLengthExceeded(BadRequest):
     """Raised when input + output tokens exceed the model's `max_model_len` (vLLM would refuse)."""
 
     refusal = Refusal.CONTEXT_LENGTH_EXCEEDED
+
+
+class MaxOutputTokensExceeded(BadRequest):
+    """Raised when the output a request asks for is over its pool's `max_output_tokens`."""
+
+    refusal = Refusal.MAX_OUTPUT_TOKENS_EXCEEDED
 
 
 class NoRoute(BadRequest):

@@ -1,5 +1,5 @@
-"""The request path: authenticate -> parse -> candidates -> estimate -> early quota ->
-tokenize -> classify -> route -> spill -> quota -> admit -> forward -> account.
+"""The request path: authenticate -> parse -> holder -> candidates -> estimate -> early quota ->
+count -> classify -> route -> place -> quota -> admit -> forward -> account.
 
 Each stage is a small function in its own module that fills in its part of the `Ctx` or raises a
 `GatewayError`; this module only calls them in order, retries what a replica refused before it
@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -34,14 +35,13 @@ from gateway.errors import (
 from gateway.policy.compile import Policy
 from gateway.request import body
 from gateway.request.authenticate import authenticate
-from gateway.request.count import check_context_length, check_images, count_input
+from gateway.request.count import check_images, count_input
 from gateway.request.estimate import estimate_output, force_length
 from gateway.request.forward import check_forwardable, client_left, forward
-from gateway.request.holders import pin
 from gateway.request.parse import parse_request
+from gateway.request.place import Heard, PoolLoad, place
 from gateway.request.quota import Charge, bound_output
 from gateway.request.route import find_candidates, route, route_unread
-from gateway.request.spill import spill
 from gateway.request.workload import classify
 
 if TYPE_CHECKING:
@@ -65,19 +65,23 @@ def before_count(ctx: Ctx, policy: Policy) -> None:
 
 
 async def count_and_route(ctx: Ctx, policy: Policy) -> None:
-    """Count the prompt, then what depends on the count: the class, the route, the context."""
+    """Count the prompt, then what depends on the count: the class, the route."""
     await count_input(ctx)
     assert ctx.model is not None
     force_length(ctx, ctx.model.spec.max_model_len)
     classify(ctx, policy.workloads)
     route(ctx)
-    check_context_length(ctx)
 
 
-async def decide(ctx: Ctx, policy: Policy) -> None:
-    """Everything up to admission; also what `llm-gateway explain` runs."""
+async def decide(
+    ctx: Ctx, policy: Policy, loads: Mapping[str, PoolLoad], heard: Heard | None = None
+) -> None:
+    """Where a request without a stored response goes, at the pools' `loads`, or its refusal:
+    what `llm-gateway explain` runs (the server's path has the tenant's early charge between,
+    and a holder's replica to find)."""
     before_count(ctx, policy)
     await count_and_route(ctx, policy)
+    policy.placement.place(ctx, loads, heard)
 
 
 def _request_ids(request: web.Request) -> tuple[str, str]:
@@ -193,8 +197,10 @@ async def handle(gateway: Gateway, request: web.Request, api: Api) -> web.Stream
             else:  # a passthrough path: routed by its path, its body unread, relayed as it comes
                 ctx.raw, ctx.stream = raw, True
                 route_unread(ctx, policy.passthrough)
-            spill(ctx, runtime.slots, policy.adapters, gateway.accountant.metrics.spillover)
-            await pin(ctx, gateway.holders, runtime.slots, policy.pools)
+            await place(
+                ctx, policy.placement, runtime.slots, gateway.holders,
+                gateway.accountant.metrics.spillover,
+            )  # fmt: skip
             charge = await gateway.quotas.reserve(ctx, charge)
             resp = await admit_and_forward(ctx, request, runtime)
             await gateway.holders.remember(ctx)

@@ -279,6 +279,16 @@ class PoolSpec(Spec):
     max_inflight_tokens: PositiveInt | None = Field(
         None, description="Per replica: input + expected output tokens of the requests in flight."
     )
+    max_output_tokens: PositiveInt | None = Field(
+        None,
+        description=(
+            "Most output one request may ask for here: its `max_tokens` (or"
+            " `max_completion_tokens`, `max_output_tokens`) times its completions (`n` x"
+            " prompts); more: 400 `max_output_tokens_exceeded`, and a route's fallback with this"
+            " limit is passed over by what it refuses. A request stating no bound is bounded by"
+            " the context alone. Unset: no limit but the context."
+        ),
+    )
     startup_s: PositiveFloat = Field(
         600.0,
         description=(

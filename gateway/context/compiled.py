@@ -39,7 +39,7 @@ class Pool:
 
 @dataclass(frozen=True, slots=True)
 class Fallback:
-    """A pool the route spills to (`gateway/request/spill.py`), with its conditions compiled."""
+    """A pool the route spills to (`gateway/request/place.py`), with its conditions compiled."""
 
     pool: Pool
     saturation_gte: float | None

@@ -26,7 +26,9 @@ from gateway.context.compiled import Model, Pool, Route, Tenant
 from gateway.fleet.adapters import Adapters
 from gateway.pick import WeightedPicker  # the package registers every picker and scorer
 from gateway.request.authenticate import compile_tenants
+from gateway.request.checks import pool_checks
 from gateway.request.estimate import OutputEstimator
+from gateway.request.place import Placement
 from gateway.request.route import compile_route
 from gateway.request.workload import Workload, compile_class
 from gateway.tokenizer.counters import CharCounter, HFCounter, TokenCounter
@@ -53,6 +55,8 @@ class Policy:
     """Names `GET /v1/models` lists: each pool's model and each literal alias a route accepts."""
     adapters: Adapters
     """LoRA adapters and the pools serving them: the policy's lists, and what replicas report."""
+    placement: Placement
+    """Where a request goes: its route's pool, a fallback or its holder's, each after its rules."""
     tenants: dict[bytes, Tenant]
     """SHA-256 digest of each API key -> its tenant; empty: the gateway is open."""
     tokenizer_threads: TokenizerThreads | None
@@ -398,6 +402,12 @@ def compile_policy(
     bases = {name: pool.model for name, pool in spec.pools.items()}
     served = _served(spec)
     routes = tuple(compile_route(i, r, pools) for i, r in enumerate(spec.routes))
+    adapters = Adapters(
+        bases,
+        {name: tuple(pool.adapters) for name, pool in spec.pools.items()},
+        frozenset(served),
+        previous.adapters.carried(bases) if previous is not None else None,
+    )
     return Policy(
         path=loaded.path,
         spec=spec,
@@ -410,12 +420,8 @@ def compile_policy(
         pickers={name: pickers.get(name, plugins["picker"]) for name in pools},
         estimator=plugins["output_estimator"],
         served_models=served,
-        adapters=Adapters(
-            bases,
-            {name: tuple(pool.adapters) for name, pool in spec.pools.items()},
-            frozenset(served),
-            previous.adapters.carried(bases) if previous is not None else None,
-        ),
+        adapters=adapters,
+        placement=Placement(pool_checks(adapters), pools),
         tenants=tenants,
         tokenizer_threads=threads,
         digest=loaded.digest,

@@ -224,7 +224,7 @@ def upstream_headers(
 def _response_headers(upstream: MultiMapping[str], ctx: Ctx) -> CIMultiDict[str]:
     out = _end_to_end(upstream, _DROP_RESPONSE)
     out["x-request-id"] = ctx.request_id
-    # Which pool and model answered: a spilled request (`spill.py`) may be served by another.
+    # Which pool and model answered: a spilled request (`place.py`) may be served by another.
     if ctx.pool is not None:
         out["x-gateway-pool"] = ctx.pool.name
         out["x-gateway-model"] = ctx.upstream_model

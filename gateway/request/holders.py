@@ -5,7 +5,7 @@ vLLM keeps the responses it stores in the memory of the replica that made them
 (`previous_response_id`), and `GET /v1/responses/{id}` or its cancel, must reach that replica,
 which alone answers them. The gateway names every response it forwards (gateway/api/responses.py
 gives vLLM the `request_id` a response is stored under), so it records the holder as the answer
-ends and sends what follows there: to its pool, pinned to its replica (`Claim.replica`), queued
+ends and sends what follows there: to its pool (placement, gateway/request/place.py), pinned to its replica (`Claim.replica`), queued
 for that replica's room like any request.
 
 The record is bounded (the least recently used go first) and belongs to its tenant: another
@@ -48,7 +48,6 @@ from gateway.tokenizer.chat_template import image_parts
 
 if TYPE_CHECKING:
     from gateway.admit import LivePool
-    from gateway.context.compiled import Pool
     from gateway.context.ctx import Ctx
 
 
@@ -132,15 +131,3 @@ class Holders:
                 param=param,
             )
         return pool
-
-
-async def pin(
-    ctx: Ctx, holders: Holders, live: Mapping[str, LivePool], pools: Mapping[str, Pool]
-) -> None:
-    """The stage after spill: a request that continues a stored response goes to the pool and
-    replica that hold it, whatever its route and the fallbacks said."""
-    if ctx.holder is None:
-        return
-    assert ctx.continues is not None
-    await holders.placed(ctx.continues, ctx.holder, live)
-    ctx.pool = pools[ctx.holder.pool]
