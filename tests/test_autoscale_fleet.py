@@ -12,7 +12,13 @@ import pytest
 
 from loadtest import processes
 from loadtest.autoscale import cli, matrix, report
-from loadtest.autoscale.loop import AutoscaleConfig, PoolConfig, free_port, policy, run_autoscale
+from loadtest.autoscale.loop import (
+    AutoscaleConfig,
+    PoolConfig,
+    free_port,
+    policy,
+    run_keeping_pace,
+)
 from loadtest.autoscale.trace import load_traces
 from loadtest.loadgen.compare import DEFAULT_SLOS
 
@@ -52,7 +58,7 @@ def small_fleet(tmp_path: Path, spill: bool) -> AutoscaleConfig:
 async def test_classification_spills_to_the_12b_pool_only_when_spill_over_is_on(
     tmp_path: Path, spill: bool
 ) -> None:
-    run = await run_autoscale(small_fleet(tmp_path, spill))
+    run = await run_keeping_pace(small_fleet(tmp_path, spill))
 
     served = Counter(
         (line["pool"], line["spilled_from"]) for line in run.access if line["status"] == 200
