@@ -202,10 +202,13 @@ def test_a_clients_chat_template_is_refused_before_rendering(fields: dict[str, A
 
 
 def test_a_huge_role_is_refused_in_microseconds() -> None:
-    started = time.perf_counter()
-    error = refused(chat({"role": "u" * 6_000_000, "content": "hi"}))
-    assert error.code == "role_too_long" and error.param == "messages[0].role"
-    assert time.perf_counter() - started < 0.1
+    spent = []
+    for _ in range(5):  # the fastest of five: a busy machine's pause falls on one, not all
+        started = time.perf_counter()
+        error = refused(chat({"role": "u" * 6_000_000, "content": "hi"}))
+        spent.append(time.perf_counter() - started)
+        assert error.code == "role_too_long" and error.param == "messages[0].role"
+    assert min(spent) < 0.1
 
 
 @pytest.mark.parametrize(
