@@ -20,7 +20,7 @@ queues, access log on (to /dev/null). Before measuring, one request per endpoint
                                        [--time-scale 1000] [--out loadtest/out/endpoints.md]
 
 The endpoints and their requests are `BODIES`, one line each; every endpoint of
-`gateway.api.BY_NAME` must have one (`tests/test_bench_endpoints.py`). It prints the Markdown
+`gateway.api.BY_NAME` must have one (`tests/loadtest/test_bench_endpoints.py`). It prints the Markdown
 table and writes it to `--out`, the rows as JSON beside it (`.json`); it exits 1 if any request
 failed, 0 otherwise: it is a measurement, not a test. Loopback only; every child runs in its own
 process group, stopped in a `finally`; each endpoint's run is bounded by `--rotations` and
