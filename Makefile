@@ -50,7 +50,7 @@ schema: $(STAMP)
 	$(BIN)/python -m gateway.config.reference > docs/policy-reference.md
 
 # deploy/base, the kustomize tree, is the Helm chart rendered with its TPU values
-# (deploy/render.py): after changing the chart, render it again; tests/test_deploy.py checks it.
+# (deploy/render.py): after changing the chart, render it again; tests/deploy/test_deploy.py checks it.
 deploy-base: $(STAMP)
 	export PATH="$(abspath $(BIN)):$$PATH"; \
 	{ command -v helm >/dev/null || $(BIN)/python tests/setup/install_kubectl.py $(BIN); } && \

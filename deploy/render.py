@@ -5,7 +5,7 @@ TPU values (values-gke-tpu-v6e.yaml), on a cluster with the Prometheus Operator,
 file per concern at the paths docs and tools name (autoscaling/hpa.yaml, monitoring/...), plus
 the Namespace (Helm creates its own) and a kustomization listing them. So the HPAs, Redis and the
 monitoring objects are written once, in the chart, and nothing under deploy/base is edited by
-hand: change the chart and render again. tests/test_deploy.py renders it again and fails while
+hand: change the chart and render again. tests/deploy/test_deploy.py renders it again and fails while
 the committed files differ.
 
     python deploy/render.py [--out DIR]       # DIR: deploy/base, replaced
@@ -31,7 +31,7 @@ VALUES = CHART / "values-gke-tpu-v6e.yaml"
 NAMESPACE = "llm"
 HEADER = (
     "# Rendered from deploy/helm/llm-admission-gateway by deploy/render.py (make deploy-base): edit\n"
-    "# the chart and render again; tests/test_deploy.py fails while this file differs.\n"
+    "# the chart and render again; tests/deploy/test_deploy.py fails while this file differs.\n"
 )
 # Where each object goes, by kind and name ("*": any name); each vLLM pool's Deployment and
 # headless Service go to vllm/<name>.yaml.

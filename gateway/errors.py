@@ -3,7 +3,7 @@
 `Refusal` is the vocabulary: one name a refusal, and the name is what the client's `error.code`
 says, what the access log's `reason` says, and (through `METRIC_LABEL`, for the few kept under
 their older label) the `reason` label of `llm_rejections_total`. Alert rules and the dashboard
-match those labels; tests/test_refusals.py checks that every name they use is one of these, so a
+match those labels; tests/errors/test_refusals.py checks that every name they use is one of these, so a
 rename cannot silently blind an alert. What the gateway's own machinery asks of a refusal (is it
 unmet demand for the autoscaler, is it the replica's failure) is a property of the name, here,
 instead of a set of names written where it is asked.
@@ -189,7 +189,7 @@ class BadRequest(GatewayError):
     `too_many_parts`, `images_not_supported`, ...), which the client is told and the access log
     reports, so a client can tell which limit it met; the metric counts them all under the
     refusal's one label, `bad_request`, keeping its cardinality to the vocabulary's. Every
-    detail is in docs/api.md's error table (tests/test_refusals.py checks it)."""
+    detail is in docs/api.md's error table (tests/errors/test_refusals.py checks it)."""
 
     refusal = Refusal.INVALID_REQUEST
     status = 400

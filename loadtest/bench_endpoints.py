@@ -21,7 +21,7 @@ queues, access log on (to /dev/null). Before measuring, one request per endpoint
 
 The endpoints are the gateway's registry (`gateway.api.APIS`), each request its endpoint's
 `Api.example`, in its own content type (a multipart upload for audio), so an endpoint the gateway
-admits is measured as soon as it is registered (`tests/test_bench_endpoints.py`). It prints the Markdown
+admits is measured as soon as it is registered (`tests/loadtest/test_bench_endpoints.py`). It prints the Markdown
 table and writes it to `--out`, the rows as JSON beside it (`.json`); it exits 1 if any request
 failed, 0 otherwise: it is a measurement, not a test. Loopback only; every child runs in its own
 process group, stopped in a `finally`; each endpoint's run is bounded by `--rotations` and

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_deploy import FLEETS, kinds
+from tests.deploy.test_deploy import FLEETS, kinds
 
 # `vllm serve`'s parser as vLLM's CLI builds it; each argv parsed, or its error printed.
 PARSE = """

@@ -58,7 +58,7 @@ from gateway.errors import BadRequest
 from gateway.policy.compile import load_policy
 from gateway.request.parse import parse
 from loadtest.real_tokenizers import directory
-from tests.test_real_tokenizers import SCHEMA, TOOL_NAMES, first_difference
+from tests.tokenizer.test_real_tokenizers import SCHEMA, TOOL_NAMES, first_difference
 
 MODELS = ("gemma3", "llama3", "qwen3")
 # The `--tool-call-parser` each model's deployment names; it changes no prompt (its

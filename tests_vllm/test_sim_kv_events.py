@@ -17,7 +17,7 @@ import pytest
 from loadtest.sim import ReplicaOptions, load_profile, start_replica
 from loadtest.sim.kv_events import KVEventsConfig
 from loadtest.vllm_server import SERVED_NAME, VLLMServer, serve_vllm
-from tests.test_sim_kv_events import Message, events_of, received, subscriber
+from tests.loadtest.test_sim_kv_events import Message, events_of, received, subscriber
 
 PROMPT = "the seller lists a lamp with a lithium battery and no certificate. " * 40
 VLLM_QUIET_S = 2.0  # vLLM publishes from its engine process's own thread

@@ -2,7 +2,7 @@
 and in it every field with its type, default and description.
 
 `python -m gateway.config.reference > docs/policy-reference.md` (`make schema` runs it);
-tests/test_docs.py fails when the file is not what this renders now. It reads only
+tests/codebase/test_docs.py fails when the file is not what this renders now. It reads only
 `gateway.config.schema`, the bottom layer, and its output depends on nothing else: no dates,
 no machine, fields in the models' own order.
 """
@@ -25,7 +25,7 @@ HEADER = """\
 # Policy field reference
 
 <!-- Generated from gateway/config/schema.py by `python -m gateway.config.reference`
-     (`make schema`); do not edit by hand: tests/test_docs.py checks it is current. -->
+     (`make schema`); do not edit by hand: tests/codebase/test_docs.py checks it is current. -->
 
 Every field a policy file may hold, section by section: its type, its default ("required" when it
 has none) and what it does. Unknown fields are refused, and so are values outside the bounds given

@@ -2,7 +2,7 @@
 exports, with its type, labels and help, in the order a scrape exports them.
 
 `python -m gateway.exporter.reference > docs/metrics-reference.md` (`make metrics-reference`
-runs it); tests/test_docs.py fails when the file is not what this renders now. The registry is
+runs it); tests/codebase/test_docs.py fails when the file is not what this renders now. The registry is
 built as the gateway builds it (the instruments, then `collectors.export`), with no gateway behind
 it: the collectors' declarations answer, nothing is scraped.
 """
@@ -20,7 +20,7 @@ HEADER = """\
 # Metrics reference
 
 <!-- Generated from the gateway's metrics registry by `python -m gateway.exporter.reference`
-     (`make metrics-reference`); do not edit by hand: tests/test_docs.py checks it is current. -->
+     (`make metrics-reference`); do not edit by hand: tests/codebase/test_docs.py checks it is current. -->
 
 Every metric family `/metrics` exports, in the order a scrape lists them. A counter's samples are
 named with `_total`; a histogram's are `_bucket` (with `le`), `_sum` and `_count`. Which families a

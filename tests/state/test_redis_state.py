@@ -1,0 +1,253 @@
+"""The Redis `State` against a real `redis-server` on a loopback port, no mocks.
+
+`MemoryState` is the reference: its properties (no minute over the limit, exact Retry-After,
+all-or-nothing charges) are tested in test_quotas.py, so here random sequences of reservations
+and corrections are replayed on both with one injected clock and must give the same answers.
+Then gateways: two sharing one Redis share a tenant's window; Redis stopped mid-run fails open
+to 1/N local limits or closed to a fast 503, and shared limits return with Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from redis.crc import key_slot
+
+from gateway.state import (
+    Correction,
+    Limit,
+    MemoryState,
+    PoolReplica,
+    Reservation,
+    SlotClaim,
+    TenantWindow,
+    WindowFull,
+)
+from gateway.state.base import StateUnreachable
+from gateway.state.failover import FailoverState
+from gateway.state.redis import RedisState
+from tests.conftest import RedisServer, RunningGateway, eventually
+from tests.request.test_quotas import Clock, chat, quota_policy, sized
+
+steps = st.lists(
+    st.tuples(
+        st.floats(min_value=0, max_value=200, allow_nan=False),
+        st.integers(1, 400),
+        st.integers(0, 600),  # what the request really used, for a later correction
+        st.booleans(),  # correct it now (True) or leave it to the end of the sequence
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(steps=steps, limit=st.integers(1, 1000))
+async def test_redis_answers_as_the_in_memory_state_does(
+    redis_server: RedisServer, steps: list[tuple[float, int, int, bool]], limit: int
+) -> None:
+    clock = Clock()
+    memory, shared = MemoryState(clock), RedisState(redis_server.url, clock=clock)
+    await shared.client.flushdb()
+    keys = (TenantWindow("acme", "tokens"), TenantWindow("acme", "requests"))
+    later: list[tuple[str, str, int, int]] = []
+    try:
+        for at, amount, actual, now in sorted(steps):
+            clock.now = 1000 + at
+            limits = [Limit(keys[0], amount, limit), Limit(keys[1], 1, 5)]
+            mine, theirs = await memory.reserve(limits), await shared.reserve(limits)
+            assert type(mine) is type(theirs)
+            assert mine.windows == pytest.approx(theirs.windows)
+            if isinstance(mine, WindowFull):
+                assert isinstance(theirs, WindowFull)
+                assert mine.index == theirs.index
+                assert mine.retry_after_s == pytest.approx(theirs.retry_after_s)
+                continue
+            assert isinstance(theirs, Reservation)
+            if now:
+                await memory.adjust([Correction(keys[0], mine.id, amount, actual)])
+                await shared.adjust([Correction(keys[0], theirs.id, amount, actual)])
+            else:
+                later.append((mine.id, theirs.id, amount, actual))
+        clock.now += 30  # some corrections come after their charge has left the window, in one call
+        await memory.adjust(
+            [Correction(keys[0], m, amount, actual) for m, _, amount, actual in later]
+        )
+        await shared.adjust(
+            [Correction(keys[0], t, amount, actual) for _, t, amount, actual in later]
+        )
+        probe = [Limit(keys[0], 0, limit), Limit(keys[1], 0, 5)]
+        assert await memory.peek(probe) == pytest.approx(await shared.peek(probe))
+    finally:
+        await shared.close()
+
+
+async def test_ids_are_unique_across_gateways(fresh_redis: RedisServer) -> None:
+    one, two = RedisState(fresh_redis.url), RedisState(fresh_redis.url)
+    try:
+        limits = [Limit(TenantWindow("acme", "requests"), 1, 10)]
+        first, second = await one.reserve(limits), await two.reserve(limits)
+        assert isinstance(first, Reservation) and isinstance(second, Reservation)
+        assert first.id != second.id
+        assert second.windows[0].remaining == 8  # both charges count in one window
+    finally:
+        await one.close()
+        await two.close()
+
+
+async def test_what_one_call_touches_is_one_redis_cluster_slot(fresh_redis: RedisServer) -> None:
+    """Callers name a tenant's windows and a pool's replica; the Redis backend's keys for them
+    hash to one Cluster slot per call (a tenant's windows, a replica's leases), so each script
+    runs on Redis Cluster as on one Redis."""
+    shared = RedisState(fresh_redis.url)
+    try:
+        windows = ("tokens", "requests", "model:m:tokens", "pool:p:requests")
+        for tenant in ("acme", "globex"):
+            await shared.reserve([Limit(TenantWindow(tenant, w), 1, 10) for w in windows])
+        claim = SlotClaim(PoolReplica("chat", "http://10.0.0.1:8000"), "batch", (("batch", 1),), 4)
+        await shared.lease(claim, shared.lease_id())
+        keys = [k.decode() for k in redis.Redis(port=fresh_redis.port).scan_iter("*")]
+        by_owner: dict[str, set[int]] = {}
+        for key in keys:
+            owner = next(o for o in ("acme", "globex", "10.0.0.1") if o in key)
+            by_owner.setdefault(owner, set()).add(key_slot(key.encode()))
+        assert len(keys) == 2 * 3 * len(windows) + 2  # each window's three keys; two of leases
+        assert all(len(slots) == 1 for slots in by_owner.values()), by_owner
+        assert by_owner.keys() == {"acme", "globex", "10.0.0.1"}
+    finally:
+        await shared.close()
+
+
+@pytest.fixture
+async def black_hole() -> AsyncIterator[str]:
+    """A loopback server that accepts connections and never answers: a hung Redis."""
+
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(-1)
+        writer.close()
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    yield f"redis://127.0.0.1:{port}/0"
+    server.close()
+
+
+async def test_a_hung_redis_fails_within_the_time_out(black_hole: str) -> None:
+    limits = [Limit(TenantWindow("acme", "tokens"), 10, 100)]
+    closed = FailoverState(RedisState(black_hole, timeout_s=0.2), on_failure="closed", gateways=2)
+    started = time.monotonic()
+    with pytest.raises(StateUnreachable):
+        await closed.reserve(limits)
+    assert time.monotonic() - started < 1
+    assert not closed.up
+    await closed.close()
+    opened = FailoverState(RedisState(black_hole, timeout_s=0.2), on_failure="open", gateways=2)
+    result = await opened.reserve(limits)
+    assert isinstance(result, Reservation) and result.windows[0].limit == 50  # 1/2 locally
+    await opened.close()
+
+
+def redis_policy(
+    tokenizer_dir: Any, stub: Any, server: RedisServer, **state: Any
+) -> dict[str, Any]:
+    policy = quota_policy(tokenizer_dir, [stub.url], tpm=10_000)
+    policy["state"] = {"backend": "redis", "url": server.url, "timeout_s": 0.3, **state}
+    return policy
+
+
+async def backend_up(http: aiohttp.ClientSession, gw: RunningGateway) -> str:
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
+        text = await resp.text()
+    return next(line for line in text.splitlines() if line.startswith("llm_state_backend_up "))
+
+
+async def test_the_10000_tpm_case_holds_in_redis(
+    fresh_redis, stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    gw = await gateway_factory(redis_policy(tokenizer_dir, stub, fresh_redis))
+    clock = Clock()
+    gw.gateway.state.shared.clock = clock  # type: ignore[attr-defined]
+    body = await sized(gw, 4000)
+    assert (await chat(http, gw, body))[0] == 200
+    clock.now += 10
+    assert (await chat(http, gw, body))[0] == 200
+    clock.now += 5
+    status, error, headers = await chat(http, gw, body)
+    assert (status, headers["Retry-After"]) == (429, "45")
+    assert error["error"]["code"] == "rate_limit_exceeded"
+    clock.now += 45
+    status, _, headers = await chat(http, gw, body)
+    assert (status, headers["x-ratelimit-remaining-tokens"]) == (200, "2000")
+    assert await backend_up(http, gw) == "llm_state_backend_up 1.0"
+
+
+async def test_two_gateways_share_a_tenants_tpm_window(
+    fresh_redis, stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    first = await gateway_factory(redis_policy(tokenizer_dir, stub, fresh_redis, gateways=2))
+    second = await gateway_factory(redis_policy(tokenizer_dir, stub, fresh_redis, gateways=2))
+    body = await sized(first, 6000)
+    assert (await chat(http, first, body))[0] == 200
+    status, error, _ = await chat(http, second, body)
+    assert status == 429 and error["error"]["code"] == "rate_limit_exceeded"
+    assert len(stub.stats.bodies) == 1
+
+
+async def test_fail_open_serves_at_local_limits_then_shares_again_when_redis_returns(
+    fresh_redis, stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    policy = redis_policy(tokenizer_dir, stub, fresh_redis, on_failure="open", gateways=2)
+    first, second = await gateway_factory(policy), await gateway_factory(policy)
+    body = await sized(first, 4000)
+    assert (await chat(http, first, body))[0] == 200
+    fresh_redis.stop()
+    status, _, headers = await chat(http, first, body)  # locally: 5000, nothing charged yet
+    assert (status, headers["x-ratelimit-limit-tokens"]) == (200, "5000")
+    status, _, _ = await chat(http, first, body)
+    assert status == 429  # 8000 would exceed this gateway's half of the limit
+    assert await backend_up(http, first) == "llm_state_backend_up 0.0"
+    async with http.get(f"{first.metrics_url}/metrics") as resp:
+        assert 'llm_state_mode{mode="local"} 1.0' in await resp.text()
+
+    fresh_redis.start()  # empty: it persisted nothing
+    await asyncio.sleep(1.1)  # the failover retries Redis a second after the failure
+    status, _, headers = await chat(http, first, body)
+    assert (status, headers["x-ratelimit-remaining-tokens"]) == (200, "6000")
+    status, _, headers = await chat(http, second, body)
+    assert (status, headers["x-ratelimit-remaining-tokens"]) == (200, "2000")  # shared again
+    assert (await chat(http, first, body))[0] == 429
+    assert await backend_up(http, first) == "llm_state_backend_up 1.0"
+
+
+async def test_fail_closed_answers_503_within_a_second_and_recovers(
+    fresh_redis, stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    gw = await gateway_factory(redis_policy(tokenizer_dir, stub, fresh_redis, on_failure="closed"))
+    body = await sized(gw, 1000)
+    assert (await chat(http, gw, body))[0] == 200
+    fresh_redis.stop()
+    for _ in range(2):  # the failing call and one while Redis is known to be down
+        started = time.monotonic()
+        status, error, _ = await chat(http, gw, body)
+        assert time.monotonic() - started < 1
+        assert (status, error["error"]["code"]) == (503, "state_unavailable")
+    assert len(stub.stats.bodies) == 1
+    async with http.get(f"{gw.metrics_url}/metrics") as resp:
+        assert 'llm_state_mode{mode="refusing"} 1.0' in await resp.text()
+    fresh_redis.start()
+
+    async def served() -> bool:
+        return (await chat(http, gw, body))[0] == 200
+
+    deadline = time.monotonic() + 5
+    while not await served():
+        assert time.monotonic() < deadline, "shared state never resumed"
+        await asyncio.sleep(0.2)
+    await eventually(lambda: gw.gateway.state.up)  # type: ignore[attr-defined]
