@@ -1,5 +1,5 @@
 """The request path: authenticate -> parse -> holder -> candidates -> estimate -> early quota ->
-count -> classify -> route -> place -> quota -> admit -> forward -> account.
+count -> workload -> route -> place -> quota -> admit -> forward -> account.
 
 Each stage is a small function in its own module that fills in its part of the `Ctx` or raises a
 `GatewayError`; this module only calls them in order, retries what a replica refused before it

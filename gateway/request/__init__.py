@@ -1,6 +1,8 @@
-"""The request path, one stage per module, in the order `pipeline.py` runs them.
+"""The request path, one stage per module, in the order `gateway/pipeline.py` runs them:
 
-authenticate -> parse -> route (candidates) -> estimate -> quota (early) -> count -> workload
--> route -> spill -> holders -> quota -> admit (gateway/admit/) -> forward -> account.
-`context.py` is the record the stages fill in.
+authenticate -> parse (body.py reads it) -> holders (a stored response's) -> route (candidates)
+-> estimate -> quota (early) -> count -> workload -> route -> place (checks.py: every pool rule)
+-> quota -> admit (gateway/admit/) -> forward -> account.
+
+The record they fill in is `gateway/context/ctx.py`.
 """
