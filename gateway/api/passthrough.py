@@ -1,8 +1,8 @@
 """Paths a route names for its pool (`routes[].passthrough`), forwarded with their bodies unread.
 
-vLLM serves more than the APIs the gateway counts: audio transcriptions and translations take a
-multipart upload, and a deployment may add its own. A route that names such a path sends every
-`POST` there to its pool: the tenant is authenticated and charged one request, the request takes
+vLLM serves more than the APIs the gateway counts, and a deployment may add its own paths
+(audio uploads are counted endpoints: gateway/api/audio.py). A route that names such a path
+sends every `POST` there to its pool: the tenant is authenticated and charged one request, the request takes
 a slot like any other (held tokens: none, as nothing was counted), and the body goes to the
 replica as it came, content type and all. The answer is relayed as it comes: a JSON answer whole
 (within `max_response_bytes`), an event stream event by event. No usage is read: the replica's

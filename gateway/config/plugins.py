@@ -8,7 +8,7 @@ type fails there, listing the known names.
 The registry lives here, below the stages, so that `policy/compile.py` and the CLI can ask it
 without knowing which modules hold the plug-ins: a stage's package registers all of its plug-ins
 when it is imported (`gateway.pick` its pickers and scorers, `gateway.request.estimate` its estimators).
-`policy/schema.py` stays below this module and never asks it: a policy's plug-in names are
+`config/schema.py` stays below this module and never asks it: a policy's plug-in names are
 checked against it when the policy is compiled.
 """
 

@@ -3,7 +3,7 @@ exports, with its type, labels and help, in the order a scrape exports them.
 
 `python -m gateway.exporter.reference > docs/metrics-reference.md` (`make metrics-reference`
 runs it); tests/codebase/test_docs.py fails when the file is not what this renders now. The registry is
-built as the gateway builds it (the instruments, then `collectors.export`), with no gateway behind
+built as the gateway builds it (the instruments, then `gateway.exporter.export`), with no gateway behind
 it: the collectors' declarations answer, nothing is scraped.
 """
 

@@ -8,7 +8,7 @@ exposition is prometheus-client's, from the families built at scrape time, so th
 and `_bucket`/`_sum`/`_count` series and `le` values are exactly what its classes export.
 
 Not for threads: a tokenizer thread that counted here would race the loop. Those keep plain ints
-under their own lock, read at scrape time (`collectors.counting`).
+under their own lock, read at scrape time (`gateway/exporter/counting.py`).
 """
 
 from __future__ import annotations

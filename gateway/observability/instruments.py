@@ -39,7 +39,7 @@ OTHER = "other"  # the adapter label past MAX_ADAPTER_LABELS distinct ones
 
 class Instruments:
     """One registry per gateway app, so tests and several apps in a process stay apart; the
-    exporter's collectors join it (`collectors.export`)."""
+    exporter's collectors join it (`gateway.exporter.export`)."""
 
     def __init__(self) -> None:
         self.registry = Registry()

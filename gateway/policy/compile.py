@@ -219,7 +219,7 @@ def _passthrough_problems(spec: PolicySpec) -> list[Problem]:
 
 def _scorer_problems(spec: PolicySpec) -> list[Problem]:
     """A pool's scorers are registered ones: the schema takes any name, being below the registry
-    (`policy/plugins.py`), so the names are checked here, as a plug-in's type is."""
+    (`config/plugins.py`), so the names are checked here, as a plug-in's type is."""
     problems = []
     for name, pool in spec.pools.items():
         for scorer in pool.pick.scorers if pool.pick is not None else ():
