@@ -104,14 +104,14 @@ async def admit_and_forward(ctx: Ctx, request: web.Request, runtime: Runtime) ->
     name = ctx.pool.name
     slots, upstream, key = runtime.slots[name], runtime.upstreams[name], runtime.api_keys[name]
     timeouts = ctx.pool.spec.timeouts
-    place = Place()
+    queued = Place()
     while True:
-        retrying = bool(place.avoid)
+        retrying = bool(queued.avoid)
         slots.retrying += retrying
         try:
-            async with slots.slot(ctx, place) as grant:
+            async with slots.slot(ctx, queued) as grant:
                 replica = grant.replica
-                tried = place.avoid | {replica.url}
+                tried = queued.avoid | {replica.url}
                 retry_next = slots.can_retry(tried)
                 try:
                     resp = await forward(
@@ -131,7 +131,7 @@ async def admit_and_forward(ctx: Ctx, request: web.Request, runtime: Runtime) ->
                         raise
                     # Back in the queue it is served by no replica (nor charged as if it
                     # were) until another grant names one.
-                    place.avoid, ctx.retries, ctx.replica = tried, ctx.retries + 1, ""
+                    queued.avoid, ctx.retries, ctx.replica = tried, ctx.retries + 1, ""
                     continue
                 except UpstreamTimeout:
                     slots.answered(grant, ctx, Ejection.TIMEOUT)

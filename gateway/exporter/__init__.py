@@ -1,4 +1,4 @@
-"""The exporter (`gateway/exporter/`): collectors that read the running gateway's live state at each scrape, one module
+"""The exporter: collectors that read the running gateway's live state at each scrape, one module
 per concern, all registered from `COLLECTORS`.
 
 They sit above admission (they read live pools, replicas, scorers, the state backend); the
@@ -10,19 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gateway.exporter.backend import Backend
-from gateway.exporter.counting import Counting
-from gateway.exporter.demand import Demand
-from gateway.exporter.health import Health
-from gateway.exporter.prefix import Prefix
-from gateway.exporter.reloads import Reloads
-from gateway.exporter.slots import Slots
+from gateway.exporter.backend import BackendCollector
+from gateway.exporter.counting import CountingCollector
+from gateway.exporter.demand import DemandCollector
+from gateway.exporter.health import HealthCollector
+from gateway.exporter.prefix import PrefixCollector
+from gateway.exporter.reloads import ReloadsCollector
+from gateway.exporter.slots import SlotsCollector
 from gateway.exporter.source import Scraped, Source
 from gateway.observability.registry import Registry
 
 # In the order a scrape exports them (after the instruments).
 COLLECTORS: tuple[type[Scraped], ...] = (
-    Slots, Health, Prefix, Demand, Counting, Reloads, Backend,
+    SlotsCollector, HealthCollector, PrefixCollector, DemandCollector, CountingCollector,
+    ReloadsCollector, BackendCollector,
 )  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""`Backend`: the state backend's health and mode as Prometheus gauges, read at each scrape.
+"""`BackendCollector`: the state backend's health and mode as Prometheus gauges, read at each scrape.
 
 Here rather than in gateway/state/ so the state stays free of the metrics library: the collector
 asks the state its `mode()`, the state knows nothing of being scraped, and the collector nothing
@@ -30,7 +30,7 @@ MODE = Declared(
 )
 
 
-class Backend(Scraped):
+class BackendCollector(Scraped):
     """`llm_state_backend_up`: 1 while the policy's state backend serves (always, in memory),
     0 while a backend failure has the gateway on local limits or 503s; `llm_state_mode` names
     the mode in force, so a dashboard shows which limits apply without reading the policy."""

@@ -60,7 +60,7 @@ CPU = Declared(
 )
 
 
-class Counting(Scraped):
+class CountingCollector(Scraped):
     declared = (BACKENDS, THREADS, JOBS, WAIT, BUSY, CPU)
 
     def collect(self) -> list[Metric]:

@@ -26,7 +26,7 @@ FORECAST = Declared(
 )
 
 
-class Demand(Scraped):
+class DemandCollector(Scraped):
     declared = (DESIRED, FORECAST)
 
     def collect(self) -> list[Metric]:

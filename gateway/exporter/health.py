@@ -29,7 +29,7 @@ EJECTIONS = Declared(
 )
 
 
-class Health(Scraped):
+class HealthCollector(Scraped):
     declared = (UP, FAILING, EJECTIONS)
 
     def collect(self) -> list[Metric]:

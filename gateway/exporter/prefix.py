@@ -49,7 +49,7 @@ PRECISE_BLOCKS = Declared(
 )
 
 
-class Prefix(Scraped):
+class PrefixCollector(Scraped):
     declared = (INDEX, BLOCKS, HELD, EVENTS, PRECISE_BLOCKS)
 
     def collect(self) -> list[Metric]:

@@ -23,7 +23,7 @@ TLS = Declared(
 )
 
 
-class Reloads(Scraped):
+class ReloadsCollector(Scraped):
     declared = (INFO, ERRORS, TLS)
 
     def collect(self) -> list[Metric]:

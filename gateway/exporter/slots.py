@@ -60,7 +60,7 @@ SHED = Declared(
 )
 
 
-class Slots(Scraped):
+class SlotsCollector(Scraped):
     declared = (REQUESTS, TOKENS, DEPTH, LEASES, CAPACITY, DRIFT, OBSERVED, SHED)
 
     def collect(self) -> list[Metric]:

@@ -8,11 +8,11 @@ import random
 
 import pytest
 from pydantic import ValidationError
-from tests.fleet.test_resilience import CHAT, scrape
 
 from gateway.admit.forecast import DEFAULT, Holt
 from gateway.config.schema import PoolSpec
 from tests.conftest import basic_policy, eventually
+from tests.fleet.test_resilience import CHAT, scrape
 
 HORIZON_S = 600.0
 

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gateway.config.schema import StateSpec
-from gateway.exporter.backend import Backend
+from gateway.exporter.backend import BackendCollector
 from gateway.state import Correction, Limit, MemoryState, Reservation, State, TenantWindow
 from gateway.state.base import StateUnreachable
 from gateway.state.build import BACKENDS, build_state
@@ -118,7 +118,7 @@ async def test_only_the_failures_a_backend_declares_fail_over(fault: type[Except
 
 def scrape(state: State) -> dict[str, float]:
     registry = CollectorRegistry()
-    registry.register(Backend(lambda: SimpleNamespace(state=state)))  # type: ignore[arg-type, return-value]
+    registry.register(BackendCollector(lambda: SimpleNamespace(state=state)))  # type: ignore[arg-type, return-value]
     return {
         f"{s.name}{s.labels.get('mode', '')}": s.value
         for family in registry.collect()
