@@ -104,9 +104,9 @@ def test_a_load_no_policy_holds_is_freed(tokenizer_dir: Path, tmp_path: Path) ->
 async def test_where_fastokens_counts_decoding_loads_transformers_again(
     tokenizer_dir: Path, tmp_path: Path
 ) -> None:
-    policy = load_policy(
-        write_policy(tmp_path, basic_policy(tokenizer_dir, ["http://127.0.0.1:9"]))
-    )
+    # A copy of its own: a tokenizer another test decoded with, still alive, would be resident.
+    own = shutil.copytree(tokenizer_dir, tmp_path / "tokenizer")
+    policy = load_policy(write_policy(tmp_path, basic_policy(own, ["http://127.0.0.1:9"])))
     try:
         (counter,) = counters(policy)
         assert counter.backend == "fastokens" and not counter.loaded.resident
