@@ -356,14 +356,17 @@ async def test_a_short_request_takes_its_reserved_slot_while_long_ones_run(
     stub_factory, gateway_factory, tokenizer_dir, http
 ) -> None:
     stub, gw = await reserving_gateway(stub_factory, gateway_factory, tokenizer_dir)
+    gate = asyncio.Event()  # nothing ends until it opens: no slot is freed meanwhile
+    stub.config.gate = gate
     longs = [asyncio.create_task(post(http, gw.url, chat(LONG_TEXT))) for _ in range(2)]
     await eventually(lambda: stub.stats.running == 2)
     short_one = asyncio.create_task(post(http, gw.url, chat("is this spam?")))
-    await eventually(lambda: stub.stats.running == 3)  # the kept slot, while both longs run
+    try:
+        await eventually(lambda: stub.stats.running == 3)  # the kept slot, while both longs run
+    finally:
+        gate.set()
     results = await asyncio.gather(*longs, short_one)
     assert [r[0] for r in results] == [200] * 3
-    (short_line,) = [line for line in served(gw) if line["class"] == "short"]
-    assert short_line["queue_wait_s"] < 0.1
     assert {line["class"] for line in served(gw)} == {"long", "short"}
 
     # Without short traffic the third slot stays idle: a third long request waits for a long one.
@@ -380,20 +383,24 @@ async def test_a_short_request_is_served_promptly_through_a_flood_of_long_ones(
     stub_factory, gateway_factory, tokenizer_dir, http
 ) -> None:
     stub, gw = await reserving_gateway(stub_factory, gateway_factory, tokenizer_dir)
+    gate = asyncio.Event()  # nothing ends until it opens: no slot is freed meanwhile
+    stub.config.gate = gate
     flood = [asyncio.create_task(post(http, gw.url, chat(LONG_TEXT))) for _ in range(8)]
     short_one = None
     try:
         await eventually(lambda: stub.stats.running == 2 and gw.waiting() == 6)
         short_one = asyncio.create_task(post(http, gw.url, chat("is this spam?")))
-        # Served at once on its kept slot while the six long ones still queue.
-        await eventually(lambda: stub.stats.running == 3 and gw.waiting() == 6, within_s=0.4)
+        # Served on its kept slot while the six long ones still queue: with the two running
+        # held, it cannot have waited for one of theirs (a wall-clock bound on when it was
+        # served measured the machine's pace as well).
+        await eventually(lambda: stub.stats.running == 3 and gw.waiting() == 6)
     finally:
+        gate.set()
         results = await asyncio.gather(*flood, *([short_one] if short_one else []))
         assert [r[0] for r in results] == [200] * len(results)
         assert stub.stats.max_running <= 3
         await eventually(lambda: gw.inflight() == 0 and gw.waiting() == 0)
-    (short_line,) = [line for line in served(gw) if line["class"] == "short"]
-    assert short_line["queue_wait_s"] < 0.1
+    assert [line["class"] for line in served(gw)].count("short") == 1
 
 
 # Fail fast over HTTP. With one slot held ~h s each, place p waits ~p * h; those accepted have
