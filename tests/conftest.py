@@ -27,27 +27,53 @@ from loadtest.stub_backend import CONFIG, STATS, StubConfig, StubStats, create_s
 from loadtest.tiny_tokenizer import build
 
 
-async def longest_loop_gap(work: Awaitable[Any], tick_s: float) -> tuple[Any, float]:
-    """`work`'s result, and the longest the event loop went without running a ticker that
-    sleeps `tick_s` while it ran: how long anything held the loop meanwhile."""
-    done, worst = asyncio.Event(), 0.0
+@dataclass(frozen=True)
+class Pace:
+    """What a ticker on the loop saw while some work ran."""
+
+    elapsed: float  # from the work's start to its end
+    worst: float  # the longest the ticker went without a turn: the longest the loop was held
+    late: float  # how late its turns came, in all: the loop held, or the process not run
+
+    @property
+    def waited(self) -> float:
+        """The part of `elapsed` spent waiting (on a timer, a peer, a thread) rather than on the
+        machine's pace: a bound on it holds however busy the machine is."""
+        return self.elapsed - self.late
+
+
+async def paced(work: Awaitable[Any], tick_s: float) -> tuple[Any, Pace]:
+    """`work`'s result, and what a ticker that sleeps `tick_s` saw while it ran."""
+    done, worst, late = asyncio.Event(), 0.0, 0.0
 
     async def tick() -> None:
-        nonlocal worst
+        nonlocal worst, late
         last = time.perf_counter()
         while not done.is_set():
             await asyncio.sleep(tick_s)
             now = time.perf_counter()
-            worst, last = max(worst, now - last), now
+            gap = now - last
+            if gap > 2 * tick_s:  # not a timer's usual slack
+                late += gap - tick_s
+            worst, last = max(worst, gap), now
 
     ticking = asyncio.create_task(tick())
     await asyncio.sleep(tick_s)
+    began = time.perf_counter()
     try:
         result = await work
     finally:
+        elapsed = time.perf_counter() - began
         done.set()
         await ticking
-    return result, worst
+    return result, Pace(elapsed, worst, late)
+
+
+async def longest_loop_gap(work: Awaitable[Any], tick_s: float) -> tuple[Any, float]:
+    """`work`'s result, and the longest the event loop went without running a ticker that
+    sleeps `tick_s` while it ran: how long anything held the loop meanwhile."""
+    result, pace = await paced(work, tick_s)
+    return result, pace.worst
 
 
 @pytest.fixture(scope="session")

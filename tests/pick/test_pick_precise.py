@@ -403,30 +403,50 @@ async def test_an_event_of_tens_of_thousands_of_blocks_is_refused_by_its_blocks_
     event = stored([1] * n, [1] * (n * BLOCK))
     payload = batch([event])
     assert len(msgspec.msgpack.encode(event)) <= MAX_EVENT_BYTES and n > MAX_EVENT_BLOCKS
+    # What keying and indexing it costs here, in the same run (a fixed bound measured the
+    # machine's pace as well): the loop is held a small part of it. Two rounds: a pause of the
+    # machine's seldom falls on both.
+    began = time.perf_counter()
+    EngineBlocks(capacity=1 << 20).apply(msgspec.msgpack.decode(msgspec.msgpack.encode(event)))
+    work_s = time.perf_counter() - began
 
-    gap = await _held_while(
-        scorer, replica.url, ("oversize", "BlockStored"), lambda: publisher.send(payload)
-    )
-    assert scorer.events[(replica.url, "oversize")] == 1
-    assert gap < 0.05, gap
+    gaps = [
+        await _held_while(
+            scorer, replica.url, ("oversize", "BlockStored"), lambda: publisher.send(payload)
+        )
+        for _ in range(2)
+    ]
+    assert min(gaps) < work_s / 4, f"the loop was held {gaps}; indexing it: {work_s:.3f}s"
+    assert scorer.events[(replica.url, "oversize")] == 2
 
 
 async def test_a_batch_of_millions_of_one_byte_events_is_refused_whole(
     following: tuple[Publisher, PrecisePrefixScorer, Replica],
 ) -> None:
-    """A batch of ~4 million one-byte events cut apart held the loop ~0.2 s and ~220 MB while it
-    lasted; its events are counted from the array's header, and past MAX_BATCH_EVENTS it is
-    dropped as a gap is (its removals are lost with it)."""
+    """A batch of ~4 million one-byte events cut apart held the loop for as long as that takes
+    and ~220 MB while it lasted; its events are counted from the array's header, and past
+    MAX_BATCH_EVENTS it is dropped as a gap is (its removals are lost with it). The hold is
+    compared with cutting a quarter of them apart here, in the same run: a fixed bound measured
+    the machine's pace as well. Two rounds: a pause of the machine's seldom falls on both."""
     publisher, scorer, replica = following
-    payload = msgspec.msgpack.encode([time.time(), [0] * (MAX_MESSAGE_BYTES - 64), 0])
+    events = [0] * (MAX_MESSAGE_BYTES - 64)
+    payload = msgspec.msgpack.encode([time.time(), events, 0])
     assert len(payload) <= MAX_MESSAGE_BYTES
+    quarter = msgspec.msgpack.encode(events[: len(events) // 4])
+    began = time.perf_counter()
+    msgspec.msgpack.Decoder(list[msgspec.Raw]).decode(quarter)
+    quarter_s = time.perf_counter() - began
 
-    gap = await _held_while(
-        scorer, replica.url, ("oversize_batch", "unknown"), lambda: publisher.send(payload)
-    )
-    assert scorer.events[(replica.url, "oversize_batch")] == 1
+    gaps = [
+        await _held_while(
+            scorer, replica.url, ("oversize_batch", "unknown"), lambda: publisher.send(payload)
+        )
+        for _ in range(2)
+    ]
+    assert scorer.events[(replica.url, "oversize_batch")] == 2
+    assert scorer.events[(replica.url, "unknown")] == 0  # none of its events was looked at
     assert len(scorer.blocks[replica.url]) == 0  # what the replica said before is dropped
-    assert gap < 0.05, gap
+    assert min(gaps) < quarter_s, f"the loop was held {gaps}; a quarter cut apart: {quarter_s}"
 
 
 async def test_a_message_over_the_limit_costs_the_connection_and_the_feed_starts_over(

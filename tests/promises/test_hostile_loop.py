@@ -241,8 +241,13 @@ async def test_a_chat_of_thousands_of_tiny_messages_is_rendered_off_the_loop():
     body = {"messages": messages}
     reference = counter.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     assert await counter.count_chat(body) == len(reference["input_ids"])
-    _, gap = await longest_loop_gap(counter.count_chat(body), tick_s=0.001)
-    assert gap < 0.02  # inline: ~0.036 s here
+    began = time.perf_counter()  # what rendering it on the loop would hold it
+    counter.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inline_s = time.perf_counter() - began
+    # Compared with the inline render in the same run (a fixed bound measured the machine's
+    # pace as well); two rounds: a pause of the machine's seldom falls on both.
+    gaps = [(await longest_loop_gap(counter.count_chat(body), tick_s=0.001))[1] for _ in range(2)]
+    assert min(gaps) < inline_s / 2, (gaps, inline_s)
 
 
 async def test_a_body_of_thousands_of_messages_is_checked_off_the_loop():

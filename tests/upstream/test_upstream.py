@@ -24,6 +24,7 @@ from gateway.upstream import (
     Refused,
     Upstream,
 )
+from tests.conftest import paced
 
 JSON = b'{"ok":true}'
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n" + JSON
@@ -420,15 +421,20 @@ async def test_a_stream_that_never_goes_silent_still_ends_at_the_readers_deadlin
 
     made = await replica(forever)
     answer = await Upstream().post(made.url, "/", CIMultiDict(), b"{}", 1.0, 0.2)
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    chunks = 0
-    with pytest.raises(TimeoutError) as caught:
-        while await answer.read_chunk(started + 0.5):
-            chunks += 1
+    deadline = asyncio.get_running_loop().time() + 0.5
+
+    async def read() -> tuple[int, BaseException]:
+        chunks = 0
+        with pytest.raises(TimeoutError) as caught:
+            while await answer.read_chunk(deadline):
+                chunks += 1
+        return chunks, caught.value
+
+    (chunks, caught), pace = await paced(read(), tick_s=0.002)
     answer.close()
-    assert not isinstance(caught.value, ExchangeTimeout)  # the deadline, not silence (read_s)
-    assert chunks > 5 and loop.time() - started < 2.0
+    assert not isinstance(caught, ExchangeTimeout)  # the deadline, not silence (read_s)
+    # Ended at the deadline: what it waited, the machine's pauses aside, is not the ~4 s stream.
+    assert chunks > 5 and pace.waited < 1.0, pace
 
 
 @pytest.mark.parametrize(
@@ -492,14 +498,19 @@ async def test_a_fast_replica_does_not_outlive_the_readers_deadline(replica) -> 
 
     made = await replica(fast)
     answer = await Upstream().post(made.url, "/", CIMultiDict(), b"{}", 1.0, 1.0)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 0.3
-    with pytest.raises(TimeoutError):
-        for _ in range(100):  # 5 s at most
-            assert await answer.read_chunk(deadline)
-            await asyncio.sleep(0.05)  # a slow client: bytes are always buffered by now
+    deadline = asyncio.get_running_loop().time() + 0.3
+
+    async def read() -> None:
+        with pytest.raises(TimeoutError):
+            for _ in range(100):  # 5 s at most
+                assert await answer.read_chunk(deadline)
+                await asyncio.sleep(0.05)  # a slow client: bytes are always buffered by now
+
+    _, pace = await paced(read(), tick_s=0.002)
     answer.close()
-    assert loop.time() - deadline < 0.2
+    # The first read past the deadline raised (a pause of the client's or two past it, the
+    # machine's pauses aside): not 5 s of reads.
+    assert pace.waited < 0.3 + 2 * 0.05, pace
 
 
 async def test_an_answer_released_twice_leaves_the_next_exchange_alone(replica) -> None:
