@@ -13,7 +13,8 @@ import pytest
 from gateway.state.failover import RETRY_S
 from loadtest.adversary.checks import check, check_quota
 from loadtest.adversary.count import Counter, messages_chat
-from loadtest.adversary.generator import Planned, fresh_seed
+from loadtest.adversary.endpoints import DRAWN, NOT_DRAWN, unaccounted
+from loadtest.adversary.generator import Generator, Planned, fresh_seed
 from loadtest.adversary.harness import REDIS_TIMEOUT_S, TENANTS, Outcome, Run, execute
 from loadtest.adversary.replica import Arrival, Script
 from loadtest.real_tokenizers import directory
@@ -35,6 +36,18 @@ async def test_promises_hold_against_the_adversary(tmp_path: Path, seed: int, ga
         f" --gateways {gateways} --backend tokenizers"
     )
     assert not broken, "\n".join([*(b.line(seed) for b in broken), replay])
+
+
+def test_every_registered_endpoint_is_drawn_or_said_why_not() -> None:
+    """The adversary's endpoints come from the gateway's registry: one registered and neither
+    drawn (a body to draw, a replica's answer, a count) nor listed in `NOT_DRAWN` with its
+    reason fails here, before any run."""
+    assert not unaccounted(), (
+        f"registered endpoints the adversary neither draws nor names in NOT_DRAWN: {unaccounted()}"
+        " (loadtest/adversary/endpoints.py)"
+    )
+    assert not set(DRAWN) & set(NOT_DRAWN)
+    assert all(hasattr(Generator, f"_{name}_body") for name in DRAWN)
 
 
 def test_the_independent_count_converts_messages_as_vllm_does() -> None:
