@@ -146,6 +146,8 @@ class Replica:
         """A route for every path of every endpoint `endpoints.DRAWN` names, by its kind."""
         app = web.Application(client_max_size=64 * 1024 * 1024)
         for name, drawn in DRAWN.items():
+            if drawn.kind == "tokenize":  # answered by the gateway itself
+                continue
             api = BY_NAME.get(name)
             paths = (drawn.path, *(api.aliases if api is not None else ()))
             handler = {
@@ -154,8 +156,8 @@ class Replica:
                 "pair": self._pooling(name, "pair"),
                 "speech": self._generative(name, speech=True),
                 "passthrough": self._passthrough,
-            }.get(drawn.kind)
-            for path in paths if handler is not None else ():  # `tokenize`: the gateway's own
+            }[drawn.kind]
+            for path in paths:
                 app.router.add_post(path, handler)
         app.router.add_get("/v1/responses/{rid}", self._retrieve)
         app.router.add_get("/health", self._health)
@@ -347,11 +349,11 @@ class Replica:
         self, endpoint: str, kind: str
     ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handle(request: web.Request) -> web.StreamResponse:
-            return await self._pool(request, endpoint, kind)
+            return await self._pooled(request, endpoint, kind)
 
         return handle
 
-    async def _pool(self, request: web.Request, endpoint: str, kind: str) -> web.Response:
+    async def _pooled(self, request: web.Request, endpoint: str, kind: str) -> web.Response:
         raw = await request.read()
         nonce = _nonce(raw)
         body = orjson.loads(raw)
@@ -414,8 +416,10 @@ def _form(raw: bytes, content_type: str) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for part in message.iter_parts():
         name = part.get_param("name", header="content-disposition")
-        if isinstance(name, str) and name not in fields and not part.get_filename():
-            fields[name] = part.get_payload(decode=True).decode()
+        payload = part.get_payload(decode=True)
+        if isinstance(name, str) and name not in fields and isinstance(payload, bytes):
+            if not part.get_filename():
+                fields[name] = payload.decode()
     return fields
 
 
