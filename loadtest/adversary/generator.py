@@ -412,15 +412,18 @@ class Generator:
         return Move(at, "cut_streams", out)
 
     def _uploads(self, at: float) -> Move:
-        """Uploads by one tenant at once, whole answers with long transcripts (a whole
-        transcription carries no token count: is what it got charged?), some clients leaving
-        mid-upload or mid-answer."""
+        """Uploads by one tenant at once, answered whole with long transcripts (a whole
+        transcription's usage is the audio's seconds, no token count: is what the tenant got
+        charged?), some clients leaving mid-upload or mid-answer."""
         r = self.rng
         tenant, model = r.choice(self.tenants), r.choice(self.models)
         out = []
-        for _ in range(r.randint(3, 10)):
-            script = Script(natural=r.randint(200, 2000), usage="truth")
+        for _ in range(r.randint(4, 10)):
+            script = Script(natural=r.randint(1500, 3000), usage="truth")
             p = self.request(r.choice(SPEECH), tenant, model, script, "uploads")
+            p.body.pop("stream", None)
+            p.body.pop("stream_include_usage", None)
+            p.upload = uploads.draw(r, p.body, p.nonce)
             out.append(p)
         return Move(at, "uploads", out, concurrent=True)
 
