@@ -11,11 +11,18 @@ from pathlib import Path
 import pytest
 
 from gateway.state.failover import RETRY_S
-from loadtest.adversary.checks import check, check_quota
+from loadtest.adversary.checks import check, check_quota, check_refusals
 from loadtest.adversary.count import Counter, messages_chat
 from loadtest.adversary.endpoints import DRAWN, NOT_DRAWN, unaccounted
 from loadtest.adversary.generator import Generator, Planned, fresh_seed
-from loadtest.adversary.harness import REDIS_TIMEOUT_S, TENANTS, Outcome, Run, execute
+from loadtest.adversary.harness import (
+    OUTPUT_CAPS,
+    REDIS_TIMEOUT_S,
+    TENANTS,
+    Outcome,
+    Run,
+    execute,
+)
 from loadtest.adversary.replica import Arrival, Script
 from loadtest.real_tokenizers import directory
 
@@ -112,3 +119,19 @@ def test_the_independent_count_drops_empty_text_parts_as_vllm_does() -> None:
     parts = [{"type": "text", "text": "stone thunder"}, {"type": "text", "text": ""}]
     with_empty = counter.chat("qwen3", [{"role": "user", "content": parts}])
     assert with_empty == counter.chat("qwen3", [{"role": "user", "content": "stone thunder"}])
+
+
+def test_r_expects_the_refusal_of_a_bound_over_its_pools_and_no_other() -> None:
+    """A chat asking its pool's `max_output_tokens` plus one (`n` 1) must be refused (400, or a
+    429 from the tenant's windows first) and reach no replica; one within it must not be."""
+    model, cap = next(iter(OUTPUT_CAPS.items()))
+    run = Run(seed=0, gateways=1, seconds=1.0)
+    for i, (bound, status) in enumerate(((cap + 1, 200), (cap + 1, 400), (cap, 200))):
+        body = {"model": model, "messages": [], "max_tokens": bound}
+        run.outcomes.append(
+            Outcome(
+                Planned(f"adv-{i:012x}", "alpha", 0, "chat", model, body, Script()), 0.0, status
+            )
+        )
+    [broken] = check_refusals(run)
+    assert broken.promise == "R" and broken.nonces == ["adv-000000000000"]
