@@ -129,7 +129,7 @@ class Generator:
                 ("truth", "missing", "negative", "huge", "understate"), (6, 1, 1, 1, 1)
             )[0],
             transport=r.choices(
-                ("ok", "redirect", "hang", "reset_head", "reset_body"), (88, 3, 2, 3, 4)
+                ("ok", "redirect", "hang", "reset_head", "reset_body", "error"), (86, 3, 2, 3, 4, 2)
             )[0],
             pace_s=r.choice((0.0, 0.0, 0.001, 0.003)),
             huge_event_bytes=r.choice((0,) * 19 + (1_000_000,)),

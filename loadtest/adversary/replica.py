@@ -42,7 +42,7 @@ from loadtest.adversary.endpoints import DRAWN
 PIECE = " hello"  # one token in every model the harness serves
 NONCE = re.compile(rb"adv-[0-9a-f]{12}")
 USAGE_LIES = ("truth", "missing", "negative", "huge", "understate")
-TRANSPORT = ("ok", "redirect", "hang", "reset_head", "reset_body")
+TRANSPORT = ("ok", "redirect", "hang", "reset_head", "reset_body", "error")
 SECRET = "internal-service-secret"  # what a redirect target answers: relayed, it is a leak
 
 
@@ -243,6 +243,8 @@ class Replica:
             return web.Response()
         if script.transport == "hang":
             await asyncio.sleep(3600)
+        if script.transport == "error":  # an engine error after the prompt was read: a 500
+            return _error(500, "adversary replica: EngineCore encountered an issue")
         return None
 
     async def _speech(
