@@ -21,7 +21,9 @@ bounds the work in flight. A whole answer carries no token count (vLLM's `usage`
 seconds): the gateway counts its text itself (`count_answer`, the `text` of a JSON answer, the
 body of a `text`, `srt` or `vtt` one, without special tokens) and settles on that, whole: a
 reservation cannot bound what an audio of unknown length produces, so settling on it would let
-a tenant's long uploads take many times its TPM. A stream is settled on its chunks, or on the
+a tenant's long uploads take many times its TPM. Uploads admitted at once are each charged as it
+ends: together they may take the window past the TPM by what they produced beyond their
+reservations, as far as the pool's slots let them run at once. A stream is settled on its chunks, or on the
 counts vLLM streams when the client asks for them (`stream_include_usage`).
 """
 

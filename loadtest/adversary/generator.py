@@ -412,9 +412,11 @@ class Generator:
         return Move(at, "cut_streams", out)
 
     def _uploads(self, at: float) -> Move:
-        """Uploads by one tenant at once, answered whole with long transcripts (a whole
-        transcription's usage is the audio's seconds, no token count: is what the tenant got
-        charged?), some clients leaving mid-upload or mid-answer."""
+        """Uploads by one tenant one after another, answered whole with long transcripts (a
+        whole transcription's usage is the audio's seconds, no token count: is what the tenant
+        got charged?), some clients leaving mid-upload or mid-answer. Not at once: no bound
+        limits a transcript, so uploads admitted together on their reservations may together
+        produce past the window before any is charged (docs/api.md), which Q does not allow."""
         r = self.rng
         tenant, model = r.choice(self.tenants), r.choice(self.models)
         out = []
@@ -425,7 +427,7 @@ class Generator:
             p.body.pop("stream_include_usage", None)
             p.upload = uploads.draw(r, p.body, p.nonce)
             out.append(p)
-        return Move(at, "uploads", out, concurrent=True)
+        return Move(at, "uploads", out)
 
     def _retry_reset(self, at: float) -> Move:
         p = self.request(self.rng.choice(GENERATIVE), move="retry_reset")
