@@ -21,10 +21,10 @@ bounds the work in flight. A whole answer carries no token count (vLLM's `usage`
 seconds): the gateway counts its text itself (`count_answer`, the `text` of a JSON answer, the
 body of a `text`, `srt` or `vtt` one, without special tokens) and settles on that, whole: a
 reservation cannot bound what an audio of unknown length produces, so settling on it would let
-a tenant's long uploads take many times its TPM. Uploads admitted at once are each charged as it
-ends: together they may take the window past the TPM by what they produced beyond their
-reservations, as far as the pool's slots let them run at once. A stream is settled on its chunks, or on the
-counts vLLM streams when the client asks for them (`stream_include_usage`).
+a tenant's long uploads take many times its TPM. Uploads admitted at once are each charged as
+it ends: together they may take the window past the TPM by what they produced beyond their
+reservations, as far as the pool's slots let them run at once. A stream is settled on its
+chunks, or on the counts vLLM streams when the client asks for them (`stream_include_usage`).
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def _text(form: dict[str, Any], name: str) -> str | None:
     return value
 
 
-def _transcript(answer: bytes) -> str:
+def _transcript(answer: bytearray) -> str:
     """A whole answer's text: a JSON answer's `text` (`json`, `verbose_json`), else the answer
     itself (`text`, `srt`, `vtt`)."""
     try:
@@ -242,7 +242,7 @@ class SpeechToTextApi(OpenAIApi):
     def upstream_fields(self, ctx: Ctx, changes: dict[str, Any]) -> None:
         """Nothing: a stream's usage is the client's to ask for (`stream_include_usage`)."""
 
-    async def count_answer(self, ctx: Ctx, answer: bytes) -> None:
+    async def count_answer(self, ctx: Ctx, answer: bytearray) -> None:
         """The transcript's tokens: what the tenant got (see the module's docstring)."""
         assert ctx.pool is not None
         [ctx.output_tokens] = await ctx.pool.model.counter.count_prompts(
