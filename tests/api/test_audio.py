@@ -171,6 +171,41 @@ async def test_a_whole_transcription_is_charged_its_text_not_its_reservation(
     assert gw.inflight() == 0
 
 
+async def test_a_streamed_transcriptions_usage_is_charged_whole_past_its_reservation(
+    replica_app, tokenizer_dir: Path, gateway_factory, http
+) -> None:
+    """A stream's usage chunk, asked for and believed, past the reservation and its burst: no
+    bound limits a transcript, so capping it there let a tenant's streamed long uploads take
+    1.4x its TPM (the adversary's `uploads` move, streamed)."""
+
+    async def long_stream(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"object": "transcription.chunk", "choices": [{"delta": {"content": " hi"}}]}
+        usage = {"prompt_tokens": 0, "completion_tokens": 3000, "total_tokens": 3000}
+        for event in (chunk, chunk, {"choices": [], "usage": usage}):
+            await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    policy = basic_policy(tokenizer_dir, [await replica_app(long_stream, TRANSCRIBE)])
+    policy["tenants"] = {"acme": {"keys": [hashed("acme-key")], "tpm": 100_000}}
+    gw = await gateway_factory(policy)
+    headers = {"Authorization": "Bearer acme-key"}
+    form = {"model": "tiny", "stream": "true", "stream_include_usage": "true"}
+    async with http.post(gw.url + TRANSCRIBE, data=aiohttp_form(form), headers=headers) as resp:
+        await resp.read()
+    await accounted(gw, 0)
+    [line] = logged(gw)
+    assert (line["output_tokens"], line["expected_output_tokens"]) == (3000, 512)
+    async with http.post(
+        gw.url + TRANSCRIBE, data=aiohttp_form({"model": "tiny"}), headers=headers
+    ) as resp:
+        remaining = int(resp.headers["x-ratelimit-remaining-tokens"])
+    assert remaining == 100_000 - 3000 - 512
+
+
 def aiohttp_form(fields: dict[str, str]) -> FormData:
     form = FormData()
     for name, value in fields.items():
