@@ -412,9 +412,9 @@ class Generator:
         return Move(at, "cut_streams", out)
 
     def _uploads(self, at: float) -> Move:
-        """Uploads by one tenant one after another, answered whole with long transcripts (a
-        whole transcription's usage is the audio's seconds, no token count: is what the tenant
-        got charged?), some clients leaving mid-upload or mid-answer. Not at once: no bound
+        """Uploads by one tenant one after another with long transcripts, answered whole (whose
+        usage is the audio's seconds, no token count) or streamed with their usage: is what the
+        tenant got charged? Some clients leave mid-upload or mid-answer. Not at once: no bound
         limits a transcript, so uploads admitted together on their reservations may together
         produce past the window before any is charged (docs/api.md), which Q does not allow."""
         r = self.rng
@@ -425,6 +425,8 @@ class Generator:
             p = self.request(r.choice(SPEECH), tenant, model, script, "uploads")
             p.body.pop("stream", None)
             p.body.pop("stream_include_usage", None)
+            if r.random() < 0.5:  # streamed, its usage asked for: believed past the reservation?
+                p.body["stream"], p.body["stream_include_usage"] = "true", "true"
             p.upload = uploads.draw(r, p.body, p.nonce)
             out.append(p)
         return Move(at, "uploads", out)
