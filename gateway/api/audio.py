@@ -18,8 +18,13 @@ with it the encoder's work and the number of 30-second windows vLLM splits it in
 generating up to `max_completion_tokens`: so the client's `max_completion_tokens` is no bound on
 the whole answer, the gateway writes none, and the pool's slot (not its token count) is what
 bounds the work in flight. A whole answer carries no token count (vLLM's `usage` is the audio's
-seconds): it is settled on what was reserved; a stream is settled on its chunks, or on the
-counts vLLM streams when the client asks for them (`stream_include_usage`).
+seconds): the gateway counts its text itself (`count_answer`, the `text` of a JSON answer, the
+body of a `text`, `srt` or `vtt` one, without special tokens) and settles on that, whole: a
+reservation cannot bound what an audio of unknown length produces, so settling on it would let
+a tenant's long uploads take many times its TPM. Uploads admitted at once are each charged as
+it ends: together they may take the window past the TPM by what they produced beyond their
+reservations, as far as the pool's slots let them run at once. A stream is settled on its
+chunks, or on the counts vLLM streams when the client asks for them (`stream_include_usage`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import orjson
 
 from gateway.api.fields import check_prompt_chars
 from gateway.api.json_body import media_type
@@ -159,6 +166,17 @@ def _text(form: dict[str, Any], name: str) -> str | None:
     return value
 
 
+def _transcript(answer: bytearray) -> str:
+    """A whole answer's text: a JSON answer's `text` (`json`, `verbose_json`), else the answer
+    itself (`text`, `srt`, `vtt`)."""
+    try:
+        decoded = orjson.loads(answer)
+    except orjson.JSONDecodeError:
+        return answer.decode("utf-8", "replace")
+    text = decoded.get("text") if isinstance(decoded, dict) else None
+    return text if isinstance(text, str) else ""
+
+
 # The example's audio: a WAV header and a tenth of a second of silence at 16 kHz, mono.
 _SILENCE = 1600 * 2
 _WAV = (
@@ -223,6 +241,20 @@ class SpeechToTextApi(OpenAIApi):
 
     def upstream_fields(self, ctx: Ctx, changes: dict[str, Any]) -> None:
         """Nothing: a stream's usage is the client's to ask for (`stream_include_usage`)."""
+
+    async def count_answer(self, ctx: Ctx, answer: bytearray) -> None:
+        """The transcript's tokens: what the tenant got (see the module's docstring)."""
+        assert ctx.pool is not None
+        [ctx.output_tokens] = await ctx.pool.model.counter.count_prompts(
+            _transcript(answer), special=False
+        )
+        ctx.output_counted = True
+
+    def read_usage(self, ctx: Ctx, usage: Any) -> None:
+        """A stream's usage chunk; a whole answer's output is counted already (`count_answer`),
+        and its usage, the audio's seconds, is no count."""
+        if not ctx.output_counted:
+            super().read_usage(ctx, usage)
 
     def upstream_body(self, ctx: Ctx, changes: dict[str, Any]) -> bytes:
         """The client's bytes, a rewritten `model` spliced in. vLLM's speech-to-text request has

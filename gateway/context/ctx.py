@@ -101,6 +101,9 @@ class Ctx:
     # The output (and prompt) counts came from the replica's usage, every field in bounds: what
     # the quota settles on; otherwise it settles on the reservation (gateway/request/quota.py).
     usage_believed: bool = False
+    # The output is the gateway's own count of the answer's text (`Api.count_answer`: a whole
+    # transcription, whose usage is no count): what the tenant got, no replica's word to bound.
+    output_counted: bool = False
     # A stored response's `output` items, from its stream's terminal event (gateway/request/holders.py)
     output: Any = None
     # A whole answer and where its `"usage"` is: decoded by the accounting, after the client

@@ -140,6 +140,12 @@ class Api(ABC):
         counts each choice alone and a chunk carries one choice's count."""
         return self.continuous_usage and ctx.stream and ctx.sequences == 1 and ctx.tokens_charged
 
+    async def count_answer(self, ctx: Ctx, answer: bytearray) -> None:
+        """Count a whole 200 answer's output where its usage carries no count, setting
+        `ctx.output_tokens` and `ctx.output_counted`: read already, before the client gets it.
+        Nothing here: an answer's usage counts it, or the reservation settles it."""
+        return None
+
     def ended(self, out: bytes) -> bool:
         """Whether a run of whole events just written ends the stream: the client has it all."""
         return out.endswith(self.stream_end)

@@ -524,6 +524,8 @@ async def _whole(
             usage_at += grown
     if up.status == 200 and usage_at >= 0:
         ctx.unread_usage = (data, usage_at)
+    if up.status == 200:
+        await ctx.api.count_answer(ctx, data)
     return web.Response(status=up.status, body=data, headers=_response_headers(up.headers, ctx))
 
 

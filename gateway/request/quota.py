@@ -290,6 +290,9 @@ def used(ctx: Ctx, burst: int) -> int:
       `burst` bounds what a replica's word alone adds to a window. A chat or completions stream
       that ended early (the client left, the stream broke) has as its output the running count
       of the last chunk relayed (gateway/api/openai.py `delivered`): what the client got.
+    - An output no bound limits (a transcription's: `ctx.max_output` None, as the reservation
+      cannot bound it): the believed count, whole, be it the replica's usage (a stream's, within
+      the context) or the gateway's own count of a whole answer's text (`Api.count_answer`).
     - Otherwise (no usage: a Messages or Responses stream the client left, whose events carry
       no running count, a replica that sent none; or a usage out of bounds): the reservation,
       which is all the replica was allowed to produce, or input plus the chunks the gateway
@@ -304,6 +307,8 @@ def used(ctx: Ctx, burst: int) -> int:
     reserved = reservation(ctx)
     if ctx.usage_believed and ctx.output_tokens is not None:
         prompt = ctx.input_tokens if ctx.prompt_tokens is None else ctx.prompt_tokens
+        if ctx.max_output is None:  # no bound limits it (a transcription): its whole count
+            return prompt + ctx.output_tokens
         return min(prompt + ctx.output_tokens, reserved + burst)
     return max(reserved, ctx.input_tokens + ctx.chunks)
 

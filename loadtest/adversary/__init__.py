@@ -5,14 +5,16 @@ run against what the harness itself saw, never against the gateway's own view al
 
 - `replica.py`, a scripted vLLM look-alike on loopback that, per request, tells the truth or lies
   as the harness scripted it (usage missing, negative, huge, understated; multi-token chunks;
-  thousands of tiny usage-bearing events; redirects; hangs; resets) and keeps a ledger of what it
-  really produced, its prompts counted by `transformers` with each model's own chat template;
+  thousands of tiny usage-bearing events; redirects; hangs; resets; a 500) and keeps a ledger
+  of what it really produced, its prompts counted by `transformers` with each model's own chat
+  template;
+- `endpoints.py`, the endpoints drawn: every one the gateway registers, or why not;
 - `generator.py`, the seeded sequences of requests (every endpoint, random shapes, tenants and
-  client behaviours), replayable from the printed seed;
+  client behaviours), replayable from the printed seed; `uploads.py`, multipart bodies;
 - `harness.py`, the processes (one gateway, or two sharing a `redis-server` that is stopped and
   restarted mid-run) and a `/healthz` ticker in its own process;
-- `checks.py`, Q (quota), C (count), L (loop) and S (slots), each failure naming the promise,
-  the seed and the offending requests.
+- `checks.py`, Q (quota), C (count), L (loop) and S (slots), and R (the refusals drawn), each
+  failure naming the promise, the seed and the offending requests.
 
     python -m loadtest.adversary --seed 7 --seconds 60 [--gateways 2] [--out loadtest/out/...]
 """

@@ -1,6 +1,7 @@
 """The four promises, checked on a finished `Run` (docs/architecture.md, "What the gateway
-promises"). Each broken promise is one `Broken`: its letter, what was seen against what was
-promised, and the requests that did it (nonces, findable in the replay)."""
+promises"), and the refusals the generator drew requests for (R). Each broken promise is one
+`Broken`: its letter, what was seen against what was promised, and the requests that did it
+(nonces, findable in the replay)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.state.failover import RETRY_S
+from loadtest.adversary.endpoints import COUNTED, SPEECH
+from loadtest.adversary.generator import Planned
 from loadtest.adversary.harness import (
     LAG_S,
     MAX_MODEL_LEN,
+    OUTPUT_CAPS,
     REDIS_TIMEOUT_S,
     TENANTS,
     Outcome,
@@ -28,7 +32,6 @@ WINDOW_S = 60.0
 # the scheduler's own count showed the loop ready and waiting. The gateway's loop-lag histogram
 # (a sample every 250 ms) is named in the failure when it saw the same, as a second witness.
 # Issue 35's relay, KV-event and (first) tokenizer holds were 203-567 ms.
-COUNTED = ("chat", "completions", "messages", "responses", "embeddings", "rerank")
 GAUGES_AT_ZERO = (
     "llm_inflight_requests",
     "llm_inflight_tokens",
@@ -39,7 +42,7 @@ GAUGES_AT_ZERO = (
 
 @dataclass
 class Broken:
-    promise: str  # Q, C, L, S (and X: a leak through a followed redirect)
+    promise: str  # Q, C, L, S (X: a leak through a followed redirect; R: a refusal)
     what: str
     nonces: list[str] = field(default_factory=list)
 
@@ -302,6 +305,63 @@ def check_leaks(run: Run) -> list[Broken]:
     ]
 
 
+# The output bound a request asks for, by the field the gateway reads first.
+_BOUNDS = {
+    "chat": ("max_completion_tokens", "max_tokens"),
+    "completions": ("max_tokens",),
+    "messages": ("max_tokens",),
+    "responses": ("max_output_tokens",),
+}
+# The refusals a request drawn to be refused must get, and nothing else: an upload's come from
+# its body (parsed before anything else), a bound over its pool's `max_output_tokens` from
+# placement, after the tenant's windows were looked at (so a 429 may come first).
+_WRONG_REASONS = ("max_output_tokens_exceeded", "invalid_multipart")
+
+
+def expected_refusal(p: Planned) -> tuple[int, ...]:
+    """The statuses `p` may get when it must be refused; () when it must not be."""
+    if p.upload is not None:
+        if p.upload.expect is None:
+            return ()
+        # An oversized body may be answered (and the connection closed) before it is all sent.
+        return (p.upload.expect, 0) if p.upload.expect == 413 else (p.upload.expect,)
+    cap = OUTPUT_CAPS.get(p.model)
+    bound = next((p.body[f] for f in _BOUNDS.get(p.endpoint, ()) if f in p.body), None)
+    if cap is None or not isinstance(bound, int):
+        return ()
+    n = p.body.get("n", 1) if p.endpoint in ("chat", "completions") else 1
+    return (400, 429) if bound * n > cap else ()
+
+
+def check_refusals(run: Run) -> list[Broken]:
+    """R: every request drawn to be refused got its refusal and never reached a replica; no
+    upload drawn valid was refused as malformed, and no request within its pool's output bound
+    was refused over it."""
+    missed, wrong = [], []
+    logged = _log_by_nonce(run)
+    for o in run.outcomes:
+        p = o.planned
+        if o.left_early and p.read == "leave_upload":
+            continue
+        statuses = expected_refusal(p)
+        reasons = [line.get("reason") for line in logged.get(p.nonce, [])]
+        if statuses:
+            if o.status not in statuses or run.ledger.arrivals.get(p.nonce):
+                missed.append((p, o.status))
+        elif any(r in _WRONG_REASONS for r in reasons) or (
+            p.endpoint in SPEECH and o.status in (413, 415)
+        ):
+            wrong.append((p, o.status))
+    out = []
+    for rows, what in ((missed, "not refused as drawn"), (wrong, "refused as malformed or over")):
+        if rows:
+            shown = "; ".join(f"{p.endpoint}/{p.move} {status}" for p, status in rows[:6])
+            out.append(
+                Broken("R", f"{len(rows)} requests {what} ({shown})", [p.nonce for p, _ in rows])
+            )
+    return out
+
+
 def check(run: Run) -> list[Broken]:
     return [
         *check_quota(run),
@@ -309,4 +369,5 @@ def check(run: Run) -> list[Broken]:
         *check_loop(run),
         *check_slots(run),
         *check_leaks(run),
+        *check_refusals(run),
     ]

@@ -6,7 +6,8 @@ vLLM's content-format detection does), `add_generation_prompt`, then an encode w
 tokens. Completions: an encode with them. Anthropic Messages and Responses are first turned into
 that chat the way vLLM's own servers do; a Responses follow-up prefills the stored turns (their
 inputs and outputs) before its own, and its rendered chat is encoded with special tokens (vLLM
-0.32's Responses server does: a second BOS where the template writes one).
+0.32's Responses server does: a second BOS where the template writes one). Pooling: each input
+encoded with special tokens, each scored pair as the tokenizer's pair. An upload: its text prompt.
 """
 
 from __future__ import annotations
@@ -70,15 +71,25 @@ class Counter:
             return len(prompt)
         return len(self._tok[model].encode(prompt, add_special_tokens=True))
 
-    def pooling(self, model: str, path: str, body: dict[str, Any]) -> int:
-        if path.endswith("embeddings"):
+    def pooling(self, model: str, kind: str, body: dict[str, Any]) -> int:
+        """`embed`: each `input` encoded with special tokens; `pair`: each pair of a rerank or
+        score encoded as the tokenizer's pair, the one first text paired with every second."""
+        if kind == "embed":
             return sum(self._encode(model, i) for i in _prompts(body["input"]))
-        query, documents = body.get("query", body.get("text_1", "")), body.get("documents", [])
-        if not documents:
-            documents = body.get("text_2", [])
-        documents = documents if isinstance(documents, list) else [documents]
+        first, second = _sides(body)
+        if len(first) == 1:
+            first = first * len(second)
         tok = self._tok[model]
-        return sum(len(tok.encode(query, d, add_special_tokens=True)) for d in documents)
+        return sum(
+            len(tok.encode(q, d, add_special_tokens=True))
+            for q, d in zip(first, second, strict=True)
+        )
+
+    def speech(self, model: str, form: dict[str, str]) -> int:
+        """An upload's text `prompt`, encoded with special tokens: what the gateway promises to
+        count of it (the audio's tokens are the model's own, and no promise's)."""
+        prompt = form.get("prompt")
+        return self._encode(model, prompt) if prompt else 0
 
     @staticmethod
     def responses_chat(body: dict[str, Any], stored: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -97,6 +108,24 @@ class Counter:
                     content = [{"type": "text", "text": p.get("text", "")} for p in content]
                 out.append({"role": item.get("role", "user"), "content": content})
         return out
+
+
+_SIDES = (
+    ("query", "documents"), ("text_1", "text_2"), ("queries", "documents"), ("queries", "items"),
+    ("data_1", "data_2"),
+)  # fmt: skip
+
+
+def _sides(body: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """A rerank's or score's two sides, each a list of texts, by vLLM's names for them."""
+    for one, two in _SIDES:
+        if one in body and two in body:
+            first, second = body[one], body[two]
+            return (
+                first if isinstance(first, list) else [first],
+                second if isinstance(second, list) else [second],
+            )
+    raise ValueError("a scoring body without its two sides")
 
 
 def _prompts(given: Any) -> list[Any]:

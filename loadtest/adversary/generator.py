@@ -3,10 +3,12 @@ behaves. Everything comes from one `random.Random(seed)`, drawn in a fixed order
 request is sent, so a seed replays the same plan (the timing of the processes may still differ).
 
 A plan is a list of moves, each a group of requests with a start time. Most moves are single
-requests of random shape on a random endpoint; some are the sequences that broke promises
-before: train an estimate with `max_tokens: 1` under one system prompt, then a concurrent burst
-of long bounds; a burst with no bound at all; Responses chains; streams of thousands of tiny
-usage-bearing events; streams of many tokens per event that the client leaves early.
+requests of random shape on a random endpoint (every endpoint the gateway registers:
+`endpoints.py`); some are the sequences that broke promises before: train an estimate with
+`max_tokens: 1` under one system prompt, then a concurrent burst of long bounds; a burst with no
+bound at all; Responses chains; streams of thousands of tiny usage-bearing events; streams of many
+tokens per event that the client leaves early; a burst of uploads with long transcripts, some
+left mid-upload.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from loadtest.adversary import uploads
+from loadtest.adversary.endpoints import DRAWN, GENERATIVE, SPEECH
 from loadtest.adversary.replica import Script
 
 WORDS = (
@@ -24,17 +28,7 @@ WORDS = (
     " 北京 café naïve 🙂 ünïcödé ∑ 1234 -- <tag> {json} \\n"
 ).split()
 
-ENDPOINT_PATHS = {
-    "chat": "/v1/chat/completions",
-    "completions": "/v1/completions",
-    "messages": "/v1/messages",
-    "responses": "/v1/responses",
-    "embeddings": "/v1/embeddings",
-    "rerank": "/v1/rerank",
-    "tokenize": "/tokenize",
-    "passthrough": "/v1/adversary/echo",
-}
-GENERATIVE = ("chat", "completions", "messages", "responses")
+ENDPOINT_PATHS = {name: drawn.path for name, drawn in DRAWN.items()}
 
 
 @dataclass
@@ -46,16 +40,19 @@ class Planned:
     gateway: int
     endpoint: str
     model: str
-    body: dict[str, Any]
+    body: dict[str, Any]  # an upload's: its text fields
     script: Script
-    read: str = "all"  # all | leave (at `leave_byte`) | slow
+    # all | leave (at `leave_byte` of the answer) | slow | leave_upload (at `leave_byte` of the
+    # body, an upload's)
+    read: str = "all"
     leave_byte: int = 0
     after: str | None = None  # a Responses chain: the nonce whose answer's id it continues
     move: str = "single"
+    upload: uploads.Upload | None = None  # a multipart body, sent as it is (not `body`)
 
     @property
     def stream(self) -> bool:
-        return self.body.get("stream") is True
+        return self.body.get("stream") in (True, "true")
 
 
 @dataclass
@@ -109,6 +106,7 @@ class Generator:
             "cut_streams",
             "cut_streams",
             "retry_reset",
+            "uploads",
         ]
         while at < seconds:
             plan.moves.append(self.move(self.rng.choice(kinds), at))
@@ -131,7 +129,7 @@ class Generator:
                 ("truth", "missing", "negative", "huge", "understate"), (6, 1, 1, 1, 1)
             )[0],
             transport=r.choices(
-                ("ok", "redirect", "hang", "reset_head", "reset_body"), (88, 3, 2, 3, 4)
+                ("ok", "redirect", "hang", "reset_head", "reset_body", "error"), (86, 3, 2, 3, 4, 2)
             )[0],
             pace_s=r.choice((0.0, 0.0, 0.001, 0.003)),
             huge_event_bytes=r.choice((0,) * 19 + (1_000_000,)),
@@ -148,11 +146,13 @@ class Generator:
         move: str = "single",
     ) -> Planned:
         r = self.rng
-        endpoint = endpoint or r.choices(list(ENDPOINT_PATHS), (5, 3, 4, 4, 1, 1, 1, 1))[0]
+        endpoint = endpoint or r.choices(list(DRAWN), [d.weight for d in DRAWN.values()])[0]
         model = model or r.choice(self.models)
         nonce = self.nonce()
         body = getattr(self, f"_{endpoint}_body")(model, nonce)
-        read = r.choices(("all", "leave", "slow"), (7, 2, 1))[0]
+        upload = uploads.draw(r, body, nonce) if endpoint in SPEECH else None
+        reads = ("all", "leave", "slow", "leave_upload")
+        read = r.choices(reads, (7, 2, 1, 2 if upload is not None else 0))[0]
         return Planned(
             nonce=nonce,
             tenant=tenant or r.choice(self.tenants),
@@ -164,6 +164,7 @@ class Generator:
             read=read,
             leave_byte=r.randint(1, 60_000),
             move=move,
+            upload=upload,
         )
 
     def _bound(self, body: dict[str, Any], name: str, required: bool = False) -> None:
@@ -270,11 +271,44 @@ class Generator:
         return body
 
     def _embeddings_body(self, model: str, nonce: str) -> dict[str, Any]:
-        return {"model": model, "input": f"{nonce} {self.text(1, 100)}"}
+        given: Any = f"{nonce} {self.text(1, 100)}"
+        if self.rng.random() < 0.3:
+            given = [given, *(self.text(1, 40) for _ in range(self.rng.randint(1, 4)))]
+        return {"model": model, "input": given}
+
+    _classify_body = _pooling_body = _embeddings_body
 
     def _rerank_body(self, model: str, nonce: str) -> dict[str, Any]:
         docs = [self.text(1, 30) for _ in range(self.rng.randint(1, 8))]
         return {"model": model, "query": f"{nonce} {self.text(1, 10)}", "documents": docs}
+
+    def _score_body(self, model: str, nonce: str) -> dict[str, Any]:
+        """Any of vLLM's four pairs of names; one first text for all, or one per second text."""
+        r = self.rng
+        one, two = r.choice(SCORE_FIELDS)
+        second = [self.text(1, 30) for _ in range(r.randint(1, 6))]
+        first: Any = f"{nonce} {self.text(1, 10)}"
+        if r.random() < 0.3:
+            first = [first, *(self.text(1, 10) for _ in second[1:])]
+        return {"model": model, one: first, two: second if len(second) > 1 else second[0]}
+
+    def _transcriptions_body(self, model: str, nonce: str) -> dict[str, Any]:
+        """An upload's text fields (`uploads.draw` adds the audio): with or without a prompt,
+        streamed or not, its usage asked for or not."""
+        r = self.rng
+        fields = {"model": model}
+        if r.random() < 0.6:
+            fields["prompt"] = self.text(1, 60)
+        fields["response_format"] = "json"
+        if r.random() < 0.5:
+            fields["stream"] = "true"
+            if r.random() < 0.5:
+                fields["stream_include_usage"] = r.choice(("true", "false"))
+        elif r.random() < 0.2:
+            fields["stream"] = "false"
+        return fields
+
+    _translations_body = _transcriptions_body
 
     def _tokenize_body(self, model: str, nonce: str) -> dict[str, Any]:
         return {"model": model, "prompt": f"{nonce} {self.text(1, 100)}"}
@@ -377,10 +411,36 @@ class Generator:
             out.append(p)
         return Move(at, "cut_streams", out)
 
+    def _uploads(self, at: float) -> Move:
+        """Uploads by one tenant one after another with long transcripts, answered whole (whose
+        usage is the audio's seconds, no token count) or streamed with their usage: is what the
+        tenant got charged? Some clients leave mid-upload or mid-answer. Not at once: no bound
+        limits a transcript, so uploads admitted together on their reservations may together
+        produce past the window before any is charged (docs/api.md), which Q does not allow."""
+        r = self.rng
+        tenant, model = r.choice(self.tenants), r.choice(self.models)
+        out = []
+        for _ in range(r.randint(4, 10)):
+            script = Script(natural=r.randint(1500, 3000), usage="truth")
+            p = self.request(r.choice(SPEECH), tenant, model, script, "uploads")
+            p.body.pop("stream", None)
+            p.body.pop("stream_include_usage", None)
+            if r.random() < 0.5:  # streamed, its usage asked for: believed past the reservation?
+                p.body["stream"], p.body["stream_include_usage"] = "true", "true"
+            p.upload = uploads.draw(r, p.body, p.nonce)
+            out.append(p)
+        return Move(at, "uploads", out)
+
     def _retry_reset(self, at: float) -> Move:
         p = self.request(self.rng.choice(GENERATIVE), move="retry_reset")
         p.script.transport = "reset_head"
         return Move(at, "retry_reset", [p])
+
+
+# vLLM's names of a score request's two sides (gateway/api/scoring.py admits the same).
+SCORE_FIELDS = (
+    ("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2")
+)  # fmt: skip
 
 
 def fresh_seed() -> int:

@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from loadtest.adversary.count import Counter
 from loadtest.adversary.generator import ENDPOINT_PATHS, Generator, Move, Plan, Planned
 from loadtest.adversary.replica import PIECE, SECRET, Ledger, Replica
+from loadtest.adversary.uploads import MAX_BODY_BYTES
 from loadtest.processes import RedisServer, free_port
 from loadtest.processes import gateway as gateway_process
 from loadtest.real_tokenizers import directory
@@ -52,6 +53,9 @@ REQUEST_TIMEOUT_S = 40.0
 SLOW_READ_S = 0.004  # per 4 KiB a slow client reads
 REDIS_DOWN = (0.35, 0.55)  # shares of the run: Redis stopped, then started again (empty)
 REDIS_TIMEOUT_S = 0.2  # the gateways' bound on a Redis call
+# One pool's `max_output_tokens`: the generator's bounds (up to 3,000, times `n` up to 2) cross
+# it, and the checks expect its refusal (`checks.check_refusals`).
+OUTPUT_CAPS = {"llama3": 2500}
 
 
 def log(message: str) -> None:
@@ -120,7 +124,15 @@ def policy(
             }
             for m in MODELS
         },
-        "pools": {m: {"model": m, "replicas": [replicas[m]], **pool} for m in MODELS},
+        "pools": {
+            m: {
+                "model": m,
+                "replicas": [replicas[m]],
+                **pool,
+                **({"max_output_tokens": OUTPUT_CAPS[m]} if m in OUTPUT_CAPS else {}),
+            }
+            for m in MODELS
+        },
         "classes": [{"name": "any", "when": {}}],
         "routes": [
             {
@@ -130,7 +142,12 @@ def policy(
             }
             for m in MODELS
         ],
-        "server": {"metrics_port": metrics_port, "body_timeout_s": 10, "drain_grace_s": 1},
+        "server": {
+            "metrics_port": metrics_port,
+            "body_timeout_s": 10,
+            "drain_grace_s": 1,
+            "max_body_bytes": MAX_BODY_BYTES,
+        },
         "admin": {"watch_interval_s": 0},
         "tenants": {
             name: {
@@ -182,31 +199,65 @@ def count_received(endpoint: str, raw: bytes, stream: bool) -> int:
             answer = orjson.loads(raw)
         except orjson.JSONDecodeError:
             return 0
+        if not isinstance(answer, dict):
+            return 0
         return orjson.dumps(
-            answer.get("choices") or answer.get("content") or answer.get("output") or []
+            answer.get("choices")
+            or answer.get("content")
+            or answer.get("output")
+            or answer.get("text")
+            or []
         ).count(piece)
     marks = (
         b'"chat.completion.chunk"',
         b'"text_completion"',
         b"content_block_delta",
         b"response.output_text.delta",
+        b'"transcription.chunk"',
     )
     events = raw.split(b"\n\n")[:-1]  # the last one may be cut
     return sum(e.count(piece) for e in events if any(m in e for m in marks))
 
 
+async def leave_upload(url: str, p: Planned, outcome: Outcome) -> None:
+    """A client that sends its upload's head (its whole length declared) and `leave_byte` of
+    its body, then closes the connection."""
+    assert p.upload is not None
+    host, _, port = url.removeprefix("http://").partition(":")
+    head = (
+        f"POST {ENDPOINT_PATHS[p.endpoint]} HTTP/1.1\r\nHost: {host}\r\n"
+        f"Authorization: Bearer {key_of(p.tenant)}\r\nx-request-id: {p.nonce}\r\n"
+        f"Content-Type: {p.upload.content_type}\r\nContent-Length: {len(p.upload.raw)}\r\n\r\n"
+    )
+    try:
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(head.encode() + p.upload.raw[: p.leave_byte % max(1, len(p.upload.raw))])
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.close()
+    except OSError as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"[:200]
+    outcome.left_early = True
+    outcome.ended = time.time()
+
+
 async def send(
     http: aiohttp.ClientSession, url: str, p: Planned, outcome: Outcome, previous: str | None
 ) -> None:
+    if p.read == "leave_upload":
+        await leave_upload(url, p, outcome)
+        return
     headers = {"Authorization": f"Bearer {key_of(p.tenant)}", "x-request-id": p.nonce}
     body = dict(p.body)
     if previous is not None:
         body["previous_response_id"] = previous
+    sent: dict[str, Any] = {"json": body}
+    if p.upload is not None:
+        headers["Content-Type"] = p.upload.content_type
+        sent = {"data": p.upload.raw}
     raw = bytearray()
     try:
-        async with http.post(
-            f"{url}{ENDPOINT_PATHS[p.endpoint]}", json=body, headers=headers
-        ) as resp:
+        async with http.post(f"{url}{ENDPOINT_PATHS[p.endpoint]}", headers=headers, **sent) as resp:
             outcome.status = resp.status
             async for chunk in resp.content.iter_chunked(4096):
                 raw += chunk

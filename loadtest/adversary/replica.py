@@ -1,4 +1,4 @@
-"""A scripted replica: vLLM's API on every endpoint the gateway serves, honest or lying on cue.
+"""A scripted replica: vLLM's API on every endpoint the adversary draws, honest or lying on cue.
 
 The harness puts a nonce (`adv-` and 12 hex digits) in every prompt and files a `Script` for it
 in the shared `Ledger`; the replica finds the nonce in the body it receives and does what the
@@ -7,6 +7,11 @@ script says. Whatever it says in `usage`, it records what it really did: the pro
 rendering, not the gateway's code) and the output tokens it wrote until the connection closed.
 Every output token is the text " hello", one token in Gemma 3, Llama 3 and Qwen 3 alike, so a
 client or the gateway counting the relayed text counts tokens.
+
+A speech upload (transcription, translation) is answered as vLLM answers it: a whole answer is
+`{"text": ...}` whose honest `usage` is the audio's seconds (no token count; a lying one is a
+token count, missing, negative, huge or understated), a stream is transcription chunks and,
+when the form asks (`stream_include_usage`), a usage chunk. Its prompt is its text `prompt`.
 
 What it never lies about is generation itself: like vLLM it stops at the request's `max_tokens`
 (or the end of the context), so a reservation of the request's bound always covers its output.
@@ -17,6 +22,8 @@ and the quota check takes the replica at its word there.
 from __future__ import annotations
 
 import asyncio
+import email.parser
+import email.policy
 import re
 import time
 import uuid
@@ -28,12 +35,14 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway.api import BY_NAME
 from loadtest.adversary.count import Counter
+from loadtest.adversary.endpoints import DRAWN
 
 PIECE = " hello"  # one token in every model the harness serves
 NONCE = re.compile(rb"adv-[0-9a-f]{12}")
 USAGE_LIES = ("truth", "missing", "negative", "huge", "understate")
-TRANSPORT = ("ok", "redirect", "hang", "reset_head", "reset_body")
+TRANSPORT = ("ok", "redirect", "hang", "reset_head", "reset_body", "error")
 SECRET = "internal-service-secret"  # what a redirect target answers: relayed, it is a leak
 
 
@@ -134,17 +143,22 @@ class Replica:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def app(self) -> web.Application:
+        """A route for every path of every endpoint `endpoints.DRAWN` names, by its kind."""
         app = web.Application(client_max_size=64 * 1024 * 1024)
-        for path, endpoint in (
-            ("/v1/chat/completions", "chat"),
-            ("/v1/completions", "completions"),
-            ("/v1/messages", "messages"),
-            ("/v1/responses", "responses"),
-        ):
-            app.router.add_post(path, self._generative(endpoint))
-        for path in ("/v1/embeddings", "/v1/rerank", "/rerank", "/v2/rerank", "/score"):
-            app.router.add_post(path, self._pooling)
-        app.router.add_post("/v1/adversary/echo", self._passthrough)
+        for name, drawn in DRAWN.items():
+            if drawn.kind == "tokenize":  # answered by the gateway itself
+                continue
+            api = BY_NAME.get(name)
+            paths = (drawn.path, *(api.aliases if api is not None else ()))
+            handler = {
+                "generative": self._generative(name),
+                "embed": self._pooling(name, "embed"),
+                "pair": self._pooling(name, "pair"),
+                "speech": self._generative(name, speech=True),
+                "passthrough": self._passthrough,
+            }[drawn.kind]
+            for path in paths:
+                app.router.add_post(path, handler)
         app.router.add_get("/v1/responses/{rid}", self._retrieve)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
@@ -154,17 +168,19 @@ class Replica:
     async def _count(self, fn: Callable[[], int]) -> int:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
-    def _generative(self, endpoint: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    def _generative(
+        self, endpoint: str, speech: bool = False
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handle(request: web.Request) -> web.StreamResponse:
-            return await self._serve(request, endpoint)
+            return await self._serve(request, endpoint, speech)
 
         return handle
 
-    async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, endpoint: str, speech: bool) -> web.StreamResponse:
         raw = await request.read()
         nonce = _nonce(raw)
         script = self.ledger.script(nonce)
-        body = orjson.loads(raw)
+        body = _form(raw, request.headers.get("Content-Type", "")) if speech else orjson.loads(raw)
         model = str(body.get("model", ""))
         arrival = Arrival(endpoint, model, request.headers.get("x-request-id", ""), time.time())
         arrival.nonce = nonce
@@ -185,6 +201,8 @@ class Replica:
         arrival: Arrival,
     ) -> web.StreamResponse:
         chat: list[dict[str, Any]] | None = None
+        if endpoint in _SPEECH:
+            return await self._speech(request, endpoint, body, script, arrival)
         if endpoint == "responses":
             previous = body.get("previous_response_id")
             if previous is not None and previous not in self.stored:
@@ -198,14 +216,8 @@ class Replica:
             )
         except Exception as exc:  # vLLM's 400 for a request its template cannot render
             return _error(400, f"adversary replica could not render: {exc!r}"[:300])
-        if script.transport == "redirect":
-            raise web.HTTPFound(self.ledger.secret_url)
-        if script.transport == "reset_head" and len(self.ledger.arrivals[arrival.nonce]) == 1:
-            assert request.transport is not None
-            request.transport.abort()
-            return web.Response()
-        if script.transport == "hang":
-            await asyncio.sleep(3600)
+        if (failed := await self._transport(request, script, arrival)) is not None:
+            return failed
         room = max(0, self.max_model_len - arrival.prompt_tokens)
         sequences = body.get("n") if endpoint in ("chat", "completions") else 1
         sequences = sequences if isinstance(sequences, int) and 1 <= sequences <= 16 else 1
@@ -216,6 +228,47 @@ class Replica:
         arrival.produced = produce * sequences
         answer = text_of.whole(PIECE * produce, self._usage(script, arrival, produce * sequences))
         self._store(endpoint, body, arrival, chat, PIECE * produce, answer)
+        arrival.finished = True
+        return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+    async def _transport(
+        self, request: web.Request, script: Script, arrival: Arrival
+    ) -> web.StreamResponse | None:
+        """The script's lie about the transport before any byte of the answer, if any."""
+        if script.transport == "redirect":
+            raise web.HTTPFound(self.ledger.secret_url)
+        if script.transport == "reset_head" and len(self.ledger.arrivals[arrival.nonce]) == 1:
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response()
+        if script.transport == "hang":
+            await asyncio.sleep(3600)
+        if script.transport == "error":  # an engine error after the prompt was read: a 500
+            return _error(500, "adversary replica: EngineCore encountered an issue")
+        return None
+
+    async def _speech(
+        self,
+        request: web.Request,
+        endpoint: str,
+        form: dict[str, Any],
+        script: Script,
+        arrival: Arrival,
+    ) -> web.StreamResponse:
+        """A transcription: its prompt counted, then the script's transport, then the text."""
+        arrival.prompt_tokens = await self._count(lambda: self.counter.speech(arrival.model, form))
+        if (failed := await self._transport(request, script, arrival)) is not None:
+            return failed
+        room = max(0, self.max_model_len - arrival.prompt_tokens)
+        produce = min(script.natural, room)
+        shapes = _Shapes("speech", form, arrival, 1)
+        if form.get("stream") == "true":
+            return await self._stream(request, shapes, script, arrival, produce, 1, None)
+        arrival.produced = produce
+        usage = self._usage(script, arrival, produce)
+        answer = shapes.whole(PIECE * produce, None if script.usage == "truth" else usage)
+        if script.usage == "truth":  # vLLM's: the audio's seconds, no token count
+            answer["usage"] = {"type": "duration", "seconds": 1}
         arrival.finished = True
         return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
@@ -294,27 +347,36 @@ class Replica:
         await resp.write_eof()
         return resp
 
-    async def _pooling(self, request: web.Request) -> web.Response:
+    def _pooling(
+        self, endpoint: str, kind: str
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await self._pooled(request, endpoint, kind)
+
+        return handle
+
+    async def _pooled(self, request: web.Request, endpoint: str, kind: str) -> web.Response:
         raw = await request.read()
         nonce = _nonce(raw)
         body = orjson.loads(raw)
-        arrival = Arrival("pooling", str(body.get("model", "")), "", time.time())
+        arrival = Arrival(endpoint, str(body.get("model", "")), "", time.time())
         self.ledger.arrivals.setdefault(nonce, []).append(arrival)
         self.ledger.open_requests += 1
         try:
             arrival.prompt_tokens = await self._count(
-                lambda: self.counter.pooling(arrival.model, request.path, body)
+                lambda: self.counter.pooling(arrival.model, kind, body)
             )
             usage = {"prompt_tokens": arrival.prompt_tokens, "total_tokens": arrival.prompt_tokens}
-            if request.path.endswith("embeddings"):
-                answer: dict[str, Any] = {
-                    "object": "list",
-                    "data": [{"object": "embedding", "index": 0, "embedding": [0.0, 1.0]}],
-                    "model": arrival.model,
-                    "usage": usage,
-                }
-            else:
-                answer = {"id": "rerank-1", "model": arrival.model, "results": [], "usage": usage}
+            data: dict[str, Any] = {
+                "embeddings": {"object": "embedding", "index": 0, "embedding": [0.0, 1.0]},
+                "classify": {"index": 0, "label": "a", "probs": [1.0], "num_classes": 1},
+                "pooling": {"object": "pooling", "index": 0, "data": [0.0, 1.0]},
+                "score": {"object": "score", "index": 0, "score": 0.5},
+            }.get(endpoint, {})
+            answer: dict[str, Any] = {"object": "list", "data": [data], "usage": usage}
+            if endpoint == "rerank":
+                answer = {"id": "rerank-1", "results": [], "usage": usage}
+            answer["model"] = arrival.model
             arrival.finished = True
             return web.json_response(answer)
         finally:
@@ -343,6 +405,24 @@ class Replica:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(text="")
+
+
+_SPEECH = tuple(name for name, drawn in DRAWN.items() if drawn.kind == "speech")
+
+
+def _form(raw: bytes, content_type: str) -> dict[str, Any]:
+    """A multipart form's text fields, the first of each name, read by the standard library's
+    MIME parser (not the gateway's)."""
+    head = f"Content-Type: {content_type}\r\n\r\n".encode()
+    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + raw)
+    fields: dict[str, Any] = {}
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        payload = part.get_payload(decode=True)
+        if isinstance(name, str) and name not in fields and isinstance(payload, bytes):
+            if not part.get_filename():
+                fields[name] = payload.decode()
+    return fields
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -380,6 +460,9 @@ class _Shapes:
 
     def whole(self, text: str, usage: tuple[int, int] | None) -> dict[str, Any]:
         out: dict[str, Any]
+        if self.endpoint == "speech":
+            shaped = self._usage(usage)
+            return {"text": text, **({"usage": shaped} if shaped is not None else {})}
         if self.endpoint == "chat":
             choices = [
                 {
@@ -462,6 +545,12 @@ class _Shapes:
         return b'data: {"usage":{}}\n\n'
 
     def delta(self, text: str, index: int) -> bytes:
+        if self.endpoint == "speech":
+            choice = {"index": index, "delta": {"content": text}, "finish_reason": None}
+            return _sse(
+                {"id": "trsc-a", "object": "transcription.chunk", "model": self.model,
+                 "choices": [choice]}
+            )  # fmt: skip
         if self.endpoint == "chat":
             choice = {"index": index, "delta": {"content": text}, "finish_reason": None}
             return _sse(
@@ -502,6 +591,12 @@ class _Shapes:
 
     def end(self, text: str, usage: tuple[int, int] | None, whole: dict[str, Any]) -> bytes:
         shaped = self._usage(usage)
+        if self.endpoint == "speech":
+            out = b""
+            if shaped is not None and self.body.get("stream_include_usage") == "true":
+                chunk = {"object": "transcription.chunk", "choices": [], "usage": shaped}
+                out = _sse({"id": "trsc-a", "model": self.model, **chunk})
+            return out + b"data: [DONE]\n\n"
         if self.endpoint in ("chat", "completions"):
             kind = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
             out = b""

@@ -22,6 +22,7 @@ from gateway.errors import GatewayError
 from loadtest.sim import ReplicaOptions, start_replica
 from tests.conftest import _serve, accounted, basic_policy
 from tests.loadtest.test_simulator import write_profile
+from tests.request.test_tenants import hashed
 
 AUDIO = bytes(range(256)) * 40  # 10 KB of "audio": the gateway never looks inside it
 TRANSCRIBE = "/v1/audio/transcriptions"
@@ -47,6 +48,9 @@ class Replica:
             await resp.write(b"data: [DONE]\n\n")
             return resp
         return web.json_response({"text": "hello", "usage": {"type": "duration", "seconds": 1}})
+
+
+LONG = " ".join(["stone river lamp"] * 700)  # a long audio's transcript
 
 
 def logged(gw: Any) -> list[dict[str, Any]]:
@@ -98,7 +102,8 @@ async def test_the_sdks_upload_is_admitted_counted_and_forwarded_byte_for_byte(
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     # The prompt's tokens, as vLLM's tokenizer counts them; the audio's are unknown here.
     assert line["input_tokens"] == len(tokenizer.encode(prompt).ids) > 0
-    assert line["output_tokens"] is None  # vLLM's usage is the audio's seconds: no count
+    # vLLM's usage is the audio's seconds, no count: the answer's text is counted.
+    assert line["output_tokens"] == len(tokenizer.encode("hello", add_special_tokens=False).ids)
     assert gw.inflight() == 0
 
 
@@ -127,6 +132,78 @@ async def test_a_stream_keeps_the_usage_the_client_asked_for_and_is_settled_on_i
     await accounted(gw, 0)
     [line] = logged(gw)
     assert (line["stream"], line["output_tokens"]) == (True, 2)
+
+
+@pytest.mark.parametrize("response_format", ["json", "text"])
+async def test_a_whole_transcription_is_charged_its_text_not_its_reservation(
+    replica_app, tokenizer_dir: Path, gateway_factory, http, response_format: str
+) -> None:
+    """A whole answer's usage is the audio's seconds, and no bound limits its text: settled on
+    the reservation (512 expected), a tenant's uploads of long audio got many times what they
+    were charged (the adversary's `uploads` move, Q: 2.1x a tenant's TPM). The text is counted
+    and charged whole, even from a replica whose usage claims one token."""
+
+    async def long_answer(request: web.Request) -> web.Response:
+        await request.read()
+        if response_format == "text":
+            return web.Response(text=LONG)
+        usage = {"type": "duration", "seconds": 600, "completion_tokens": 1}
+        return web.json_response({"text": LONG, "usage": usage})
+
+    policy = basic_policy(tokenizer_dir, [await replica_app(long_answer, TRANSCRIBE)])
+    policy["tenants"] = {"acme": {"keys": [hashed("acme-key")], "tpm": 100_000}}
+    gw = await gateway_factory(policy)
+    headers = {"Authorization": "Bearer acme-key"}
+    data = aiohttp_form({"model": "tiny", "response_format": response_format})
+    async with http.post(gw.url + TRANSCRIBE, data=data, headers=headers) as resp:
+        assert resp.status == 200
+    await accounted(gw, 0)
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    spoken = len(tokenizer.encode(LONG, add_special_tokens=False).ids)
+    [line] = logged(gw)
+    assert (line["output_tokens"], line["expected_output_tokens"]) == (spoken, 512)
+    async with http.post(
+        gw.url + TRANSCRIBE, data=aiohttp_form({"model": "tiny"}), headers=headers
+    ) as resp:
+        remaining = int(resp.headers["x-ratelimit-remaining-tokens"])
+    # The second upload reserves its 512 expected on top of the first's whole transcript.
+    assert remaining == 100_000 - spoken - 512
+    assert gw.inflight() == 0
+
+
+async def test_a_streamed_transcriptions_usage_is_charged_whole_past_its_reservation(
+    replica_app, tokenizer_dir: Path, gateway_factory, http
+) -> None:
+    """A stream's usage chunk, asked for and believed, past the reservation and its burst: no
+    bound limits a transcript, so capping it there let a tenant's streamed long uploads take
+    1.4x its TPM (the adversary's `uploads` move, streamed)."""
+
+    async def long_stream(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"object": "transcription.chunk", "choices": [{"delta": {"content": " hi"}}]}
+        usage = {"prompt_tokens": 0, "completion_tokens": 3000, "total_tokens": 3000}
+        for event in (chunk, chunk, {"choices": [], "usage": usage}):
+            await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    policy = basic_policy(tokenizer_dir, [await replica_app(long_stream, TRANSCRIBE)])
+    policy["tenants"] = {"acme": {"keys": [hashed("acme-key")], "tpm": 100_000}}
+    gw = await gateway_factory(policy)
+    headers = {"Authorization": "Bearer acme-key"}
+    form = {"model": "tiny", "stream": "true", "stream_include_usage": "true"}
+    async with http.post(gw.url + TRANSCRIBE, data=aiohttp_form(form), headers=headers) as resp:
+        await resp.read()
+    await accounted(gw, 0)
+    [line] = logged(gw)
+    assert (line["output_tokens"], line["expected_output_tokens"]) == (3000, 512)
+    async with http.post(
+        gw.url + TRANSCRIBE, data=aiohttp_form({"model": "tiny"}), headers=headers
+    ) as resp:
+        remaining = int(resp.headers["x-ratelimit-remaining-tokens"])
+    assert remaining == 100_000 - 3000 - 512
 
 
 def aiohttp_form(fields: dict[str, str]) -> FormData:

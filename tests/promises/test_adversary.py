@@ -11,10 +11,18 @@ from pathlib import Path
 import pytest
 
 from gateway.state.failover import RETRY_S
-from loadtest.adversary.checks import check, check_quota
+from loadtest.adversary.checks import check, check_quota, check_refusals
 from loadtest.adversary.count import Counter, messages_chat
-from loadtest.adversary.generator import Planned, fresh_seed
-from loadtest.adversary.harness import REDIS_TIMEOUT_S, TENANTS, Outcome, Run, execute
+from loadtest.adversary.endpoints import DRAWN, NOT_DRAWN, unaccounted
+from loadtest.adversary.generator import Generator, Planned, fresh_seed
+from loadtest.adversary.harness import (
+    OUTPUT_CAPS,
+    REDIS_TIMEOUT_S,
+    TENANTS,
+    Outcome,
+    Run,
+    execute,
+)
 from loadtest.adversary.replica import Arrival, Script
 from loadtest.real_tokenizers import directory
 
@@ -35,6 +43,18 @@ async def test_promises_hold_against_the_adversary(tmp_path: Path, seed: int, ga
         f" --gateways {gateways} --backend tokenizers"
     )
     assert not broken, "\n".join([*(b.line(seed) for b in broken), replay])
+
+
+def test_every_registered_endpoint_is_drawn_or_said_why_not() -> None:
+    """The adversary's endpoints come from the gateway's registry: one registered and neither
+    drawn (a body to draw, a replica's answer, a count) nor listed in `NOT_DRAWN` with its
+    reason fails here, before any run."""
+    assert not unaccounted(), (
+        f"registered endpoints the adversary neither draws nor names in NOT_DRAWN: {unaccounted()}"
+        " (loadtest/adversary/endpoints.py)"
+    )
+    assert not set(DRAWN) & set(NOT_DRAWN)
+    assert all(hasattr(Generator, f"_{name}_body") for name in DRAWN)
 
 
 def test_the_independent_count_converts_messages_as_vllm_does() -> None:
@@ -99,3 +119,19 @@ def test_the_independent_count_drops_empty_text_parts_as_vllm_does() -> None:
     parts = [{"type": "text", "text": "stone thunder"}, {"type": "text", "text": ""}]
     with_empty = counter.chat("qwen3", [{"role": "user", "content": parts}])
     assert with_empty == counter.chat("qwen3", [{"role": "user", "content": "stone thunder"}])
+
+
+def test_r_expects_the_refusal_of_a_bound_over_its_pools_and_no_other() -> None:
+    """A chat asking its pool's `max_output_tokens` plus one (`n` 1) must be refused (400, or a
+    429 from the tenant's windows first) and reach no replica; one within it must not be."""
+    model, cap = next(iter(OUTPUT_CAPS.items()))
+    run = Run(seed=0, gateways=1, seconds=1.0)
+    for i, (bound, status) in enumerate(((cap + 1, 200), (cap + 1, 400), (cap, 200))):
+        body = {"model": model, "messages": [], "max_tokens": bound}
+        run.outcomes.append(
+            Outcome(
+                Planned(f"adv-{i:012x}", "alpha", 0, "chat", model, body, Script()), 0.0, status
+            )
+        )
+    [broken] = check_refusals(run)
+    assert broken.promise == "R" and broken.nonces == ["adv-000000000000"]
