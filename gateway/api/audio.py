@@ -29,6 +29,8 @@ chunks, or on the counts vLLM streams when the client asks for them (`stream_inc
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -52,6 +54,10 @@ MAX_PARTS = 256  # vLLM's forms have a few dozen fields: past this, a body is no
 _MAX_HEAD = 4096  # a part's headers: a name, a file name, a content type
 _CRLF = b"\r\n"
 _HEAD_END = b"\r\n\r\n"
+log = logging.getLogger("gateway.api.audio")
+# An answer over this is decoded on a thread: parsing it whole could hold the loop for long.
+INLINE_DECODE_BYTES = 32_768
+
 _PARAM = re.compile(r';\s*([A-Za-z0-9_*-]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^;\s]*)')
 # The fields the gateway reads: given twice, which one the replica reads is its parser's choice.
 _READ = ("model", "prompt", "stream", "stream_include_usage", "file")
@@ -64,7 +70,10 @@ def _params(value: str) -> dict[str, str]:
         raw = match[2]
         if raw.startswith('"'):
             raw = re.sub(r"\\(.)", r"\1", raw[1:-1])
-        found.setdefault(match[1].lower(), raw)
+        name = match[1].lower()
+        if name in found:  # which one the replica's parser reads is its choice, not ours
+            raise _malformed(f"a part's Content-Disposition gives {name!r} twice")
+        found[name] = raw
     return found
 
 
@@ -115,6 +124,8 @@ def _part(raw: bytes, start: int, end: int, form: Form) -> None:
     for line in head.split("\r\n"):
         name, colon, value = line.partition(":")
         if colon and name.strip().lower() == "content-disposition":
+            if disposition is not None:
+                raise _malformed("a part has two Content-Disposition headers")
             disposition = value.strip()
     if disposition is None or media_type(disposition) != "form-data":
         raise _malformed("a part has no Content-Disposition: form-data")
@@ -243,11 +254,19 @@ class SpeechToTextApi(OpenAIApi):
         """Nothing: a stream's usage is the client's to ask for (`stream_include_usage`)."""
 
     async def count_answer(self, ctx: Ctx, answer: bytearray) -> None:
-        """The transcript's tokens: what the tenant got (see the module's docstring)."""
+        """The transcript's tokens: what the tenant got (see the module's docstring). A large
+        answer (a replica may send up to `max_response_bytes`) is decoded off the event loop;
+        a count that fails leaves the request to settle on its reservation, its answer served."""
         assert ctx.pool is not None
-        [ctx.output_tokens] = await ctx.pool.model.counter.count_prompts(
-            _transcript(answer), special=False
-        )
+        try:
+            if len(answer) > INLINE_DECODE_BYTES:
+                text = await asyncio.to_thread(_transcript, answer)
+            else:
+                text = _transcript(answer)
+            [ctx.output_tokens] = await ctx.pool.model.counter.count_prompts(text, special=False)
+        except Exception:
+            log.exception("request %s: the transcript could not be counted", ctx.request_id)
+            return
         ctx.output_counted = True
 
     def read_usage(self, ctx: Ctx, usage: Any) -> None:

@@ -243,6 +243,24 @@ WHOLE = part("model", b"tiny") + part("file", AUDIO, "a.wav") + f"--{BOUNDARY}--
         (part("model", b"tiny") + WHOLE, FORM, 400, "invalid_request", "model"),  # twice
         (part("model", b"\xff") + WHOLE, FORM, 400, "invalid_multipart", None),
         (b'{"model": "tiny"}', "application/json", 415, "unsupported_media_type", None),
+        (  # one name to the gateway, the other to a parser keeping the last
+            WHOLE.replace(b'name="model"', b'name="prompt"; name="model"', 1),
+            FORM,
+            400,
+            "invalid_multipart",
+            None,
+        ),
+        (
+            WHOLE.replace(
+                b"Content-Disposition: form-data",
+                b'Content-Disposition: form-data; name="prompt"\r\nContent-Disposition: form-data',
+                1,
+            ),
+            FORM,
+            400,
+            "invalid_multipart",
+            None,
+        ),
     ],
     ids=[
         "cut",
@@ -253,6 +271,8 @@ WHOLE = part("model", b"tiny") + part("file", AUDIO, "a.wav") + f"--{BOUNDARY}--
         "twice",
         "not-utf8",
         "json",
+        "name-twice",
+        "disposition-twice",
     ],
 )
 @pytest.mark.parametrize("path", PATHS)
