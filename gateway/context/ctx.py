@@ -107,7 +107,7 @@ class Ctx:
     # A stored response's `output` items, from its stream's terminal event (gateway/request/holders.py)
     output: Any = None
     # A whole answer and where its `"usage"` is: decoded by the accounting, after the client
-    # has the answer (`forward.read_usage`), so its few µs are not on the client's path.
+    # has the answer (`api/usage.py's read_usage`), so its few µs are not on the client's path.
     unread_usage: tuple[bytearray, int] | None = None
     chunks: int = 0
     # The output of the chunks written so far, by the replica's running usage

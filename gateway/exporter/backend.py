@@ -11,9 +11,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from gateway.exporter.source import Scraped
 from gateway.observability.registry import Declared
-from gateway.state.base import MODES
-
-_SERVING = ("memory", "shared")  # the modes in which the policy's backend answers
+from gateway.state.base import MODES, SERVING
 
 UP = Declared(
     GaugeMetricFamily,
@@ -40,7 +38,7 @@ class BackendCollector(Scraped):
     def collect(self) -> list[Metric]:
         current = self.source().state.mode()
         up, mode = UP(), MODE()
-        up.add_metric([], 1 if current in _SERVING else 0)
+        up.add_metric([], 1 if current in SERVING else 0)
         for name in MODES:
             mode.add_metric([name], 1 if name == current else 0)
         return [up, mode]

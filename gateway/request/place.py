@@ -87,10 +87,9 @@ class Placement:
 
     def admits(self, ctx: Ctx, pool: Pool) -> None:
         """Raise the refusal of `pool`'s first rule that refuses `ctx`."""
-        for check in self.rules[pool.name]:
-            refused = check.check(ctx, pool)
-            if refused is not None:
-                raise refused
+        refused = self.refusal(ctx, pool)
+        if refused is not None:
+            raise refused[1]
 
     def passed_over(
         self, ctx: Ctx, fallback: Fallback, loads: Mapping[str, PoolLoad]

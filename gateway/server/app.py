@@ -184,7 +184,7 @@ async def _metered(
         threads = policy.tokenizer_threads
         decoded = await by_size(
             raw, threads.small if threads is not None else None, decode_checked,
-            body.media_type(request), raw, policy.spec.server, check,
+            request.headers.get("Content-Type", ""), raw, policy.spec.server, check,
         )  # fmt: skip
         data, handled = await answer(policy, decoded)
         response = _json(data)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol, get_args
 
 WINDOW_S = 60.0
 
@@ -42,7 +42,8 @@ WINDOW_S = 60.0
 # windows; `shared`, a shared backend answers; `local`, it failed and limits are this gateway's
 # share; `refusing`, it failed and requests are refused.
 Mode = Literal["memory", "shared", "local", "refusing"]
-MODES: tuple[Mode, ...] = ("memory", "shared", "local", "refusing")
+MODES: tuple[Mode, ...] = get_args(Mode)
+SERVING: frozenset[Mode] = frozenset(("memory", "shared"))  # the policy's backend answers
 
 
 class StateUnreachable(Exception):

@@ -156,9 +156,8 @@ class FailoverState:
             return
         try:
             await self.shared.adjust(shared)
-        except (
-            self.shared.failures
-        ) as exc:  # called once: a lost correction is logged, never retried
+        # called once: a lost correction is logged, never retried
+        except self.shared.failures as exc:
             self._failed(exc)
             lost = ", ".join(
                 f"{fix.charge_id} in {fix.key.tenant}'s {fix.key.window}" for fix in shared
