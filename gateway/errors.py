@@ -58,6 +58,8 @@ class Refusal(StrEnum):
     SHED = "shed"
     QUEUE_TIMEOUT = "queue_timeout"
     QUEUE_WAIT_TOO_LONG = "queue_wait_too_long"
+    SLO_UNREACHABLE = "slo_unreachable"  # a sheddable request no replica would serve in time
+    PREEMPTED = "preempted"  # cancelled in flight for a critical request (`slo.preempt`)
     # The service.
     NO_REPLICA = "no_replica"
     SHUTTING_DOWN = "shutting_down"
@@ -108,7 +110,14 @@ METRIC_LABEL: dict[Refusal, str] = {
 }
 
 _DEMAND = frozenset(
-    {Refusal.QUEUE_FULL, Refusal.SHED, Refusal.QUEUE_TIMEOUT, Refusal.QUEUE_WAIT_TOO_LONG}
+    {
+        Refusal.QUEUE_FULL,
+        Refusal.SHED,
+        Refusal.QUEUE_TIMEOUT,
+        Refusal.QUEUE_WAIT_TOO_LONG,
+        Refusal.SLO_UNREACHABLE,
+        Refusal.PREEMPTED,
+    }
 )
 
 
@@ -375,6 +384,25 @@ class QueueWaitTooLong(Retryable):
     learns now, with the prediction as Retry-After, what it would learn at the time-out."""
 
     refusal = Refusal.QUEUE_WAIT_TOO_LONG
+    status = 429
+    type = "rate_limit_error"
+
+
+class SloUnreachable(Retryable):
+    """Raised at once for a sheddable request that no replica is predicted to serve within its
+    objective: refused now, with the prediction, rather than served late at the cost of the
+    requests that can still meet theirs."""
+
+    refusal = Refusal.SLO_UNREACHABLE
+    status = 429
+    type = "rate_limit_error"
+
+
+class Preempted(Retryable):
+    """Raised when a sheddable request in flight was cancelled to make room for a critical one
+    (`slo.preempt`): retryable, and charged only what it was delivered."""
+
+    refusal = Refusal.PREEMPTED
     status = 429
     type = "rate_limit_error"
 

@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 from gateway.context.affinity import Affinity
 from gateway.context.ctx import Ctx
+from gateway.context.objective import Objective
 
 
 class Claim(NamedTuple):
@@ -19,6 +20,7 @@ class Claim(NamedTuple):
     affinity: Affinity | None = None  # what the pool's scorers weigh; None: its picker needs none
     adapter: str = ""  # the LoRA adapter asked for; "": the base model
     replica: str = ""  # the one replica it may run on (a stored response's holder); "": any
+    objective: Objective | None = None  # its latency objective, on a pool with `slo`
 
     @classmethod
     def of(cls, ctx: Ctx, affinity: Affinity | None = None) -> Claim:
@@ -32,6 +34,7 @@ class Claim(NamedTuple):
                 affinity=affinity,
                 adapter=ctx.adapter,
                 replica=replica,
+                objective=ctx.objective,
             )
         return cls(
             ctx.held_tokens,
@@ -42,4 +45,5 @@ class Claim(NamedTuple):
             affinity,
             ctx.adapter,
             replica,
+            ctx.objective,
         )

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 # An endpoint's name (`match.endpoint`): one of the APIs gateway/api/ registers, checked when
 # the policy is compiled, as a plug-in's type is; this layer is below the registry.
 Endpoint = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]
+Tier = Literal["critical", "standard", "sheddable"]
 PRIORITIES: tuple[str, ...] = ("critical", "standard", "sheddable")
 """Queue priorities, highest first: a tenant's tier, which `x-priority` may lower."""
 
@@ -266,6 +267,145 @@ class PickSpec(Spec):
         return {name: (s.weight, s.parameters) for name, s in self.scorers.items()}
 
 
+class SloSpec(Spec):
+    """Latency objectives for a request: time to its first token and per output token after it."""
+
+    ttft_ms: PositiveFloat | None = Field(
+        None, description="Time to first token, from the request's arrival at the gateway."
+    )
+    tpot_ms: PositiveFloat | None = Field(
+        None, description="Time per output token after the first."
+    )
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> SloSpec:
+        if self.ttft_ms is None and self.tpot_ms is None:
+            raise ValueError("give ttft_ms, tpot_ms or both")
+        return self
+
+
+class LatencyModelSpec(Spec):
+    """The latency model's seed (gateway/admit/latency.py): where its online fit starts, per
+    replica. `llm-loadtest seed-latency` writes one from a simulated or measured sweep."""
+
+    ttft_base_ms: float = Field(
+        20.0, ge=0, description="TTFT of a short prompt on an idle replica."
+    )
+    ttft_per_1k_prefill_ms: float = Field(
+        60.0,
+        ge=0,
+        description=(
+            "TTFT per thousand prompt tokens to prefill before the first token: the request's own"
+            " uncached ones and those of the requests granted there still prefilling."
+        ),
+    )
+    ttft_per_running_ms: float = Field(
+        1.0, ge=0, description="TTFT added per request decoding on the replica."
+    )
+    tpot_base_ms: float = Field(15.0, ge=0, description="TPOT of one sequence alone.")
+    tpot_per_running_ms: float = Field(
+        0.3, ge=0, description="TPOT added per sequence in the decode batch it joins."
+    )
+    tpot_per_1k_context_ms: float = Field(
+        0.05, ge=0, description="TPOT added per thousand tokens of context in that batch."
+    )
+    forgetting: float = Field(
+        0.995,
+        gt=0.9,
+        le=1.0,
+        description=(
+            "Weight the fit keeps of its past at each sample: lower follows a changing replica"
+            " sooner and is noisier; 1 never forgets."
+        ),
+    )
+
+
+class AdaptiveSpec(Spec):
+    """Caps that find the knee: each replica's concurrency and in-flight token caps move between
+    a floor and the pool's `max_concurrency` / `max_inflight_tokens` to hold a latency target."""
+
+    target: SloSpec | None = Field(
+        None,
+        description=(
+            "The latency each replica's cap holds its requests to (the observed quantile below);"
+            " unset: the pool's `standard` objective."
+        ),
+    )
+    min_concurrency: PositiveInt = Field(1, description="The floor of a replica's cap.")
+    quantile: float = Field(
+        0.9, gt=0, lt=1, description="The quantile of observed TTFT / TPOT held to the target."
+    )
+    interval_s: PositiveFloat = Field(
+        2.0, description="Shortest time between two moves of a replica's cap."
+    )
+    min_samples: PositiveInt = Field(
+        8, description="Requests observed on a replica before its cap moves on them."
+    )
+    backoff: float = Field(
+        0.85, gt=0, lt=1, description="A cap over its target is multiplied by this."
+    )
+    margin: float = Field(
+        0.1,
+        ge=0,
+        lt=1,
+        description=(
+            "A cap grows only while the observed latency is under the target by this fraction,"
+            " and only while the replica used it."
+        ),
+    )
+
+
+class PreemptSpec(Spec):
+    """A critical request predicted to miss its objective on every replica may cancel the newest
+    sheddable request in flight on the best one; the cancelled request is refused retryably
+    (`preempted`) and charged only what it was delivered."""
+
+    enabled: bool = Field(False, description="Off by default: a cancelled answer is work lost.")
+    max_per_s: PositiveFloat = Field(
+        1.0, description="Per pool, at most this many requests are preempted a second."
+    )
+    burst: PositiveInt = Field(2, description="Preemptions allowed at once above the pace.")
+
+
+class PoolSloSpec(Spec):
+    """The pool admits by predicted latency: each replica's latency model, objectives per
+    request, headroom placement and deadline order (docs/operations.md, "Latency objectives")."""
+
+    objectives: dict[Tier, SloSpec] = Field(
+        {},
+        description=(
+            "Default objectives per tier, for requests whose tenant, class and headers state none."
+        ),
+    )
+    headers: bool = Field(
+        True,
+        description=(
+            "Take a client's `x-slo-ttft-ms` / `x-slo-tpot-ms` (or llm-d's"
+            " `x-llm-d-slo-ttft-ms` / `x-llm-d-slo-tpot-ms`) over the policy's objectives."
+        ),
+    )
+    model: LatencyModelSpec = LatencyModelSpec()
+    adaptive: AdaptiveSpec | None = Field(
+        None, description="Caps that find the knee; unset: the caps stay as written."
+    )
+    preempt: PreemptSpec = PreemptSpec()
+
+    @model_validator(mode="after")
+    def _adaptive_has_a_target(self) -> PoolSloSpec:
+        if self.adaptive is not None and self.adaptive.target is None:
+            if "standard" not in self.objectives:
+                raise ValueError(
+                    "`adaptive` needs a `target`, or `objectives.standard` to take as one"
+                )
+        return self
+
+    @property
+    def adaptive_target(self) -> SloSpec | None:
+        if self.adaptive is None:
+            return None
+        return self.adaptive.target or self.objectives["standard"]
+
+
 class PoolSpec(Spec):
     model: str = Field(
         description=(
@@ -305,6 +445,13 @@ class PoolSpec(Spec):
         None, description="Weighted replica scorers; unset: the policy's `plugins.picker`."
     )
     queue: QueueSpec = QueueSpec()
+    slo: PoolSloSpec | None = Field(
+        None,
+        description=(
+            "Admit by predicted latency against per-request objectives; unset: no objective is"
+            " applied or predicted here, and a client's SLO headers are ignored."
+        ),
+    )
     timeouts: TimeoutSpec = TimeoutSpec()
     retry: RetrySpec = RetrySpec()
     health: HealthSpec = HealthSpec()
@@ -451,6 +598,9 @@ class When(Spec):
 class ClassSpec(Spec):
     name: str = Field(pattern=r"^[a-z][a-z0-9_-]*$")
     when: When = When()
+    slo: SloSpec | None = Field(
+        None, description="Objectives for the class's requests, on pools with `slo`."
+    )
 
 
 class RouteMatch(Spec):
@@ -772,7 +922,6 @@ class TracingSpec(Spec):
         return value
 
 
-Tier = Literal["critical", "standard", "sheddable"]
 KeyHash = Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")]
 
 
@@ -805,6 +954,12 @@ class TenantSpec(Spec):
     )
     tier: Tier = Field(
         "standard", description="Queue priority; `x-priority` may lower it, never raise it."
+    )
+    slo: SloSpec | None = Field(
+        None,
+        description=(
+            "The tenant's objectives, on pools with `slo`: over its class's and its tier's."
+        ),
     )
     tpm: PositiveInt | None = Field(
         None,

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from gateway.context.affinity import Affinity
     from gateway.context.compiled import Model, Pool, Route, Tenant
     from gateway.context.endpoint import Api
+    from gateway.context.objective import Objective, Prediction
     from gateway.errors import Refusal
     from gateway.state import Holder
 
@@ -84,6 +85,9 @@ class Ctx:
     route: Route | None = None
     pool: Pool | None = None
     spilled_from: str = ""  # the route's own pool, when the request spilled to a fallback
+    # objective: its latency objective, on a pool with `slo` (gateway/request/objective.py)
+    objective: Objective | None = None
+    predicted: Prediction | None = None  # on the replica that took it, when it was granted
     # admit / forward
     affinity: Affinity | None = (
         None  # what the pool's scorers weigh, worked out on its first attempt

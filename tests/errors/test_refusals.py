@@ -98,6 +98,7 @@ def test_a_bad_requests_detail_is_its_code_and_its_label_the_familys() -> None:
 def test_only_room_refusals_count_as_demand_and_only_the_replicas_failures_eject() -> None:
     assert {r for r in Refusal if r.counts_as_demand} == {
         Refusal.QUEUE_FULL, Refusal.SHED, Refusal.QUEUE_TIMEOUT, Refusal.QUEUE_WAIT_TOO_LONG,
+        Refusal.SLO_UNREACHABLE, Refusal.PREEMPTED,
     }  # fmt: skip
     assert {r: r.ejection for r in Refusal if r.ejection is not None} == {
         Refusal.UPSTREAM_ERROR: Ejection.UPSTREAM_ERROR,
