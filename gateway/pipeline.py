@@ -145,10 +145,6 @@ async def admit_and_forward(ctx: Ctx, request: web.Request, runtime: Runtime) ->
                     slots.answered(grant, ctx, broke or Ejection.STATUS_5XX)
                 else:
                     slots.answered(grant, ctx, None)
-                    tokens = ctx.output_tokens or 0
-                    if ctx.first_token is not None and tokens > 1:
-                        decode_s = time.perf_counter() - ctx.first_token
-                        slots.observe_tpot(replica, decode_s / (tokens - 1))
                 return resp
         finally:
             slots.retrying -= retrying

@@ -203,14 +203,16 @@ class LivePool:
     def answered(self, grant: Grant, ctx: Ctx, failure: Ejection | None) -> None:
         """The replica answered the request it was granted for, or failed it (`failure`): its
         health counts it, and the picker is told, so a scorer may learn from the response."""
+        replica = grant.replica
         if failure is None:
-            self.succeeded(grant.replica)
+            self.succeeded(replica)
+            tokens = ctx.output_tokens or 0
+            if ctx.first_token is not None and tokens > 1:
+                tpot_s = (time.perf_counter() - ctx.first_token) / (tokens - 1)
+                ejection.observe_tpot(replica, tpot_s)
         else:
-            self.failed(grant.replica, failure)
-        self.picker.observe(grant.replica, grant.claim, ctx, failure)
-
-    def observe_tpot(self, replica: Replica, tpot_s: float) -> None:
-        ejection.observe_tpot(replica, tpot_s)
+            self.failed(replica, failure)
+        self.picker.observe(replica, grant.claim, ctx, failure)
 
     def check_speed(self) -> None:
         self.ejector.check_speed(self.replicas, self.spec.health)
