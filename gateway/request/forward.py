@@ -37,6 +37,7 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
+from gateway.request.objective import SLO_HEADERS
 from gateway.upstream import Answer, ExchangeError, ExchangeTimeout, Refused, Upstream
 
 log = logging.getLogger("gateway.request.forward")
@@ -49,7 +50,7 @@ _DROP_REQUEST = frozenset(
      "expect",  # the gateway has read the whole body already: a replica's 100 would be noise
      # vLLM takes this header over the body's `priority` (`_get_priority` in
      # vllm/entrypoints/generate/base/serving.py): a client could pick its place in the replica.
-     "x-vllm-priority"}
+     "x-vllm-priority"} | SLO_HEADERS
 )  # fmt: skip
 _DROP_RESPONSE = frozenset(
     {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -237,7 +238,9 @@ def _count(ctx: Ctx, events: bytes) -> None:
     note the first token's time."""
     count = ctx.api.deltas(events)
     if count and ctx.first_token is None:
-        ctx.first_token = time.perf_counter()
+        ctx.first_token = now = time.perf_counter()
+        if ctx.prefill is not None:  # the pool's latency model learns the TTFT
+            ctx.prefill.prefilled(now)
     ctx.chunks += count
 
 
