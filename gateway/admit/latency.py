@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 Features = tuple[float, float, float]
 _PER_1K = 1e-3  # token features are in thousands of tokens
 _PER_100 = 1e-2  # sequence counts in hundreds: every feature of the order of one
-_PRIOR = 0.1  # the seed's variance, in the features' units: a few samples move it
+_PRIOR = 1.0  # the seed's variance, in the features' units: a few samples move it
 _OWN_FIT_AFTER = 16  # samples before a replica's own fit is trusted over the pool's
 _PREFILLING, _DECODING, _DONE = 0, 1, 2
 
