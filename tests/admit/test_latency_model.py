@@ -53,7 +53,9 @@ def train(model: LatencyModel, replica: Replica, rounds: int, rng: random.Random
         prefill_ahead, decoding = state.prefill_tokens, state.decoding
         flight, _ = model.admitted(replica, c, 0.0, stream=True)
         noise = rng.uniform(0.95, 1.05)
-        flight.prefilled(flight.granted + noise * true_ttft(prefill_ahead + c.input_tokens, decoding))
+        flight.prefilled(
+            flight.granted + noise * true_ttft(prefill_ahead + c.input_tokens, decoding)
+        )
         batch, context = state.decoding, replica.inflight_tokens
         model.observe_tpot(flight, noise * true_tpot(batch, context))
         flights.append((flight, c))
