@@ -88,18 +88,9 @@ async def test_a_queued_sheddable_request_whose_objective_passed_is_refused_at_i
     gate = asyncio.Event()
     stub = await stub_factory(gate=gate)
     gw = await gateway_factory(
-        slo_policy(tokenizer_dir, [stub.url])
-        | {
-            "pools": {
-                "main": {
-                    "model": "tiny",
-                    "replicas": [stub.url],
-                    "max_concurrency": 1,
-                    "queue": {"fail_fast": False},
-                    "slo": {},
-                }
-            }
-        }  # fmt: skip
+        basic_policy(
+            tokenizer_dir, [stub.url], max_concurrency=1, queue={"fail_fast": False}, slo={}
+        )
     )
     holding = asyncio.create_task(post(http, gw.url))
     await eventually(lambda: gw.inflight() == 1)
