@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Sequence
-from operator import itemgetter
 
 from gateway.admit.claim import Claim
 from gateway.admit.demand import HoldTimes
@@ -40,28 +40,47 @@ class Place:
 
 
 class Waiter:
-    """A request in the queue: its order (`__lt__`) and the future its grant arrives on."""
+    """A request in the queue: what it claims, the future its grant arrives on, and its ticket,
+    the place in the heap it is served from (swapped within its flow, `Queue._earliest`)."""
 
-    __slots__ = ("avoid", "claim", "future", "group", "priority", "queued", "seq", "tag")
+    __slots__ = ("avoid", "claim", "deadline", "future", "group", "priority", "queued", "ticket")
 
     def __init__(
-        self,
-        claim: Claim,
-        group: int,
-        tag: float,
-        place: Place,
-        future: asyncio.Future[Grant],
+        self, claim: Claim, group: int, place: Place, future: asyncio.Future[Grant]
     ) -> None:
         self.claim = claim
         self.group = group  # its class's reservation group: 0, or 1 + the reserved class's index
         self.priority = claim.priority
-        self.tag = tag  # start tag: strict by tier, then fair share, then arrival
-        self.seq = place.seq
         self.avoid = place.avoid  # a retry is never placed on a replica that refused it
         self.future = future
         self.queued = True  # counted in the queue; its future may be done before it leaves
+        objective = claim.objective
+        self.deadline = math.inf if objective is None else objective.deadline
+        self.ticket: Ticket
 
-    def __lt__(self, other: Waiter) -> bool:
+    @property
+    def tag(self) -> float:
+        return self.ticket.tag
+
+    @property
+    def flow(self) -> tuple[int, str, int]:
+        return (self.priority, self.claim.tenant, self.group)
+
+
+class Ticket:
+    """A place in a group's heap: strict by tier, then fair share (the start tag), then
+    arrival; held by one waiter of its flow at a time."""
+
+    __slots__ = ("priority", "seq", "tag", "waiter")
+
+    def __init__(self, waiter: Waiter, tag: float, seq: int) -> None:
+        self.priority = waiter.priority
+        self.tag = tag
+        self.seq = seq
+        self.waiter = waiter
+        waiter.ticket = self
+
+    def __lt__(self, other: Ticket) -> bool:
         return (self.priority, self.tag, self.seq) < (other.priority, other.tag, other.seq)
 
 
@@ -69,7 +88,7 @@ class Queue:
     """The waiters of one pool, their fair-share tags, and each group's hold times."""
 
     def __init__(self) -> None:
-        self.heaps: list[list[Waiter]] = [[]]
+        self.heaps: list[list[Ticket]] = [[]]
         self._seq = itertools.count()
         self.waiting_by_group = [0]  # live waiters; the heaps also hold abandoned and granted ones
         self.waiting_by_tier = [0] * len(PRIORITIES)
@@ -80,6 +99,8 @@ class Queue:
         self._finish: dict[tuple[int, str], float] = {}
         self.holds = [HoldTimes()]  # per reservation group: they drain at their own pace
         self.groups: dict[str, int] = {}  # reserved class -> its group
+        # (tier, tenant, group) -> its waiters with an objective, by deadline (`_earliest`)
+        self._edf: dict[tuple[int, str, int], list[tuple[float, int, Waiter]]] = {}
 
     @property
     def waiting(self) -> int:
@@ -92,14 +113,18 @@ class Queue:
         """New reservations (a reload): the waiters move to their classes' new queues."""
         self.groups = groups
         # Every waiter not yet left, even one whose future is done: its `leave` is still to run.
-        live = [w for heap in self.heaps for w in heap if w.queued]
+        live = [t for heap in self.heaps for t in heap if t.waiter.queued]
         self.heaps = [[] for _ in range(len(groups) + 1)]
         self.waiting_by_group = [0] * len(self.heaps)
         self.holds = [HoldTimes() for _ in self.heaps]
-        for waiter in live:
+        self._edf.clear()
+        for ticket in live:
+            waiter = ticket.waiter
             waiter.group = groups.get(waiter.claim.workload, 0)
             self.waiting_by_group[waiter.group] += 1
-            heapq.heappush(self.heaps[waiter.group], waiter)
+            heapq.heappush(self.heaps[waiter.group], ticket)
+            if waiter.deadline != math.inf:
+                self._by_deadline(waiter)
 
     def start_tag(self, claim: Claim) -> float:
         """Where a tenant's next request starts in its tier's virtual time: where its last one
@@ -122,8 +147,10 @@ class Queue:
             self._finish[(tier, claim.tenant)] = tag + max(1, claim.tokens) / claim.weight
         place.queued = True
         future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
-        waiter = Waiter(claim, group, tag, place, future)
-        heapq.heappush(self.heaps[group], waiter)
+        waiter = Waiter(claim, group, place, future)
+        heapq.heappush(self.heaps[group], Ticket(waiter, tag, place.seq))
+        if claim.objective is not None:
+            self._by_deadline(waiter)
         self.waiting_by_tier[tier] += 1
         self.waiting_by_group[group] += 1
         return waiter
@@ -132,6 +159,11 @@ class Queue:
         waiter.queued = False
         self.waiting_by_tier[waiter.priority] -= 1
         self.waiting_by_group[waiter.group] -= 1
+        if waiter.deadline != math.inf and (flow := self._edf.get(waiter.flow)) is not None:
+            while flow and not flow[0][2].queued:  # mostly served in deadline order: at the top
+                heapq.heappop(flow)
+            if not flow:
+                del self._edf[waiter.flow]
 
     def grant(self, waiter: Waiter, grant: Grant) -> None:
         self.leave(waiter)
@@ -144,7 +176,9 @@ class Queue:
         waiter of a higher tier or an earlier start tag."""
         mine = (claim.priority, self.start_tag(claim))
         return 1 + sum(
-            1 for w in self.heaps[group] if not w.future.done() and (w.priority, w.tag) <= mine
+            1
+            for t in self.heaps[group]
+            if not t.waiter.future.done() and (t.priority, t.tag) <= mine
         )
 
     def in_use(self, group: int, replicas: Sequence[Replica]) -> int:
@@ -184,20 +218,46 @@ class Queue:
         head that only an idle replica can take (`_passing`)."""
         heads: list[tuple[Waiter, Sequence[Replica]]] = []
         for heap in self.heaps:
-            while heap and heap[0].future.done():  # abandoned (timed out, cancelled) or granted
+            while heap and heap[0].waiter.future.done():  # abandoned, timed out, or granted
                 heapq.heappop(heap)
-            if heap and heap[0].avoid:
+            if heap and self._edf:
+                self._earliest(heap[0])
+            if heap and heap[0].waiter.avoid:
                 heads += self._front(heap, replicas)
             elif heap and (passing := self._passing(heap, replicas)):
                 heads += passing
             elif heap:
-                heads.append((heap[0], replicas))
-        heads.sort(key=itemgetter(0))
+                heads.append((heap[0].waiter, replicas))
+        heads.sort(key=lambda head: head[0].ticket)
         return heads
+
+    def _by_deadline(self, waiter: Waiter) -> None:
+        heapq.heappush(self._edf.setdefault(waiter.flow, []), (waiter.deadline, id(waiter), waiter))
+
+    def _earliest(self, head: Ticket) -> None:
+        """Deadline order within a flow: the head's ticket goes to the waiter of its flow (its
+        tier, tenant and group) whose deadline is earliest, which gives it its own, later one.
+        Between flows the tickets keep their fair-share order, so a tenant's tight deadlines
+        reorder only its own requests. A retry keeps its place (it avoids some replicas)."""
+        waiter = head.waiter
+        flow = self._edf.get(waiter.flow)
+        if flow is None or waiter.avoid:
+            return
+        while flow and not flow[0][2].queued:
+            heapq.heappop(flow)
+        if not flow:
+            del self._edf[waiter.flow]
+            return
+        first = flow[0][2]
+        if first.deadline >= waiter.deadline or first.future.done() or first.avoid:
+            return
+        other = first.ticket
+        head.waiter, other.waiter = first, waiter
+        first.ticket, waiter.ticket = head, other
 
     @staticmethod
     def _passing(
-        heap: list[Waiter], replicas: Sequence[Replica]
+        heap: list[Ticket], replicas: Sequence[Replica]
     ) -> list[tuple[Waiter, Sequence[Replica]]]:
         """A head over the token cap on its own runs only on an idle replica: held strictly in
         order, every request behind it waits for a replica to drain, though the others have
@@ -205,26 +265,26 @@ class Queue:
         for the head, taking nothing new, and those behind it may pass it to slots they fit on
         the others; the head is still first in line for any replica that goes idle. With one
         replica in service nothing passes: it is the head's. Empty for any other head."""
-        head = heap[0]
+        head = heap[0].waiter
         up = [r for r in replicas if r.up]
         if len(up) < 2 or not all(r.needs_alone(head.claim) and r.inflight for r in up):
             return []
         kept = min(up, key=lambda r: (r.inflight_tokens, r.inflight))
         others = [r for r in up if r is not kept]
         free = sum(max(0, r.cap - r.inflight) for r in others)  # at most this many pass now
-        popped: list[Waiter] = []  # in order, and pushed back: the heap also holds served ones
+        popped: list[Ticket] = []  # in order, and pushed back: the heap also holds served ones
         front: list[tuple[Waiter, Sequence[Replica]]] = []
         while heap and len(front) <= free:
-            popped.append(waiter := heapq.heappop(heap))
-            if not waiter.future.done():
-                front.append((waiter, others if front else replicas))
-        for waiter in popped:
-            heapq.heappush(heap, waiter)
+            popped.append(ticket := heapq.heappop(heap))
+            if not ticket.waiter.future.done():
+                front.append((ticket.waiter, others if front else replicas))
+        for ticket in popped:
+            heapq.heappush(heap, ticket)
         return front
 
     @staticmethod
     def _front(
-        heap: list[Waiter], replicas: Sequence[Replica]
+        heap: list[Ticket], replicas: Sequence[Replica]
     ) -> list[tuple[Waiter, Sequence[Replica]]]:
         """The front of a queue headed by retries (see `heads`): popped in order and pushed
         back, a few at most, as retries in flight are bounded by the retry budget."""
@@ -232,12 +292,13 @@ class Queue:
         popped = []
         left = replicas  # the replicas no waiter before this one takes
         while heap and left:
-            waiter = heapq.heappop(heap)
+            ticket = heapq.heappop(heap)
+            waiter = ticket.waiter
             if waiter.future.done():
                 continue
-            popped.append(waiter)
+            popped.append(ticket)
             front.append((waiter, [r for r in left if r.url not in waiter.avoid]))
             left = [r for r in left if r.url in waiter.avoid]
-        for waiter in popped:
-            heapq.heappush(heap, waiter)
+        for ticket in popped:
+            heapq.heappush(heap, ticket)
         return front

@@ -20,6 +20,7 @@ from gateway.errors import BadRequest
 from gateway.policy.compile import load_policy
 from gateway.request.objective import set_objective
 from tests.conftest import basic_policy, eventually, write_policy
+from tests.request.test_tenants import hashed
 
 STREAM = {
     "model": "tiny",
@@ -201,3 +202,68 @@ def test_a_deadline_is_the_arrival_plus_the_ttft_objective(objectives_policy) ->
     ctx.headers = CIMultiDictProxy(CIMultiDict({"x-slo-ttft-ms": "300"}))
     set_objective(ctx)
     assert ctx.objective is not None and ctx.objective.deadline == pytest.approx(100.3)
+
+
+async def held_then_queued(
+    http, gw, stub, requests: list[tuple[str, dict[str, str]]], **holder: str
+) -> list[str]:
+    """One request holds the only slot while `requests` (content, headers) queue one by one;
+    then the replica answers: the contents in the order the replica received them."""
+    holding = asyncio.create_task(post(http, gw.url, **holder))
+    await eventually(lambda: gw.inflight() == 1)
+    tasks: list[asyncio.Task] = []
+    for content, headers in requests:
+        body = {**STREAM, "messages": [{"role": "user", "content": content}]}
+        tasks.append(asyncio.create_task(http.post(
+            f"{gw.url}/v1/chat/completions", json=body, headers=headers
+        )))  # fmt: skip
+        queued = len(tasks)
+        await eventually(lambda: gw.waiting() == queued)  # noqa: B023 - awaited at once
+    assert stub.config.gate is not None
+    stub.config.gate.set()
+    for response in await asyncio.gather(holding, *tasks):
+        if isinstance(response, aiohttp.ClientResponse):
+            assert response.status == 200
+            await response.read()
+    return [b["messages"][0]["content"] for b in stub.stats.bodies[1:]]
+
+
+async def test_a_tier_waits_in_deadline_order(
+    stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    stub = await stub_factory(gate=asyncio.Event())
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [stub.url], max_concurrency=1, slo={}))
+    standard = {"x-priority": "standard"}
+    order = await held_then_queued(http, gw, stub, [
+        ("none", standard),
+        ("late", {**standard, "x-slo-ttft-ms": "60000"}),
+        ("soon", {**standard, "x-slo-ttft-ms": "20000"}),
+        ("critical-late", {"x-slo-ttft-ms": "90000", "x-priority": "critical"}),
+        ("sooner", {**standard, "x-llm-d-slo-ttft-ms": "10000"}),
+    ])  # fmt: skip
+    # Tiers first; within one, the earliest deadline; a request without one last.
+    assert order == ["critical-late", "sooner", "soon", "late", "none"]
+    assert gw.inflight() == 0 and gw.waiting() == 0
+
+
+async def test_deadlines_reorder_a_tenants_own_requests_not_another_tenants_share(
+    stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    stub = await stub_factory(gate=asyncio.Event())
+    policy = basic_policy(tokenizer_dir, [stub.url], max_concurrency=1, slo={})
+    policy["tenants"] = {name: {"keys": [hashed(f"sk-{name}")]} for name in ("urgent", "calm")}
+
+    def as_(tenant: str, **headers: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer sk-{tenant}", **headers}
+
+    gw = await gateway_factory(policy)
+    order = await held_then_queued(http, gw, stub, [
+        ("calm-1", as_("calm")),
+        ("calm-2", as_("calm")),
+        ("urgent-1", as_("urgent", **{"x-slo-ttft-ms": "30000"})),
+        ("urgent-2", as_("urgent", **{"x-slo-ttft-ms": "20000"})),
+        ("urgent-3", as_("urgent", **{"x-slo-ttft-ms": "10000"})),
+    ], **as_("calm"))  # fmt: skip
+    # Fair share alternates the tenants (calm queued first); the urgent tenant's deadlines
+    # order its own turns, earliest first, and never take the calm tenant's.
+    assert order == ["calm-1", "urgent-3", "calm-2", "urgent-2", "urgent-1"]
