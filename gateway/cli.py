@@ -239,6 +239,67 @@ def _assumed(text: str) -> tuple[str, float]:
     raise argparse.ArgumentTypeError(f"{text!r}: give POOL=NUMBER, the number 0 or more")
 
 
+_REPLICA_LOAD = ("running", "prefill", "context")
+
+
+def _replica_load(text: str) -> tuple[str, dict[str, int]]:
+    url, sep, given = text.rpartition("=")
+    load: dict[str, int] = {}
+    try:
+        for part in given.split(","):
+            key, _, value = part.partition(":")
+            if key not in _REPLICA_LOAD or int(value) < 0:
+                raise ValueError(key)
+            load[key] = int(value)
+    except ValueError:
+        load = {}
+    if not (sep and url and load):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give URL=running:N,prefill:TOKENS,context:TOKENS (any of them, 0 or more)"
+        )
+    return url, load
+
+
+def _predictions(ctx: Any, loads: dict[str, dict[str, int]]) -> list[str] | None:
+    """Each of the pool's static replicas' prediction for the request by the policy's seed
+    model (`slo.model`; a running gateway's has learned since), at the loads assumed."""
+    from gateway.admit import Claim, Replica
+    from gateway.admit.latency import LatencyModel
+
+    spec = ctx.pool.spec
+    if spec.slo is None:
+        return None
+    model, claim = LatencyModel(spec.slo.model), Claim.of(ctx)
+    lines = []
+    for url in spec.replicas:
+        replica = Replica(url, spec.max_concurrency, spec.max_inflight_tokens)
+        load = loads.get(url, {})
+        state = model.of(replica)
+        state.decoding, state.prefill_tokens = load.get("running", 0), load.get("prefill", 0)
+        replica.inflight_tokens = load.get("context", 0)
+        predicted = model.predict(replica, claim, 0.0)
+        line = (
+            f"{url}: TTFT {1000 * predicted.ttft_s:.0f} ms, TPOT {1000 * predicted.tpot_s:.1f} ms"
+        )
+        if ctx.objective is not None:
+            room = predicted.headroom(ctx.objective, ctx.arrived)
+            line += f" (headroom {room:.0%}: {'meets' if room >= 0 else 'misses'})"
+        lines.append(line)
+    return lines or ["replicas found by DNS: none to predict here"]
+
+
+def _objective(ctx: Any) -> str | None:
+    objective = ctx.objective
+    if objective is None:
+        return None
+    stated = [
+        f"{name} {1000 * value:.0f} ms"
+        for name, value in (("TTFT", objective.ttft_s), ("TPOT", objective.tpot_s))
+        if value != float("inf")
+    ]
+    return ", ".join(stated)
+
+
 @dataclasses.dataclass(frozen=True)
 class _AssumedLoad:
     """A pool's load as the explain command line states it (`place.PoolLoad`)."""
@@ -320,6 +381,7 @@ async def _explain(
     tokenizer_fallback: bool,
     saturation: dict[str, float] | None = None,
     waits: dict[str, float] | None = None,
+    replica_loads: dict[str, dict[str, int]] | None = None,
 ) -> dict[str, Any]:
     from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -414,6 +476,8 @@ async def _explain(
         "rewritten_model": ctx.upstream_model,  # the `model` the replica gets
         "upstream_priority": upstream_priority(ctx),
         "reserved_tokens": ctx.held_tokens,
+        "objective": _objective(ctx),
+        "predicted": _predictions(ctx, replica_loads or {}),
     }
 
 
@@ -426,6 +490,12 @@ def _lines(decision: dict[str, Any]) -> list[str]:
         shown["tokenizer"] = f"estimate (fallback for {decision['tokenizer']})"
     if isinstance(shown["quota"], list):
         shown["quota"] = "; ".join(shown["quota"])
+    if shown["objective"] is None:  # no `slo` on the pool, or none for this request
+        del shown["objective"]
+    if shown["predicted"] is None:
+        del shown["predicted"]
+    else:
+        shown["predicted"] = "; ".join(shown["predicted"])
     if shown["fallback"] is None:  # a route without fallbacks: nothing to say of them
         del shown["fallback"], shown["spilled_from"]
     else:
@@ -476,6 +546,7 @@ def explain(args: argparse.Namespace) -> int:
                 args.tokenizer_fallback == "estimate",
                 dict(args.saturation),
                 dict(args.predicted_wait),
+                dict(args.replica_load),
             )
         )
     except PolicyError as exc:
@@ -594,6 +665,16 @@ def main(argv: list[str] | None = None) -> int:
         metavar="POOL=S",
         help="assume a new request would wait S seconds for a slot on the pool (repeatable;"
         " default: 0 where saturation is under 1, else unknown)",
+    )
+    p.add_argument(
+        "--replica-load",
+        action="append",
+        type=_replica_load,
+        default=[],
+        metavar="URL=running:N,prefill:T,context:T",
+        help="on a pool with `slo`, assume the replica has N sequences decoding, T prompt tokens"
+        " still to prefill and T tokens of context in flight, to see its predicted latency for"
+        " the request (repeatable; default: every replica idle)",
     )
     p.add_argument("--json", action="store_true", help="print the decision as JSON")
     p.add_argument(

@@ -83,6 +83,7 @@ async def decide(
     before_count(ctx, policy)
     await count_and_route(ctx, policy)
     policy.placement.place(ctx, loads, heard)
+    set_objective(ctx)
 
 
 def _request_ids(request: web.Request) -> tuple[str, str]:

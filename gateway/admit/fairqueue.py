@@ -1,6 +1,9 @@
 """A pool's queue: strictly by tier, and within a tier by weighted fair share of the tokens each
 tenant is served (start-time fair queuing), so a tenant flooding the queue cannot starve another
-of its tier. One queue per reservation group: slots a class keeps are no use to the others, so a
+of its tier. Within a tenant's flow of a tier, requests with a latency objective go in deadline
+order (EDF; those without one last): a tenant's tight deadlines reorder only its own turns, as
+llm-d's flow control orders each flow's queue and shares between flows. One queue per reservation
+group: slots a class keeps are no use to the others, so a
 waiter that fits them passes the head of another group, never one of its own, but for a head that
 needs an idle replica (`Queue.heads`).
 """

@@ -362,3 +362,37 @@ def test_an_upload_is_explained_through_its_endpoints_own_decoder(
     assert decision["rewritten_model"] == "tiny" and decision["input_tokens"] > 0
     code, _, err = explain(capsys, "--policy", path, "--endpoint", "translations", str(request))
     assert code == 2 and "400 invalid_multipart" in err and "no valid boundary" in err
+
+
+def test_each_replicas_predicted_latency_is_explained_against_the_objective(
+    capsys, tmp_path, tokenizer_dir
+) -> None:
+    busy, idle = "http://127.0.0.1:1", "http://127.0.0.1:2"
+    policy = basic_policy(
+        tokenizer_dir,
+        [busy, idle],
+        slo={"objectives": {"standard": {"ttft_ms": 400, "tpot_ms": 50}}},
+    )
+    path = str(write_policy(tmp_path, policy))
+    load = f"{busy}=running:40,prefill:8000"
+    code, out, _ = explain(
+        capsys, "--json", "--policy", path, "-H", "x-priority: standard",
+        "--replica-load", load, chat(tmp_path),
+    )  # fmt: skip
+    decision = json.loads(out)
+    assert code == 0 and decision["objective"] == "TTFT 400 ms, TPOT 50 ms"
+    on_busy, on_idle = decision["predicted"]
+    assert on_busy.startswith(busy) and on_busy.endswith("misses)")
+    assert on_idle.startswith(idle) and on_idle.endswith("meets)")
+    # A header's objective is the request's; a pool without `slo` predicts nothing.
+    code, out, _ = explain(
+        capsys, "--policy", path, "-H", "x-priority: standard", "-H", "x-slo-ttft-ms: 900",
+        chat(tmp_path),
+    )  # fmt: skip
+    assert "TTFT 900 ms, TPOT 50 ms" in out
+    plain = str(write_policy(tmp_path, basic_policy(tokenizer_dir, [busy])))
+    code, out, _ = explain(capsys, "--json", "--policy", plain, chat(tmp_path))
+    assert (json.loads(out)["objective"], json.loads(out)["predicted"]) == (None, None)
+    with pytest.raises(SystemExit):
+        explain(capsys, "--policy", path, "--replica-load", "nonsense", chat(tmp_path))
+    assert "URL=running:N" in capsys.readouterr().err
