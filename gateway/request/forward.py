@@ -37,6 +37,7 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
+from gateway.request import attainment
 from gateway.upstream import Answer, ExchangeError, ExchangeTimeout, Refused, Upstream
 
 log = logging.getLogger("gateway.request.forward")
@@ -49,7 +50,11 @@ _DROP_REQUEST = frozenset(
      "expect",  # the gateway has read the whole body already: a replica's 100 would be noise
      # vLLM takes this header over the body's `priority` (`_get_priority` in
      # vllm/entrypoints/generate/base/serving.py): a client could pick its place in the replica.
-     "x-vllm-priority"}
+     "x-vllm-priority",
+     # Latency objectives, ours and llm-d's (its router reads both, the first as deprecated
+     # aliases: pkg/epp/metadata/consts.go): the gateway's to apply, and a router behind it
+     # should not apply them a second time to a request already placed.
+     "x-slo-ttft-ms", "x-slo-tpot-ms", "x-llm-d-slo-ttft-ms", "x-llm-d-slo-tpot-ms"}
 )  # fmt: skip
 _DROP_RESPONSE = frozenset(
     {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -228,6 +233,8 @@ def _response_headers(upstream: MultiMapping[str], ctx: Ctx) -> CIMultiDict[str]
     if ctx.pool is not None:
         out["x-gateway-pool"] = ctx.pool.name
         out["x-gateway-model"] = ctx.upstream_model
+    if ctx.objective is not None:
+        out.update(attainment.response_headers(ctx, ctx.objective))
     out.update(ctx.ratelimit_headers)
     return out
 
