@@ -539,9 +539,14 @@ def test_prometheusrule_has_the_operators_fields_and_a_runbook_per_alert(
     assert rule["metadata"]["namespace"] == "llm"
     groups = rule["spec"]["groups"]
     assert len({g["name"] for g in groups}) == len(groups)
-    alerts = {}
+    alerts, records = {}, set()
     for group in groups:
         for r in group["rules"]:
+            if "record" in r:  # a recording rule: a name, an expression, no alerting fields
+                assert set(r) <= {"record", "expr", "labels"}
+                assert re.fullmatch(r"[a-z_]+:[a-z_]+:[a-z0-9_]+", r["record"]), r["record"]
+                records.add(r["record"])
+                continue
             assert set(r) <= {"alert", "expr", "for", "labels", "annotations"}
             assert isinstance(r["expr"], str) and r["expr"].strip()
             assert re.fullmatch(r"\d+[smh]", r.get("for", "0s"))
@@ -557,8 +562,12 @@ def test_prometheusrule_has_the_operators_fields_and_a_runbook_per_alert(
     used = " ".join(r["expr"] for r in alerts.values())
     for metric in ("llm_queue_wait_seconds_bucket", "llm_rejections_total", "llm_replica_up",
                    "llm_replica_ejections_total", "llm_pool_capacity", "llm_state_backend_up",
-                   "llm_policy_reload_errors_total", "llm_tls_reload_errors_total"):  # fmt: skip
+                   "llm_policy_reload_errors_total", "llm_tls_reload_errors_total",
+                   "llm_slo_requests_total"):  # fmt: skip
         assert metric in used, metric
+    assert {record for record in records if record in used} == {
+        "pool_objective:llm_slo_attainment:ratio_rate5m"
+    }
 
 
 def test_the_dashboard_has_the_issues_panels_per_pool_and_class() -> None:
@@ -617,7 +626,9 @@ def test_promtool_checks_the_rules_and_unit_tests_every_alert(
     write_rules(rendered, tmp_path, annotations=False)
     tests = yaml.safe_load(RULES_TEST.read_text())
     tested = {t["alertname"] for case in tests["tests"] for t in case["alert_rule_test"]}
-    alerts = {r["alert"] for g in rule_groups(rendered)["groups"] for r in g["rules"]}
+    alerts = {
+        r["alert"] for g in rule_groups(rendered)["groups"] for r in g["rules"] if "alert" in r
+    }
     assert tested == alerts, "every alert has a unit test"
     for name in alerts:  # ... in which it fires and in which it does not
         cases = [t for c in tests["tests"] for t in c["alert_rule_test"] if t["alertname"] == name]
@@ -647,7 +658,12 @@ def gateway_down_jobs() -> set[str]:
 KEY, LIMITED_KEY = "deploy-test-key", "deploy-limited-key"
 RATE_INTERVAL = "1m"
 # Expressions with no series yet, and why; every other expression must return data.
-NO_DATA: dict[str, str] = {}
+NO_DATA: dict[str, str] = {
+    "llm_slo_requests_total": "the pool's `slo` below gives no request an objective until the"
+    " objective stage (gateway/request/objective.py) is in the pipeline: then drop this entry",
+    "llm_slo_predicted_headroom": "nor a prediction until the latency model predicts at the"
+    " grant (gateway/admit/latency.py)",
+}
 COMPARISON = re.compile(r"\s*(>|<|==|!=|>=|<=)\s*[-+0-9.e]+\s*$")
 
 
@@ -792,7 +808,7 @@ def expressions(objects: list[dict[str, Any]]) -> dict[str, str]:
     found: dict[str, str] = {}
     for group in rule_groups(objects)["groups"]:
         for r in group["rules"]:
-            found[f"rule {r['alert']}"] = r["expr"]
+            found[f"rule {r.get('alert') or r['record']}"] = r["expr"]
     for r in adapter_rules():
         series = r["seriesQuery"].split("{")[0]
         expr = r["metricsQuery"].replace("<<.Series>>", series)
@@ -826,6 +842,7 @@ async def test_prometheus_scrapes_the_gateway_and_evaluates_every_expression(
     policy = basic_policy(
         tokenizer_dir, [s.url for s in stubs], max_concurrency=2,
         queue={"max_depth": 4, "max_wait_s": 0.15},
+        slo={"objectives": {"standard": {"ttft_ms": 60, "tpot_ms": 20}}},
     )  # fmt: skip
     policy["tenants"] = {
         "deploy-test": {"keys": [sha(KEY)], "tier": "standard", "tpm": 10_000_000},
