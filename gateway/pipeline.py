@@ -38,6 +38,7 @@ from gateway.request.authenticate import authenticate
 from gateway.request.count import check_images, count_input
 from gateway.request.estimate import estimate_output, force_length
 from gateway.request.forward import check_forwardable, client_left, forward
+from gateway.request.objective import set_objective
 from gateway.request.parse import parse_request
 from gateway.request.place import Heard, PoolLoad, place
 from gateway.request.quota import Charge, bound_output
@@ -197,6 +198,7 @@ async def handle(gateway: Gateway, request: web.Request, api: Api) -> web.Stream
                 ctx, policy.placement, runtime.slots, gateway.holders,
                 gateway.accountant.metrics.spillover,
             )  # fmt: skip
+            set_objective(ctx)
             charge = await gateway.quotas.reserve(ctx, charge)
             resp = await admit_and_forward(ctx, request, runtime)
             await gateway.holders.remember(ctx)

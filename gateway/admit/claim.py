@@ -21,6 +21,7 @@ class Claim(NamedTuple):
     adapter: str = ""  # the LoRA adapter asked for; "": the base model
     replica: str = ""  # the one replica it may run on (a stored response's holder); "": any
     objective: Objective | None = None  # its latency objective, on a pool with `slo`
+    input_tokens: int = 0  # its prompt: the prefill a latency model weighs
 
     @classmethod
     def of(cls, ctx: Ctx, affinity: Affinity | None = None) -> Claim:
@@ -35,6 +36,7 @@ class Claim(NamedTuple):
                 adapter=ctx.adapter,
                 replica=replica,
                 objective=ctx.objective,
+                input_tokens=ctx.input_tokens,
             )
         return cls(
             ctx.held_tokens,
@@ -46,4 +48,5 @@ class Claim(NamedTuple):
             ctx.adapter,
             replica,
             ctx.objective,
+            ctx.input_tokens,
         )

@@ -32,6 +32,10 @@ class Picker(Protocol):
 
     def pick(self, replicas: Sequence[Replica], claim: Claim) -> Replica | None: ...
 
+    def cached_share(self, replica: Replica, claim: Claim) -> float:
+        """The share of `claim`'s prompt `replica`'s prefix cache is thought to hold, 0..1:
+        what a latency model takes off its prefill there (0 for a picker that weighs none)."""
+
     def granted(self, replica: Replica, claim: Claim) -> None:
         """A slot on `replica` is held for `claim`: a picker that learns, learns here."""
 

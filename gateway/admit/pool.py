@@ -26,12 +26,14 @@ from gateway.admit.claim import Claim
 from gateway.admit.demand import Demand, HoldTimes
 from gateway.admit.ejection import Ejector
 from gateway.admit.fairqueue import Place, Queue
+from gateway.admit.latency import Flight, LatencyModel
 from gateway.admit.leases import Leases
 from gateway.admit.picking import Picker
 from gateway.admit.reconcile import Reconciler
 from gateway.admit.replica import EngineGauges, Grant, Replica
 from gateway.config.schema import PRIORITIES, PoolSpec
 from gateway.context.ctx import Ctx
+from gateway.context.objective import Objective, Prediction
 from gateway.deadline import Deadline
 from gateway.errors import (
     Ejection,
@@ -41,10 +43,12 @@ from gateway.errors import (
     QueueTimeout,
     QueueWaitTooLong,
     Shed,
+    SloUnreachable,
 )
 from gateway.state.base import PoolReplica, SlotClaim, SlotLedger
 
 log = logging.getLogger("gateway.admit")  # one logger for the whole stage: operators grep it
+SHEDDABLE = PRIORITIES.index("sheddable")
 
 
 class LivePool:
@@ -73,10 +77,15 @@ class LivePool:
         self.probed = asyncio.Event()  # its first round of health probes is over (or off)
         self.reconciler = Reconciler(name)
         self.sheds: Counter[str] = Counter()  # tier -> requests shed
+        self.latency: LatencyModel | None = None  # with `slo`: each replica's predictions
         self._apply(spec)
 
     def _apply(self, spec: PoolSpec) -> None:
         self.spec = spec
+        if spec.slo is None:
+            self.latency = None
+        elif self.latency is None or self.latency.seed != spec.slo.model:
+            self.latency = LatencyModel(spec.slo.model)  # a new seed: what was learned goes
         self.demand.retune(spec.forecast)
         groups = {workload: i + 1 for i, workload in enumerate(spec.reserve)}
         if groups != self.queue.groups:
@@ -210,6 +219,8 @@ class LivePool:
             if ctx.first_token is not None and tokens > 1:
                 tpot_s = (time.perf_counter() - ctx.first_token) / (tokens - 1)
                 ejection.observe_tpot(replica, tpot_s)
+                if self.latency is not None and isinstance(ctx.prefill, Flight):
+                    self.latency.observe_tpot(ctx.prefill, tpot_s)
         else:
             self.failed(replica, failure)
         self.picker.observe(replica, grant.claim, ctx, failure)
@@ -276,7 +287,55 @@ class LivePool:
             having = [r for r in replicas if claim.adapter in r.adapters]
             if having:
                 replicas = having
-        return self.picker.pick(replicas, claim)
+        if claim.objective is None or self.latency is None:
+            return self.picker.pick(replicas, claim)
+        return self._pick_by_headroom(replicas, claim, self.latency)
+
+    def _pick_by_headroom(
+        self, replicas: Sequence[Replica], claim: Claim, latency: LatencyModel
+    ) -> Replica | None:
+        """Of the replicas with room, the one predicted to leave the most headroom under the
+        request's objective. When none would meet it, a sheddable request is refused now
+        (`SloUnreachable`, with the best prediction): late, it would only cost the requests
+        that can still meet theirs. Any other takes the one that misses by least: it waits in
+        the queue only for room, as every request does, never for a prediction to improve."""
+        objective = claim.objective
+        assert objective is not None
+        now = time.perf_counter()
+        best: Replica | None = None
+        best_room = -math.inf
+        predicted: Prediction | None = None
+        cached = self.picker.cached_share
+        for replica in replicas:
+            if not replica.fits(claim):
+                continue
+            prediction = latency.predict(replica, claim, cached(replica, claim))
+            room = prediction.headroom(objective, now)
+            if room > best_room:
+                best, best_room, predicted = replica, room, prediction
+        if best_room < 0 and claim.priority == SHEDDABLE and predicted is not None:
+            raise self._unreachable(objective, predicted, now)
+        return best
+
+    def _unreachable(
+        self, objective: Objective, predicted: Prediction, now: float, wait_s: float = 0.0
+    ) -> SloUnreachable:
+        asked, ttft = [], wait_s + predicted.ttft_s
+        if objective.ttft_s != math.inf:
+            asked.append(
+                f"TTFT {1000 * (now + ttft - objective.deadline + objective.ttft_s):.0f} ms"
+                f" against {1000 * objective.ttft_s:.0f} ms"
+            )
+        if objective.tpot_s != math.inf:
+            asked.append(
+                f"TPOT {1000 * predicted.tpot_s:.0f} ms against {1000 * objective.tpot_s:.0f} ms"
+            )
+        return SloUnreachable(
+            f"pool {self.name}: no replica is predicted to meet this request's objective"
+            f" (at best {', '.join(asked)}); sheddable requests are refused rather than served"
+            " late",
+            retry_after_s=max(self.spec.queue.retry_after_s, wait_s),
+        )
 
     def _take_here(self, claim: Claim) -> Grant | None:
         """Without a shared ledger: a slot at once on one of the replicas, or None. Not a
@@ -312,7 +371,12 @@ class LivePool:
         if self.leases is None:
             while True:
                 for head, replicas in self.queue.heads(self.replicas):
-                    replica = self._pick(replicas, head.claim)
+                    try:
+                        replica = self._pick(replicas, head.claim)
+                    except SloUnreachable as exc:  # its turn came too late
+                        self.queue.leave(head)
+                        head.future.set_exception(exc)
+                        break
                     if replica is not None:  # the granted waiter leaves the heap at its top
                         replica.take(head.claim)
                         self.queue.grant(head, Grant(replica, head.claim))
@@ -371,6 +435,24 @@ class LivePool:
                 retry_after_s=predicted,
             )
 
+    def _reachable_after_wait(
+        self, claim: Claim, objective: Objective, latency: LatencyModel
+    ) -> None:
+        """A sheddable request with no room now: refused at once if, after its predicted wait
+        for a slot, no replica is predicted to meet its objective (nothing is refused on a wait
+        not yet measured)."""
+        wait_s = self.predicted_wait(claim.workload)
+        if wait_s is None:
+            return
+        now = time.perf_counter()
+        cached = self.picker.cached_share
+        predictions = [latency.predict(r, claim, cached(r, claim)) for r in self.replicas if r.up]
+        if not predictions:
+            return
+        best = max(predictions, key=lambda p: p.headroom(objective, now + wait_s))
+        if best.headroom(objective, now + wait_s) < 0:
+            raise self._unreachable(objective, best, now, wait_s)
+
     def predicted_wait(self, workload: str) -> float | None:
         """The wait a new request of class `workload` would have for a slot here: 0 with a slot
         free and nobody of its group waiting, else its place at the back of the line over the
@@ -425,6 +507,8 @@ class LivePool:
             if grant is not None:
                 self.queue.stand(claim, place)
                 return grant
+        if claim.objective is not None and claim.priority == SHEDDABLE and self.latency:
+            self._reachable_after_wait(claim, claim.objective, self.latency)
         if self.waiting >= self.max_depth:
             raise QueueFull(
                 f"pool {self.name} is at capacity and its queue is full ({self.max_depth})",
@@ -475,12 +559,13 @@ class Held:
     third of what taking and giving back a slot cost per request.
     """
 
-    __slots__ = ("_ctx", "_grant", "_held", "_place", "_pool")
+    __slots__ = ("_ctx", "_flight", "_grant", "_held", "_place", "_pool")
     _grant: Grant  # set once a slot is taken: `__aexit__` runs only after `__aenter__` returned
 
     def __init__(self, pool: LivePool, ctx: Ctx, place: Place) -> None:
         self._pool, self._ctx, self._place = pool, ctx, place
         self._held = 0.0
+        self._flight: Flight | None = None
 
     async def __aenter__(self) -> Grant:
         pool, ctx, place = self._pool, self._ctx, self._place
@@ -506,6 +591,12 @@ class Held:
                 ctx.queue_wait = (ctx.queue_wait or 0.0) + waited
                 pool.demand.queued_s += waited
         ctx.replica = grant.replica.url
+        if pool.latency is not None:
+            cached = pool.picker.cached_share(grant.replica, grant.claim)
+            flight, ctx.predicted = pool.latency.admitted(
+                grant.replica, grant.claim, cached, ctx.stream
+            )
+            ctx.prefill = self._flight = flight
         pool.picker.granted(grant.replica, grant.claim)
         self._grant = grant
         self._held = ctx.granted = time.perf_counter()
@@ -521,4 +612,6 @@ class Held:
         hold_s = time.perf_counter() - self._held
         pool.demand.busy_s += hold_s
         pool.queue.holds[pool.queue.group(grant.claim.workload)].add(hold_s)
+        if self._flight is not None and pool.latency is not None:
+            pool.latency.released(self._flight)
         pool.release(grant)

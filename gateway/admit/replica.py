@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from gateway.admit.claim import Claim
 from gateway.config.schema import HealthSpec
+
+if TYPE_CHECKING:
+    from gateway.admit.latency import ReplicaLatency
 
 
 class EngineGauges(NamedTuple):
@@ -36,6 +39,7 @@ class Replica:
         "inflight",
         "inflight_tokens",
         "kept_warned_at",
+        "latency",
         "lease_ids",
         "leased_elsewhere",
         "leases",
@@ -76,6 +80,7 @@ class Replica:
         self.kept_warned_at: float | None = None  # last logged as failing but kept in
         self.gauges: EngineGauges | None = None  # its vLLM gauges, when a scorer reads them
         self.adapters: frozenset[str] = frozenset()  # LoRA adapters loaded, as last listed
+        self.latency: ReplicaLatency | None = None  # its latency model, in a pool with `slo`
 
     @property
     def load(self) -> int:

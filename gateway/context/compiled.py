@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from gateway.config.schema import ModelSpec, PoolSpec, TenantSpec
 from gateway.context.match import Check
+from gateway.context.objective import Defaults
 from gateway.tokenizer.counters import TokenCounter
 
 
@@ -35,6 +36,7 @@ class Pool:
     name: str
     spec: PoolSpec
     model: Model
+    objectives: Defaults | None = None  # with `slo`: its objectives where a request states none
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,13 @@ class Trace(Protocol):
     def finish(self, ctx: Ctx) -> None: ...
 
 
+class Prefill(Protocol):
+    """A request's prefill on its replica as the pool's latency model tracks it
+    (gateway/admit/latency.py's `Flight`): told when its first token arrives."""
+
+    def prefilled(self, at: float) -> None: ...
+
+
 CLIENT_CLOSED = 499  # nginx's code for "the client went away"; bounded, so fine as a label
 
 
@@ -88,6 +95,7 @@ class Ctx:
     # objective: its latency objective, on a pool with `slo` (gateway/request/objective.py)
     objective: Objective | None = None
     predicted: Prediction | None = None  # on the replica that took it, when it was granted
+    prefill: Prefill | None = None  # its place in that replica's prefill work, with `slo`
     # admit / forward
     affinity: Affinity | None = (
         None  # what the pool's scorers weigh, worked out on its first attempt

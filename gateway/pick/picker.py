@@ -30,6 +30,9 @@ class StatelessPicker:
     async def affinity(self, ctx: Ctx) -> Affinity | None:
         return None
 
+    def cached_share(self, replica: Replica, claim: Claim) -> float:
+        return 0.0
+
     def granted(self, replica: Replica, claim: Claim) -> None:
         pass
 

@@ -104,6 +104,14 @@ class WeightedPicker:
         """The `precise_prefix` scorer, if configured: the metrics read its feeds."""
         return cast("PrecisePrefixScorer | None", self.named.get("precise_prefix"))
 
+    def cached_share(self, replica: Replica, claim: Claim) -> float:
+        """The precise prefix scorer's view (the replica's own KV events), else the
+        approximate one's; 0 with neither."""
+        scorer = self.named.get("precise_prefix") or self.named.get("prefix")
+        if scorer is None:
+            return 0.0
+        return scorer.score((replica,), claim, time.monotonic())[0]
+
     def granted(self, replica: Replica, claim: Claim) -> None:
         for _, scorer in self.scorers:
             scorer.granted(replica, claim)

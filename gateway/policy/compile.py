@@ -23,6 +23,7 @@ from gateway.config.schema import (
     When,
 )
 from gateway.context.compiled import Model, Pool, Route, Tenant
+from gateway.context.objective import Defaults
 from gateway.fleet.adapters import Adapters
 from gateway.pick import WeightedPicker  # the package registers every picker and scorer
 from gateway.request.authenticate import compile_tenants
@@ -395,8 +396,14 @@ def compile_policy(
             model.counter.warm()
     if built:
         return_freed_memory()
+    class_objectives = {c.name: c.slo for c in spec.classes}
     pools = {
-        name: Pool(name, pool_spec, models[pool_spec.model])
+        name: Pool(
+            name,
+            pool_spec,
+            models[pool_spec.model],
+            None if pool_spec.slo is None else Defaults(pool_spec.slo, class_objectives),
+        )
         for name, pool_spec in spec.pools.items()
     }
     bases = {name: pool.model for name, pool in spec.pools.items()}

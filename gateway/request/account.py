@@ -195,8 +195,8 @@ class Accountant:
             if child is None:
                 child = self._slo[key] = self.metrics.slo_requests.labels(*key)
             child.inc()
-        prediction = attainment.predicted(ctx)
-        if prediction is not None:
+        if ctx.predicted is not None:
+            prediction = attainment.from_arrival(ctx, ctx.predicted)
             for name, headroom in attainment.headroom(objective, prediction):
                 self.metrics.slo_headroom.labels(pool, name).observe(headroom)
 

@@ -7,8 +7,8 @@ the test of that field and nothing else.
 
 A prediction is reported from the request's arrival, as its objective and its observed TTFT
 are: the wait before its grant plus the latency model's TTFT from the grant
-(`Prediction.headroom`'s `waited_s`). So `predicted_ttft_s - ttft_s` in the access log is the
-model's own error, the wait being known exactly.
+(gateway/admit/latency.py predicts from there). So `predicted_ttft_s - ttft_s` in the access
+log is the model's own error, the wait being known exactly.
 
 An objective is met or missed as observed: TTFT on a stream (its first token, or the end of a
 stream whose deadline passed without one), TPOT on an answer of two tokens or more, as the
@@ -60,11 +60,9 @@ def outcomes(ctx: Ctx, objective: Objective) -> Iterator[tuple[str, str]]:
             yield name, MET if seen <= objective_s else MISSED
 
 
-def predicted(ctx: Ctx) -> Prediction | None:
-    """The latency predicted at the grant, from the request's arrival; None if none was."""
-    if ctx.predicted is None:
-        return None
-    return Prediction(ctx.granted - ctx.arrived + ctx.predicted.ttft_s, ctx.predicted.tpot_s)
+def from_arrival(ctx: Ctx, predicted: Prediction) -> Prediction:
+    """The latency predicted at the grant (`ctx.predicted`), from the request's arrival."""
+    return Prediction(ctx.granted - ctx.arrived + predicted.ttft_s, predicted.tpot_s)
 
 
 def headroom(objective: Objective, prediction: Prediction) -> Iterator[tuple[str, float]]:
@@ -83,7 +81,7 @@ def _finite(seconds: float) -> float | None:
 
 def logged(ctx: Ctx, objective: Objective) -> dict[str, float | None]:
     """The access log's fields: the objective applied and the prediction at the grant."""
-    prediction = predicted(ctx)
+    prediction = None if ctx.predicted is None else from_arrival(ctx, ctx.predicted)
     return {
         "slo_ttft_s": _finite(objective.ttft_s),
         "slo_tpot_s": _finite(objective.tpot_s),
@@ -104,9 +102,10 @@ def response_headers(ctx: Ctx, objective: Objective) -> dict[str, str]:
         out["x-gateway-slo-ttft-ms"] = _ms(objective.ttft_s)
     if not math.isinf(objective.tpot_s):
         out["x-gateway-slo-tpot-ms"] = _ms(objective.tpot_s)
-    prediction = predicted(ctx)
-    if prediction is not None:
+    if ctx.predicted is not None:
+        prediction = from_arrival(ctx, ctx.predicted)
         out["x-gateway-predicted-ttft-ms"] = _ms(prediction.ttft_s)
         out["x-gateway-predicted-tpot-ms"] = _ms(prediction.tpot_s)
-        out["x-gateway-slo"] = "met" if prediction.headroom(objective) >= 0 else "at-risk"
+        met = ctx.predicted.headroom(objective, ctx.granted) >= 0  # placement's own reading
+        out["x-gateway-slo"] = "met" if met else "at-risk"
     return out

@@ -38,6 +38,7 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.request import attainment
+from gateway.request.objective import SLO_HEADERS
 from gateway.upstream import Answer, ExchangeError, ExchangeTimeout, Refused, Upstream
 
 log = logging.getLogger("gateway.request.forward")
@@ -50,11 +51,7 @@ _DROP_REQUEST = frozenset(
      "expect",  # the gateway has read the whole body already: a replica's 100 would be noise
      # vLLM takes this header over the body's `priority` (`_get_priority` in
      # vllm/entrypoints/generate/base/serving.py): a client could pick its place in the replica.
-     "x-vllm-priority",
-     # Latency objectives, ours and llm-d's (its router reads both, the first as deprecated
-     # aliases: pkg/epp/metadata/consts.go): the gateway's to apply, and a router behind it
-     # should not apply them a second time to a request already placed.
-     "x-slo-ttft-ms", "x-slo-tpot-ms", "x-llm-d-slo-ttft-ms", "x-llm-d-slo-tpot-ms"}
+     "x-vllm-priority"} | SLO_HEADERS
 )  # fmt: skip
 _DROP_RESPONSE = frozenset(
     {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -244,7 +241,9 @@ def _count(ctx: Ctx, events: bytes) -> None:
     note the first token's time."""
     count = ctx.api.deltas(events)
     if count and ctx.first_token is None:
-        ctx.first_token = time.perf_counter()
+        ctx.first_token = now = time.perf_counter()
+        if ctx.prefill is not None:  # the pool's latency model learns the TTFT
+            ctx.prefill.prefilled(now)
     ctx.chunks += count
 
 

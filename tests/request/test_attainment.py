@@ -1,22 +1,18 @@
 """SLO signals: whether a request with a latency objective met it (`llm_slo_requests_total`), the
 headroom predicted at its grant (`llm_slo_predicted_headroom`), the objective and prediction in
-its response headers and access-log line; the client's SLO headers never reach the replica.
+its response headers and access-log line.
 
 A real gateway on loopback in front of a simulated vLLM replica (real latencies, at time scale
-1) or a stub one (whose `gate` holds a slot, whose log keeps the headers it was sent).
-
-`objectives` stands in for the objective stage and the latency model: it gives each request
-its pool's objective for its tier after placement and a fixed prediction at its grant, as
-gateway/request/objective.py and gateway/admit/latency.py will; what it sets is exactly the
-`Ctx.objective` / `Ctx.predicted` those write, so the accounting and headers under test are
-the same.
+1) or a stub one (whose `gate` holds a slot). The objectives are the pool's per tier and the
+client's headers (gateway/request/objective.py); the predictions the pool's latency model's
+(gateway/admit/latency.py). Objectives of a minute are met, and of a microsecond missed, by any
+answer these tests get, however busy the machine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -24,39 +20,17 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import gateway.pipeline
-from gateway.config.schema import PRIORITIES
-from gateway.context.objective import Objective, Prediction
 from loadtest.sim import Profile, ReplicaOptions, start_replica
 from tests.conftest import accounted, basic_policy, eventually
 from tests.loadtest.test_simulator import write_profile
 
-PREDICTED = Prediction(ttft_s=0.02, tpot_s=0.004)
-GENEROUS = {"ttft_ms": 60_000, "tpot_ms": 60_000}  # met by any answer this test gets
-IMPOSSIBLE = {"ttft_ms": 0.001, "tpot_ms": 0.001}  # a microsecond: missed by any answer
-SLO = {"objectives": {"standard": GENEROUS, "sheddable": IMPOSSIBLE, "critical": {"ttft_ms": 250}}}
-
-
-@pytest.fixture
-def objectives(monkeypatch: pytest.MonkeyPatch) -> None:
-    place, forward = gateway.pipeline.place, gateway.pipeline.forward
-
-    async def placed(ctx: Any, *args: Any) -> None:
-        await place(ctx, *args)
-        slo = ctx.pool.spec.slo
-        spec = slo.objectives.get(PRIORITIES[ctx.priority]) if slo is not None else None
-        if spec is not None:
-            ttft = spec.ttft_ms / 1000 if spec.ttft_ms else math.inf
-            tpot = spec.tpot_ms / 1000 if spec.tpot_ms else math.inf
-            ctx.objective = Objective(ttft, tpot, ctx.arrived + ttft)
-
-    async def granted(ctx: Any, *args: Any, **kwargs: Any) -> Any:
-        if ctx.objective is not None:
-            ctx.predicted = PREDICTED
-        return await forward(ctx, *args, **kwargs)
-
-    monkeypatch.setattr(gateway.pipeline, "place", placed)
-    monkeypatch.setattr(gateway.pipeline, "forward", granted)
+GENEROUS = {"ttft_ms": 60_000, "tpot_ms": 60_000}
+IMPOSSIBLE = {"ttft_ms": 0.001, "tpot_ms": 0.001}  # a microsecond
+SLO = {
+    "objectives": {"standard": GENEROUS, "critical": IMPOSSIBLE, "sheddable": {"ttft_ms": 60_000}}
+}
+SHEDDABLE = {"x-priority": "sheddable"}
+CRITICAL = {"x-priority": "critical"}
 
 
 @pytest.fixture
@@ -102,62 +76,72 @@ async def streamed(http: Any, gw: Any, headers: dict[str, str] | None = None) ->
         return resp.headers
 
 
-async def test_met_and_missed_are_counted_per_tier_and_objective(
-    objectives, sim, gateway_factory, tokenizer_dir, http
+async def test_met_missed_and_refused_are_counted_per_tier_and_objective(
+    sim, gateway_factory, tokenizer_dir, http
 ) -> None:
     gw = await gateway_factory(basic_policy(tokenizer_dir, [sim.url], slo=SLO))
     await streamed(http, gw)
     await streamed(http, gw)
-    await streamed(http, gw, {"x-priority": "sheddable"})
-    await accounted(gw, 2)
+    await streamed(http, gw, CRITICAL)  # predicted to miss: placed all the same, and misses
+    # No replica would serve a sheddable request in a microsecond: refused at once.
+    async with http.post(
+        f"{gw.url}/v1/chat/completions",
+        json=chat(),
+        headers={**SHEDDABLE, "x-slo-ttft-ms": "0.001"},
+    ) as resp:
+        assert resp.status == 429 and (await resp.json())["error"]["code"] == "slo_unreachable"
+    await accounted(gw, 3)
     found = await metrics(http, gw)
     assert attained(found) == {
         ("main", "standard", "ttft", "met"): 2.0,
         ("main", "standard", "tpot", "met"): 2.0,
-        ("main", "sheddable", "ttft", "missed"): 1.0,
-        ("main", "sheddable", "tpot", "missed"): 1.0,
+        ("main", "critical", "ttft", "missed"): 1.0,
+        ("main", "critical", "tpot", "missed"): 1.0,
+        ("main", "sheddable", "ttft", "refused"): 1.0,  # its tier states no TPOT objective
     }
-    # The headroom predicted at each grant: 1 - 4 ms / 60 s for the standard TPOTs, a miss of
-    # thousands of times the sheddable's microsecond. Negative buckets: no `_count` (OpenMetrics
-    # has none with them), the `+Inf` bucket counts.
+    # The headroom predicted at each grant (the refused request had none): a minute's is near 1,
+    # a microsecond's far below 0. Negative buckets: no `_count` (OpenMetrics has none with
+    # them), the `+Inf` bucket counts.
     buckets = {
         (s.labels["objective"], s.labels["le"]): s.value
         for s in found["llm_slo_predicted_headroom_bucket"]
     }
-    assert {o: buckets[o, "+Inf"] for o in ("ttft", "tpot")} == {"ttft": 3.0, "tpot": 3.0}
-    assert {o: buckets[o, "0.0"] for o in ("ttft", "tpot")} == {"ttft": 1.0, "tpot": 1.0}
-    assert {o: buckets[o, "0.9"] for o in ("ttft", "tpot")} == {"ttft": 1.0, "tpot": 1.0}
+    for objective in ("ttft", "tpot"):
+        assert [buckets[objective, le] for le in ("-2.0", "0.0", "0.9", "+Inf")] == [1, 1, 1, 3]
 
 
 async def test_the_response_says_the_objective_and_the_prediction(
-    objectives, sim, gateway_factory, tokenizer_dir, http
+    sim, gateway_factory, tokenizer_dir, http
 ) -> None:
     gw = await gateway_factory(basic_policy(tokenizer_dir, [sim.url], slo=SLO))
     standard = await streamed(http, gw)
     assert standard["x-gateway-slo-ttft-ms"] == "60000"
     assert standard["x-gateway-slo-tpot-ms"] == "60000"
-    assert standard["x-gateway-predicted-tpot-ms"] == "4"
-    # The TTFT predicted from arrival: the wait before the grant plus the model's 20 ms.
-    assert float(standard["x-gateway-predicted-ttft-ms"]) >= 20
+    assert float(standard["x-gateway-predicted-ttft-ms"]) > 0
+    assert float(standard["x-gateway-predicted-tpot-ms"]) > 0
     assert standard["x-gateway-slo"] == "met"
-    sheddable = await streamed(http, gw, {"x-priority": "sheddable"})
-    assert sheddable["x-gateway-slo-ttft-ms"] == "0"  # 1 us, in tenths of a millisecond
-    assert sheddable["x-gateway-slo"] == "at-risk"
-    critical = await streamed(http, gw, {"x-priority": "critical"})  # a TTFT objective only
-    assert critical["x-gateway-slo-ttft-ms"] == "250"
-    assert "x-gateway-slo-tpot-ms" not in critical
+    critical = await streamed(http, gw, CRITICAL)
+    assert critical["x-gateway-slo-ttft-ms"] == "0"  # 1 us, in tenths of a millisecond
+    assert critical["x-gateway-slo"] == "at-risk"
+    sheddable = await streamed(http, gw, SHEDDABLE)  # a TTFT objective only
+    assert sheddable["x-gateway-slo-ttft-ms"] == "60000"
+    assert "x-gateway-slo-tpot-ms" not in sheddable
+    assert sheddable["x-gateway-slo"] == "met"
     await accounted(gw, 2)
     logged = access(gw)
     assert [(x["slo_ttft_s"], x["slo_tpot_s"]) for x in logged] == [
-        (60.0, 60.0), (1e-06, 1e-06), (0.25, None)
+        (60.0, 60.0), (1e-06, 1e-06), (60.0, None)
     ]  # fmt: skip
-    for line in logged:
-        assert line["predicted_tpot_s"] == 0.004
-        assert line["predicted_ttft_s"] >= 0.02 + line["queue_wait_s"] - 1e-6
+    for line, headers in zip(logged, (standard, critical, sheddable), strict=True):
+        # From arrival: the wait for the slot, then the model's TTFT from the grant.
+        assert line["predicted_ttft_s"] > line["queue_wait_s"]
+        ms = float(headers["x-gateway-predicted-ttft-ms"])
+        assert abs(1000 * line["predicted_ttft_s"] - ms) <= 0.05
+        assert line["predicted_tpot_s"] > 0
 
 
 async def test_a_pool_without_slo_has_no_slo_series_headers_or_fields(
-    objectives, sim, gateway_factory, tokenizer_dir, http
+    sim, gateway_factory, tokenizer_dir, http
 ) -> None:
     gw = await gateway_factory(basic_policy(tokenizer_dir, [sim.url]))
     headers = await streamed(http, gw, {"x-slo-ttft-ms": "100"})
@@ -171,7 +155,7 @@ async def test_a_pool_without_slo_has_no_slo_series_headers_or_fields(
 
 
 async def test_a_refused_request_is_counted_refused_and_one_that_left_early_not_at_all(
-    objectives, stub_factory, gateway_factory, tokenizer_dir, http
+    stub_factory, gateway_factory, tokenizer_dir, http
 ) -> None:
     gate = asyncio.Event()
     stub = await stub_factory(gate=gate)
@@ -193,19 +177,3 @@ async def test_a_refused_request_is_counted_refused_and_one_that_left_early_not_
         ("main", "standard", "ttft", "refused"): 1.0,
         ("main", "standard", "tpot", "refused"): 1.0,
     }
-
-
-async def test_the_clients_slo_headers_are_not_sent_upstream(
-    stub, gateway_factory, tokenizer_dir, http
-) -> None:
-    gw = await gateway_factory(basic_policy(tokenizer_dir, [stub.url], slo=SLO))
-    slo_headers = {
-        "x-slo-ttft-ms": "100",
-        "X-SLO-TPOT-MS": "10",
-        "x-llm-d-slo-ttft-ms": "100",
-        "x-llm-d-slo-tpot-ms": "10",
-    }
-    await streamed(http, gw, {**slo_headers, "x-kept": "yes"})
-    (sent,) = stub.stats.headers
-    assert sent["x-kept"] == "yes"
-    assert not [name for name in sent if "slo" in name]

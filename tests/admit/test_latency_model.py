@@ -1,0 +1,128 @@
+"""The latency model predicts what a replica's load will cost a request, and learns it online.
+
+Trained on a replica whose TTFT grows with the prefill ahead of a request and whose TPOT grows
+with its decode batch (as vLLM's does), the model must predict far better than any constant,
+and placement by its predictions must steer a request away from the loaded replica: a model
+replaced by a constant fails both.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+
+import pytest
+
+from gateway.admit import Claim, Replica
+from gateway.admit.latency import Fit, LatencyModel
+from gateway.admit.pool import LivePool
+from gateway.config.schema import LatencyModelSpec, PoolSpec
+from gateway.context.objective import Objective
+from gateway.pick.picker import LeastInflightPicker
+
+SEED = LatencyModelSpec()
+
+
+def true_ttft(prefill_tokens: int, decoding: int) -> float:
+    return 0.025 + 0.09 * prefill_tokens / 1000 + 0.0015 * decoding
+
+
+def true_tpot(batch: int, context_tokens: int) -> float:
+    return 0.012 + 0.0004 * batch + 0.0002 * context_tokens / 1000
+
+
+def claim(tokens: int, output: int = 100, objective: Objective | None = None) -> Claim:
+    return Claim(tokens + output, objective=objective, input_tokens=tokens)
+
+
+def train(model: LatencyModel, replica: Replica, rounds: int, rng: random.Random) -> None:
+    """Requests arrive on `replica` at random loads; each stream's first token and TPOT come
+    back as the true curves say, with noise."""
+    flights = []
+    for _ in range(rounds):
+        if flights and rng.random() < 0.5:  # one leaves
+            flight, c = flights.pop(rng.randrange(len(flights)))
+            model.released(flight)
+            replica.untake(c)
+            continue
+        c = claim(rng.choice((200, 500, 2000, 4000)))
+        replica.take(c)
+        state = model.of(replica)
+        prefill_ahead, decoding = state.prefill_tokens, state.decoding
+        flight, _ = model.admitted(replica, c, 0.0, stream=True)
+        noise = rng.uniform(0.95, 1.05)
+        flight.prefilled(
+            flight.granted + noise * true_ttft(prefill_ahead + c.input_tokens, decoding)
+        )
+        batch, context = state.decoding, replica.inflight_tokens
+        model.observe_tpot(flight, noise * true_tpot(batch, context))
+        flights.append((flight, c))
+        if len(flights) > 48 or rng.random() < 0.3:  # some finish prefill-free, making room
+            flight, c = flights.pop(0)
+            model.released(flight)
+            replica.untake(c)
+
+
+def test_a_fit_recovers_a_linear_law_from_noisy_samples() -> None:
+    rng = random.Random(7)
+    fit = Fit((0.0, 0.0, 0.0), 0.999)
+    for _ in range(400):
+        x = (1.0, rng.uniform(0, 8), rng.uniform(0, 2))
+        fit.observe(x, 0.02 + 0.05 * x[1] + 0.3 * x[2] + rng.gauss(0, 0.002))
+    assert fit.theta == pytest.approx([0.02, 0.05, 0.3], abs=0.01)
+
+
+def test_no_load_makes_a_replica_faster() -> None:
+    fit = Fit((0.05, 0.05, 0.05), 0.99)
+    for _ in range(50):
+        fit.observe((1.0, 1.0, 1.0), 0.0)  # samples that pull every coefficient below zero
+    assert min(fit.theta) >= 0.0
+
+
+def test_predictions_beat_any_constant_on_a_loaded_replica() -> None:
+    rng = random.Random(1)
+    model, replica = LatencyModel(SEED), Replica("http://a", 64, None)
+    train(model, replica, 3000, rng)
+    errors, observed, tpot_errors, tpots = [], [], [], []
+    for _ in range(300):  # held out: fresh loads, not trained on
+        prefill, decoding = rng.randrange(0, 30_000), rng.randrange(0, 64)
+        state = model.of(replica)
+        state.prefill_tokens, state.decoding = prefill, decoding
+        replica.inflight_tokens = context = rng.randrange(0, 200_000)
+        c = claim(1000)
+        predicted = model.predict(replica, c, 0.0)
+        truth = true_ttft(prefill + 1000, decoding)
+        errors.append(abs(predicted.ttft_s - truth))
+        observed.append(truth)
+        tpot_truth = true_tpot(decoding + 1, context + c.tokens)
+        tpot_errors.append(abs(predicted.tpot_s - tpot_truth))
+        tpots.append(tpot_truth)
+    median = statistics.median(observed)
+    constant = statistics.median(abs(t - median) for t in observed)
+    assert statistics.median(errors) < 0.2 * constant
+    tpot_median = statistics.median(tpots)
+    tpot_constant = statistics.median(abs(t - tpot_median) for t in tpots)
+    assert statistics.median(tpot_errors) < 0.3 * tpot_constant
+
+
+def test_placement_by_headroom_avoids_the_replica_with_prefill_ahead() -> None:
+    spec = PoolSpec(
+        model="m",
+        replicas=["http://busy", "http://idle"],
+        max_concurrency=8,
+        slo={"objectives": {"standard": {"ttft_ms": 400}}},
+    )
+    pool = LivePool("p", spec, LeastInflightPicker(None))
+    assert pool.latency is not None
+    rng = random.Random(3)
+    for replica in pool.replicas:
+        train(pool.latency, replica, 1500, rng)
+        while replica.inflight:  # leave it idle
+            replica.untake(claim(0, 0))
+    busy, idle = pool.replicas
+    pool.latency.of(busy).prefill_tokens = 8000  # two long prompts ahead of its next request
+    now = time.perf_counter()
+    objective = Objective(0.4, math.inf, now + 0.4)
+    assert pool._pick(pool.replicas, claim(500, objective=objective)) is idle
