@@ -658,12 +658,7 @@ def gateway_down_jobs() -> set[str]:
 KEY, LIMITED_KEY = "deploy-test-key", "deploy-limited-key"
 RATE_INTERVAL = "1m"
 # Expressions with no series yet, and why; every other expression must return data.
-NO_DATA: dict[str, str] = {
-    "llm_slo_requests_total": "the pool's `slo` below gives no request an objective until the"
-    " objective stage (gateway/request/objective.py) is in the pipeline: then drop this entry",
-    "llm_slo_predicted_headroom": "nor a prediction until the latency model predicts at the"
-    " grant (gateway/admit/latency.py)",
-}
+NO_DATA: dict[str, str] = {}
 COMPARISON = re.compile(r"\s*(>|<|==|!=|>=|<=)\s*[-+0-9.e]+\s*$")
 
 
