@@ -469,6 +469,44 @@ def test_each_pools_hpa_holds_the_queue_wait_to_its_own_slo(
     }
 
 
+def test_a_pool_with_objectives_may_scale_on_its_miss_share_and_one_without_may_not(
+    tmp_path: Path,
+) -> None:
+    """`autoscaling.sloMissRatio`: the share of the pool's objectives missed or refused
+    (`llm_pool_slo_miss_ratio`, served by the adapter) against a Value target, beside the
+    other signals. Refused on a pool without `slo`: its HPA could never read the metric, and an
+    HPA that cannot read one of its metrics never scales down."""
+    slo = {"objectives": {"standard": {"ttft_ms": 2000, "tpot_ms": 100}}}
+    values = tmp_path / "slo.yaml"
+    values.write_text(yaml.safe_dump({"pools": {"generate-27b": {
+        "autoscaling": {"sloMissRatio": 0.1}, "policy": {"slo": slo},
+    }}}))  # fmt: skip
+    hpas = {
+        h["metadata"]["name"]: {m["external"]["metric"]["name"]: m for m in h["spec"]["metrics"]}
+        for h in kinds(helm("values-gke-tpu-v6e.yaml", str(values)), "HorizontalPodAutoscaler")
+    }
+    miss = hpas["gemma3-27b-gen"]["llm_pool_slo_miss_ratio"]["external"]
+    assert miss == {
+        "metric": {"name": "llm_pool_slo_miss_ratio", "selector": {"matchLabels": {"pool": "generate-27b"}}},
+        "target": {"type": "Value", "value": "0.1"},
+    }  # fmt: skip
+    assert "llm_pool_slo_miss_ratio" in {r["name"]["as"] for r in adapter_rules()}
+    assert "llm_pool_desired_replicas" in hpas["gemma3-27b-gen"]  # the demand stays the floor
+    assert "llm_pool_slo_miss_ratio" not in hpas["gemma3-12b-gen"]
+    values.write_text(yaml.safe_dump({"pools": {"generate-12b": {
+        "autoscaling": {"sloMissRatio": 0.1},
+    }}}))  # fmt: skip
+    files = ["-f", str(CHART / "values-gke-tpu-v6e.yaml"), "-f", str(values)]
+    out = subprocess.run(
+        [tool("helm"), "template", "llm", str(CHART), "--namespace", "llm", *files],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "pools.generate-12b.autoscaling.sloMissRatio: the pool's policy has no `slo`" in (
+        out.stderr
+    )
+
+
 def test_the_adapter_serves_the_forecast_summed_over_gateways_as_the_reactive_estimate() -> None:
     rules = {r["name"]["as"]: r for r in adapter_rules()}
     for name in ("llm_pool_desired_replicas", "llm_pool_desired_replicas_forecast"):
