@@ -48,7 +48,9 @@ def _observed_ttft(ctx: Ctx, objective_s: float) -> float | None:
 
 def outcomes(ctx: Ctx, objective: Objective) -> Iterator[tuple[str, str]]:
     """(objective, outcome) for each objective the request had and that says something."""
-    refused = ctx.refused and ctx.refusal is not None and ctx.refusal.counts_as_demand
+    # Refused or, a stream cancelled after its first byte (`preempted`), ended with the refusal:
+    # its status is the 200 it began with, so the refusal is read, not `ctx.refused`.
+    refused = ctx.refusal is not None and ctx.refusal.counts_as_demand
     for name, objective_s in ((TTFT, objective.ttft_s), (TPOT, objective.tpot_s)):
         if math.isinf(objective_s):
             continue

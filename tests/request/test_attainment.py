@@ -20,6 +20,10 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.context.ctx import Ctx
+from gateway.context.objective import Objective
+from gateway.errors import Refusal
+from gateway.request.attainment import outcomes
 from loadtest.sim import Profile, ReplicaOptions, start_replica
 from tests.conftest import accounted, basic_policy, eventually
 from tests.loadtest.test_simulator import write_profile
@@ -177,3 +181,16 @@ async def test_a_refused_request_is_counted_refused_and_one_that_left_early_not_
         ("main", "standard", "ttft", "refused"): 1.0,
         ("main", "standard", "tpot", "refused"): 1.0,
     }
+
+
+def test_a_stream_preempted_after_its_first_token_is_refused_not_met() -> None:
+    """Cancelled in flight for a critical request (`slo.preempt`): its stream began with a 200
+    and ends with the refusal, a want of room like any other, whatever its first token did."""
+    ctx = Ctx("r", None, "/v1/chat/completions", None, arrived=0.0)  # type: ignore[arg-type]
+    ctx.stream, ctx.status, ctx.first_token, ctx.output_tokens, ctx.ended = True, 200, 0.1, 5, 0.2
+    objective = Objective(1.0, 1.0, 1.0)
+    assert list(outcomes(ctx, objective)) == [("ttft", "met"), ("tpot", "met")]
+    ctx.refusal = Refusal.PREEMPTED
+    assert list(outcomes(ctx, objective)) == [("ttft", "refused"), ("tpot", "refused")]
+    ctx.refusal = Refusal.UPSTREAM_TIMEOUT  # the replica's failure: what was observed counts
+    assert list(outcomes(ctx, objective)) == [("ttft", "met"), ("tpot", "met")]
