@@ -24,6 +24,10 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.
                 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5)  # fmt: skip
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60,
                  120, 300)  # fmt: skip
+# (objective - predicted) / objective: 1 is no latency at all, 0 the objective exactly, below 0 a
+# miss predicted at the grant (-1: twice the objective). With negative buckets the family has no
+# `_sum` and `_count` (prometheus-client leaves them out, as OpenMetrics says): `le="+Inf"` counts.
+HEADROOM_BUCKETS = (-2, -1, -0.5, -0.25, -0.1, 0, 0.1, 0.2, 0.3, 0.5, 0.75, 0.9)
 
 # Every counter and histogram would also export a `_created` series (its creation time): a
 # series per label set that no rule or dashboard reads. Process-wide, and before any is made.
@@ -96,6 +100,20 @@ class Instruments:
             "Answers whose usage was not a count or more than the request could produce, settled"
             " on the gateway's own numbers instead.",
             ("pool", "replica", "field"), registry=r,
+        )  # fmt: skip
+        # Only for requests with a latency objective (a pool with `slo`), per objective they had
+        # (`ttft`, `tpot`): gateway/request/account.py `_attainment`.
+        self.slo_requests = Counter(
+            "llm_slo_requests",
+            "Requests with a latency objective, per objective: met or missed as observed, or"
+            " refused for want of room.",
+            ("pool", "tier", "objective", "outcome"), registry=r,
+        )  # fmt: skip
+        self.slo_headroom = Histogram(
+            "llm_slo_predicted_headroom",
+            "(objective - predicted) / objective on the replica that took the request, when it"
+            " was granted.",
+            ("pool", "objective"), buckets=HEADROOM_BUCKETS, registry=r,
         )  # fmt: skip
         self.spillover = Counter(
             "llm_spillover", "Requests moved from their route's full pool to a fallback.",

@@ -16,7 +16,9 @@ import orjson
 from gateway.api.usage import read_usage
 from gateway.config.schema import PRIORITIES
 from gateway.context.ctx import Ctx
+from gateway.context.objective import Objective
 from gateway.observability.instruments import NONE, Instruments
+from gateway.request import attainment
 from gateway.request.estimate import OutputEstimator
 
 log = logging.getLogger("gateway.request.account")
@@ -65,6 +67,7 @@ class Accountant:
         self.access_log = access_log
         self._series: dict[tuple[str, str, str], _Series] = {}
         self._outcomes: dict[tuple[str, str, str, str, int], Any] = {}
+        self._slo: dict[tuple[str, ...], Any] = {}  # llm_slo_requests_total's children
         self._untrusted: set[str] = set()  # replicas whose untrusted usage was logged
 
     def _labels(self, ctx: Ctx) -> tuple[str, str, str]:
@@ -106,8 +109,14 @@ class Accountant:
             ctx.output_tokens = ctx.chunks
         if ctx.queued:
             self._observe(ctx, labels, estimator)
+        objective = ctx.objective
+        if objective is not None and ctx.pool is not None:
+            self._attainment(ctx, ctx.pool.name, objective)
         if self.access_log is not None:
-            self.access_log.write(orjson.dumps(self.record(ctx), option=orjson.OPT_APPEND_NEWLINE))
+            record = self.record(ctx)
+            if objective is not None:
+                record.update(attainment.logged(ctx, objective))
+            self.access_log.write(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
             self.access_log.flush()
 
     def _bound_usage(self, ctx: Ctx, max_model_len: int) -> None:
@@ -171,11 +180,25 @@ class Accountant:
                 tenant_cached.inc(ctx.cached_tokens)
         if ctx.first_token is not None:
             series.ttft.observe(ctx.first_token - ctx.arrived, trace)
-            if ctx.output_tokens and ctx.output_tokens > 1:
-                tpot = (ctx.ended - ctx.first_token) / (ctx.output_tokens - 1)
+            if (tpot := attainment.observed_tpot(ctx)) is not None:
                 series.tpot.observe(tpot, trace)
         if estimator is not None and ctx.status == 200 and ctx.output_tokens:
             estimator.observe(estimator.key(ctx), ctx.output_tokens // ctx.sequences)
+
+    def _attainment(self, ctx: Ctx, pool: str, objective: Objective) -> None:
+        """Whether the request met each objective it had (`gateway/request/attainment.py`),
+        and the headroom predicted for it where it was granted."""
+        tier = PRIORITIES[ctx.priority]
+        for name, outcome in attainment.outcomes(ctx, objective):
+            key = (pool, tier, name, outcome)
+            child = self._slo.get(key)
+            if child is None:
+                child = self._slo[key] = self.metrics.slo_requests.labels(*key)
+            child.inc()
+        if ctx.predicted is not None:
+            prediction = attainment.from_arrival(ctx, ctx.predicted)
+            for name, headroom in attainment.headroom(objective, prediction):
+                self.metrics.slo_headroom.labels(pool, name).observe(headroom)
 
     @staticmethod
     def record(ctx: Ctx) -> dict[str, Any]:

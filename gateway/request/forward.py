@@ -37,6 +37,7 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
+from gateway.request import attainment
 from gateway.request.objective import SLO_HEADERS
 from gateway.upstream import Answer, ExchangeError, ExchangeTimeout, Refused, Upstream
 
@@ -229,6 +230,8 @@ def _response_headers(upstream: MultiMapping[str], ctx: Ctx) -> CIMultiDict[str]
     if ctx.pool is not None:
         out["x-gateway-pool"] = ctx.pool.name
         out["x-gateway-model"] = ctx.upstream_model
+    if ctx.objective is not None:
+        out.update(attainment.response_headers(ctx, ctx.objective))
     out.update(ctx.ratelimit_headers)
     return out
 

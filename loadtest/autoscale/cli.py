@@ -2,7 +2,8 @@
 Kubernetes HPA scales on the gateway's own metric, driven by a trace. Loopback only.
 
     llm-loadtest autoscale [--trace step:base=0.5,peak=5,start=60,end=240,duration=720 | FILE.csv]
-                           [--signal reactive|forecast|max] [--startup-s 180] [--time-scale 12]
+                           [--signal reactive|forecast|max|attainment] [--startup-s 180]
+                           [--time-scale 12]
                            [--out loadtest-autoscale]
     llm-loadtest autoscale --fleet loadtest/autoscale/fleets/gemma3-seed.yaml \
         --trace classification=step:base=4,peak=12,start=300,end=1500,duration=2100 \
@@ -27,6 +28,7 @@ import yaml
 from gateway.config.schema import COUNT_BY_CHARS
 from loadtest.autoscale import hpa, report
 from loadtest.autoscale.loop import (
+    DEFAULT_SLO_MISS_TARGET,
     FORECAST,
     REACTIVE,
     AutoscaleConfig,
@@ -70,6 +72,13 @@ def _forecast(text: str) -> tuple[str, float]:
     if not eq:
         raise argparse.ArgumentTypeError(f"{text!r}: reads KEY=VALUE, e.g. ceiling=2.5")
     return key, _positive(value)
+
+
+def _pool_slo(text: str) -> dict[str, Any]:
+    given = yaml.safe_load(text)
+    if not isinstance(given, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: a pool's `slo` mapping in YAML")
+    return given
 
 
 def _policy(text: str) -> hpa.ScalingPolicy:
@@ -120,9 +129,16 @@ def parser() -> argparse.ArgumentParser:
                    help="simulated s per wall s (default: %(default)s)")  # fmt: skip
     p.add_argument("--startup-s", type=_positive, default=AutoscaleConfig.startup_s,
                    help="asked for -> serving, per replica (default: %(default)s)")  # fmt: skip
-    p.add_argument("--signal", choices=("reactive", "forecast", "max"),
-                   help="the metric(s) the HPA reads; max: both, the larger wins (default:"
+    p.add_argument("--signal", choices=("reactive", "forecast", "max", "attainment"),
+                   help="the metric(s) the HPA reads; max: both, the larger wins; attainment:"
+                   " the reactive one and the SLO miss share, the larger wins (default:"
                    " reactive, or what the --hpa manifest lists)")  # fmt: skip
+    p.add_argument("--slo-miss-target", type=_positive, default=DEFAULT_SLO_MISS_TARGET,
+                   help="--signal attainment: the miss share the HPA's Value target allows"
+                   " (default: %(default)s, a 90%% attainment)")  # fmt: skip
+    p.add_argument("--pool-slo", type=_pool_slo, metavar="YAML",
+                   help="the pool's policy `slo` in simulated ms, e.g. '{objectives: {standard:"
+                   " {ttft_ms: 2000, tpot_ms: 100}}}' (a fleet's pools say their own)")  # fmt: skip
     p.add_argument("--metric", default=REACTIVE, help="the reactive gauge")
     p.add_argument("--forecast-metric", default=FORECAST, help="for --signal forecast|max")
     p.add_argument("--target", type=_positive, help="AverageValue per replica (default 1)")
@@ -220,7 +236,7 @@ def load_manifest(spec: str | None) -> hpa.Manifest | None:
 def manifest_target(manifest: hpa.Manifest | None, metric: str) -> float | None:
     if manifest is None:
         return None
-    return next((m.average_value for m in manifest.metrics if m.name == metric), None)
+    return next((m.target for m in manifest.metrics if m.name == metric), None)
 
 
 def manifest_notes(manifest: hpa.Manifest | None) -> tuple[str, ...]:
@@ -254,7 +270,7 @@ def tokenizer(given: str | None) -> str | None:
 
 
 SINGLE_POOL_FLAGS = ("pool", "profile", "max_concurrency", "target", "min_replicas",
-                     "max_replicas", "initial_replicas")  # fmt: skip
+                     "max_replicas", "initial_replicas", "pool_slo")  # fmt: skip
 
 
 def fleet(args: argparse.Namespace, manifest: hpa.Manifest | None) -> dict[str, Any]:
@@ -281,6 +297,7 @@ def fleet(args: argparse.Namespace, manifest: hpa.Manifest | None) -> dict[str, 
             args.max_replicas, manifest.max_replicas if manifest else None, PoolConfig.max_replicas
         ),
         initial_replicas=first(args.initial_replicas, PoolConfig.initial_replicas),
+        slo=args.pool_slo,
     )
     return {"pools": (pool,)}
 
@@ -329,6 +346,7 @@ def build_config(args: argparse.Namespace, manifest: hpa.Manifest | None) -> Aut
         signal=args.signal or manifest_signal(manifest, args),
         metric=args.metric,
         forecast_metric=args.forecast_metric,
+        slo_miss_target=args.slo_miss_target,
         scale_up=_rules(args.scale_up_window_s, args.scale_up_policy, args.scale_up_select,
                         manifest.scale_up if manifest else hpa.DEFAULT_SCALE_UP,
                         manifest is not None),

@@ -7,8 +7,11 @@ kubernetes/kubernetes pkg/controller/podautoscaler:
 1. Per metric (replica_calculator.go, GetExternalPerPodMetricReplicas): the usage ratio is
    `total / (target x current)`; within the tolerance (10%) of 1.0 the proposal is `current`,
    else `ceil(total / target)`, which is `ceil(current x metric / target)` for the per-pod
-   average. The HPA takes the largest proposal over its metrics; a metric it cannot read is
-   skipped, but then it will not scale down (horizontal.go, computeReplicasForMetrics).
+   average. A `Value` target (GetExternalMetricReplicas, getUsageRatioReplicaCount): the usage
+   ratio is `total / target`; within the tolerance the proposal is `current`, else
+   `ceil(ratio x ready pods)`. The HPA takes the largest proposal over its metrics; a metric it
+   cannot read is skipped, but then it will not scale down (horizontal.go,
+   computeReplicasForMetrics).
 2. Stabilisation (stabilizeRecommendationWithBehaviors): every sync's raw proposal is kept;
    the recommendation is at least the smallest proposal of the scale-up window and at most the
    largest of the scale-down window (so scale-down takes the window's maximum).
@@ -20,7 +23,8 @@ kubernetes/kubernetes pkg/controller/podautoscaler:
 
 A current count outside [min, max] is brought inside at once, as the controller does before it
 reads any metric. `from_manifest` reads min/max, behavior and the AverageValue External metrics
-from an HPA manifest (deploy/base/autoscaling/hpa.yaml); other metric types are not modelled.
+from an HPA manifest (deploy/base/autoscaling/hpa.yaml); other metric types, and Value targets
+(whose series the caller may not compute), are not modelled from a manifest.
 Times are the caller's clock in seconds (simulated seconds in loadtest).
 """
 
@@ -33,6 +37,7 @@ from typing import Any, Literal
 
 PolicyType = Literal["Pods", "Percent"]
 Select = Literal["Max", "Min", "Disabled"]
+TargetType = Literal["AverageValue", "Value"]
 
 DEFAULT_TOLERANCE = 0.1  # --horizontal-pod-autoscaler-tolerance
 DEFAULT_SYNC_PERIOD_S = 15.0  # --horizontal-pod-autoscaler-sync-period
@@ -66,10 +71,12 @@ DEFAULT_SCALE_DOWN = ScalingRules(
 
 @dataclass(frozen=True)
 class ExternalMetric:
-    """`type: External` with `target: {type: AverageValue, averageValue: ...}`."""
+    """`type: External` with `target: {type: AverageValue, averageValue: ...}`, or with
+    `target: {type: Value, value: ...}`."""
 
     name: str
-    average_value: float = 1.0
+    target: float = 1.0
+    type: TargetType = "AverageValue"
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,15 @@ def average_value_proposal(current: int, total: float, target: float, tolerance:
     return math.ceil(used / per_pod)
 
 
+def value_proposal(current: int, ready: int, total: float, target: float, tolerance: float) -> int:
+    """GetExternalMetricReplicas: the replicas an External Value metric asks for, from the ready
+    pods (not the current count: replicas still starting are not counted)."""
+    usage_ratio = milli(total) / milli(target)
+    if abs(1.0 - usage_ratio) <= tolerance:
+        return current
+    return math.ceil(usage_ratio * ready)
+
+
 @dataclass(frozen=True)
 class Decision:
     """One sync: the raw proposal per metric (None: not readable), and what was decided."""
@@ -125,9 +141,16 @@ class Hpa:
     scale_up_events: list[tuple[float, int]] = field(default_factory=list)
     scale_down_events: list[tuple[float, int]] = field(default_factory=list)
 
-    def sync(self, now_s: float, current: int, metrics: Mapping[str, float | None]) -> Decision:
+    def sync(
+        self,
+        now_s: float,
+        current: int,
+        metrics: Mapping[str, float | None],
+        ready: int | None = None,
+    ) -> Decision:
         """One reconcile: `metrics` are the External metrics' totals as read now (None or
-        missing: unavailable). The caller scales to `desired`; the event is recorded here."""
+        missing: unavailable); `ready` the pods ready now (a Value target's proposal scales
+        them; None: `current`). The caller scales to `desired`; the event is recorded here."""
         spec = self.spec
         if current > spec.max_replicas:
             return self._scaled(Decision(now_s, current, {}, spec.max_replicas, "TooManyReplicas"))
@@ -136,11 +159,17 @@ class Hpa:
         proposals: dict[str, int | None] = {}
         for metric in spec.metrics:
             total = metrics.get(metric.name)
-            proposals[metric.name] = (
-                None
-                if total is None
-                else average_value_proposal(current, total, metric.average_value, spec.tolerance)
-            )
+            if total is None:
+                proposals[metric.name] = None
+            elif metric.type == "Value":
+                proposals[metric.name] = value_proposal(
+                    current, current if ready is None else ready, total, metric.target,
+                    spec.tolerance,
+                )  # fmt: skip
+            else:
+                proposals[metric.name] = average_value_proposal(
+                    current, total, metric.target, spec.tolerance
+                )
         valid = [p for p in proposals.values() if p is not None]
         if not valid:
             return Decision(now_s, current, proposals, current, "FailedGetExternalMetric")

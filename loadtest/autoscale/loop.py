@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.admit.forecast import DEFAULT as FORECAST_DEFAULT
 from gateway.config.schema import COUNT_BY_CHARS
 from loadtest import processes
+from loadtest.autoscale.attainment import SLO_MISS, MissRatio, slo_counts
 from loadtest.autoscale.dns import DnsServer
 from loadtest.autoscale.hpa import (
     DEFAULT_SCALE_DOWN,
@@ -54,7 +55,7 @@ from loadtest.sim import ReplicaOptions, load_profile
 # shapes, which tpu-inference does before it serves. An estimate of 3 minutes, not measured;
 # a new node (GKE provisioning a TPU VM) would add several more.
 DEFAULT_STARTUP_S = 180.0
-Signal = Literal["reactive", "forecast", "max"]
+Signal = Literal["reactive", "forecast", "max", "attainment"]
 REACTIVE = "llm_pool_desired_replicas"
 FORECAST = "llm_pool_desired_replicas_forecast"
 DNS_ZONE = "autoscale.test"  # pool P's headless Service is P.autoscale.test
@@ -69,6 +70,8 @@ HEALTH_TICK_S = (
 MOST_SLIP_SHARE = 0.02
 # gateway/admit/forecast.py's time constants (real seconds in a real gateway: simulated here)
 FORECAST_TIMES = ("level_s", "trend_s", "damping_s")
+# The miss share an attainment HPA allows by default: 1 - a 90% attainment target.
+DEFAULT_SLO_MISS_TARGET = 0.1
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,9 @@ class PoolConfig:
     # The pool's policy `forecast` (gateway/admit/forecast.py), times in simulated seconds;
     # what is left out keeps the gateway's default.
     forecast: dict[str, float] = field(default_factory=dict)
+    # The pool's policy `slo` (objectives per tier, the latency model's seed, ...) in simulated
+    # milliseconds and seconds; None: no objectives, no attainment.
+    slo: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if unknown := set(self.forecast) - {*FORECAST_TIMES, "ceiling"}:
@@ -113,6 +119,8 @@ class AutoscaleConfig:
     signal: Signal = "reactive"
     metric: str = REACTIVE
     forecast_metric: str = FORECAST
+    # `attainment`: the miss share the HPA's Value target allows (loadtest/autoscale/attainment.py)
+    slo_miss_target: float = DEFAULT_SLO_MISS_TARGET
     scale_up: ScalingRules | None = None  # None: the API's defaults
     scale_down: ScalingRules | None = None
     tolerance: float = DEFAULT_TOLERANCE
@@ -141,6 +149,14 @@ class AutoscaleConfig:
         names = [p.name for p in self.pools]
         if not names or len(set(names)) != len(names):
             raise ValueError(f"need one or more pools with distinct names, not {names}")
+        if self.signal == "attainment":
+            if without := [p.name for p in self.pools if not (p.slo or {}).get("objectives")]:
+                raise ValueError(
+                    f"--signal attainment: pool {', '.join(without)} has no `slo.objectives`,"
+                    " so no attainment to read"
+                )
+            if not 0 < self.slo_miss_target < 1:
+                raise ValueError("slo_miss_target is a share: between 0 and 1")
 
     @property
     def pool(self) -> PoolConfig:
@@ -232,6 +248,8 @@ def policy(config: AutoscaleConfig, dns_port: int, ports: Mapping[str, int]) -> 
             "startup_s": config.startup_s / k,  # the forecast's horizon
             "forecast": _forecast(p, k),
         }
+        if p.slo is not None:
+            pools[p.name]["slo"] = _slo(p.slo, k)
     routes = config.routes or ({"match": {"model": MODEL_ALIAS}, "pool": config.pool.name},)
     if not config.spill:
         routes = tuple({k: v for k, v in r.items() if k != "fallback"} for r in routes)
@@ -247,6 +265,29 @@ def _forecast(pool: PoolConfig, k: float) -> dict[str, float]:
     """The pool's forecast constants for the gateway: its times over the time scale."""
     given = {**FORECAST_DEFAULT.model_dump(), **pool.forecast}
     return {name: value / k if name in FORECAST_TIMES else value for name, value in given.items()}
+
+
+# A pool's `slo` fields that are durations (scaled down by the time scale), and rates (up).
+_SLO_MS = ("ttft_ms", "tpot_ms", "ttft_base_ms", "ttft_per_1k_prefill_ms", "ttft_per_running_ms",
+           "tpot_base_ms", "tpot_per_running_ms", "tpot_per_1k_context_ms")  # fmt: skip
+_SLO_S = ("interval_s",)
+_SLO_PER_S = ("max_per_s",)
+
+
+def _slo(given: Any, k: float) -> Any:
+    """The pool's `slo` for the gateway: its latencies and times over the time scale (objectives,
+    the model's seed, the adaptive caps' target and interval), its rates times it."""
+    if not isinstance(given, dict):
+        return given
+    out = {}
+    for name, value in given.items():
+        if name in _SLO_MS or name in _SLO_S:
+            out[name] = value / k
+        elif name in _SLO_PER_S:
+            out[name] = value * k
+        else:
+            out[name] = _slo(value, k)
+    return out
 
 
 def planned_requests(config: AutoscaleConfig) -> list[Planned]:
@@ -272,14 +313,19 @@ def parse_gauges(text: str, names: set[str]) -> Gauges:
     return out
 
 
-async def scrape(http: aiohttp.ClientSession, url: str, names: set[str]) -> Gauges | None:
-    """The gauges now; None if the gateway did not answer."""
+async def exposition(http: aiohttp.ClientSession, url: str) -> str | None:
+    """The gateway's /metrics now; None if it did not answer."""
     try:
         async with http.get(f"{url}/metrics") as resp:
-            text = await resp.text()
+            return await resp.text()
     except (aiohttp.ClientError, TimeoutError):
         return None
-    return parse_gauges(text, names)
+
+
+async def scrape(http: aiohttp.ClientSession, url: str, names: set[str]) -> Gauges | None:
+    """The gauges now; None if the gateway did not answer."""
+    text = await exposition(http, url)
+    return None if text is None else parse_gauges(text, names)
 
 
 def hpa_metrics(
@@ -287,11 +333,13 @@ def hpa_metrics(
 ) -> tuple[tuple[str, ...], list[str]]:
     """The metric names a pool's HPA reads for the signal, and what fell back if the forecast is
     not exported. `max` is an HPA with both metrics: it takes the larger proposal, so the
-    reactive signal is the floor."""
+    reactive signal is the floor; so is `attainment`'s, whose miss share only adds replicas
+    while the pool misses its objectives more than its target allows."""
     wanted = {
         "reactive": (config.metric,),
         "forecast": (config.forecast_metric,),
         "max": (config.metric, config.forecast_metric),
+        "attainment": (config.metric, SLO_MISS),
     }[config.signal]
     if config.forecast_metric in wanted and not have_forecast:
         note = (
@@ -301,6 +349,14 @@ def hpa_metrics(
         )
         return (config.metric,), [note]
     return wanted, []
+
+
+def external_metric(config: AutoscaleConfig, pool: PoolConfig, name: str) -> ExternalMetric:
+    """A metric the HPA reads with its target: the miss share against a Value target, the
+    demand gauges against the pool's AverageValue."""
+    if name == SLO_MISS:
+        return ExternalMetric(name, config.slo_miss_target, "Value")
+    return ExternalMetric(name, pool.target)
 
 
 @dataclass
@@ -367,7 +423,7 @@ async def run_autoscale(config: AutoscaleConfig) -> AutoscaleRun:
             notes += fallbacks
             hpa = Hpa(
                 HpaSpec(
-                    metrics=tuple(ExternalMetric(n, p.target) for n in names),
+                    metrics=tuple(external_metric(config, p, n) for n in names),
                     min_replicas=p.min_replicas,
                     max_replicas=p.max_replicas,
                     scale_up=config.scale_up or DEFAULT_SCALE_UP,
@@ -444,14 +500,23 @@ async def _drive(
         await asyncio.sleep(max(0.0, clock_zero[0] + t_s / k - time.perf_counter()))
 
     # What Prometheus holds: the last successful scrape (a failed one keeps the old samples;
-    # a series a successful one lacks is gone, as staleness markers make it).
+    # a series a successful one lacks is gone, as staleness markers make it), and the SLO
+    # counts of each scrape the adapter's miss ratio is a rate over.
     stored: Gauges = {}
+    misses = MissRatio()
+
+    async def read(t_s: float) -> Gauges | None:
+        text = await exposition(http, url)
+        if text is None:
+            return None
+        misses.scraped(t_s, slo_counts(text))
+        return parse_gauges(text, names)
 
     async def prometheus() -> None:
         t = config.scrape_interval_s / 2  # scrapes out of phase with the syncs
         while t <= last_sync_s:
             await until(t)
-            if (values := await scrape(http, url, names)) is not None:
+            if (values := await read(t)) is not None:
                 stored.clear()
                 stored.update(values)
             t += config.scrape_interval_s
@@ -463,17 +528,19 @@ async def _drive(
             if config.scrape_interval_s:
                 values = dict(stored)  # prometheus-adapter's instant query: the newest sample
             else:
-                values = await scrape(http, url, names) or {}
+                values = await read(t) or {}
             for name, s in scaled.items():  # the controller syncs every HPA each period
-                pool_values = values.get(name, {})
+                pool_values: dict[str, float | None] = dict(values.get(name, {}))
+                if SLO_MISS in s.metrics:
+                    pool_values[SLO_MISS] = misses.value(name, t)
                 current = s.sim.current
-                decision = s.hpa.sync(t, current, pool_values)
+                decision = s.hpa.sync(t, current, pool_values, s.sim.ready)
                 if decision.desired != current:
                     s.sim.scale_to(decision.desired)
                 samples.append(
                     Sample(name, t, config.trace.rate(t), s.sim.ready, current,
                            decision.desired, decision.reason,
-                           {n: pool_values.get(n) for n in sorted(names)})
+                           {n: pool_values.get(n) for n in sorted({*names, *s.metrics})})
                 )  # fmt: skip
             t += config.sync_period_s
 

@@ -469,6 +469,44 @@ def test_each_pools_hpa_holds_the_queue_wait_to_its_own_slo(
     }
 
 
+def test_a_pool_with_objectives_may_scale_on_its_miss_share_and_one_without_may_not(
+    tmp_path: Path,
+) -> None:
+    """`autoscaling.sloMissRatio`: the share of the pool's objectives missed or refused
+    (`llm_pool_slo_miss_ratio`, served by the adapter) against a Value target, beside the
+    other signals. Refused on a pool without `slo`: its HPA could never read the metric, and an
+    HPA that cannot read one of its metrics never scales down."""
+    slo = {"objectives": {"standard": {"ttft_ms": 2000, "tpot_ms": 100}}}
+    values = tmp_path / "slo.yaml"
+    values.write_text(yaml.safe_dump({"pools": {"generate-27b": {
+        "autoscaling": {"sloMissRatio": 0.1}, "policy": {"slo": slo},
+    }}}))  # fmt: skip
+    hpas = {
+        h["metadata"]["name"]: {m["external"]["metric"]["name"]: m for m in h["spec"]["metrics"]}
+        for h in kinds(helm("values-gke-tpu-v6e.yaml", str(values)), "HorizontalPodAutoscaler")
+    }
+    miss = hpas["gemma3-27b-gen"]["llm_pool_slo_miss_ratio"]["external"]
+    assert miss == {
+        "metric": {"name": "llm_pool_slo_miss_ratio", "selector": {"matchLabels": {"pool": "generate-27b"}}},
+        "target": {"type": "Value", "value": "0.1"},
+    }  # fmt: skip
+    assert "llm_pool_slo_miss_ratio" in {r["name"]["as"] for r in adapter_rules()}
+    assert "llm_pool_desired_replicas" in hpas["gemma3-27b-gen"]  # the demand stays the floor
+    assert "llm_pool_slo_miss_ratio" not in hpas["gemma3-12b-gen"]
+    values.write_text(yaml.safe_dump({"pools": {"generate-12b": {
+        "autoscaling": {"sloMissRatio": 0.1},
+    }}}))  # fmt: skip
+    files = ["-f", str(CHART / "values-gke-tpu-v6e.yaml"), "-f", str(values)]
+    out = subprocess.run(
+        [tool("helm"), "template", "llm", str(CHART), "--namespace", "llm", *files],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "pools.generate-12b.autoscaling.sloMissRatio: the pool's policy has no `slo`" in (
+        out.stderr
+    )
+
+
 def test_the_adapter_serves_the_forecast_summed_over_gateways_as_the_reactive_estimate() -> None:
     rules = {r["name"]["as"]: r for r in adapter_rules()}
     for name in ("llm_pool_desired_replicas", "llm_pool_desired_replicas_forecast"):
@@ -539,9 +577,14 @@ def test_prometheusrule_has_the_operators_fields_and_a_runbook_per_alert(
     assert rule["metadata"]["namespace"] == "llm"
     groups = rule["spec"]["groups"]
     assert len({g["name"] for g in groups}) == len(groups)
-    alerts = {}
+    alerts, records = {}, set()
     for group in groups:
         for r in group["rules"]:
+            if "record" in r:  # a recording rule: a name, an expression, no alerting fields
+                assert set(r) <= {"record", "expr", "labels"}
+                assert re.fullmatch(r"[a-z_]+:[a-z_]+:[a-z0-9_]+", r["record"]), r["record"]
+                records.add(r["record"])
+                continue
             assert set(r) <= {"alert", "expr", "for", "labels", "annotations"}
             assert isinstance(r["expr"], str) and r["expr"].strip()
             assert re.fullmatch(r"\d+[smh]", r.get("for", "0s"))
@@ -557,8 +600,12 @@ def test_prometheusrule_has_the_operators_fields_and_a_runbook_per_alert(
     used = " ".join(r["expr"] for r in alerts.values())
     for metric in ("llm_queue_wait_seconds_bucket", "llm_rejections_total", "llm_replica_up",
                    "llm_replica_ejections_total", "llm_pool_capacity", "llm_state_backend_up",
-                   "llm_policy_reload_errors_total", "llm_tls_reload_errors_total"):  # fmt: skip
+                   "llm_policy_reload_errors_total", "llm_tls_reload_errors_total",
+                   "llm_slo_requests_total"):  # fmt: skip
         assert metric in used, metric
+    assert {record for record in records if record in used} == {
+        "pool_objective:llm_slo_attainment:ratio_rate5m"
+    }
 
 
 def test_the_dashboard_has_the_issues_panels_per_pool_and_class() -> None:
@@ -617,7 +664,9 @@ def test_promtool_checks_the_rules_and_unit_tests_every_alert(
     write_rules(rendered, tmp_path, annotations=False)
     tests = yaml.safe_load(RULES_TEST.read_text())
     tested = {t["alertname"] for case in tests["tests"] for t in case["alert_rule_test"]}
-    alerts = {r["alert"] for g in rule_groups(rendered)["groups"] for r in g["rules"]}
+    alerts = {
+        r["alert"] for g in rule_groups(rendered)["groups"] for r in g["rules"] if "alert" in r
+    }
     assert tested == alerts, "every alert has a unit test"
     for name in alerts:  # ... in which it fires and in which it does not
         cases = [t for c in tests["tests"] for t in c["alert_rule_test"] if t["alertname"] == name]
@@ -792,7 +841,7 @@ def expressions(objects: list[dict[str, Any]]) -> dict[str, str]:
     found: dict[str, str] = {}
     for group in rule_groups(objects)["groups"]:
         for r in group["rules"]:
-            found[f"rule {r['alert']}"] = r["expr"]
+            found[f"rule {r.get('alert') or r['record']}"] = r["expr"]
     for r in adapter_rules():
         series = r["seriesQuery"].split("{")[0]
         expr = r["metricsQuery"].replace("<<.Series>>", series)
@@ -826,6 +875,7 @@ async def test_prometheus_scrapes_the_gateway_and_evaluates_every_expression(
     policy = basic_policy(
         tokenizer_dir, [s.url for s in stubs], max_concurrency=2,
         queue={"max_depth": 4, "max_wait_s": 0.15},
+        slo={"objectives": {"standard": {"ttft_ms": 60, "tpot_ms": 20}}},
     )  # fmt: skip
     policy["tenants"] = {
         "deploy-test": {"keys": [sha(KEY)], "tier": "standard", "tpm": 10_000_000},

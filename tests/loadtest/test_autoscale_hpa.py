@@ -20,6 +20,7 @@ from loadtest.autoscale.hpa import (
     ScalingRules,
     average_value_proposal,
     from_manifest,
+    value_proposal,
 )
 
 M = "llm_pool_desired_replicas"
@@ -186,3 +187,26 @@ def test_a_manifest_without_behavior_gets_the_defaults() -> None:
     bare = {"metadata": {"name": "x"}, "spec": {"maxReplicas": 4, "metrics": []}}
     manifest = from_manifest(bare)
     assert manifest.scale_up == DEFAULT_SCALE_UP and manifest.scale_down.stabilization_s == 300
+
+
+def test_a_value_target_scales_the_ready_pods_by_the_metric_over_its_target() -> None:
+    # "desiredReplicas = ceil[currentReplicas * (currentMetricValue / desiredMetricValue)]",
+    # the replicas being the ready pods for a Value target (getUsageRatioReplicaCount).
+    assert value_proposal(4, 4, 0.2, 0.1, 0.1) == 8  # twice the allowed miss share
+    assert value_proposal(4, 2, 0.2, 0.1, 0.1) == 4  # two still starting count for nothing
+    assert value_proposal(4, 4, 0.105, 0.1, 0.1) == 4  # within the tolerance: no change
+    assert value_proposal(4, 4, 0.0, 0.1, 0.1) == 0  # nothing missed: the floor is another's
+    assert value_proposal(4, 4, 0.3, 0.1, 0.1) == 12
+
+
+def test_an_hpa_with_a_value_metric_beside_the_demand_takes_the_larger_proposal() -> None:
+    miss = ExternalMetric("llm_pool_slo_miss_ratio", 0.1, "Value")
+    model = hpa(metrics=(ExternalMetric(M), miss), scale_down=IMMEDIATE_DOWN, max_replicas=20)
+    # Demand asks for 3; 30% of the objectives missed, over 3 ready of 4, asks for 9.
+    decision = model.sync(0.0, 4, {M: 3.0, miss.name: 0.3}, ready=3)
+    assert decision.proposals == {M: 3, miss.name: 9}
+    assert decision.desired == 8  # the default scale-up: +100% a period
+    # All met: the demand's proposal is the floor the miss share cannot pull under.
+    assert model.sync(15.0, 8, {M: 5.0, miss.name: 0.0}, ready=8).desired == 5
+    # The miss share unreadable (no SLO traffic yet): no scale-down, as the controller.
+    assert model.sync(30.0, 5, {M: 2.0}).reason == "InvalidMetricNoScaleDown"
