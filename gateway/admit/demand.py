@@ -68,7 +68,7 @@ class Demand:
         """New forecast constants from a policy reload; what was learned carries over."""
         self._forecast.params = params
 
-    def tick(self, cap: int, startup_s: float) -> None:
+    def tick(self, cap: float, startup_s: float) -> None:
         now = time.perf_counter()
         if self._last is not None:
             then, arrivals, refused, busy_s, queued_s = self._last

@@ -558,6 +558,25 @@ class PoolSpec(Spec):
             )
         return self
 
+    @model_validator(mode="after")
+    def _adaptive_floor_fits(self) -> PoolSpec:
+        adaptive = self.slo.adaptive if self.slo is not None else None
+        if adaptive is None:
+            return self
+        floor = adaptive.min_concurrency
+        if floor > self.max_concurrency:
+            raise ValueError(
+                f"`slo.adaptive.min_concurrency` ({floor}) is over `max_concurrency`"
+                f" ({self.max_concurrency}): the floor of the adaptive caps is under their top"
+            )
+        if floor <= sum(self.reserve.values()):
+            raise ValueError(
+                f"`slo.adaptive.min_concurrency` ({floor}) leaves no slot beside the"
+                f" {sum(self.reserve.values())} `reserve` keeps: a cap at its floor would take"
+                " no request of the other classes"
+            )
+        return self
+
     @field_validator("replicas")
     @classmethod
     def _urls(cls, replicas: list[str]) -> list[str]:
