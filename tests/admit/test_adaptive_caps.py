@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.admit import LivePool
+from gateway.admit import Claim, LivePool
 from gateway.admit.limiter import Limiter
 from gateway.admit.replica import Replica
 from gateway.config.schema import PoolSpec
@@ -21,6 +22,7 @@ from gateway.pick.picker import LeastInflightPicker
 from loadtest.sim import Profile, ReplicaOptions, start_replica
 from loadtest.sim.faults import Faults
 from tests.conftest import basic_policy, eventually
+from tests.state.test_shared_slots import post, shared_policy
 from tests.fleet.test_resilience import scrape
 from tests.loadtest.test_simulator import write_profile
 
@@ -201,6 +203,23 @@ def test_a_reload_keeps_the_limits_of_the_replicas_that_stay_clamped_to_the_new_
     assert slots.limiter is None and [r.max_concurrency for r in slots.replicas] == [30, 30]
 
 
+async def test_a_cap_that_grows_lets_a_waiter_in_without_waiting_for_a_release() -> None:
+    slots = LivePool("p", spec(2), LeastInflightPicker(None))
+    slots.update(spec(4), slots.picker)  # its limit stays 2 of a top of 4
+    held = [await slots.acquire(Claim(1)) for _ in range(2)]
+    waiter = asyncio.create_task(slots.acquire(Claim(1)))
+    await asyncio.sleep(0)
+    assert slots.waiting == 1 and slots.replica_cap == 2
+    assert slots.limiter is not None
+    for ttft_s in window(0.1):  # fast answers at its cap, granted now
+        slots.limiter.observe(slots.replicas[0], time.perf_counter(), ttft_s, None)
+    slots.adapt()  # the health checker's tick: 2 + round(sqrt(2))
+    assert slots.waiting == 0 and slots.replicas[0].inflight == 3 and slots.replica_cap == 3
+    assert (await waiter).replica is slots.replicas[0]
+    for grant in [*held, await waiter]:
+        slots.release(grant)
+
+
 def test_the_floor_must_fit_under_the_cap_and_beside_the_reserve() -> None:
     with pytest.raises(ValueError, match="min_concurrency` \\(9\\) is over `max_concurrency"):
         spec(8, min_concurrency=9)
@@ -212,6 +231,26 @@ def test_the_floor_must_fit_under_the_cap_and_beside_the_reserve() -> None:
             reserve={"classification": 2},
             slo={"adaptive": {"target": {"ttft_ms": 100}, "min_concurrency": 2}},
         )
+
+
+async def test_with_redis_the_adaptive_cap_bounds_every_gateway_together(
+    fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    """The ledger is asked for a lease against the limit in force, not the policy's cap: two
+    gateways at a limit of 2 run 2 requests on the replica, not 2 each."""
+    replica = await stub_factory(delay_s=0.05)
+    policy = shared_policy(tokenizer_dir, replica.url, fresh_redis, cap=6, gateways=2)
+    policy["pools"]["main"]["slo"] = {"adaptive": {"target": {"ttft_ms": 1000}}}
+    gateways = [await gateway_factory(policy) for _ in range(2)]
+    for gw in gateways:
+        slots = gw.gateway.slots["main"]
+        top = slots.spec
+        slots.update(top.model_copy(update={"max_concurrency": 2}), slots.picker)
+        slots.update(top, slots.picker)  # the limit stays at 2 of a top of 6
+        assert slots.replicas[0].max_concurrency == 2
+    statuses = await asyncio.gather(*(post(http, gw.url) for _ in range(10) for gw in gateways))
+    assert statuses == [200] * 20
+    assert replica.stats.max_running == 2
 
 
 # --- a real gateway in front of a simulated replica ---------------------------------------------
@@ -276,6 +315,13 @@ async def test_a_replica_that_gets_slow_has_its_cap_lowered_on_metrics_then_grow
         assert cap == 2.0 and moves["ttft_over"] >= 4 and "grow" not in moves
         assert f"replica {replica.url}'s cap 8 -> 6: its p90 TTFT" in caplog.text
         assert slots.replicas[0].cap == 2 and slots.capacity == 2
+        # 8 users' worth of slots over the limit in force, 2: 4 replicas (over the policy's 8: 1).
+        # Averaged: a wait is counted when it ends, so one tick may read a burst of them.
+        desired = []
+        for _ in range(40):
+            await asyncio.sleep(0.05)
+            desired.append(slots.demand.desired_replicas)
+        assert sum(desired) / len(desired) > 2
 
         replica.set_faults(Faults())  # fast again, and 8 users keep its 2 slots full
         await eventually(lambda: slots.replicas[0].max_concurrency == 8, within_s=60)
