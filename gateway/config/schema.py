@@ -331,7 +331,13 @@ class AdaptiveSpec(Spec):
             " unset: the pool's `standard` objective."
         ),
     )
-    min_concurrency: PositiveInt = Field(1, description="The floor of a replica's cap.")
+    min_concurrency: PositiveInt = Field(
+        1,
+        description=(
+            "The floor of a replica's cap: at most `max_concurrency`, and more than the slots"
+            " `reserve` keeps."
+        ),
+    )
     quantile: float = Field(
         0.9, gt=0, lt=1, description="The quantile of observed TTFT / TPOT held to the target."
     )

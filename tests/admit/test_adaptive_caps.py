@@ -19,12 +19,11 @@ from gateway.admit.limiter import Limiter
 from gateway.admit.replica import Replica
 from gateway.config.schema import PoolSpec
 from gateway.pick.picker import LeastInflightPicker
-from loadtest.sim import Profile, ReplicaOptions, start_replica
-from loadtest.sim.faults import Faults
+from loadtest.sim import Faults, Profile, ReplicaOptions, start_replica
 from tests.conftest import basic_policy, eventually
-from tests.state.test_shared_slots import post, shared_policy
 from tests.fleet.test_resilience import scrape
 from tests.loadtest.test_simulator import write_profile
+from tests.state.test_shared_slots import post, shared_policy
 
 URL = "http://127.0.0.1:9000"
 INTERVAL_S = 2.0  # the default: two simulated minutes are 60 windows
