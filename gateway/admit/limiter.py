@@ -77,6 +77,12 @@ class Cap:
         self.peak = 0  # the most in flight at an answer in this window
         self.peak_tokens = 0
 
+    def resized(self, size: int) -> Cap:
+        """The same limit and history, an empty window in rings of `size`."""
+        cap = Cap(self.limit, size)
+        cap.over, cap.moved_at, cap.opened_at = self.over, self.moved_at, self.opened_at
+        return cap
+
     def reopen(self, now: float) -> None:
         self.opened_at = now
         self.ttft.count = self.tpot.count = self.peak = self.peak_tokens = 0
@@ -103,14 +109,18 @@ class Limiter:
         self._floor, self._ceiling = self._spec.min_concurrency, spec.max_concurrency
         self._tokens = spec.max_inflight_tokens
         size = max(WINDOW, self._spec.min_samples)
-        staying = [self._clamp(self._caps[url].limit) for url in spec.replicas if url in self._caps]
+        for kept in self._caps.values():
+            kept.limit = self._clamp(kept.limit)
+        staying = [self._caps[url].limit for url in spec.replicas if url in self._caps]
         joins = round(sum(staying) / len(staying)) if staying else self._ceiling
         caps: dict[str, Cap] = {}
         for url in spec.replicas:
-            old = self._caps.get(url)
-            cap = caps[url] = Cap(self._clamp(joins if old is None else old.limit), size)
-            if old is not None:  # its window starts again: the rings are the new policy's
-                cap.over, cap.moved_at, cap.opened_at = old.over, old.moved_at, old.opened_at
+            cap = self._caps.get(url)
+            if cap is None:
+                cap = Cap(joins, size)
+            elif len(cap.ttft.values) != size:  # its window starts again, in rings of the size
+                cap = cap.resized(size)
+            caps[url] = cap
         self._caps = caps
 
     def _clamp(self, limit: int) -> int:

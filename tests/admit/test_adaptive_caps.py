@@ -219,6 +219,20 @@ async def test_a_cap_that_grows_lets_a_waiter_in_without_waiting_for_a_release()
         slots.release(grant)
 
 
+def test_a_replica_joining_leaves_the_others_windows_open() -> None:
+    """DNS finding one more replica is a reload: the answers the others' windows hold stay."""
+    slots = LivePool("p", spec(40), LeastInflightPicker(None))
+    assert slots.limiter is not None
+    replica = slots.replicas[0]
+    replica.inflight = 40
+    answers = window(0.4)
+    for ttft_s in answers[:19]:
+        slots.limiter.observe(replica, 0.0, ttft_s, None)
+    slots.update(spec(40, (URL, "http://127.0.0.1:9001")), slots.picker)
+    slots.limiter.observe(replica, 0.0, answers[19], None)
+    assert slots.limiter.decide([replica], INTERVAL_S) == [(replica, False)]
+
+
 def test_the_floor_must_fit_under_the_cap_and_beside_the_reserve() -> None:
     with pytest.raises(ValueError, match="min_concurrency` \\(9\\) is over `max_concurrency"):
         spec(8, min_concurrency=9)
