@@ -44,7 +44,7 @@ WINDOW = 128  # the newest answers of a window that its quantile is taken over
 
 
 class Samples:
-    """One figure's newest values in the current window: a ring allocated once per reload."""
+    """One figure's newest values in the current window, in a ring allocated once."""
 
     __slots__ = ("count", "values")
 
