@@ -2,7 +2,8 @@
 
 One module a job: `claim.py` what a request weighs; `replica.py` a replica's caps, counts and
 health state; `fairqueue.py` the queue (tiers, fair share, reservation groups); `demand.py` hold
-times and demand; `ejection.py` outlier ejection; `leases.py` the shared ledger's side; `pool.py`
+times and demand; `ejection.py` outlier ejection; `limiter.py` adaptive caps; `leases.py` the
+shared ledger's side; `pool.py`
 `LivePool`, which composes them and is what the pipeline, the health checker and the metrics
 hold. Which replica with room takes a request is the pick stage's (`gateway.pick`): the pool
 asks its picker, and this package exports none, so a picker has one home.

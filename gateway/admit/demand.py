@@ -48,7 +48,7 @@ class Demand:
 
     By Little's law the slots in use on average are busy seconds per second; waiting and refused
     requests are demand too (a refused one would have held a slot for the mean hold time). Their
-    sum over the per-replica cap is `llm_pool_desired_replicas`, which an HPA can target. The same
+    sum over the per-replica cap in force (`LivePool.replica_cap`) is `llm_pool_desired_replicas`, which an HPA can target. The same
     sum, forecast `startup_s` ahead (forecast.py), is `llm_pool_desired_replicas_forecast`.
     """
 
@@ -68,7 +68,7 @@ class Demand:
         """New forecast constants from a policy reload; what was learned carries over."""
         self._forecast.params = params
 
-    def tick(self, cap: int, startup_s: float) -> None:
+    def tick(self, cap: float, startup_s: float) -> None:
         now = time.perf_counter()
         if self._last is not None:
             then, arrivals, refused, busy_s, queued_s = self._last

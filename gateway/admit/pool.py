@@ -28,6 +28,7 @@ from gateway.admit.ejection import Ejector
 from gateway.admit.fairqueue import Place, Queue
 from gateway.admit.latency import Flight, LatencyModel
 from gateway.admit.leases import Leases
+from gateway.admit.limiter import Limiter
 from gateway.admit.picking import Picker
 from gateway.admit.reconcile import Reconciler
 from gateway.admit.replica import EngineGauges, Grant, Replica
@@ -78,6 +79,7 @@ class LivePool:
         self.reconciler = Reconciler(name)
         self.sheds: Counter[str] = Counter()  # tier -> requests shed
         self.latency: LatencyModel | None = None  # with `slo`: each replica's predictions
+        self.limiter: Limiter | None = None  # the adaptive caps, when the pool has them
         self._apply(spec)
 
     def _apply(self, spec: PoolSpec) -> None:
@@ -91,11 +93,25 @@ class LivePool:
         if groups != self.queue.groups:
             self.queue.regroup(groups)
         reserve = self._reservations = tuple(spec.reserve.items())
+        if spec.slo is None or spec.slo.adaptive is None:
+            self.limiter = None
+        elif self.limiter is None:
+            self.limiter = Limiter(self.name, spec)
+        else:
+            self.limiter.retune(spec)
         for replica in self.replicas:
-            replica.max_concurrency = spec.max_concurrency
-            replica.cap = self._cap(replica)
-            replica.max_tokens = spec.max_inflight_tokens
             replica.reserve = reserve
+            self._limit(replica)
+
+    def _limit(self, replica: Replica) -> None:
+        """The replica's caps in force, the policy's or its adaptive ones (`limiter.py`), and
+        this gateway's part of them (`_cap`)."""
+        if self.limiter is None:
+            replica.max_concurrency = self.spec.max_concurrency
+            replica.max_tokens = self.spec.max_inflight_tokens
+        else:
+            replica.max_concurrency, replica.max_tokens = self.limiter.caps(replica.url)
+        replica.cap = self._cap(replica)
 
     def _cap(self, replica: Replica) -> int:
         """The slots this gateway may hold on `replica`: all of its `max_concurrency` while the
@@ -106,7 +122,7 @@ class LivePool:
         is back. An even share of the cap would let a gateway that held less fill its share
         while one that held more still ran its surplus. A replica never leased here (new in a
         reload) gets the even share; the share never grows while the ledger stays down."""
-        cap = self.spec.max_concurrency
+        cap = replica.max_concurrency
         if not self.degraded or self.ledger is None:
             return cap
         gateways = self.ledger.gateways
@@ -137,6 +153,13 @@ class LivePool:
     def capacity(self) -> int:
         """The caps of the replicas in the pool: an ejected one's slots leave with it."""
         return sum(r.max_concurrency for r in self.replicas if r.up)
+
+    @property
+    def replica_cap(self) -> float:
+        """A replica's cap in force, on average over those in service: what the demand signal
+        divides by, since with adaptive caps a replica serves its limit, not the policy's cap."""
+        up = [r.max_concurrency for r in self.replicas if r.up]
+        return sum(up) / len(up) if up else self.spec.max_concurrency
 
     @property
     def max_depth(self) -> int:
@@ -216,14 +239,28 @@ class LivePool:
         if failure is None:
             self.succeeded(replica)
             tokens = ctx.output_tokens or 0
+            tpot_s = None
             if ctx.first_token is not None and tokens > 1:
                 tpot_s = (time.perf_counter() - ctx.first_token) / (tokens - 1)
                 ejection.observe_tpot(replica, tpot_s)
                 if self.latency is not None and isinstance(ctx.prefill, Flight):
                     self.latency.observe_tpot(ctx.prefill, tpot_s)
+            if self.limiter is not None:
+                self.limiter.answered(replica, ctx, tpot_s)
         else:
             self.failed(replica, failure)
         self.picker.observe(replica, grant.claim, ctx, failure)
+
+    def adapt(self) -> None:
+        """The adaptive caps' moves, on the health checker's tick: a cap that grew may let a
+        waiter in."""
+        if self.limiter is None:
+            return
+        moved = self.limiter.decide(self.replicas, time.perf_counter())
+        for replica, _ in moved:
+            self._limit(replica)
+        if any(grew for _, grew in moved):
+            self._dispatch()
 
     def check_speed(self) -> None:
         self.ejector.check_speed(self.replicas, self.spec.health)

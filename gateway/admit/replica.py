@@ -56,7 +56,7 @@ class Replica:
 
     def __init__(self, url: str, max_concurrency: int, max_tokens: int | None) -> None:
         self.url = url
-        self.max_concurrency = max_concurrency
+        self.max_concurrency = max_concurrency  # the policy's, or its adaptive limit (limiter.py)
         self.cap = max_concurrency  # in force: less while a failing ledger leaves a share
         self.max_tokens = max_tokens
         self.reserve: tuple[tuple[str, int], ...] = ()  # (class, slots kept for it)

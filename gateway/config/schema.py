@@ -331,7 +331,13 @@ class AdaptiveSpec(Spec):
             " unset: the pool's `standard` objective."
         ),
     )
-    min_concurrency: PositiveInt = Field(1, description="The floor of a replica's cap.")
+    min_concurrency: PositiveInt = Field(
+        1,
+        description=(
+            "The floor of a replica's cap: at most `max_concurrency`, and more than the slots"
+            " `reserve` keeps."
+        ),
+    )
     quantile: float = Field(
         0.9, gt=0, lt=1, description="The quantile of observed TTFT / TPOT held to the target."
     )
@@ -555,6 +561,25 @@ class PoolSpec(Spec):
             raise ValueError(
                 f"`reserve` keeps {sum(self.reserve.values())} slots of {self.max_concurrency}:"
                 " leave at least one for the other classes"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _adaptive_floor_fits(self) -> PoolSpec:
+        adaptive = self.slo.adaptive if self.slo is not None else None
+        if adaptive is None:
+            return self
+        floor = adaptive.min_concurrency
+        if floor > self.max_concurrency:
+            raise ValueError(
+                f"`slo.adaptive.min_concurrency` ({floor}) is over `max_concurrency`"
+                f" ({self.max_concurrency}): the floor of the adaptive caps is under their top"
+            )
+        if floor <= sum(self.reserve.values()):
+            raise ValueError(
+                f"`slo.adaptive.min_concurrency` ({floor}) leaves no slot beside the"
+                f" {sum(self.reserve.values())} `reserve` keeps: a cap at its floor would take"
+                " no request of the other classes"
             )
         return self
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from gateway.exporter.adaptive import AdaptiveCollector
 from gateway.exporter.backend import BackendCollector
 from gateway.exporter.counting import CountingCollector
 from gateway.exporter.demand import DemandCollector
@@ -22,8 +23,8 @@ from gateway.observability.registry import Registry
 
 # In the order a scrape exports them (after the instruments).
 COLLECTORS: tuple[type[Scraped], ...] = (
-    SlotsCollector, HealthCollector, PrefixCollector, DemandCollector, CountingCollector,
-    ReloadsCollector, BackendCollector,
+    SlotsCollector, AdaptiveCollector, HealthCollector, PrefixCollector, DemandCollector,
+    CountingCollector, ReloadsCollector, BackendCollector,
 )  # fmt: skip
 
 

@@ -11,7 +11,7 @@ from gateway.observability.registry import Declared
 DESIRED = Declared(
     GaugeMetricFamily,
     "llm_pool_desired_replicas",
-    "Replicas the pool's demand needs at its per-replica cap (busy + waiting + refused"
+    "Replicas the pool's demand needs at its per-replica cap in force (busy + waiting + refused"
     " slot-seconds per second, smoothed): a target for the HPA.",
     ("pool",),
 )

@@ -37,7 +37,8 @@ LEASES = Declared(
 CAPACITY = Declared(
     GaugeMetricFamily,
     "llm_pool_capacity",
-    "Sum of the per-replica concurrency caps of the replicas in the pool.",
+    "Sum of the per-replica concurrency caps in force (with adaptive caps, their limits) of the"
+    " replicas in the pool.",
     ("pool",),
 )
 DRIFT = Declared(

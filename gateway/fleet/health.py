@@ -39,7 +39,8 @@ class HealthChecker:
             health = self.slots.spec.health  # a reload may have changed it
             periods = (health.interval_s, self._reconcile_interval())
             await asyncio.sleep(min([p for p in periods if p] + [PASSIVE_TICK_S]))
-            self.slots.demand.tick(self.slots.spec.max_concurrency, self.slots.spec.startup_s)
+            self.slots.demand.tick(self.slots.replica_cap, self.slots.spec.startup_s)
+            self.slots.adapt()
             self.slots.check_speed()
             now = time.monotonic()
             reconcile_s = self._reconcile_interval()
