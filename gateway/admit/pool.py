@@ -28,6 +28,7 @@ from gateway.admit.ejection import Ejector
 from gateway.admit.fairqueue import Place, Queue
 from gateway.admit.leases import Leases
 from gateway.admit.picking import Picker
+from gateway.admit.preempt import CRITICAL, InFlight, Preemption
 from gateway.admit.reconcile import Reconciler
 from gateway.admit.replica import EngineGauges, Grant, Replica
 from gateway.config.schema import PRIORITIES, PoolSpec
@@ -73,11 +74,20 @@ class LivePool:
         self.probed = asyncio.Event()  # its first round of health probes is over (or off)
         self.reconciler = Reconciler(name)
         self.sheds: Counter[str] = Counter()  # tier -> requests shed
+        self.preemptions: Counter[str] = Counter()  # tier -> requests preempted
+        self.preemption: Preemption | None = None  # only with `slo.preempt` enabled
         self._apply(spec)
 
     def _apply(self, spec: PoolSpec) -> None:
         self.spec = spec
         self.demand.retune(spec.forecast)
+        preempt = spec.slo.preempt if spec.slo is not None else None
+        if preempt is None or not preempt.enabled:
+            self.preemption = None  # the requests it registered leave it as they end (`Held`)
+        elif self.preemption is None:
+            self.preemption = Preemption(preempt)
+        else:
+            self.preemption.retune(preempt)
         groups = {workload: i + 1 for i, workload in enumerate(spec.reserve)}
         if groups != self.queue.groups:
             self.queue.regroup(groups)
@@ -304,6 +314,23 @@ class LivePool:
             return
         self.leases.release(grant.replica, grant.lease)
 
+    def preempt(self, replica: Replica, claim: Claim) -> bool:
+        """For a critical `claim` predicted to miss its objective on `replica`: cancel the
+        newest sheddable request in flight there, within the pool's pace (`preempt.py`). True
+        when one was cancelled: its slot comes back as it releases, so the caller then waits
+        for it in the queue. The replica did nothing wrong: no ejection counts it."""
+        preemption = self.preemption
+        if preemption is None or claim.priority != CRITICAL:
+            return False
+        victim = preemption.preempt(replica.url)
+        if victim is None:
+            return False
+        tier = PRIORITIES[victim.priority]
+        self.preemptions[tier] += 1
+        log.info("pool %s: a %s request on %s was preempted for a critical one",
+                 self.name, tier, replica.url)  # fmt: skip
+        return True
+
     # --- dispatching, refusing, waiting ------------------------------------------------------
 
     def _dispatch(self) -> None:
@@ -475,12 +502,15 @@ class Held:
     third of what taking and giving back a slot cost per request.
     """
 
-    __slots__ = ("_ctx", "_grant", "_held", "_place", "_pool")
+    __slots__ = ("_ctx", "_grant", "_held", "_inflight", "_place", "_pool")
     _grant: Grant  # set once a slot is taken: `__aexit__` runs only after `__aenter__` returned
 
     def __init__(self, pool: LivePool, ctx: Ctx, place: Place) -> None:
         self._pool, self._ctx, self._place = pool, ctx, place
         self._held = 0.0
+        # Where the request is registered for preemption, and by which registry: the pool's
+        # may be replaced by a reload while it runs.
+        self._inflight: tuple[Preemption, InFlight] | None = None
 
     async def __aenter__(self) -> Grant:
         pool, ctx, place = self._pool, self._ctx, self._place
@@ -509,6 +539,9 @@ class Held:
         pool.picker.granted(grant.replica, grant.claim)
         self._grant = grant
         self._held = ctx.granted = time.perf_counter()
+        if (preemption := pool.preemption) is not None:
+            inflight = preemption.enter(grant.replica.url, self._held, grant.claim.priority)
+            self._inflight, ctx.cancel = (preemption, inflight), inflight.cancel
         return grant
 
     async def __aexit__(
@@ -518,6 +551,10 @@ class Held:
         traceback: TracebackType | None,
     ) -> None:
         pool, grant = self._pool, self._grant
+        if self._inflight is not None:
+            preemption, inflight = self._inflight
+            preemption.leave(inflight)
+            self._inflight = self._ctx.cancel = None  # a retry registers anew
         hold_s = time.perf_counter() - self._held
         pool.demand.busy_s += hold_s
         pool.queue.holds[pool.queue.group(grant.claim.workload)].add(hold_s)
