@@ -14,6 +14,7 @@ The registry exists only on a pool with preemption enabled; elsewhere a slot cos
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from gateway.config.schema import PRIORITIES, PreemptSpec
 from gateway.upstream import Cancel
@@ -35,14 +36,15 @@ class InFlight:
 
 
 class Pace:
-    """A token bucket: `burst` at once, refilled at `rate` a second (`time.monotonic`)."""
+    """A token bucket: `burst` at once, refilled at `rate` a second of `clock`."""
 
-    __slots__ = ("burst", "rate", "tokens", "updated")
+    __slots__ = ("burst", "clock", "rate", "tokens", "updated")
 
     def __init__(self, rate: float, burst: int) -> None:
         self.rate, self.burst = rate, burst
+        self.clock: Callable[[], float] = time.monotonic
         self.tokens = float(burst)
-        self.updated = time.monotonic()
+        self.updated = self.clock()
 
     def retune(self, rate: float, burst: int) -> None:
         self._refill()
@@ -50,7 +52,7 @@ class Pace:
         self.tokens = min(self.tokens, burst)
 
     def _refill(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
         self.updated = now
 
