@@ -174,7 +174,14 @@ class Accountant:
             if ctx.output_tokens and ctx.output_tokens > 1:
                 tpot = (ctx.ended - ctx.first_token) / (ctx.output_tokens - 1)
                 series.tpot.observe(tpot, trace)
-        if estimator is not None and ctx.status == 200 and ctx.output_tokens:
+        # Only a whole answer teaches the estimator: one cut short (preempted, broken) would
+        # teach it its requests' answers are shorter than they are.
+        if (
+            estimator is not None
+            and ctx.status == 200
+            and ctx.refusal is None
+            and ctx.output_tokens
+        ):
             estimator.observe(estimator.key(ctx), ctx.output_tokens // ctx.sequences)
 
     @staticmethod

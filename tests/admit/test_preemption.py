@@ -242,6 +242,7 @@ async def test_a_preempted_openai_stream_ends_with_a_preempted_error_event(
     assert line["status"] == 200 and line["reason"] == "preempted"
     assert 1 <= received <= line["output_tokens"] < MAX_TOKENS
     assert await _window_used(gw) == line["input_tokens"] + line["output_tokens"]
+    assert gw.gateway.policy.estimator._tables == {}  # a cut answer is no output length
 
 
 async def test_a_preempted_anthropic_stream_ends_with_an_overloaded_error_event(
