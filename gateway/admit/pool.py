@@ -327,8 +327,8 @@ class LivePool:
             return False
         tier = PRIORITIES[victim.priority]
         self.preemptions[tier] += 1
-        log.info("pool %s: a %s request on %s was preempted for a critical one",
-                 self.name, tier, replica.url)  # fmt: skip
+        log.info("pool %s: a %s request that had run %.3fs on %s was preempted for a critical one",
+                 self.name, tier, time.perf_counter() - victim.granted, replica.url)  # fmt: skip
         return True
 
     # --- dispatching, refusing, waiting ------------------------------------------------------
