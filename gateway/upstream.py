@@ -26,6 +26,9 @@ What it guarantees, as aiohttp did for the forward stage:
   client, a 502.
 - `Answer.close()` closes the connection, which is how vLLM learns to abort a generation;
   `release()` keeps it for the next request only after a whole answer the replica let it keep.
+- A `Cancel` handed to `post` ends the exchange from outside the task that reads it (the
+  gateway's own decision, preemption): its reader raises `Cancelled` at once and the connection
+  closes, while the task itself runs on to tell its client, which cancelling it could not.
 """
 
 from __future__ import annotations
@@ -78,6 +81,10 @@ class BrokenAnswer(ExchangeError):
 
 class ExchangeTimeout(ExchangeError, TimeoutError):
     """`connect_s` or `read_s` passed."""
+
+
+class Cancelled(ExchangeError):
+    """The gateway ended the exchange itself (`Cancel`): no failure of the replica's."""
 
 
 class Redirected(aiohttp.ClientResponseError):
@@ -438,6 +445,24 @@ class Answer:
         about `HIGH_WATER` plus one read."""
         return self._buffered
 
+    @property
+    def over(self) -> bool:
+        """Nothing is left to end: the body arrived whole, failed, or the answer is let go."""
+        return self._done or self._ended or self._error is not None
+
+    def abort(self, exc: ExchangeError) -> bool:
+        """End the answer now, from outside its reader: the wait under way (or the next) raises
+        `exc`, what is buffered is dropped, and the connection closes, so the replica stops as
+        it does for a client that left. False when the answer was `over` already."""
+        if self.over:
+            return False
+        self._error = exc
+        self._body.clear()
+        self._buffered = 0
+        self._wake(self._waiter)
+        self.close()
+        return True
+
     def _unwatch(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
@@ -465,6 +490,41 @@ class Answer:
             self._upstream.keep(conn)
         elif not conn.closed:
             conn.close()
+
+
+class Cancel:
+    """A request's exchange, to be ended from outside the task that reads it (`Upstream.post`).
+
+    Not the task's cancellation: that reads as the client leaving, and leaves nobody to tell
+    the client why. Cancelled before its exchange began, the exchange raises `Cancelled` before
+    a byte is sent; during it, the answer is aborted (`Answer.abort`)."""
+
+    __slots__ = ("_answer", "cancelled")
+
+    def __init__(self) -> None:
+        self._answer: Answer | None = None
+        self.cancelled = False
+
+    @property
+    def over(self) -> bool:
+        """Cancelled already, or its answer is over: cancelling it would end nothing."""
+        return self.cancelled or (self._answer is not None and self._answer.over)
+
+    def cancel(self) -> bool:
+        """End the exchange (now, or as it begins); False when there was nothing to end."""
+        if self.over:
+            return False
+        if self._answer is None:
+            self.cancelled = True
+        else:
+            self.cancelled = self._answer.abort(Cancelled("the gateway cancelled the request"))
+        return self.cancelled
+
+    def watch(self, answer: Answer) -> None:
+        """`answer` is the exchange's now; raises `Cancelled` if that was ended before it began."""
+        if self.cancelled:
+            raise Cancelled("the gateway cancelled the request before it was sent")
+        self._answer = answer
 
 
 class Upstream:
@@ -513,9 +573,11 @@ class Upstream:
         connect_s: float,
         read_s: float | None,
         deadline: float = math.inf,
+        cancel: Cancel | None = None,
     ) -> Answer:
         """Send one POST and wait for the answer's head, by `deadline` (loop time) and within
         `read_s` of silence; the caller reads the body, then `release`s or `close`s the answer.
+        `cancel`, when given, ends the exchange from outside (`Cancelled`).
 
         A kept-alive connection the replica closes just as the request goes out (its idle
         time-out ran out first, or it restarted) answers nothing: the request goes once more, on
@@ -532,7 +594,7 @@ class Upstream:
         if conn is not None:
             sent = conn.loop.time()
             try:
-                return await self._exchange(conn, head, body, read_s, deadline)
+                return await self._exchange(conn, head, body, read_s, deadline, cancel)
             except Refused as refused:
                 now = conn.loop.time()
                 if conn.heard or now - sent > RACE_S or now >= deadline:
@@ -546,15 +608,23 @@ class Upstream:
             conn = await self._connect(replica_url, target, idle, connect_s)
         if conn.closed:  # lost before it could be used: nothing will wake its answer
             raise Refused("the replica closed the connection before the request")
-        return await self._exchange(conn, head, body, read_s, deadline)
+        return await self._exchange(conn, head, body, read_s, deadline, cancel)
 
     async def _exchange(
-        self, conn: _Connection, head: bytes, body: bytes, read_s: float | None, deadline: float
+        self,
+        conn: _Connection,
+        head: bytes,
+        body: bytes,
+        read_s: float | None,
+        deadline: float,
+        cancel: Cancel | None,
     ) -> Answer:
         assert conn.transport is not None
         answer = Answer(self, conn, read_s)
         conn.begin(answer)
         try:
+            if cancel is not None:
+                cancel.watch(answer)
             conn.transport.write(head + body)
             await answer.read_head(deadline)
             if _redirect(answer.status):

@@ -30,6 +30,7 @@ from gateway.admit.latency import Flight, LatencyModel
 from gateway.admit.leases import Leases
 from gateway.admit.limiter import Limiter
 from gateway.admit.picking import Picker
+from gateway.admit.preempt import CRITICAL, InFlight, Preemption
 from gateway.admit.reconcile import Reconciler
 from gateway.admit.replica import EngineGauges, Grant, Replica
 from gateway.config.schema import PRIORITIES, PoolSpec
@@ -80,6 +81,8 @@ class LivePool:
         self.sheds: Counter[str] = Counter()  # tier -> requests shed
         self.latency: LatencyModel | None = None  # with `slo`: each replica's predictions
         self.limiter: Limiter | None = None  # the adaptive caps, when the pool has them
+        self.preemptions: Counter[str] = Counter()  # tier -> requests preempted
+        self.preemption: Preemption | None = None  # only with `slo.preempt` enabled
         self._apply(spec)
 
     def _apply(self, spec: PoolSpec) -> None:
@@ -89,6 +92,13 @@ class LivePool:
         elif self.latency is None or self.latency.seed != spec.slo.model:
             self.latency = LatencyModel(spec.slo.model)  # a new seed: what was learned goes
         self.demand.retune(spec.forecast)
+        preempt = spec.slo.preempt if spec.slo is not None else None
+        if preempt is None or not preempt.enabled:
+            self.preemption = None  # the requests it registered leave it as they end (`Held`)
+        elif self.preemption is None:
+            self.preemption = Preemption(preempt)
+        else:
+            self.preemption.retune(preempt)
         groups = {workload: i + 1 for i, workload in enumerate(spec.reserve)}
         if groups != self.queue.groups:
             self.queue.regroup(groups)
@@ -400,6 +410,23 @@ class LivePool:
             return
         self.leases.release(grant.replica, grant.lease)
 
+    def preempt(self, replica: Replica, claim: Claim) -> bool:
+        """For a critical `claim` predicted to miss its objective on `replica`: cancel the
+        newest sheddable request in flight there, within the pool's pace (`preempt.py`). True
+        when one was cancelled: its slot comes back as it releases, so the caller then waits
+        for it in the queue. The replica did nothing wrong: no ejection counts it."""
+        preemption = self.preemption
+        if preemption is None or claim.priority != CRITICAL:
+            return False
+        victim = preemption.preempt(replica.url)
+        if victim is None:
+            return False
+        tier = PRIORITIES[victim.priority]
+        self.preemptions[tier] += 1
+        log.info("pool %s: a %s request that had run %.3fs on %s was preempted for a critical one",
+                 self.name, tier, time.perf_counter() - victim.granted, replica.url)  # fmt: skip
+        return True
+
     # --- dispatching, refusing, waiting ------------------------------------------------------
 
     def _dispatch(self) -> None:
@@ -472,6 +499,27 @@ class LivePool:
                 retry_after_s=predicted,
             )
 
+    def _preempt_for(self, claim: Claim, latency: LatencyModel) -> None:
+        """A critical request, on its first attempt, predicted to miss its objective on every
+        replica (room or not): the newest sheddable request on the one it misses by least is
+        cancelled (`preempt`), so it runs there with a lighter batch, or takes the slot that
+        frees. Once, not at each dispatch: a request waiting for that slot asks no more."""
+        objective = claim.objective
+        if objective is None:
+            return
+        now = time.perf_counter()
+        cached = self.picker.cached_share
+        best, best_room = None, -math.inf
+        for replica in self.replicas:
+            if replica.up:
+                room = latency.predict(replica, claim, cached(replica, claim)).headroom(
+                    objective, now
+                )
+                if room > best_room:
+                    best, best_room = replica, room
+        if best is not None and best_room < 0:
+            self.preempt(best, claim)
+
     def _reachable_after_wait(
         self, claim: Claim, objective: Objective, latency: LatencyModel
     ) -> None:
@@ -533,6 +581,8 @@ class LivePool:
         place.deadline = asyncio.get_running_loop().time() + bounds.max_wait_s
         if self.spec.shed:
             self._shed(claim.priority)
+        if claim.priority == CRITICAL and self.preemption is not None and self.latency:
+            self._preempt_for(claim, self.latency)
         if self.queue.waiting_by_group[self.queue.group(claim.workload)] == 0 and (
             self.leases is None or not self.leases.outranked(claim.priority)
         ):  # else it queues behind them
@@ -596,13 +646,16 @@ class Held:
     third of what taking and giving back a slot cost per request.
     """
 
-    __slots__ = ("_ctx", "_flight", "_grant", "_held", "_place", "_pool")
+    __slots__ = ("_ctx", "_flight", "_grant", "_held", "_inflight", "_place", "_pool")
     _grant: Grant  # set once a slot is taken: `__aexit__` runs only after `__aenter__` returned
 
     def __init__(self, pool: LivePool, ctx: Ctx, place: Place) -> None:
         self._pool, self._ctx, self._place = pool, ctx, place
         self._held = 0.0
         self._flight: Flight | None = None
+        # Where the request is registered for preemption, and by which registry: the pool's
+        # may be replaced by a reload while it runs.
+        self._inflight: tuple[Preemption, InFlight] | None = None
 
     async def __aenter__(self) -> Grant:
         pool, ctx, place = self._pool, self._ctx, self._place
@@ -637,6 +690,9 @@ class Held:
         pool.picker.granted(grant.replica, grant.claim)
         self._grant = grant
         self._held = ctx.granted = time.perf_counter()
+        if (preemption := pool.preemption) is not None:
+            inflight = preemption.enter(grant.replica.url, self._held, grant.claim.priority)
+            self._inflight, ctx.cancel = (preemption, inflight), inflight.cancel
         return grant
 
     async def __aexit__(
@@ -646,6 +702,10 @@ class Held:
         traceback: TracebackType | None,
     ) -> None:
         pool, grant = self._pool, self._grant
+        if self._inflight is not None:
+            preemption, inflight = self._inflight
+            preemption.leave(inflight)
+            self._inflight = self._ctx.cancel = None  # a retry registers anew
         hold_s = time.perf_counter() - self._held
         pool.demand.busy_s += hold_s
         pool.queue.holds[pool.queue.group(grant.claim.workload)].add(hold_s)

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from gateway.context.objective import Objective, Prediction
     from gateway.errors import Refusal
     from gateway.state import Holder
+    from gateway.upstream import Cancel
 
 
 class Trace(Protocol):
@@ -101,6 +102,9 @@ class Ctx:
         None  # what the pool's scorers weigh, worked out on its first attempt
     )
     replica: str = ""
+    # How the gateway ends its exchange from outside its task, while it holds a slot on a pool
+    # that preempts (gateway/admit/preempt.py); None elsewhere.
+    cancel: Cancel | None = None
     queue_wait: float | None = None  # seconds waiting for a slot; None: refused before queueing
     retries: int = 0  # attempts on other replicas after one refused the request
     first_token: float | None = None

@@ -1,5 +1,5 @@
-"""Slots and queues: what each replica has in flight, what waits, what was shed, and how this
-gateway's count compares with the replica's own and with the other gateways' leases.
+"""Slots and queues: what each replica has in flight, what waits, what was shed or preempted,
+and how this gateway's count compares with the replica's own and with the other gateways' leases.
 
 In-flight and queue gauges are read from the admission state at scrape time, so they can never
 drift from the truth; a pool a reload removed keeps them until its requests end.
@@ -59,15 +59,22 @@ SHED = Declared(
     "Requests shed by tier while their pool was saturated.",
     ("pool", "tier"),
 )
+PREEMPTED = Declared(
+    CounterMetricFamily,
+    "llm_preemptions",
+    "Requests in flight cancelled, by their tier, to make room for critical ones (slo.preempt).",
+    ("pool", "tier"),
+)
 
 
 class SlotsCollector(Scraped):
-    declared = (REQUESTS, TOKENS, DEPTH, LEASES, CAPACITY, DRIFT, OBSERVED, SHED)
+    declared = (REQUESTS, TOKENS, DEPTH, LEASES, CAPACITY, DRIFT, OBSERVED, SHED, PREEMPTED)
 
     def collect(self) -> list[Metric]:
         source = self.source()
         requests, tokens, depth, leases = REQUESTS(), TOKENS(), DEPTH(), LEASES()
         capacity, drift, observed, shed = CAPACITY(), DRIFT(), OBSERVED(), SHED()
+        preempted = PREEMPTED()
         for name, pool in chain(source.slots.items(), source.retiring.items()):
             for replica in pool.replicas:
                 requests.add_metric([name, replica.url], replica.inflight)
@@ -85,4 +92,6 @@ class SlotsCollector(Scraped):
                 drift.add_metric([name, url, kind], count)
             for tier, count in pool.sheds.items():
                 shed.add_metric([name, tier], count)
-        return [requests, tokens, depth, leases, capacity, drift, observed, shed]
+            for tier, count in pool.preemptions.items():
+                preempted.add_metric([name, tier], count)
+        return [requests, tokens, depth, leases, capacity, drift, observed, shed, preempted]

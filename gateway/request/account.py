@@ -182,7 +182,14 @@ class Accountant:
             series.ttft.observe(ctx.first_token - ctx.arrived, trace)
             if (tpot := attainment.observed_tpot(ctx)) is not None:
                 series.tpot.observe(tpot, trace)
-        if estimator is not None and ctx.status == 200 and ctx.output_tokens:
+        # Only a whole answer teaches the estimator: one cut short (preempted, broken) would
+        # teach it its requests' answers are shorter than they are.
+        if (
+            estimator is not None
+            and ctx.status == 200
+            and ctx.refusal is None
+            and ctx.output_tokens
+        ):
             estimator.observe(estimator.key(ctx), ctx.output_tokens // ctx.sequences)
 
     def _attainment(self, ctx: Ctx, pool: str, objective: Objective) -> None:

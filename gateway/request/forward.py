@@ -8,6 +8,9 @@ asked for on the client's behalf and to strip the running counts it asked for on
 and how a broken stream ends are the endpoint's (`ctx.api`, gateway/api/); finding the events
 that carry one, framing and relaying them are the same for all. If the client leaves, the
 upstream connection is closed at once: vLLM aborts a generation only when its connection closes.
+A request the gateway preempts (gateway/admit/preempt.py) has its exchange ended the same way,
+from outside (`ctx.cancel`): before the answer's head its client gets the `preempted` 429, after
+it its stream ends with the same code, as a broken stream ends.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from gateway.context.ctx import CLIENT_CLOSED, Ctx
 from gateway.errors import (
     GatewayError,
     MalformedRequest,
+    Preempted,
     Refusal,
     ReplicaRefused,
     ResponseTooLarge,
@@ -39,7 +43,7 @@ from gateway.errors import (
 )
 from gateway.request import attainment
 from gateway.request.objective import SLO_HEADERS
-from gateway.upstream import Answer, ExchangeError, ExchangeTimeout, Refused, Upstream
+from gateway.upstream import Answer, Cancelled, ExchangeError, ExchangeTimeout, Refused, Upstream
 
 log = logging.getLogger("gateway.request.forward")
 
@@ -315,7 +319,20 @@ def _failed(ctx: Ctx, replica_url: str, told: str, exc: BaseException | str) -> 
     return told
 
 
+def _preempted(ctx: Ctx, replica_url: str) -> Preempted:
+    """The refusal of a request the gateway cancelled for a critical one: the client retries
+    after the pool's `retry_after_s`, when the critical request may have finished."""
+    log.info("request %s: preempted on replica %s", ctx.request_id, replica_url)
+    assert ctx.pool is not None  # only a pool's slot is preempted
+    return Preempted(
+        "the request was cancelled to make room for a critical one; retry it",
+        retry_after_s=ctx.pool.spec.queue.retry_after_s,
+    )
+
+
 def _stream_error(ctx: Ctx, replica_url: str, exc: BaseException, total: float) -> GatewayError:
+    if isinstance(exc, Cancelled):
+        return _preempted(ctx, replica_url)
     if isinstance(exc, TimeoutError):
         return _timed_out(ctx, replica_url, "the replica stopped streaming (time-out)", exc, total)
     return UpstreamError(_failed(ctx, replica_url, "the replica broke the stream", exc))
@@ -458,7 +475,10 @@ async def _post(
             timeouts.connect_s,
             timeouts.read_s,
             deadline,
+            ctx.cancel,
         )
+    except Cancelled:
+        raise _preempted(ctx, replica_url) from None
     except TimeoutError as exc:  # connect_s, read_s or the deadline
         raise _timed_out(
             ctx, replica_url, "the replica did not answer in time", exc, total
@@ -520,6 +540,8 @@ async def _whole(
     except TimeoutError as exc:  # read_s or the deadline
         told = "the replica did not finish its answer in time"
         raise _timed_out(ctx, replica_url, told, exc, deadline) from None
+    except Cancelled:
+        raise _preempted(ctx, replica_url) from None
     except ExchangeError as exc:
         raise UpstreamError(
             _failed(ctx, replica_url, "the replica broke its answer", exc)

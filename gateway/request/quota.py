@@ -63,7 +63,7 @@ from typing import Any
 from gateway.context.compiled import Tenant
 from gateway.context.ctx import CLIENT_CLOSED, Ctx
 from gateway.context.endpoint import Api
-from gateway.errors import GatewayError, OverQuota, QuotaExceeded, StateUnavailable
+from gateway.errors import GatewayError, OverQuota, QuotaExceeded, Refusal, StateUnavailable
 from gateway.observability.instruments import Instruments
 from gateway.state.base import (
     Correction,
@@ -299,8 +299,14 @@ def used(ctx: Ctx, burst: int) -> int:
       relayed if that is more (a replica that ignored the bound). Settling on the relayed
       chunks instead would charge a client that left a stream of multi-token chunks
       (speculative decoding, `--stream-interval`) a tenth of what it got.
+    - Preempted (`slo.preempt`): the gateway's decision, not the tenant's, so only what its
+      client was delivered: 0 before a token of its answer; after, as above, but with no
+      running count the input plus the chunks relayed, never the reservation.
     """
     if not ctx.admitted:
+        return 0
+    preempted = ctx.refusal is Refusal.PREEMPTED
+    if preempted and ctx.first_token is None:
         return 0
     if ctx.status >= 400 and ctx.status != CLIENT_CLOSED:
         return ctx.input_tokens
@@ -310,6 +316,8 @@ def used(ctx: Ctx, burst: int) -> int:
         if ctx.max_output is None:  # no bound limits it (a transcription): its whole count
             return prompt + ctx.output_tokens
         return min(prompt + ctx.output_tokens, reserved + burst)
+    if preempted:
+        return ctx.input_tokens + ctx.chunks
     return max(reserved, ctx.input_tokens + ctx.chunks)
 
 

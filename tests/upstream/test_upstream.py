@@ -20,6 +20,8 @@ from gateway.upstream import (
     MAX_HEAD_BYTES,
     RACE_S,
     BrokenAnswer,
+    Cancel,
+    Cancelled,
     ExchangeTimeout,
     Refused,
     Upstream,
@@ -526,3 +528,46 @@ async def test_an_answer_released_twice_leaves_the_next_exchange_alone(replica) 
     second.release()
     assert await post(upstream, made) == (200, JSON)  # the connection the first had: still open
     assert made.connections == 1
+
+
+async def test_a_cancel_ends_the_exchange_from_outside_and_only_while_there_is_one(
+    replica,
+) -> None:
+    """Cancelled before it began, nothing is sent; during it, the read waiting for the next
+    chunk raises at once and the replica sees its connection close; after it, nothing."""
+    before = Cancel()
+    assert before.cancel() and before.over
+    made = await replica(answer_each)
+    upstream = Upstream()
+    with pytest.raises(Cancelled):
+        await upstream.post(made.url, "/", CIMultiDict(), b"{}", 1.0, 5.0, cancel=before)
+    assert made.requests == []
+
+    hung_up = asyncio.Event()
+
+    async def one_chunk_then_hold(
+        made: Replica, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await made.read_request(reader)
+        await send_chunked(writer, [b"first"], 0)
+        await reader.read()  # until the gateway closes its side
+        hung_up.set()
+
+    holding = await replica(one_chunk_then_hold)
+    during = Cancel()
+    answer = await upstream.post(holding.url, "/", CIMultiDict(), b"{}", 1.0, None, cancel=during)
+    assert await answer.read_chunk() == b"first"
+    reading = asyncio.create_task(answer.read_chunk())  # no read_s: only the cancel ends it
+    await asyncio.sleep(0)
+    assert during.cancel() and not during.cancel()  # once
+    with pytest.raises(Cancelled):
+        await asyncio.wait_for(reading, 5)  # bounded: an abort that wakes nobody fails here
+    await asyncio.wait_for(hung_up.wait(), 5)
+
+    after = Cancel()
+    finished = await upstream.post(made.url, "/", CIMultiDict(), b"{}", 1.0, 5.0, cancel=after)
+    assert await finished.read_chunk() == JSON
+    finished.release()
+    assert after.over and not after.cancel()
+    assert await post(upstream, made) == (200, JSON)  # its connection was kept, untouched
+    upstream.close()
