@@ -40,6 +40,7 @@ Features = tuple[float, float, float]
 _PER_1K = 1e-3  # token features are in thousands of tokens
 _PER_100 = 1e-2  # sequence counts in hundreds: every feature of the order of one
 _PRIOR = 1.0  # the seed's variance, in the features' units: a few samples move it
+_LEAST_S = 1e-3  # the smallest prediction an outlier bound is taken of
 _OWN_FIT_AFTER = 16  # samples before a replica's own fit is trusted over the pool's
 _PREFILLING, _DECODING, _DONE = 0, 1, 2
 
@@ -65,7 +66,11 @@ class Fit:
         px = [p[i][0] * x[0] + p[i][1] * x[1] + p[i][2] * x[2] for i in range(3)]
         denominator = lam + x[0] * px[0] + x[1] * px[1] + x[2] * px[2]
         gain = [v / denominator for v in px]
-        error = y - self.predict(x)
+        predicted = self.predict(x)
+        # A stall (another request's long prefill sharing the steps) is one sample, not a new
+        # law: it moves the fit at most as a sample three times the prediction would.
+        bound = 2.0 * max(predicted, _LEAST_S)
+        error = max(-bound, min(y - predicted, bound))
         theta = self.theta
         for i in range(3):
             theta[i] = max(0.0, theta[i] + gain[i] * error)
@@ -99,7 +104,7 @@ class Flight:
         if self.state != _PREFILLING:
             return
         replica.to_decoding(self)
-        self.tpot_x = replica.tpot_features(0, joined=True)
+        self.tpot_x = replica.tpot_features(0, 0)  # itself in the batch and its context now
         replica.model.observe_ttft(replica, self.ttft_x, at - self.granted)
 
 
@@ -135,10 +140,12 @@ class ReplicaLatency:
         running = self.decoding + self.replica.others
         return (1.0, (self.prefill_tokens + own) * _PER_1K, running * _PER_100)
 
-    def tpot_features(self, tokens: int, *, joined: bool) -> Features:
+    def tpot_features(self, joining: int, tokens: int) -> Features:
+        """The decode batch and its context, with `joining` sequences and `tokens` not yet
+        counted in them."""
         replica = self.replica
-        batch = self.decoding + replica.others + (0 if joined else 1)
-        context = replica.inflight_tokens + (0 if joined else tokens)
+        batch = self.decoding + replica.others + joining
+        context = replica.inflight_tokens + tokens
         return (1.0, batch * _PER_100, context * _PER_1K)
 
     def fits(self) -> tuple[Fit, Fit]:
@@ -188,7 +195,7 @@ class LatencyModel:
         own = round(claim.input_tokens * (1.0 - cached))
         return Prediction(
             ttft.predict(state.ttft_features(own)),
-            tpot.predict(state.tpot_features(claim.tokens, joined=False)),
+            tpot.predict(state.tpot_features(1, claim.tokens)),
         )
 
     def admitted(
@@ -202,9 +209,8 @@ class LatencyModel:
         ttft_fit, tpot_fit = state.fits()
         own = round(claim.input_tokens * (1.0 - cached))
         x = state.ttft_features(own)
-        predicted = Prediction(
-            ttft_fit.predict(x), tpot_fit.predict(state.tpot_features(0, joined=True))
-        )
+        # Taken already (its tokens in the replica's), not yet decoding.
+        predicted = Prediction(ttft_fit.predict(x), tpot_fit.predict(state.tpot_features(1, 0)))
         flight = Flight(state, own, x, now)
         state.prefill_tokens += own
         if not stream:  # no first token to see: its prefill ends when predicted

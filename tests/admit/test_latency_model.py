@@ -126,3 +126,14 @@ def test_placement_by_headroom_avoids_the_replica_with_prefill_ahead() -> None:
     now = time.perf_counter()
     objective = Objective(0.4, math.inf, now + 0.4)
     assert pool._pick(pool.replicas, claim(500, objective=objective)) is idle
+
+
+def test_one_stall_moves_the_fit_as_a_sample_three_times_the_prediction_would() -> None:
+    fit = Fit((0.02, 0.0, 0.0), 0.995)
+    for _ in range(200):
+        fit.observe((1.0, 0.0, 0.0), 0.02)
+    fit.observe((1.0, 0.0, 0.0), 5.0)  # another request's long prefill shared its steps
+    assert fit.predict((1.0, 0.0, 0.0)) < 0.03
+    for _ in range(600):  # but a replica that really slowed is followed, at the fit's memory
+        fit.observe((1.0, 0.0, 0.0), 0.05)
+    assert fit.predict((1.0, 0.0, 0.0)) == pytest.approx(0.05, rel=0.05)
