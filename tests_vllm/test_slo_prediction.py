@@ -10,12 +10,13 @@ that minimises the p50 error over the very samples measured, which no real const
 a model whose predictions ignore the load fails it. The figures are printed (`-s`) and recorded
 (`record_property`) for docs/capacity.md.
 
-TPOT is reported, not asserted: here the model predicts it no better than that constant. Its
-features (the decode batch joined, the context it holds) leave out the prefill other requests
-bring while a stream decodes, which vLLM's chunked prefill runs in the same engine steps: on this
-workload the stalls it causes, not the batch, set TPOT. And on a shared 2-core machine vLLM's API
-server, starved beside its engine, often sends a stream's tokens in one burst, which reads as a
-TPOT of zero.
+TPOT is reported, not asserted: here the model predicts it worse than that constant. Its
+features (the decode batch joined, the context it holds) leave out the prefill of the requests
+that arrive while a stream decodes, which vLLM's chunked prefill runs in the same engine steps:
+on this workload the stalls it causes, not the batch, set TPOT, and nothing known at the grant
+foretells them. And on a busy 2-core machine a stream's tokens often reach the gateway in one
+burst (vLLM's API server gets the CPU after its engine has run ahead), which reads as a TPOT of
+zero.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ from tests.conftest import accounted
 from tests_vllm.conftest import vllm_policy
 
 COMPLETIONS = "/v1/completions"
-# Within vLLM's one prefill chunk (2,048 tokens) or just over, where the tiny model's prefill on
-# a CPU is about linear in the prompt; far beyond it each chunk rereads the ones before (8k
-# tokens take ~8x what 2k do), which a model linear in the tokens ahead cannot follow.
+# Within one prefill chunk (vLLM's CPU default `max_num_batched_tokens`, 2,048) or just over,
+# where the tiny model's prefill on a CPU is about linear in the prompt; far beyond it each chunk
+# attends to all the ones before, so prefill grows faster than the prompt, which a model linear
+# in the tokens ahead cannot follow.
 PROMPT_TOKENS = (64, 512, 1024, 2048, 3072)
 OUTPUT_TOKENS = (16, 64)
 WARM_UP = ((4, 4),)
