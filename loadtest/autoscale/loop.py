@@ -249,7 +249,7 @@ def policy(config: AutoscaleConfig, dns_port: int, ports: Mapping[str, int]) -> 
             "forecast": _forecast(p, k),
         }
         if p.slo is not None:
-            pools[p.name]["slo"] = _slo(p.slo, k)
+            pools[p.name]["slo"] = wall_slo(p.slo, k)
     routes = config.routes or ({"match": {"model": MODEL_ALIAS}, "pool": config.pool.name},)
     if not config.spill:
         routes = tuple({k: v for k, v in r.items() if k != "fallback"} for r in routes)
@@ -274,7 +274,7 @@ _SLO_S = ("interval_s",)
 _SLO_PER_S = ("max_per_s",)
 
 
-def _slo(given: Any, k: float) -> Any:
+def wall_slo(given: Any, k: float) -> Any:
     """The pool's `slo` for the gateway: its latencies and times over the time scale (objectives,
     the model's seed, the adaptive caps' target and interval), its rates times it."""
     if not isinstance(given, dict):
@@ -286,7 +286,7 @@ def _slo(given: Any, k: float) -> Any:
         elif name in _SLO_PER_S:
             out[name] = value * k
         else:
-            out[name] = _slo(value, k)
+            out[name] = wall_slo(value, k)
     return out
 
 
@@ -552,7 +552,7 @@ async def _drive(
         if config.scrape_interval_s:
             background.append(group.create_task(prometheus()))
         try:
-            run = await run_level(load, url, planned, bodies, None, max_wall_s, True, progress)
+            run = await run_level(load, url, planned, bodies, None, max_wall_s, True, progress, k)
         finally:
             for task in background:
                 task.cancel()

@@ -3,7 +3,8 @@
 A request violates its SLO when it completed (200) but one of its class's limits did not hold
 for it (E2E, TTFT or TPOT, loadgen's `SLO`); refused ones (429, 503) are counted apart, as are
 other failures. Replica-hours count each replica from when it was asked for (a TPU that is
-loading weights is paid for) until it was stopped, within the run.
+loading weights is paid for) until it was stopped, within the run; goodput per replica-hour is
+the requests that met their SLO over them (loadgen's `goodput_per_replica_hour`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import orjson
 from loadtest.autoscale.hpa import DEFAULT_SCALE_DOWN, DEFAULT_SCALE_UP, ScalingRules
 from loadtest.autoscale.loop import AutoscaleConfig, AutoscaleRun
 from loadtest.autoscale.pool import Member
-from loadtest.loadgen.compare import SLO
+from loadtest.loadgen.compare import SLO, goodput_per_replica_hour
 from loadtest.loadgen.report import request_row
 from loadtest.loadgen.runner import RequestRecord
 from loadtest.loadgen.stats import percentile
@@ -133,6 +134,7 @@ def summarise(run: AutoscaleRun, slos: Mapping[str, SLO], window_s: float) -> di
                 line.get("pool") == p.name and bool(line.get("spilled_from")) for line in ok_lines
             ),
         }
+    replica_hours = _replica_s(run.members, end) / 3600
     by_class: dict[str, list[RequestRecord]] = {}
     for r in run.records:
         by_class.setdefault(r.cls, []).append(r)
@@ -147,7 +149,12 @@ def summarise(run: AutoscaleRun, slos: Mapping[str, SLO], window_s: float) -> di
         "notes": run.notes,
         "behavior": behavior(run),
         "startup_s": run.config.startup_s,
-        "replica_hours": round(_replica_s(run.members, end) / 3600, 3),
+        "replica_hours": round(replica_hours, 3),
+        "goodput_per_replica_hour": (
+            round(goodput_per_replica_hour(run.records, slos, k, replica_hours), 1)
+            if replica_hours > 0
+            else None
+        ),
         "spilled": sum(bool(line.get("spilled_from")) for line in ok_lines),
         "slos": {c: s.limits() for c, s in slos.items()},
         "all": _counts(run.records, slos, k),
@@ -214,6 +221,9 @@ def markdown(run: AutoscaleRun, summary: dict[str, Any]) -> str:
         f"| {a['requests']} | {a['ok']} | {a['slo_violations']} | {a['refused_429']}"
         f" | {a['refused_503']} | {a['other_failures']} | {summary['spilled']}"
         f" | {_s(a['p50_e2e_s'])} s | {_s(a['p95_e2e_s'])} s | {summary['replica_hours']:g} |",
+        "",
+        f"Goodput: {_s(summary['goodput_per_replica_hour'])} requests within their SLO per"
+        " replica-hour.",
         "",
         "| workload | SLO (s) | requests | ok | SLO-violating | refused | P95 E2E |",
         "|---|---|---:|---:|---:|---:|---:|",

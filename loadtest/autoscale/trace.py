@@ -8,6 +8,9 @@ Built-ins (`NAME:key=value,...`):
     ramp:from=0.2,to=2,duration=600                       linear from one rate to the other
     diurnal:min=0.2,max=2,period=600,duration=720         a day compressed into `period`:
                                                           a cosine from min (t=0) to max
+    bursts:base=1,peak=3,start=60,every=120,length=30,duration=600
+                                                          base, with a burst to peak for
+                                                          `length` every `every` from `start`
 
 A CSV file (`t_s,rate_rps[,workload]`, a header row optional) gives the points; rows without a
 workload use the run's default workload. `WORKLOAD=SPEC` gives one workload its own built-in, so
@@ -96,6 +99,9 @@ def _params(text: str, defaults: Mapping[str, float]) -> dict[str, float]:
 STEP = {"base": 0.5, "peak": 5.0, "start": 60.0, "end": 240.0, "duration": 720.0}
 RAMP = {"from": 0.2, "to": 2.0, "duration": 600.0}
 DIURNAL = {"min": 0.2, "max": 2.0, "period": 600.0, "duration": 720.0}
+BURSTS = {
+    "base": 1.0, "peak": 3.0, "start": 60.0, "every": 120.0, "length": 30.0, "duration": 600.0
+}  # fmt: skip
 
 
 def builtin(spec: str) -> list[tuple[float, float]] | None:
@@ -116,6 +122,17 @@ def builtin(spec: str) -> list[tuple[float, float]] | None:
     if name == "ramp":
         p = _params(rest, RAMP)
         return [(0.0, p["from"]), (p["duration"], p["to"])]
+    if name == "bursts":
+        p = _params(rest, BURSTS)
+        if not 0 < p["length"] <= p["every"] or p["start"] < 0:
+            raise ValueError("bursts needs 0 < length <= every and start >= 0")
+        points = [(0.0, p["base"])]
+        t = p["start"]
+        while t < p["duration"]:
+            end = min(t + p["length"], p["duration"])
+            points += [(t, p["base"]), (t, p["peak"]), (end, p["peak"]), (end, p["base"])]
+            t += p["every"]
+        return [*points, (p["duration"], p["base"])]
     if name == "diurnal":
         p = _params(rest, DIURNAL)
         steps = max(1, math.ceil(p["duration"] / DIURNAL_STEP_S))
@@ -135,7 +152,9 @@ def load_trace(spec: str | Path, default_workload: str) -> Trace:
         return Trace({default_workload: tuple(points)})
     path = Path(spec)
     if not path.is_file():
-        raise FileNotFoundError(f"trace {str(spec)!r} is neither a file nor step:, ramp:, diurnal:")
+        raise FileNotFoundError(
+            f"trace {str(spec)!r} is neither a file nor step:, ramp:, diurnal:, bursts:"
+        )
     series: dict[str, list[tuple[float, float]]] = defaultdict(list)
     with path.open(newline="") as f:
         for number, row in enumerate(csv.reader(f), 1):

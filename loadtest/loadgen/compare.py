@@ -8,6 +8,11 @@ request. Rejections are 429s and 503s: the gateway's way of saying "not now" ins
 everything late. With `time_scale` K, limits are in simulated seconds and measured wall-clock
 times are multiplied by K before the comparison.
 
+Goodput per replica-hour is what the fleet's cost bought: the requests that met their objectives
+over the replica-hours that served them (a fixed fleet's replicas x the run's simulated duration,
+or what an autoscaled fleet paid for). A workload's classes with `slo:` give the objectives
+(`objective_slos`), checked against what the client observed.
+
 Every target gets the same planned arrivals and shapes (one seed); the targets run one after
 the other, never at once, since they usually share the replicas.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +33,7 @@ from loadtest.loadgen.prompts import PromptBuilder
 from loadtest.loadgen.runner import LevelRun, RequestRecord, run_level
 from loadtest.loadgen.stats import LevelStats, summarize
 from loadtest.loadgen.sweep import Target, level_line, session
-from loadtest.loadgen.workloads import BUILTIN, Workload, plan, poisson_arrivals
+from loadtest.loadgen.workloads import BUILTIN, Workload, WorkloadClass, plan, poisson_arrivals
 
 REJECTIONS = ("429", "503")
 METRICS = {"e2e": "e2e_s", "ttft": "ttft_s", "tpot": "tpot_s"}
@@ -64,6 +70,33 @@ class SLO:
     def describe(self) -> str:
         names = {v: k.upper() for k, v in METRICS.items()}
         return ", ".join(f"{names[m]} P95 <= {v:g}s" for m, v in self.limits().items()) or "none"
+
+
+def objective_slos(workload: Workload) -> dict[str, SLO]:
+    """Per class with objectives (`slo:`, simulated ms), the SLO a request must meet to count."""
+    return {c.name: _objective_slo(c) for c in workload.classes if c.slo is not None}
+
+
+def _objective_slo(c: WorkloadClass) -> SLO:
+    assert c.slo is not None
+    ttft, tpot = c.slo.ttft_ms, c.slo.tpot_ms
+    return SLO(
+        ttft_s=None if ttft is None else ttft / 1000, tpot_s=None if tpot is None else tpot / 1000
+    )
+
+
+def met_objectives(records: Iterable[RequestRecord], slos: Mapping[str, SLO], k: float) -> int:
+    """Requests that completed within their class's limits (a class without any: completed)."""
+    return sum((slos.get(r.cls) or SLO()).met(r, k) for r in records)
+
+
+def goodput_per_replica_hour(
+    records: Iterable[RequestRecord], slos: Mapping[str, SLO], k: float, replica_hours: float
+) -> float:
+    """Requests that met their objectives per replica-hour paid (simulated hours)."""
+    if replica_hours <= 0:
+        raise ValueError("replica_hours must be positive")
+    return met_objectives(records, slos, k) / replica_hours
 
 
 DEFAULT_SLOS: dict[str, SLO] = {
@@ -127,9 +160,7 @@ class CompareResult:
                 records = [r for r in run.records if cls == "all" or r.cls == cls]
                 stats = summarize(records, run.duration_s, config.time_scale)
                 slo = config.slos.get(cls)
-                met = sum(
-                    (config.slos.get(r.cls) or SLO()).met(r, config.time_scale) for r in records
-                )
+                met = met_objectives(records, config.slos, config.time_scale)
                 rows.append(
                     Outcome(
                         cls=cls,
@@ -165,8 +196,9 @@ async def run_compare(config: CompareConfig, progress: Progress | None = None) -
         async with session(config.max_seconds) as http:
             progress.start(f"compare {name} ({target.url}) rate={config.rate:g}", len(planned))
             run = await run_level(
-                http, target.url, planned, bodies, None, config.max_seconds, True, progress
-            )
+                http, target.url, planned, bodies, None, config.max_seconds, True, progress,
+                config.time_scale,
+            )  # fmt: skip
         result.runs[name] = run
         progress.finish(level_line(run, config.time_scale))
     return result

@@ -9,6 +9,13 @@ A session's turns run one after the other, each once the previous answer is in (
 session's think time has passed), while sessions interleave as users or arrivals allow: a user
 runs one session to its end, an arrival starts one. A turn is recorded with its whole prompt's
 input tokens as its ISL. A failed turn ends its session: its history has no answer to go on.
+
+A planned request's tier and objectives go out as `x-priority`, `x-slo-ttft-ms` and
+`x-slo-tpot-ms`; the gateway's `x-gateway-predicted-ttft-ms` / `-tpot-ms` answers and the error
+code of a refusal (`slo_unreachable`, `queue_full`, ...) come back into the record. The
+objectives are planned in simulated milliseconds and the gateway measures wall time, so with a
+time scale K they are sent divided by K, and its predictions are recorded in wall seconds like
+every other latency here (the reports multiply them by K).
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ PATHS: dict[Endpoint, str] = {
 JSON = {"Content-Type": "application/json"}
 RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 UNFINISHED = "unfinished"
+PRIORITY_HEADER = "x-priority"
+SLO_HEADERS = {"ttft_ms": "x-slo-ttft-ms", "tpot_ms": "x-slo-tpot-ms"}
+PREDICTED_HEADERS = {"ttft": "x-gateway-predicted-ttft-ms", "tpot": "x-gateway-predicted-tpot-ms"}
 
 # Transport failures by kind, most specific first (as httpx maps foreign errors onto its own).
 ERRORS: tuple[tuple[type[BaseException], str], ...] = (
@@ -69,6 +79,10 @@ class RequestRecord:
     output_tokens: int | None = None
     session: str | None = None  # a session's id, as sent in `user` and x-session-id
     turn: int | None = None
+    priority: str | None = None  # the x-priority sent, if any
+    code: str | None = None  # a refusal's `error.code`, as the answer's body gave it
+    predicted_ttft_s: float | None = None  # the gateway's prediction, wall seconds
+    predicted_tpot_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -110,6 +124,10 @@ class RequestRecord:
             "output_tokens": self.output_tokens,
             "session": self.session,
             "turn": self.turn,
+            "priority": self.priority,
+            "code": self.code,
+            "predicted_ttft_s": _round(self.predicted_ttft_s),
+            "predicted_tpot_s": _round(self.predicted_tpot_s),
         }
 
 
@@ -212,6 +230,38 @@ async def _read_stream(
         rec.error = "incomplete"
 
 
+def slo_headers(planned: Planned, time_scale: float = 1.0) -> dict[str, str]:
+    """The request's tier and objectives as headers; objectives in the gateway's wall ms."""
+    out = {PRIORITY_HEADER: planned.priority} if planned.priority else {}
+    if planned.slo is not None:
+        for field_name, header in SLO_HEADERS.items():
+            if (ms := getattr(planned.slo, field_name)) is not None:
+                out[header] = f"{ms / time_scale:.6g}"
+    return out
+
+
+def _predicted_s(resp: aiohttp.ClientResponse, kind: str) -> float | None:
+    """A prediction header in seconds; None when absent or not a finite non-negative number
+    (the gateway's answer is read like any other, not trusted)."""
+    text = resp.headers.get(PREDICTED_HEADERS[kind])
+    try:
+        ms = float(text) if text is not None else None
+    except ValueError:
+        return None
+    return ms / 1000 if ms is not None and 0 <= ms < float("inf") else None
+
+
+def _error_code(body: bytes) -> str | None:
+    """`error.code` of an answer in the gateway's (OpenAI's) error shape, if it is one."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    error = data.get("error") if isinstance(data, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None
+
+
 async def send(
     session: aiohttp.ClientSession,
     url: str,
@@ -228,8 +278,10 @@ async def send(
     try:
         async with session.post(url + PATHS[planned.endpoint], data=body, headers=headers) as resp:
             rec.status = resp.status
+            rec.predicted_ttft_s = _predicted_s(resp, "ttft")
+            rec.predicted_tpot_s = _predicted_s(resp, "tpot")
             if resp.status != 200:
-                await resp.read()
+                rec.code = _error_code(await resp.read())
             elif stream and planned.endpoint != "embeddings":
                 await _read_stream(resp, rec, started, reply)
             else:
@@ -271,14 +323,16 @@ async def run_level(
     max_seconds: float,
     stream: bool,
     progress: Progress,
+    time_scale: float = 1.0,
 ) -> LevelRun:
-    """Closed loop with `users` concurrent users, or open loop (`users=None`) at `planned[i].at`."""
+    """Closed loop with `users` concurrent users, or open loop (`users=None`) at `planned[i].at`;
+    `time_scale` converts the planned objectives into the wall milliseconds sent."""
     run = LevelRun()
     started = time.perf_counter()
 
     async def one(i: int) -> bool:
         p, body = planned[i], bodies[i]
-        rec = RequestRecord(i, p.cls, p.endpoint, p.isl, p.osl, 0.0)
+        rec = RequestRecord(i, p.cls, p.endpoint, p.isl, p.osl, 0.0, priority=p.priority)
         reply: list[str] | None = None  # kept only for a session's history
         if isinstance(body, Turn):
             reply = []
@@ -288,6 +342,8 @@ async def run_level(
             data, rec.isl = await body.render()
         else:
             headers, data = JSON, body
+        if p.priority is not None or p.slo is not None:
+            headers = {**headers, **slo_headers(p, time_scale)}
         rec.start_s = time.perf_counter() - started
         run.records.append(rec)
         await send(session, url, data, p, rec, stream, headers, reply)

@@ -152,6 +152,7 @@ async def run_sweep(config: SweepConfig, progress: Progress | None = None) -> Sw
                         config.max_seconds_per_level,
                         config.stream,
                         progress,
+                        config.time_scale,
                     )
                     series.levels.append((load, run))
                     progress.finish(level_line(run, config.time_scale))

@@ -32,6 +32,14 @@ Two class options make requests share prefixes, as production traffic does (docs
 
 Without either option no two requests share a prefix: the existing workloads are the "no shared
 prefix" case.
+
+Two more say what a request asks of an SLO-admitting gateway (docs/loadgen.md, "Objectives"):
+
+      - name: generation
+        isl: 500
+        osl: 1000
+        priority: {standard: 0.7, sheddable: 0.3}   # x-priority, drawn per request (or one tier)
+        slo: {ttft_ms: 2000, tpot_ms: 50}            # x-slo-ttft-ms / x-slo-tpot-ms, simulated ms
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from gateway.config.schema import Tier
 
 Endpoint = Literal["chat", "completions", "messages", "responses", "embeddings"]
 
@@ -149,6 +159,32 @@ class Session(Spec):
     )
 
 
+class ClassSlo(Spec):
+    """A class's latency objectives in simulated milliseconds: sent as `x-slo-ttft-ms` /
+    `x-slo-tpot-ms` (over the run's time scale, as the gateway measures wall time) and held
+    against what the client observed when goodput is counted."""
+
+    ttft_ms: float | None = Field(None, gt=0)
+    tpot_ms: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> ClassSlo:
+        if self.ttft_ms is None and self.tpot_ms is None:
+            raise ValueError("give ttft_ms, tpot_ms or both")
+        return self
+
+
+def _one_tier_is_all(value: Any) -> Any:
+    return {value: 1.0} if isinstance(value, str) else value
+
+
+Priorities = Annotated[
+    dict[Tier, Annotated[float, Field(gt=0)]],
+    Field(min_length=1),
+    BeforeValidator(_one_tier_is_all),
+]
+
+
 class WorkloadClass(Spec):
     name: str = Field(min_length=1)
     weight: float = Field(1.0, gt=0, description="Share of requests, relative to the others.")
@@ -157,6 +193,10 @@ class WorkloadClass(Spec):
     osl: Distribution
     rules: RuleSets | None = None
     session: Session | None = None
+    priority: Priorities | None = Field(
+        None, description="`x-priority`: one tier, or tiers with weights drawn per request."
+    )
+    slo: ClassSlo | None = None
 
     @model_validator(mode="after")
     def _prefix_fits(self) -> WorkloadClass:
@@ -231,6 +271,28 @@ PLATFORM = Workload(
         _AGENT_TURNS.model_copy(update={"weight": 0.02}),
     ],
 )
+# The article's two classes with objectives, for SLO admission (docs/capacity.md, "SLO
+# admission"): classification is business-critical or standard and asks for its answer (10
+# tokens: TTFT is nearly all of it) within 1.5 s; generation asks TTFT 2 s and TPOT 50 ms, and
+# a third of it is sheddable (a batch job's, say). Its bursts come from the trace
+# (`bursts:` in loadtest/autoscale/trace.py), not from the workload.
+SLO_MIXED = Workload(
+    name="slo-mixed",
+    classes=[
+        CLASSIFICATION.model_copy(
+            update={
+                "priority": {"critical": 0.4, "standard": 0.6},
+                "slo": ClassSlo(ttft_ms=1500),
+            }
+        ),
+        GENERATION.model_copy(
+            update={
+                "priority": {"standard": 2 / 3, "sheddable": 1 / 3},
+                "slo": ClassSlo(ttft_ms=2000, tpot_ms=50),
+            }
+        ),
+    ],
+)
 BUILTIN: dict[str, Workload] = {
     "classification": Workload(name="classification", classes=[CLASSIFICATION]),
     "generation": Workload(name="generation", classes=[GENERATION]),
@@ -238,6 +300,7 @@ BUILTIN: dict[str, Workload] = {
     "agent": AGENT,
     "retrieval": Workload(name="retrieval", classes=[RETRIEVAL]),
     "platform": PLATFORM,
+    "slo-mixed": SLO_MIXED,
 }
 
 
@@ -330,6 +393,19 @@ class Planned:
     session: int | None = None
     turn: int = 0
     think_s: float = 0.0
+    priority: Tier | None = None
+    slo: ClassSlo | None = None
+
+
+def _priority(c: WorkloadClass, rng: random.Random) -> Tier | None:
+    """The class's tier; a draw only when it has several, so other plans stay as they were."""
+    if c.priority is None:
+        return None
+    tiers = list(c.priority)
+    if len(tiers) == 1:
+        return tiers[0]
+    (tier,) = rng.choices(tiers, weights=list(c.priority.values()))
+    return tier
 
 
 def plan(
@@ -358,10 +434,14 @@ def plan(
                         session=number,
                         turn=turn,
                         think_s=c.session.think_s,
+                        priority=_priority(c, rng),
+                        slo=c.slo,
                     )
                 )
             continue
         planned = Planned(c.name, c.endpoint, c.isl.sample(rng), c.osl.sample(rng), at)
+        if c.priority is not None or c.slo is not None:
+            planned = replace(planned, priority=_priority(c, rng), slo=c.slo)
         if c.rules is not None:
             (index,) = rng.choices(range(c.rules.sets), weights=c.rules.weights())
             planned = replace(planned, rule_set=index, rule_tokens=c.rules.tokens)
