@@ -7,6 +7,8 @@ llm-loadtest compare ...    the gateway against plain round-robin at overload
 llm-loadtest autoscale ...  a simulated HPA scaling simulated pools on the gateway's metric
 llm-loadtest autoscale-matrix ...
                             the same run four ways: reactive / forecast signal, spill-over off / on
+llm-loadtest seed-latency ...
+                            the gateway's latency model seed (`slo.model:`) fitted on a profile
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ COMMANDS = {
     "compare": "loadtest.loadgen.cli",
     "autoscale": "loadtest.autoscale.cli",
     "autoscale-matrix": "loadtest.autoscale.matrix",
+    "seed-latency": "loadtest.loadgen.seed_latency",
 }
 
 

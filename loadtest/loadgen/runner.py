@@ -232,7 +232,7 @@ async def _read_stream(
 
 def slo_headers(planned: Planned, time_scale: float = 1.0) -> dict[str, str]:
     """The request's tier and objectives as headers; objectives in the gateway's wall ms."""
-    out = {PRIORITY_HEADER: planned.priority} if planned.priority else {}
+    out: dict[str, str] = {PRIORITY_HEADER: planned.priority} if planned.priority else {}
     if planned.slo is not None:
         for field_name, header in SLO_HEADERS.items():
             if (ms := getattr(planned.slo, field_name)) is not None:

@@ -14,11 +14,13 @@ every step, which is what the fidelity check's KV-cache-wall assertions are abou
 from __future__ import annotations
 
 import itertools
+import random
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import numpy as np
 
-from loadtest.sim.engine import Scheduler
+from loadtest.sim.engine import DecodeSpan, Scheduler, Step
 from loadtest.sim.profiles import Profile
 from loadtest.sim.sequence import Sequence, Status
 
@@ -81,11 +83,7 @@ def run_closed_loop(
     running_max = waiting_max = 0
     kv_max = 0.0
     while len(finished) < requests:
-        plan = scheduler.plan(clock, SPAN_CAP_S)
-        if plan is None:  # cannot happen with users > 0: something always runs or waits
-            raise RuntimeError("the scheduler stalled with work queued")
-        steps = plan.steps
-        duration = plan.end(steps)
+        plan, steps, duration = _next(scheduler, clock)
         if window_start is not None:
             running_area += len(scheduler.running) * duration
             waiting_area += len(scheduler.waiting) * duration
@@ -135,3 +133,85 @@ def run_closed_loop(
         kv_usage_max=kv_max,
         preemptions=scheduler.stats.preemptions - preempted_before,
     )
+
+
+def _next(scheduler: Scheduler, clock: float) -> tuple[Step | DecodeSpan, int, float]:
+    """The scheduler's next step or decode span from `clock`: the plan, its steps, its length."""
+    plan = scheduler.plan(clock, SPAN_CAP_S)
+    if plan is None:  # cannot happen with users > 0: something always runs or waits
+        raise RuntimeError("the scheduler stalled with work queued")
+    return plan, plan.steps, plan.end(plan.steps)
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """One request as a gateway in front of the replica saw it when it was sent (what a latency
+    model may read then), and the latencies it got, in simulated seconds."""
+
+    users: int
+    prompt_tokens: int
+    output_tokens: int
+    prefill_tokens: int  # its own prompt and those in flight without a first token yet
+    decoding: int  # requests in flight past their first token
+    batch: int  # requests in flight, itself included
+    context_tokens: int  # prompts and outputs so far of everything in flight, its own prompt too
+    ttft_s: float
+    tpot_s: float | None  # None for a single output token
+
+
+def observe_closed_loop(
+    profile: Profile,
+    users: int,
+    shapes: Seq[tuple[int, int]],
+    *,
+    requests: int,
+    seed: int = 0,
+) -> list[Observed]:
+    """`users` closed-loop users, each request's (prompt, output) shape drawn uniformly from
+    `shapes`, until `requests` have completed after the first wave (left out, as in
+    `run_closed_loop`). Each request's features are read when it is submitted, from what a
+    gateway knows of the replica: the requests it sent there and whether each has streamed its
+    first token."""
+    if requests < 1:
+        raise ValueError("requests must be positive")
+    rng = random.Random(f"{seed}:{profile.name}:{users}")
+    scheduler = Scheduler(profile)
+    ids = itertools.count()
+    clock = 0.0
+    features: dict[int, tuple[int, int, int, int]] = {}
+    active: list[Sequence] = []
+
+    def submit() -> Sequence:
+        prompt, output = rng.choice(shapes)
+        in_flight = [s for s in active if s.status is not Status.FINISHED]
+        prefilling = [s for s in in_flight if s.first_token_at is None]
+        seq = Sequence(next(ids), prompt, output, output)
+        features[seq.id] = (
+            prompt + sum(s.prompt_tokens for s in prefilling),
+            len(in_flight) - len(prefilling),
+            len(in_flight) + 1,
+            prompt + sum(s.total for s in in_flight),
+        )
+        seq.arrival = clock
+        scheduler.waiting.append(seq)
+        return seq
+
+    for _ in range(users):
+        active.append(submit())
+    finished: list[Sequence] = []
+    while len(finished) < users + requests:
+        plan, steps, duration = _next(scheduler, clock)
+        scheduler.commit(plan, steps, clock)
+        clock += duration
+        done = [s for s in active if s.status is Status.FINISHED]
+        finished += done
+        active = [s for s in active if s.status is not Status.FINISHED]
+        for _ in done:
+            active.append(submit())
+    return [_observed(users, s, features[s.id]) for s in finished[users:]]
+
+
+def _observed(users: int, s: Sequence, f: tuple[int, int, int, int]) -> Observed:
+    assert s.first_token_at is not None and s.finished_at is not None
+    tpot = (s.finished_at - s.first_token_at) / (s.generated - 1) if s.generated > 1 else None
+    return Observed(users, s.prompt_tokens, s.generated, *f, s.first_token_at - s.arrival, tpot)
