@@ -292,11 +292,17 @@ def wall_slo(given: Any, k: float) -> Any:
 
 def planned_requests(config: AutoscaleConfig) -> list[Planned]:
     """The trace's arrivals as the load generator's plan: wall-clock offsets, sorted."""
-    rng = random.Random(config.seed)
+    return trace_plan(config.trace, config.time_scale, config.seed, config.max_requests)
+
+
+def trace_plan(trace: Trace, time_scale: float, seed: int, limit: int) -> list[Planned]:
+    """A trace's arrivals (simulated seconds) as a plan at wall-clock offsets, sorted; each
+    series' name is the workload it draws its shapes from."""
+    rng = random.Random(seed)
     out: list[Planned] = []
-    for name, times in config.trace.arrivals(rng, config.max_requests).items():
+    for name, times in trace.arrivals(rng, limit).items():
         workload = load_workload(name)
-        out += plan(workload, len(times), rng, [t / config.time_scale for t in times])
+        out += plan(workload, len(times), rng, [t / time_scale for t in times])
     return sorted(out, key=lambda p: p.at or 0.0)
 
 

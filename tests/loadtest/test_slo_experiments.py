@@ -1,0 +1,108 @@
+"""The SLO experiments' runner end to end in its smallest configuration (one simulated replica,
+a minute of simulated arrivals, the real gateway), and the tables' figures from known records."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import orjson
+import pytest
+
+from loadtest.loadgen.compare import SLO, goodput_per_replica_hour, objective_slos
+from loadtest.loadgen.runner import RequestRecord
+from loadtest.loadgen.workloads import load_workload
+from loadtest.slo_experiments import (
+    TIERS,
+    Setup,
+    Variant,
+    VariantRun,
+    minute_rows,
+    overload_rows,
+    prediction_rows,
+    run_experiment,
+    write,
+)
+
+
+def _cells(table: str) -> list[list[str]]:
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    return [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+
+
+async def test_the_goodput_experiment_runs_end_to_end_and_its_table_is_finite(
+    tmp_path: Path,
+) -> None:
+    setup = Setup(
+        "goodput", "gemma-3-12b-tpu-v6e-2x2", replicas=1, time_scale=20.0, seed=0,
+        out=tmp_path, duration_s=45.0,
+    )  # fmt: skip
+    result = await run_experiment(setup)
+    write(result, tmp_path)
+
+    header, *rows = _cells(result["table"].split("\n\n")[1])
+    assert header[:4] == ["variant", "cap", "requests", "met objectives"]
+    assert [r[0] for r in rows] == ["static", "slo"]
+    assert all(len(r) == len(header) for r in rows)
+    for row in rows:
+        for cell in row[1:]:
+            number = float(re.sub(r"[%x]$", "", cell))
+            assert math.isfinite(number), row
+    knee = result["knee"]
+    assert rows[0][1] == str(knee["cap"]) and rows[1][1] == str(2 * knee["cap"])
+    # Both variants got the same arrivals, and the classes' objectives went out as headers.
+    sent = result["requests"]
+    assert len(sent["static"]) == len(sent["slo"]) > 0
+    assert {r["priority"] for r in sent["slo"]} == set(TIERS)
+    policy = (tmp_path / "slo" / "policy.yaml").read_text()
+    assert "slo:" in policy and "slo:" not in (tmp_path / "static" / "policy.yaml").read_text()
+    saved = orjson.loads((tmp_path / "results.json").read_bytes())
+    assert saved["table"] == result["table"] == (tmp_path / "table.md").read_text()
+
+
+def _record(i: int, priority: str, status: int = 200, **times: float) -> RequestRecord:
+    rec = RequestRecord(i, "generation", "chat", 500, 1000, times.pop("start_s", 0.0))
+    rec.status, rec.priority = status, priority
+    if status == 200:
+        rec.ttft_s, rec.e2e_s, rec.output_tokens = times["ttft_s"], times["e2e_s"], 1000
+        rec.predicted_ttft_s = times.get("predicted_ttft_s")
+    else:
+        rec.code = "slo_unreachable"
+    return rec
+
+
+def test_the_figures_read_simulated_time_from_the_records() -> None:
+    # Time scale 10: a wall TTFT of 0.1 s is 1 simulated second; TPOT (e2e - ttft) / 999.
+    slos = {"generation": SLO(ttft_s=2.0, tpot_s=0.05)}
+    records = [
+        _record(0, "critical", ttft_s=0.1, e2e_s=2.1, predicted_ttft_s=0.12),  # met (TPOT 20 ms)
+        _record(1, "critical", ttft_s=0.3, e2e_s=2.3, start_s=7.0),  # TTFT 3 s: missed
+        _record(2, "sheddable", 429, start_s=7.0),
+        _record(3, "standard", ttft_s=0.1, e2e_s=9.1, predicted_ttft_s=0.05),  # TPOT 90 ms
+    ]
+    run = VariantRun(Variant("slo", 8), records, 10.0, replica_hours=0.5, slip_s=0.0)
+    assert goodput_per_replica_hour(records, slos, 10.0, 0.5) == 2.0  # one met over half an hour
+
+    (overload,) = overload_rows([run], slos)
+    assert overload["critical"] == 2 and overload["critical_ttft_attainment"] == 0.5
+    assert overload["refused_429_by_tier"] == {"critical": 0.0, "standard": 0.0, "sheddable": 1.0}
+    assert overload["codes_429"] == {"slo_unreachable": 1}
+
+    (minutes,) = minute_rows([run], slos)
+    assert minutes["per_minute"] == [1, 0]  # arrivals at 0 and 70 simulated seconds
+
+    (prediction,) = prediction_rows([run])
+    assert prediction["ttft"]["requests"] == 2
+    assert prediction["ttft"]["p50_ms"] == pytest.approx(
+        350.0
+    )  # |0.12 - 0.1| and |0.05 - 0.1| s x 10
+    assert prediction["tpot"]["requests"] == 0 and prediction["tpot"]["p50_ms"] is None
+
+
+def test_the_workload_objectives_are_what_goodput_counts() -> None:
+    slos = objective_slos(load_workload("slo-mixed"))
+    assert slos == {
+        "classification": SLO(ttft_s=1.5),
+        "generation": SLO(ttft_s=2.0, tpot_s=0.05),
+    }
