@@ -145,16 +145,17 @@ def _next(scheduler: Scheduler, clock: float) -> tuple[Step | DecodeSpan, int, f
 
 @dataclass(frozen=True, slots=True)
 class Observed:
-    """One request as a gateway in front of the replica saw it when it was sent (what a latency
-    model may read then), and the latencies it got, in simulated seconds."""
+    """One request as a gateway in front of the replica saw it (what its latency model reads:
+    for TTFT when the request is sent, for TPOT when its first token arrives), and the
+    latencies it got, in simulated seconds."""
 
     users: int
     prompt_tokens: int
     output_tokens: int
-    prefill_tokens: int  # its own prompt and those in flight without a first token yet
-    decoding: int  # requests in flight past their first token
-    batch: int  # requests in flight, itself included
-    context_tokens: int  # prompts and outputs so far of everything in flight, its own prompt too
+    prefill_tokens: int  # when sent: its prompt and those in flight without a first token yet
+    decoding: int  # when sent: requests in flight past their first token
+    batch: int  # at its first token: requests in flight past theirs, itself included
+    context_tokens: int  # at its first token: prompts and outputs of everything in flight
     ttft_s: float
     tpot_s: float | None  # None for a single output token
 
@@ -169,49 +170,54 @@ def observe_closed_loop(
 ) -> list[Observed]:
     """`users` closed-loop users, each request's (prompt, output) shape drawn uniformly from
     `shapes`, until `requests` have completed after the first wave (left out, as in
-    `run_closed_loop`). Each request's features are read when it is submitted, from what a
-    gateway knows of the replica: the requests it sent there and whether each has streamed its
-    first token."""
+    `run_closed_loop`). The features are what a gateway knows of the replica: the requests it
+    sent there, their prompt and output lengths (its reservations), and whether each has
+    streamed its first token; read after each step, when a first token can have appeared."""
     if requests < 1:
         raise ValueError("requests must be positive")
     rng = random.Random(f"{seed}:{profile.name}:{users}")
     scheduler = Scheduler(profile)
     ids = itertools.count()
     clock = 0.0
-    features: dict[int, tuple[int, int, int, int]] = {}
+    at_send: dict[int, tuple[int, int]] = {}
+    at_first: dict[int, tuple[int, int]] = {}
     active: list[Sequence] = []
 
     def submit() -> Sequence:
         prompt, output = rng.choice(shapes)
-        in_flight = [s for s in active if s.status is not Status.FINISHED]
-        prefilling = [s for s in in_flight if s.first_token_at is None]
+        prefilling = [s for s in active if s.first_token_at is None]
         seq = Sequence(next(ids), prompt, output, output)
-        features[seq.id] = (
+        at_send[seq.id] = (
             prompt + sum(s.prompt_tokens for s in prefilling),
-            len(in_flight) - len(prefilling),
-            len(in_flight) + 1,
-            prompt + sum(s.total for s in in_flight),
+            len(active) - len(prefilling),
         )
         seq.arrival = clock
         scheduler.waiting.append(seq)
+        active.append(seq)
         return seq
 
     for _ in range(users):
-        active.append(submit())
+        submit()
     finished: list[Sequence] = []
     while len(finished) < users + requests:
         plan, steps, duration = _next(scheduler, clock)
         scheduler.commit(plan, steps, clock)
         clock += duration
+        decoding = [s for s in active if s.first_token_at is not None]
+        context = sum(s.prompt_tokens + s.max_tokens for s in active)
+        for s in decoding:
+            at_first.setdefault(s.id, (len(decoding), context))
         done = [s for s in active if s.status is Status.FINISHED]
         finished += done
-        active = [s for s in active if s.status is not Status.FINISHED]
+        active[:] = [s for s in active if s.status is not Status.FINISHED]
         for _ in done:
-            active.append(submit())
-    return [_observed(users, s, features[s.id]) for s in finished[users:]]
+            submit()
+    return [_observed(users, s, at_send[s.id], at_first[s.id]) for s in finished[users:]]
 
 
-def _observed(users: int, s: Sequence, f: tuple[int, int, int, int]) -> Observed:
+def _observed(users: int, s: Sequence, sent: tuple[int, int], first: tuple[int, int]) -> Observed:
     assert s.first_token_at is not None and s.finished_at is not None
     tpot = (s.finished_at - s.first_token_at) / (s.generated - 1) if s.generated > 1 else None
-    return Observed(users, s.prompt_tokens, s.generated, *f, s.first_token_at - s.arrival, tpot)
+    return Observed(
+        users, s.prompt_tokens, s.generated, *sent, *first, s.first_token_at - s.arrival, tpot
+    )
