@@ -26,6 +26,7 @@ from loadtest.loadgen import profile as profiling
 from loadtest.loadgen.compare import (
     DEFAULT_SLOS,
     CompareConfig,
+    objective_slos,
     parse_slo,
     run_compare,
     table,
@@ -270,7 +271,8 @@ def _compare_parser() -> argparse.ArgumentParser:
         action="append",
         type=_slo,
         default=[],
-        help="CLASS:metric=seconds[,...], metrics e2e, ttft, tpot; defaults: "
+        help="CLASS:metric=seconds[,...], metrics e2e, ttft, tpot; defaults: a class's own"
+        " objectives (`slo:` in the workload), else "
         + "; ".join(f"{k}: {v.describe()}" for k, v in DEFAULT_SLOS.items()),
     )
     p.add_argument(
@@ -303,14 +305,15 @@ def compare(argv: Sequence[str]) -> int:
             return await run_compare(config(Target(url, args.model, args.tokenizer), gateway))
 
     def config(rr: Target, gateway: Target) -> CompareConfig:
+        workload = load_workload(args.workload)
         return CompareConfig(
             targets=(("round-robin", rr), ("gateway", gateway)),
             rate=args.rate,
             duration_s=args.duration,
-            workload=load_workload(args.workload),
+            workload=workload,
             requests=args.requests,
             max_seconds=args.max_seconds,
-            slos={**DEFAULT_SLOS, **dict(args.slo)},
+            slos={**DEFAULT_SLOS, **objective_slos(workload), **dict(args.slo)},
             time_scale=args.time_scale,
             seed=args.seed,
         )
