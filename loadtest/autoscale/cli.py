@@ -37,8 +37,9 @@ from loadtest.autoscale.loop import (
     run_autoscale,
 )
 from loadtest.autoscale.trace import STEP, from_access_log, load_traces, write_trace
-from loadtest.loadgen.compare import DEFAULT_SLOS, SLO, parse_slo
+from loadtest.loadgen.compare import DEFAULT_SLOS, SLO, objective_slos, parse_slo
 from loadtest.loadgen.profile import read_access_log
+from loadtest.loadgen.workloads import load_workload
 from loadtest.real_tokenizers import cache_root
 from loadtest.tiny_tokenizer import ensure
 
@@ -248,9 +249,14 @@ def manifest_notes(manifest: hpa.Manifest | None) -> tuple[str, ...]:
     )
 
 
-def slos(args: argparse.Namespace, classes: Iterable[str]) -> dict[str, SLO]:
-    """loadgen's default SLOs, then `--slo`, then `--slo-e2e-s` for every class sent."""
+def slos(
+    args: argparse.Namespace, classes: Iterable[str], workloads: Iterable[str] = ()
+) -> dict[str, SLO]:
+    """loadgen's default SLOs, then the workloads' own objectives (`slo:` on a class), then
+    `--slo`, then `--slo-e2e-s` for every class sent."""
     out = dict(DEFAULT_SLOS)
+    for name in workloads:
+        out.update(objective_slos(load_workload(name)))
     out.update(args.slo)
     if args.slo_e2e_s is not None:
         for name in {*classes, *out}:
@@ -386,7 +392,7 @@ def main(argv: Sequence[str]) -> int:
           f" {config.time_scale:g} (~{wall:.0f} s of load, wall clock), signal {config.signal}, start-up"
           f" {config.startup_s:g} s ...", flush=True)  # fmt: skip
     run = asyncio.run(run_autoscale(config))
-    targets = slos(args, {r.cls for r in run.records})
+    targets = slos(args, {r.cls for r in run.records}, config.trace.series)
     summary = report.summarise(run, targets, args.window_s)
     report.write(run, summary, args.out)
     for note in run.notes:

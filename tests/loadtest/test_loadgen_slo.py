@@ -4,6 +4,7 @@ refusal's error code in the record. A replica on loopback plays the gateway's pa
 
 from __future__ import annotations
 
+import argparse
 import random
 from collections.abc import AsyncIterator
 
@@ -11,8 +12,10 @@ import orjson
 import pytest
 from aiohttp import web
 
+from loadtest.autoscale.cli import slos as autoscale_slos
 from loadtest.autoscale.loop import wall_slo
 from loadtest.autoscale.trace import load_trace
+from loadtest.loadgen.compare import SLO, parse_slo
 from loadtest.loadgen.progress import Progress
 from loadtest.loadgen.prompts import PromptBuilder
 from loadtest.loadgen.runner import run_level
@@ -139,3 +142,10 @@ def test_bursts_repeat_from_their_start() -> None:
     assert rates == {0: 1, 9: 1, 10: 4, 14: 4, 16: 1, 40: 4, 44: 4, 46: 1, 70: 1, 71: 0}
     with pytest.raises(ValueError, match="length <= every"):
         load_trace("bursts:every=10,length=20", "w")
+
+
+def test_the_autoscaling_report_holds_a_workload_to_its_own_objectives() -> None:
+    args = argparse.Namespace(slo=[parse_slo("generation:tpot=0.03")], slo_e2e_s=None)
+    held = autoscale_slos(args, ["classification", "generation"], ["slo-mixed"])
+    assert held["classification"] == SLO(ttft_s=1.5)  # not the default E2E 2 s
+    assert held["generation"] == SLO(tpot_s=0.03)  # --slo still has the last word
