@@ -16,13 +16,14 @@ static cap), its throughput there (the fleet's capacity, which the loads are mul
 the latency model's seed (`seed-latency`).
 
 - **goodput** (a): bursts from 0.7x to 1.5x capacity; `static` (caps at the knee, as today)
-  against `slo` (objectives, the seed, adaptive caps up to twice the knee). Goodput per
+  against `slo` (the same caps, admission by objective with the seed) and `slo+adaptive`
+  (adaptive caps under a ceiling of twice the knee). Goodput per
   replica-hour: requests that met their objectives, as the client observed them, over the fixed
   fleet's replicas x the trace's simulated duration (the same for every variant). `--autoscale` runs both under the autoscaling
   loop too, which pays for the replica-hours its HPA asks for.
 - **miscap** (b): steady load at capacity; caps at 0.5x and 2x the knee with adaptive caps on,
   against the knee's static caps: goodput per simulated minute, and each minute's ratio.
-- **overload** (c): steady load at 2x capacity, both variants: the critical requests' TTFT
+- **overload** (c): steady load at 2x capacity, the three variants: the critical requests' TTFT
   attainment (of those sent) and, per tier, the share of its requests refused with 429.
 - **prediction** (d): steady load at 0.8x capacity through `slo`: |predicted - observed| TTFT
   and TPOT, p50 and p90, from the gateway's `x-gateway-predicted-*-ms` and what the client saw.
@@ -129,19 +130,24 @@ class Variant:
     slo: dict[str, Any] | None = None  # the pool's `slo:`, simulated units
 
 
-def slo_spec(workload: Workload, model: LatencyModelSpec, interval_s: float) -> dict[str, Any]:
+def slo_spec(
+    workload: Workload, model: LatencyModelSpec, adaptive_interval_s: float | None
+) -> dict[str, Any]:
     """The pool's `slo:` for the workload, in simulated units: the tiers' default objectives are
-    the tightest any class asks (requests send their own), and the adaptive caps hold them."""
+    the tightest any class asks (requests send their own); with an interval, adaptive caps hold
+    them too."""
     objectives = [c.slo for c in workload.classes if c.slo is not None]
     ttft = min((o.ttft_ms for o in objectives if o.ttft_ms), default=None)
     tpot = min((o.tpot_ms for o in objectives if o.tpot_ms), default=None)
     target = {k: v for k, v in (("ttft_ms", ttft), ("tpot_ms", tpot)) if v is not None}
-    return {
+    spec: dict[str, Any] = {
         "objectives": dict.fromkeys(TIERS, target),
         "headers": True,
         "model": model.model_dump(),
-        "adaptive": {"target": target, "interval_s": interval_s},
     }
+    if adaptive_interval_s is not None:
+        spec["adaptive"] = {"target": target, "interval_s": adaptive_interval_s}
+    return spec
 
 
 @dataclass
@@ -149,6 +155,7 @@ class VariantRun:
     variant: Variant
     records: list[RequestRecord]
     time_scale: float
+    duration_s: float  # simulated: the trace's, arrivals and all
     replica_hours: float
     slip_s: float  # the most simulated time a replica's clock lost to a busy machine
     notes: list[str] = field(default_factory=list)
@@ -204,7 +211,7 @@ async def run_fleet(setup: Setup, profile: Profile, variant: Variant, trace: Tra
         progress.finish(f"{sum(r.ok for r in run.records)} of {len(run.records)} ok")
         slip = max(r.engine.slip_s for r in replicas)
     hours = setup.replicas * trace.duration_s / 3600
-    return VariantRun(variant, run.records, k, hours, slip)
+    return VariantRun(variant, run.records, k, trace.duration_s, hours, slip)
 
 
 async def run_autoscaled(
@@ -236,7 +243,7 @@ async def run_autoscaled(
     hours = autoscale_report.summarise(run, {}, MINUTE_S)["replica_hours"]
     slip = max((m.replica.engine.slip_s for m in run.members if m.replica), default=0.0)
     name = Variant(f"{variant.name} (autoscaled)", variant.cap, variant.slo)
-    return VariantRun(name, run.records, setup.time_scale, hours, slip, run.notes)
+    return VariantRun(name, run.records, setup.time_scale, trace.duration_s, hours, slip, run.notes)
 
 
 # --- the figures ----------------------------------------------------------------------------
@@ -304,7 +311,7 @@ def minute_rows(runs: Sequence[VariantRun], slos: Mapping[str, SLO]) -> list[dic
     rows = []
     for run in runs:
         k = run.time_scale
-        minutes = max(1, math.ceil(max((r.start_s * k for r in run.records), default=0) / MINUTE_S))
+        minutes = max(1, math.ceil(run.duration_s / MINUTE_S))  # a late send: the last
         met = [0] * minutes
         for r in run.records:
             if (slos.get(r.cls) or SLO()).met(r, k):
@@ -458,29 +465,35 @@ def _prediction(runs: Sequence[VariantRun], slos: Mapping[str, SLO]) -> tuple[li
     return rows, prediction_table(rows)
 
 
-def experiment_plan(setup: Setup, knee: Knee, slo: dict[str, Any]) -> Plan:
-    """The experiment's trace (rates are multiples of the fleet's capacity) and variants."""
+def experiment_plan(setup: Setup, knee: Knee, model: LatencyModelSpec) -> Plan:
+    """The experiment's trace (rates are multiples of the fleet's capacity) and variants:
+    `static` (caps at the knee, as before objectives), `slo` (the same caps, admission by
+    objective: the latency model, headroom placement, sheddable work refused when no replica
+    would meet it) and `slo+adaptive` (adaptive caps under a ceiling of twice the knee)."""
     capacity = knee.capacity_rps * setup.replicas
     d = setup.duration_s
+    workload = load_workload(WORKLOAD)
+    slo = slo_spec(workload, model, setup.adaptive_interval_s)
     static = Variant("static", knee.cap)
-    adaptive = Variant("slo", 2 * knee.cap, slo)
+    by_objective = Variant("slo", knee.cap, slo_spec(workload, model, None))
+    adaptive = Variant("slo+adaptive", 2 * knee.cap, slo)
     if setup.experiment == "goodput":
         every = max(d / 3, 1.0)
         spec = (
             f"bursts:base={0.7 * capacity:.4g},peak={1.5 * capacity:.4g},start={every / 3:.4g},"
             f"every={every:.4g},length={every / 3:.4g},duration={d:g}"
         )
-        return Plan(_trace(spec), (static, adaptive), _goodput)
+        return Plan(_trace(spec), (static, by_objective, adaptive), _goodput)
     steady = {"miscap": 1.0, "overload": 2.0, "prediction": 0.8}[setup.experiment]
     rate = f"{steady * capacity:.4g}"
     trace = _trace(f"step:base={rate},peak={rate},start=0,end=0,duration={d:g}")
     if setup.experiment == "miscap":
-        low = Variant("slo, cap 0.5x knee", max(1, knee.cap // 2), slo)
-        high = Variant("slo, cap 2x knee", 2 * knee.cap, slo)
+        low = Variant("slo+adaptive, cap 0.5x knee", max(1, knee.cap // 2), slo)
+        high = Variant("slo+adaptive, cap 2x knee", 2 * knee.cap, slo)
         return Plan(trace, (static, low, high), _minutes)
     if setup.experiment == "overload":
-        return Plan(trace, (static, adaptive), _overload)
-    return Plan(trace, (adaptive,), _prediction)
+        return Plan(trace, (static, by_objective, adaptive), _overload)
+    return Plan(trace, (by_objective,), _prediction)
 
 
 async def run_experiment(setup: Setup) -> dict[str, Any]:
@@ -489,8 +502,7 @@ async def run_experiment(setup: Setup) -> dict[str, Any]:
     workload = load_workload(WORKLOAD)
     knee = knee_of(profile, workload, setup.seed)
     model = fit_seed(profile, setup.seed).model
-    slo = slo_spec(workload, model, setup.adaptive_interval_s)
-    plan = experiment_plan(setup, knee, slo)
+    plan = experiment_plan(setup, knee, model)
     slos = objective_slos(workload)
     runs = [await run_fleet(setup, profile, v, plan.trace) for v in plan.variants]
     if setup.autoscale and setup.experiment == "goodput":
@@ -508,7 +520,7 @@ async def run_experiment(setup: Setup) -> dict[str, Any]:
     return {
         "setup": {**asdict(setup), "out": str(setup.out)},
         "knee": asdict(knee),
-        "slo": slo,
+        "variants": [asdict(v) for v in plan.variants],
         "trace": plan.trace.rows(),
         "rows": rows,
         "table": f"{head}\n\n{table}\n" + "".join(f"\n> {n}\n" for n in notes),

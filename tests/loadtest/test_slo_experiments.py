@@ -43,20 +43,23 @@ async def test_the_goodput_experiment_runs_end_to_end_and_its_table_is_finite(
 
     header, *rows = _cells(result["table"].split("\n\n")[1])
     assert header[:4] == ["variant", "cap", "requests", "met objectives"]
-    assert [r[0] for r in rows] == ["static", "slo"]
+    assert [r[0] for r in rows] == ["static", "slo", "slo+adaptive"]
     assert all(len(r) == len(header) for r in rows)
     for row in rows:
         for cell in row[1:]:
             number = float(re.sub(r"[%x]$", "", cell))
             assert math.isfinite(number), row
     knee = result["knee"]
-    assert rows[0][1] == str(knee["cap"]) and rows[1][1] == str(2 * knee["cap"])
+    assert [r[1] for r in rows] == [str(knee["cap"])] * 2 + [str(2 * knee["cap"])]
     # Both variants got the same arrivals, and the classes' objectives went out as headers.
     sent = result["requests"]
     assert len(sent["static"]) == len(sent["slo"]) > 0
     assert {r["priority"] for r in sent["slo"]} == set(TIERS)
-    policy = (tmp_path / "slo" / "policy.yaml").read_text()
-    assert "slo:" in policy and "slo:" not in (tmp_path / "static" / "policy.yaml").read_text()
+    policies = {v: (tmp_path / v / "policy.yaml").read_text() for v in ("static", "slo")}
+    adaptive = (tmp_path / "slo+adaptive" / "policy.yaml").read_text()
+    assert "slo:" not in policies["static"]
+    assert "slo:" in policies["slo"] and "adaptive:" not in policies["slo"]
+    assert "adaptive:" in adaptive
     saved = orjson.loads((tmp_path / "results.json").read_bytes())
     assert saved["table"] == result["table"] == (tmp_path / "table.md").read_text()
 
@@ -80,9 +83,10 @@ def test_the_figures_read_simulated_time_from_the_records() -> None:
         _record(1, "critical", ttft_s=0.3, e2e_s=2.3, start_s=7.0),  # TTFT 3 s: missed
         _record(2, "sheddable", 429, start_s=7.0),
         _record(3, "standard", ttft_s=0.1, e2e_s=9.1, predicted_ttft_s=0.05),  # TPOT 90 ms
+        _record(4, "standard", ttft_s=0.1, e2e_s=2.1, start_s=12.5),  # met, sent late: 125 s
     ]
-    run = VariantRun(Variant("slo", 8), records, 10.0, replica_hours=0.5, slip_s=0.0)
-    assert goodput_per_replica_hour(records, slos, 10.0, 0.5) == 2.0  # one met over half an hour
+    run = VariantRun(Variant("slo", 8), records, 10.0, 120.0, replica_hours=0.5, slip_s=0.0)
+    assert goodput_per_replica_hour(records, slos, 10.0, 0.5) == 4.0  # two met in half an hour
 
     (overload,) = overload_rows([run], slos)
     assert overload["critical"] == 2 and overload["critical_ttft_attainment"] == 0.5
@@ -90,7 +94,8 @@ def test_the_figures_read_simulated_time_from_the_records() -> None:
     assert overload["codes_429"] == {"slo_unreachable": 1}
 
     (minutes,) = minute_rows([run], slos)
-    assert minutes["per_minute"] == [1, 0]  # arrivals at 0 and 70 simulated seconds
+    # Sent at 0, 70 and 125 simulated seconds of a 120 s trace: the late one counts in its last.
+    assert minutes["per_minute"] == [1, 1]
 
     (prediction,) = prediction_rows([run])
     assert prediction["ttft"]["requests"] == 2
