@@ -465,14 +465,13 @@ def _prediction(runs: Sequence[VariantRun], slos: Mapping[str, SLO]) -> tuple[li
     return rows, prediction_table(rows)
 
 
-def experiment_plan(setup: Setup, knee: Knee, model: LatencyModelSpec) -> Plan:
+def experiment_plan(setup: Setup, workload: Workload, knee: Knee, model: LatencyModelSpec) -> Plan:
     """The experiment's trace (rates are multiples of the fleet's capacity) and variants:
     `static` (caps at the knee, as before objectives), `slo` (the same caps, admission by
     objective: the latency model, headroom placement, sheddable work refused when no replica
     would meet it) and `slo+adaptive` (adaptive caps under a ceiling of twice the knee)."""
     capacity = knee.capacity_rps * setup.replicas
     d = setup.duration_s
-    workload = load_workload(WORKLOAD)
     slo = slo_spec(workload, model, setup.adaptive_interval_s)
     static = Variant("static", knee.cap)
     by_objective = Variant("slo", knee.cap, slo_spec(workload, model, None))
@@ -502,7 +501,7 @@ async def run_experiment(setup: Setup) -> dict[str, Any]:
     workload = load_workload(WORKLOAD)
     knee = knee_of(profile, workload, setup.seed)
     model = fit_seed(profile, setup.seed).model
-    plan = experiment_plan(setup, knee, model)
+    plan = experiment_plan(setup, workload, knee, model)
     slos = objective_slos(workload)
     runs = [await run_fleet(setup, profile, v, plan.trace) for v in plan.variants]
     if setup.autoscale and setup.experiment == "goodput":
