@@ -97,6 +97,9 @@ class Setup:
     autoscale: bool = False
     startup_s: float = 120.0  # the autoscaling loop's start-up, simulated
     max_requests: int = 20_000
+    # Every rate times this: the experiments' loads are multiples of capacity; below 1 for a
+    # smoke run (the CI test) that must not load the machine.
+    load: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -470,7 +473,7 @@ def experiment_plan(setup: Setup, workload: Workload, knee: Knee, model: Latency
     `static` (caps at the knee, as before objectives), `slo` (the same caps, admission by
     objective: the latency model, headroom placement, sheddable work refused when no replica
     would meet it) and `slo+adaptive` (adaptive caps under a ceiling of twice the knee)."""
-    capacity = knee.capacity_rps * setup.replicas
+    capacity = knee.capacity_rps * setup.replicas * setup.load
     d = setup.duration_s
     slo = slo_spec(workload, model, setup.adaptive_interval_s)
     static = Variant("static", knee.cap)
@@ -512,6 +515,7 @@ async def run_experiment(setup: Setup) -> dict[str, Any]:
         f" {setup.time_scale:g}, seed {setup.seed}, {setup.duration_s:g} simulated s of"
         f" arrivals; knee {knee.cap} ({knee.reason}), capacity {knee.capacity_rps:.2f} req/s"
         " a replica. Simulated times."
+        + (f" Every rate x{setup.load:g} (a smoke run)." if setup.load != 1 else "")
     )
     slips = ", ".join(f"{run.variant.name} {run.slip_s:.1f} s" for run in runs)
     head += f" Most simulated time a replica's clock lost to the machine: {slips}."
@@ -555,17 +559,21 @@ def parser() -> argparse.ArgumentParser:
         "--autoscale", action="store_true", help="goodput: under the autoscaling loop as well"
     )
     p.add_argument("--startup", type=float, default=120.0, help="--autoscale: simulated s")
+    p.add_argument(
+        "--load", type=float, default=1.0, help="every rate times this (below 1: a smoke run)"
+    )
     p.add_argument("--out", type=Path, required=True)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    if args.replicas < 1 or args.time_scale <= 0 or args.duration <= 0:
-        raise SystemExit("--replicas, --time-scale and --duration must be positive")
+    if args.replicas < 1 or min(args.time_scale, args.duration, args.load) <= 0:
+        raise SystemExit("--replicas, --time-scale, --duration and --load must be positive")
     setup = Setup(
         args.experiment, args.profile, args.replicas, args.time_scale, args.seed, args.out,
         args.duration, args.queue_wait, args.adaptive_interval, args.autoscale, args.startup,
+        load=args.load,
     )  # fmt: skip
     result = asyncio.run(run_experiment(setup))
     write(result, args.out)

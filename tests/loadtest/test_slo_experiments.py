@@ -36,7 +36,7 @@ async def test_the_goodput_experiment_runs_end_to_end_and_its_table_is_finite(
 ) -> None:
     setup = Setup(
         "goodput", "gemma-3-12b-tpu-v6e-2x2", replicas=1, time_scale=20.0, seed=0,
-        out=tmp_path, duration_s=45.0,
+        out=tmp_path, duration_s=45.0, load=0.25,
     )  # fmt: skip
     result = await run_experiment(setup)
     write(result, tmp_path)
