@@ -132,7 +132,7 @@ def test_a_pool_slo_in_simulated_time_is_written_in_wall_time() -> None:
     assert wall["objectives"] == {"standard": {"ttft_ms": 200, "tpot_ms": 5}}
     assert wall["model"] == {"ttft_base_ms": 2.0, "ttft_per_1k_prefill_ms": 3.0, "forgetting": 0.99}
     assert wall["adaptive"] == {"target": {"ttft_ms": 150}, "interval_s": 0.5, "min_samples": 8}
-    assert wall["preempt"] == slo["preempt"]  # a rate per wall second is left as written
+    assert wall["preempt"] == {"enabled": False, "max_per_s": 10.0}  # a rate: times K
     assert slo["objectives"]["standard"]["ttft_ms"] == 2000  # the input is not changed
 
 
