@@ -26,7 +26,9 @@ the latency model's seed (`seed-latency`).
 - **overload** (c): steady load at 2x capacity, the three variants: the critical requests' TTFT
   attainment (of those sent) and, per tier, the share of its requests refused with 429.
 - **prediction** (d): steady load at 0.8x capacity through `slo`: |predicted - observed| TTFT
-  and TPOT, p50 and p90, from the gateway's `x-gateway-predicted-*-ms` and what the client saw.
+  and TPOT, p50 and p90, from the gateway's `x-gateway-predicted-*-ms` and what the client saw
+  (its TTFT from sending: the gateway's queue is in it), and from the gateway's access log
+  (TTFT from the grant, as the model predicts it: the log's TTFT less its queue wait).
 
 Every figure is simulated. The gateway reads wall time, so what the policy says in simulated
 time (queue wait, objectives, the seed, the adaptive interval) is written over the time scale
@@ -64,6 +66,7 @@ from loadtest.autoscale.loop import (
 from loadtest.autoscale.trace import Trace, builtin
 from loadtest.loadgen.compare import SLO, goodput_per_replica_hour, met_objectives, objective_slos
 from loadtest.loadgen.knee import find_knee
+from loadtest.loadgen.profile import read_access_log
 from loadtest.loadgen.progress import Progress
 from loadtest.loadgen.prompts import PromptBuilder
 from loadtest.loadgen.runner import RequestRecord, run_level
@@ -162,6 +165,7 @@ class VariantRun:
     replica_hours: float
     slip_s: float  # the most simulated time a replica's clock lost to a busy machine
     notes: list[str] = field(default_factory=list)
+    access: list[dict[str, Any]] = field(default_factory=list)  # the gateway's access log
 
 
 def policy(setup: Setup, profile: Profile, urls: Sequence[str], variant: Variant) -> dict[str, Any]:
@@ -214,7 +218,8 @@ async def run_fleet(setup: Setup, profile: Profile, variant: Variant, trace: Tra
         progress.finish(f"{sum(r.ok for r in run.records)} of {len(run.records)} ok")
         slip = max(r.engine.slip_s for r in replicas)
     hours = setup.replicas * trace.duration_s / 3600
-    return VariantRun(variant, run.records, k, trace.duration_s, hours, slip)
+    access = read_access_log(out / "access.jsonl")
+    return VariantRun(variant, run.records, k, trace.duration_s, hours, slip, access=access)
 
 
 async def run_autoscaled(
@@ -392,40 +397,66 @@ def overload_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _errors(pairs: Sequence[tuple[float, float]], k: float) -> dict[str, Any]:
+    """|predicted - observed| of (predicted, observed) wall-second pairs, in simulated ms."""
+    errors = [abs(predicted - observed) * k * 1000 for predicted, observed in pairs]
+    return {
+        "requests": len(errors),
+        "p50_ms": percentile(errors, 50),
+        "p90_ms": percentile(errors, 90),
+    }
+
+
+def _client_pairs(run: VariantRun, metric: str) -> list[tuple[float, float]]:
+    return [
+        (predicted, observed)
+        for r in run.records
+        if r.ok
+        and (predicted := getattr(r, f"predicted_{metric}_s")) is not None
+        and (observed := getattr(r, f"{metric}_s")) is not None
+    ]
+
+
+def _logged_pairs(run: VariantRun, metric: str) -> list[tuple[float, float]]:
+    """From the access log: TTFT from the grant (its TTFT from arrival less its queue wait),
+    TPOT over the output tokens after the first."""
+    out = []
+    for line in run.access:
+        predicted, ttft = line.get(f"predicted_{metric}_s"), line.get("ttft_s")
+        if line.get("status") != 200 or predicted is None or ttft is None:
+            continue
+        if metric == "ttft":
+            out.append((predicted, ttft - (line.get("queue_wait_s") or 0.0)))
+        elif (tokens := line.get("output_tokens") or 0) > 1 and line.get("e2e_s") is not None:
+            out.append((predicted, (line["e2e_s"] - ttft) / (tokens - 1)))
+    return out
+
+
 def prediction_rows(runs: Sequence[VariantRun]) -> list[dict[str, Any]]:
-    """|predicted - observed| in simulated ms, over the completed requests the gateway predicted."""
+    """|predicted - observed| in simulated ms, over the completed requests the gateway predicted:
+    as the client observed them, and as the gateway logged them."""
     rows = []
     for run in runs:
-        k = run.time_scale
-        row: dict[str, Any] = {"variant": run.variant.name}
-        for metric in ("ttft", "tpot"):
-            errors = [
-                abs(predicted - observed) * k * 1000
-                for r in run.records
-                if r.ok
-                and (predicted := getattr(r, f"predicted_{metric}_s")) is not None
-                and (observed := getattr(r, f"{metric}_s")) is not None
-            ]
-            row[metric] = {
-                "requests": len(errors),
-                "p50_ms": percentile(errors, 50),
-                "p90_ms": percentile(errors, 90),
-            }
-        rows.append(row)
+        for source, pairs in (("client", _client_pairs), ("gateway log", _logged_pairs)):
+            row: dict[str, Any] = {"variant": run.variant.name, "observed by": source}
+            for metric in ("ttft", "tpot"):
+                row[metric] = _errors(pairs(run, metric), run.time_scale)
+            rows.append(row)
     return rows
 
 
 def prediction_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
-        "| variant | TTFT predicted | TTFT error p50 ms | p90 ms | TPOT predicted"
+        "| variant | observed by | TTFT predicted | TTFT error p50 ms | p90 ms | TPOT predicted"
         " | TPOT error p50 ms | p90 ms |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         t, p = r["ttft"], r["tpot"]
         lines.append(
-            f"| {r['variant']} | {t['requests']} | {_num(t['p50_ms'])} | {_num(t['p90_ms'])}"
-            f" | {p['requests']} | {_num(p['p50_ms'], 2)} | {_num(p['p90_ms'], 2)} |"
+            f"| {r['variant']} | {r['observed by']} | {t['requests']} | {_num(t['p50_ms'])}"
+            f" | {_num(t['p90_ms'])} | {p['requests']} | {_num(p['p50_ms'], 2)}"
+            f" | {_num(p['p90_ms'], 2)} |"
         )
     return "\n".join(lines)
 

@@ -85,7 +85,14 @@ def test_the_figures_read_simulated_time_from_the_records() -> None:
         _record(3, "standard", ttft_s=0.1, e2e_s=9.1, predicted_ttft_s=0.05),  # TPOT 90 ms
         _record(4, "standard", ttft_s=0.1, e2e_s=2.1, start_s=12.5),  # met, sent late: 125 s
     ]
-    run = VariantRun(Variant("slo", 8), records, 10.0, 120.0, replica_hours=0.5, slip_s=0.0)
+    access = [  # the gateway's log: TTFT from arrival, its queue wait; a refusal predicts nothing
+        {"status": 200, "ttft_s": 0.15, "queue_wait_s": 0.05, "e2e_s": 2.15, "output_tokens": 1001,
+         "predicted_ttft_s": 0.12, "predicted_tpot_s": 0.003},
+        {"status": 429, "ttft_s": None, "predicted_ttft_s": None, "predicted_tpot_s": None},
+    ]  # fmt: skip
+    run = VariantRun(
+        Variant("slo", 8), records, 10.0, 120.0, replica_hours=0.5, slip_s=0.0, access=access
+    )
     assert goodput_per_replica_hour(records, slos, 10.0, 0.5) == 4.0  # two met in half an hour
 
     (overload,) = overload_rows([run], slos)
@@ -97,12 +104,14 @@ def test_the_figures_read_simulated_time_from_the_records() -> None:
     # Sent at 0, 70 and 125 simulated seconds of a 120 s trace: the late one counts in its last.
     assert minutes["per_minute"] == [1, 1]
 
-    (prediction,) = prediction_rows([run])
-    assert prediction["ttft"]["requests"] == 2
-    assert prediction["ttft"]["p50_ms"] == pytest.approx(
-        350.0
-    )  # |0.12 - 0.1| and |0.05 - 0.1| s x 10
-    assert prediction["tpot"]["requests"] == 0 and prediction["tpot"]["p50_ms"] is None
+    client, logged = prediction_rows([run])
+    assert client["observed by"] == "client" and client["ttft"]["requests"] == 2
+    # |0.12 - 0.1| and |0.05 - 0.1| wall seconds, times 10, in ms
+    assert client["ttft"]["p50_ms"] == pytest.approx(350.0)
+    assert client["tpot"]["requests"] == 0 and client["tpot"]["p50_ms"] is None
+    # From the grant: 0.15 - 0.05 s against 0.12 s predicted; TPOT 2 s / 1000 against 3 ms.
+    assert logged["ttft"]["requests"] == 1 and logged["ttft"]["p50_ms"] == pytest.approx(200)
+    assert logged["tpot"]["p50_ms"] == pytest.approx(10.0)
 
 
 def test_the_workload_objectives_are_what_goodput_counts() -> None:
