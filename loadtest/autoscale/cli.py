@@ -135,7 +135,7 @@ def parser() -> argparse.ArgumentParser:
                    " the reactive one and the SLO miss share, the larger wins (default:"
                    " reactive, or what the --hpa manifest lists)")  # fmt: skip
     p.add_argument("--slo-miss-target", type=_positive, default=DEFAULT_SLO_MISS_TARGET,
-                   help="--signal attainment: the miss share the HPA's Value target allows"
+                   help="with --signal attainment: the miss share the HPA's Value target allows"
                    " (default: %(default)s, a 90%% attainment)")  # fmt: skip
     p.add_argument("--pool-slo", type=_pool_slo, metavar="YAML",
                    help="the pool's policy `slo` in simulated ms, e.g. '{objectives: {standard:"
