@@ -23,6 +23,7 @@ from gateway.context.objective import Objective
 from gateway.pick.picker import LeastInflightPicker
 
 SEED = LatencyModelSpec()
+SEED_FIT = (0.02, 0.06, 0.1)
 
 
 def true_ttft(prefill_tokens: int, decoding: int) -> float:
@@ -79,6 +80,39 @@ def test_no_load_makes_a_replica_faster() -> None:
     for _ in range(50):
         fit.observe((1.0, 1.0, 1.0), 0.0)  # samples that pull every coefficient below zero
     assert min(fit.theta) >= 0.0
+
+
+def test_a_fit_stays_put_over_many_samples() -> None:
+    """Rounding leaves P slightly asymmetric, and forgetting multiplies that by 1/forgetting
+    at every sample: at the default forgetting a fit updated as a full matrix diverged after
+    some 10,000 samples (θ to infinity, then predictions NaN, which no headroom compares
+    above, so placement by headroom found no replica at all)."""
+    rng = random.Random(9)
+    fit = Fit(SEED_FIT, SEED.forgetting)
+    for _ in range(30_000):
+        x = (1.0, rng.uniform(0, 2), rng.uniform(0, 0.6))
+        fit.observe(x, 0.02 + 0.06 * x[1] + 0.1 * x[2] + rng.gauss(0, 0.001))
+    assert fit.theta == pytest.approx([0.02, 0.06, 0.1], abs=0.005)
+    assert fit.p[0][1] == fit.p[1][0] and fit.p[1][2] == fit.p[2][1]
+
+
+def test_a_quiet_direction_does_not_wind_up() -> None:
+    """Forgetting divides the fit's uncertainty by `forgetting` at every sample; a feature that
+    stays 0 (nothing decoding while a replica serves one request at a time) never brings its
+    direction back down. Unbounded, one noisy sample after a quiet stretch set the whole
+    per-running coefficient (a 50 ms miss made it 50 ms per running request), and after about
+    `log(1e308) / -log(forgetting)` samples the uncertainty overflowed and the fit went to a
+    constant 0 for good."""
+    rng = random.Random(5)
+    for forgetting, quiet in ((0.995, 5000), (0.91, 20_000)):
+        fit = Fit(SEED_FIT, forgetting)
+        for _ in range(quiet):
+            x = (1.0, rng.uniform(0, 2), 0.0)
+            fit.observe(x, 0.02 + 0.06 * x[1] + rng.gauss(0, 0.001))
+        assert all(math.isfinite(v) for row in fit.p for v in row)
+        assert fit.theta == pytest.approx([0.02, 0.06, 0.1], abs=0.005)
+        fit.observe((1.0, 1.0, 0.01), 0.08 + 0.001 + 0.05)  # one request decoding, 50 ms late
+        assert fit.theta[2] < 0.1 + 1.0  # under 11 ms more per running request, not 50
 
 
 def test_predictions_beat_any_constant_on_a_loaded_replica() -> None:
