@@ -311,7 +311,7 @@ class LivePool:
                 continue
             prediction = latency.predict(replica, claim, cached(replica, claim))
             room = prediction.headroom(objective, now)
-            if room > best_room:
+            if best is None or room > best_room:  # room beats none, even at -inf headroom
                 best, best_room, predicted = replica, room, prediction
         if best_room < 0 and claim.priority == SHEDDABLE and predicted is not None:
             raise self._unreachable(objective, predicted, now)
