@@ -58,19 +58,39 @@ SHED = Declared(
     "Requests shed by tier while their pool was saturated.",
     ("pool", "tier"),
 )
+# The latency model's view of what runs on a replica (gateway/admit/latency.py), on a pool with
+# `slo`: what its TTFT and TPOT predictions are made from, and each back to 0 when it is idle.
+PREFILL = Declared(
+    GaugeMetricFamily,
+    "llm_replica_prefill_tokens",
+    "Uncached prompt tokens of the requests granted on a replica and still before their first"
+    " token, as its pool's latency model counts them (pools with slo).",
+    REPLICA,
+)
+DECODING = Declared(
+    GaugeMetricFamily,
+    "llm_replica_decoding",
+    "Requests granted on a replica past their first token, as its pool's latency model counts"
+    " them (pools with slo).",
+    REPLICA,
+)
 
 
 class SlotsCollector(Scraped):
-    declared = (REQUESTS, TOKENS, DEPTH, LEASES, CAPACITY, DRIFT, OBSERVED, SHED)
+    declared = (REQUESTS, TOKENS, DEPTH, LEASES, CAPACITY, DRIFT, OBSERVED, SHED, PREFILL, DECODING)
 
     def collect(self) -> list[Metric]:
         source = self.source()
         requests, tokens, depth, leases = REQUESTS(), TOKENS(), DEPTH(), LEASES()
         capacity, drift, observed, shed = CAPACITY(), DRIFT(), OBSERVED(), SHED()
+        prefill, decoding = PREFILL(), DECODING()
         for name, pool in chain(source.slots.items(), source.retiring.items()):
             for replica in pool.replicas:
                 requests.add_metric([name, replica.url], replica.inflight)
                 tokens.add_metric([name, replica.url], replica.inflight_tokens)
+                if pool.latency is not None and (state := replica.latency) is not None:
+                    prefill.add_metric([name, replica.url], state.prefill_tokens)
+                    decoding.add_metric([name, replica.url], state.decoding)
             for tier, waiting in zip(PRIORITIES, pool.waiting_by_tier, strict=True):
                 depth.add_metric([name, tier], waiting)
         for name, pool in source.slots.items():
@@ -84,4 +104,4 @@ class SlotsCollector(Scraped):
                 drift.add_metric([name, url, kind], count)
             for tier, count in pool.sheds.items():
                 shed.add_metric([name, tier], count)
-        return [requests, tokens, depth, leases, capacity, drift, observed, shed]
+        return [requests, tokens, depth, leases, capacity, drift, observed, shed, prefill, decoding]
