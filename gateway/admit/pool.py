@@ -612,6 +612,6 @@ class Held:
         hold_s = time.perf_counter() - self._held
         pool.demand.busy_s += hold_s
         pool.queue.holds[pool.queue.group(grant.claim.workload)].add(hold_s)
-        if self._flight is not None and pool.latency is not None:
-            pool.latency.released(self._flight)
+        if self._flight is not None:  # on the model that took it, whatever a reload did since
+            self._flight.replica.model.released(self._flight)
         pool.release(grant)
