@@ -490,8 +490,10 @@ class Generator:
                 transport=r.choices(("ok", "reset_head", "error"), (12, 1, 1))[0],
             )
             p = self.request(r.choice(GENERATIVE), model=model, script=script, move="slo_burst")
-            for key in ("n", "ignore_eos", "min_tokens"):  # short answers: a burst, not a siege
+            for key in ("n", "ignore_eos", "min_tokens", "max_completion_tokens"):
                 p.body.pop(key, None)
+            # Short answers, reserved as such: a burst on the queue, not on the tenants' windows.
+            p.body[_BOUND_NAMES[p.endpoint]] = r.randint(4, 64)
             if r.random() < 0.8:
                 p.body["stream"] = True
             p.headers = self.slo_headers()
@@ -515,6 +517,12 @@ HOSTILE_MS = (
 )  # fmt: skip
 TIGHT_CLASS_HEADER = "x-adversary-class"
 
+
+# The output bound each generative endpoint reads.
+_BOUND_NAMES = {
+    "chat": "max_tokens", "completions": "max_tokens", "messages": "max_tokens",
+    "responses": "max_output_tokens",
+}  # fmt: skip
 
 # vLLM's names of a score request's two sides (gateway/api/scoring.py admits the same).
 SCORE_FIELDS = (
