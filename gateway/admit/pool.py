@@ -215,8 +215,8 @@ class LivePool:
         replica = grant.replica
         if failure is None:
             self.succeeded(replica)
-            tokens = ctx.output_tokens or 0
-            if ctx.first_token is not None and tokens > 1:
+            tokens = ctx.output_tokens or 0  # the replica's word: a count past the bound, a lie
+            if ctx.first_token is not None and 1 < tokens <= self._most_output(ctx):
                 tpot_s = (time.perf_counter() - ctx.first_token) / (tokens - 1)
                 ejection.observe_tpot(replica, tpot_s)
                 if self.latency is not None and isinstance(ctx.prefill, Flight):
@@ -224,6 +224,10 @@ class LivePool:
         else:
             self.failed(replica, failure)
         self.picker.observe(replica, grant.claim, ctx, failure)
+
+    @staticmethod
+    def _most_output(ctx: Ctx) -> int:
+        return ctx.most_output(ctx.pool.model.spec.max_model_len) if ctx.pool else 0
 
     def check_speed(self) -> None:
         self.ejector.check_speed(self.replicas, self.spec.health)

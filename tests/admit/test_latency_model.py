@@ -14,11 +14,15 @@ import statistics
 import time
 
 import pytest
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.admit import Claim, Replica
-from gateway.admit.latency import Fit, LatencyModel
+from gateway.admit.fairqueue import Place
+from gateway.admit.latency import Fit, Flight, LatencyModel
 from gateway.admit.pool import LivePool
+from gateway.api import BY_NAME
 from gateway.config.schema import LatencyModelSpec, PoolSpec
+from gateway.context.ctx import Ctx
 from gateway.context.objective import Objective
 from gateway.pick.picker import LeastInflightPicker
 
@@ -160,3 +164,33 @@ def test_placement_by_headroom_avoids_the_replica_with_prefill_ahead() -> None:
     now = time.perf_counter()
     objective = Objective(0.4, math.inf, now + 0.4)
     assert pool._pick(pool.replicas, claim(500, objective=objective)) is idle
+
+
+async def test_a_replicas_usage_past_the_bound_trains_nothing(tiny_policy) -> None:
+    """A replica's usage is its word: a stream that claims 10^12 output tokens over a second
+    is a TPOT of a picosecond, which the fit would take toward 0 (every TPOT objective then
+    "met"). A count past what the request could be answered with trains nothing; an honest
+    one trains the fit."""
+    spec = PoolSpec(model="m", replicas=["http://a"], max_concurrency=4, slo={})
+    pool = LivePool("p", spec, LeastInflightPicker(None))
+    assert pool.latency is not None
+    for output, samples in ((10**12, 0), (50, 1)):
+        ctx = Ctx(
+            request_id="r",
+            api=BY_NAME["chat"],
+            path="/v1/chat/completions",
+            headers=CIMultiDictProxy(CIMultiDict()),
+            arrived=time.perf_counter(),
+        )
+        ctx.pool, ctx.stream, ctx.max_output, ctx.input_tokens = (
+            tiny_policy.pools["main"],
+            True,
+            64,
+            100,
+        )
+        async with pool.slot(ctx, Place()) as grant:
+            assert isinstance(ctx.prefill, Flight)
+            ctx.prefill.prefilled(time.perf_counter())
+            ctx.first_token, ctx.output_tokens = time.perf_counter() - 1.0, output
+            pool.answered(grant, ctx, None)
+        assert pool.latency.tpot.samples == samples
