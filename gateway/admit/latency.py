@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -47,7 +48,18 @@ _PREFILLING, _DECODING, _DONE = 0, 1, 2
 
 class Fit:
     """y ≈ θ·x over three features, by recursive least squares with forgetting, θ kept ≥ 0
-    (no load makes a replica faster)."""
+    (no load makes a replica faster).
+
+    Forgetting grows the uncertainty of every direction at each sample, and only samples that
+    vary along a direction bring it back down: a feature that stays put (nothing decoding on a
+    replica served one request at a time, prompts all of one length) would wind its variance
+    up without end, until one sample set the whole coefficient to its noise and, later, the
+    variance overflowed and the fit fell to 0 for good. So no direction is ever less certain
+    than the seed was (`_PRIOR`): its row and column are scaled back, which keeps P positive
+    definite and leaves the directions samples do excite as they were. And P is updated as the
+    symmetric matrix it is: the update adds nothing to an asymmetry rounding leaves, and
+    forgetting multiplies it by 1/λ every sample, so at the default λ the fit diverged (θ to
+    infinity, predictions to NaN) within thousands of samples."""
 
     __slots__ = ("forgetting", "p", "samples", "theta")
 
@@ -74,10 +86,16 @@ class Fit:
         theta = self.theta
         for i in range(3):
             theta[i] = max(0.0, theta[i] + gain[i] * error)
-        for i in range(3):
+        for i in range(3):  # P stays exactly symmetric: rounding's asymmetry grows by 1/λ a step
             row = p[i]
-            for j in range(3):
-                row[j] = (row[j] - gain[i] * px[j]) / lam
+            for j in range(i, 3):
+                row[j] = p[j][i] = (row[j] - gain[i] * px[j]) / lam
+        for i in range(3):
+            if p[i][i] > _PRIOR:
+                scale = math.sqrt(_PRIOR / p[i][i])
+                for j in range(3):
+                    p[i][j] *= scale
+                    p[j][i] *= scale
         self.samples += 1
 
 

@@ -248,9 +248,9 @@ class LivePool:
         replica = grant.replica
         if failure is None:
             self.succeeded(replica)
-            tokens = ctx.output_tokens or 0
+            tokens = ctx.output_tokens or 0  # the replica's word: a count past the bound, a lie
             tpot_s = None
-            if ctx.first_token is not None and tokens > 1:
+            if ctx.first_token is not None and 1 < tokens <= self._most_output(ctx):
                 tpot_s = (time.perf_counter() - ctx.first_token) / (tokens - 1)
                 ejection.observe_tpot(replica, tpot_s)
                 if self.latency is not None and isinstance(ctx.prefill, Flight):
@@ -271,6 +271,10 @@ class LivePool:
             self._limit(replica)
         if any(grew for _, grew in moved):
             self._dispatch()
+
+    @staticmethod
+    def _most_output(ctx: Ctx) -> int:
+        return ctx.most_output(ctx.pool.model.spec.max_model_len) if ctx.pool else 0
 
     def check_speed(self) -> None:
         self.ejector.check_speed(self.replicas, self.spec.health)
@@ -358,7 +362,7 @@ class LivePool:
                 continue
             prediction = latency.predict(replica, claim, cached(replica, claim))
             room = prediction.headroom(objective, now)
-            if room > best_room:
+            if best is None or room > best_room:  # room beats none, even at -inf headroom
                 best, best_room, predicted = replica, room, prediction
         if best_room < 0 and claim.priority == SHEDDABLE and predicted is not None:
             raise self._unreachable(objective, predicted, now)
@@ -709,6 +713,6 @@ class Held:
         hold_s = time.perf_counter() - self._held
         pool.demand.busy_s += hold_s
         pool.queue.holds[pool.queue.group(grant.claim.workload)].add(hold_s)
-        if self._flight is not None and pool.latency is not None:
-            pool.latency.released(self._flight)
+        if self._flight is not None:  # on the model that took it, whatever a reload did since
+            self._flight.replica.model.released(self._flight)
         pool.release(grant)

@@ -286,7 +286,11 @@ class SloSpec(Spec):
 
 class LatencyModelSpec(Spec):
     """The latency model's seed (gateway/admit/latency.py): where its online fit starts, per
-    replica. `llm-loadtest seed-latency` writes one from a simulated or measured sweep."""
+    replica. `llm-loadtest seed-latency` writes one from a simulated or measured sweep; one
+    that failed may write an infinite coefficient, which would make every prediction infinite
+    or NaN: refused."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     ttft_base_ms: float = Field(
         20.0, ge=0, description="TTFT of a short prompt on an idle replica."

@@ -183,6 +183,11 @@ class Ctx:
             self.longest_prompt + (self.max_output or 0) <= max_model_len
         )
 
+    def most_output(self, max_model_len: int) -> int:
+        """The most output tokens the request can be answered with: its bound, else the
+        context, per sequence. A replica's usage past it is a count it could not have made."""
+        return (self.max_output or max_model_len) * self.sequences
+
     @property
     def held_tokens(self) -> int:
         """Tokens held against a replica's `max_inflight_tokens` while this request runs."""

@@ -65,20 +65,42 @@ PREEMPTED = Declared(
     "Requests in flight cancelled, by their tier, to make room for critical ones (slo.preempt).",
     ("pool", "tier"),
 )
+# The latency model's view of what runs on a replica (gateway/admit/latency.py), on a pool with
+# `slo`: what its TTFT and TPOT predictions are made from, and each back to 0 when it is idle.
+PREFILL = Declared(
+    GaugeMetricFamily,
+    "llm_replica_prefill_tokens",
+    "Uncached prompt tokens of the requests granted on a replica and still before their first"
+    " token, as its pool's latency model counts them (pools with slo).",
+    REPLICA,
+)
+DECODING = Declared(
+    GaugeMetricFamily,
+    "llm_replica_decoding",
+    "Requests granted on a replica past their first token, as its pool's latency model counts"
+    " them (pools with slo).",
+    REPLICA,
+)
 
 
 class SlotsCollector(Scraped):
-    declared = (REQUESTS, TOKENS, DEPTH, LEASES, CAPACITY, DRIFT, OBSERVED, SHED, PREEMPTED)
+    declared = (
+        REQUESTS, TOKENS, DEPTH, LEASES, CAPACITY, DRIFT, OBSERVED, SHED, PREEMPTED, PREFILL,
+        DECODING,
+    )  # fmt: skip
 
     def collect(self) -> list[Metric]:
         source = self.source()
         requests, tokens, depth, leases = REQUESTS(), TOKENS(), DEPTH(), LEASES()
         capacity, drift, observed, shed = CAPACITY(), DRIFT(), OBSERVED(), SHED()
-        preempted = PREEMPTED()
+        preempted, prefill, decoding = PREEMPTED(), PREFILL(), DECODING()
         for name, pool in chain(source.slots.items(), source.retiring.items()):
             for replica in pool.replicas:
                 requests.add_metric([name, replica.url], replica.inflight)
                 tokens.add_metric([name, replica.url], replica.inflight_tokens)
+                if pool.latency is not None and (state := replica.latency) is not None:
+                    prefill.add_metric([name, replica.url], state.prefill_tokens)
+                    decoding.add_metric([name, replica.url], state.decoding)
             for tier, waiting in zip(PRIORITIES, pool.waiting_by_tier, strict=True):
                 depth.add_metric([name, tier], waiting)
         for name, pool in source.slots.items():
@@ -94,4 +116,7 @@ class SlotsCollector(Scraped):
                 shed.add_metric([name, tier], count)
             for tier, count in pool.preemptions.items():
                 preempted.add_metric([name, tier], count)
-        return [requests, tokens, depth, leases, capacity, drift, observed, shed, preempted]
+        return [
+            requests, tokens, depth, leases, capacity, drift, observed, shed, preempted, prefill,
+            decoding,
+        ]  # fmt: skip

@@ -139,7 +139,7 @@ class Accountant:
             ctx.prompt_tokens, ctx.untrusted_usage = None, "prompt_tokens"
         if ctx.cached_tokens is not None and ctx.cached_tokens > (ctx.prompt_tokens or counted):
             ctx.cached_tokens, ctx.untrusted_usage = None, "cached_tokens"
-        most = (ctx.max_output or max_model_len) * ctx.sequences
+        most = ctx.most_output(max_model_len)
         if ctx.output_tokens is not None and ctx.output_tokens > most and not ctx.output_counted:
             ctx.output_tokens, ctx.untrusted_usage = None, "completion_tokens"
         if not ctx.untrusted_usage:

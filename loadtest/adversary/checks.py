@@ -11,15 +11,18 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.config.schema import PRIORITIES
 from gateway.state.failover import RETRY_S
 from loadtest.adversary.endpoints import COUNTED, SPEECH
-from loadtest.adversary.generator import Planned
+from loadtest.adversary.generator import SLO_LLMD, SLO_OURS, Planned
 from loadtest.adversary.harness import (
     LAG_S,
     MAX_MODEL_LEN,
     OUTPUT_CAPS,
     REDIS_TIMEOUT_S,
+    SLO,
     TENANTS,
+    TIERS,
     Outcome,
     Run,
 )
@@ -37,6 +40,9 @@ GAUGES_AT_ZERO = (
     "llm_inflight_tokens",
     "llm_queue_depth",
     "llm_replica_leases",
+    # The latency model's flights (a pool with `slo`): a Flight not released is a leak.
+    "llm_replica_prefill_tokens",
+    "llm_replica_decoding",
 )
 
 
@@ -362,6 +368,146 @@ def check_refusals(run: Run) -> list[Broken]:
     return out
 
 
+_MAX_MS = 3_600_000.0  # docs/api.md: an objective is milliseconds over 0, at most an hour
+# A refusal as each API shapes it: OpenAI's error code, or Anthropic's 529 for a pool with no
+# room, which its clients back off from (docs/api.md).
+_UNREACHABLE = {"messages": (529, "overloaded_error")}
+
+
+def _pool_of(p: Planned) -> str:
+    return "gemma3" if p.endpoint == "passthrough" else p.model  # the passthrough route's pool
+
+
+def tier_of(p: Planned) -> str:
+    """The tier a request was drawn at: its tenant's, lowered (never raised) by `x-priority`,
+    which only a request whose body is parsed has read."""
+    tier = PRIORITIES.index(TIERS.get(p.tenant, "standard"))
+    asked = next((v for n, v in p.headers if n.lower() == "x-priority"), None)
+    if asked in PRIORITIES and p.endpoint != "passthrough":
+        tier = max(tier, PRIORITIES.index(asked))
+    return PRIORITIES[tier]
+
+
+def slo_header_invalid(p: Planned) -> bool | None:
+    """Whether the objective headers `p` was drawn with must be refused: None when its pool
+    reads none (no `slo`, or `headers: false`, or the gateway's own `/tokenize`). Of each
+    objective's names, ours first, the first sent decides, by its first value."""
+    slo = SLO.get(_pool_of(p))
+    if slo is None or slo.get("headers") is False or p.endpoint == "tokenize":
+        return None
+    sent: dict[str, str] = {}
+    for name, value in p.headers:
+        sent.setdefault(name.lower(), value)
+    for names in zip(SLO_OURS, SLO_LLMD, strict=True):
+        first = next((sent[n] for n in names if n in sent), None)
+        if first is None:
+            continue
+        try:
+            ms = float(first)
+        except ValueError:
+            return True
+        if not 0 < ms <= _MAX_MS:
+            return True
+    return False
+
+
+def check_slo(run: Run) -> list[Broken]:
+    """Latency objectives (issue 38): the client's objective headers and priority never reach a
+    replica (X); a header no objective may take is refused and reaches no replica, and one that
+    may, or one on a pool that reads none, is never refused as such (R); `slo_unreachable` goes
+    only to sheddable requests on pools with `slo`, 429 (Anthropic's 529) with a Retry-After of
+    a whole second or more and the API's own error body (R); `llm_slo_requests_total` counts
+    each request at most once per objective it had (S)."""
+    out: list[Broken] = []
+    leaked = sorted(
+        {n for n, arrivals in run.ledger.arrivals.items() for a in arrivals if a.leaked_headers}
+    )
+    if leaked:
+        names = sorted(
+            {h for n in leaked for a in run.ledger.arrivals[n] for h in a.leaked_headers}
+        )
+        out.append(Broken("X", f"client-only headers reached a replica: {names}", leaked))
+    logged = _log_by_nonce(run)
+    hostile, wrong, unreachable = [], [], []
+    for o in run.outcomes:
+        p = o.planned
+        if p.read == "leave_upload" and o.left_early:
+            continue
+        reasons = [line.get("reason") for line in logged.get(p.nonce, [])]
+        invalid = slo_header_invalid(p)
+        if invalid and (o.status == 200 or run.ledger.arrivals.get(p.nonce)):
+            hostile.append((p, o.status))
+        elif not invalid and "invalid_slo" in reasons:
+            wrong.append((p, o.status))
+        if "slo_unreachable" in reasons:
+            status, kind = _UNREACHABLE.get(p.endpoint, (429, '"slo_unreachable"'))
+            retry = o.retry_after or ""
+            if (
+                tier_of(p) != "sheddable"
+                or _pool_of(p) not in SLO
+                or o.status != status
+                or not (retry.isdigit() and int(retry) >= 1)
+                or kind.encode() not in o.refusal
+                or run.ledger.arrivals.get(p.nonce)
+            ):
+                unreachable.append((p, o.status, retry))
+    for rows, what in (
+        (hostile, "drawn with an objective header no objective may take, not refused"),
+        (wrong, "refused `invalid_slo` though their pool reads no such header or it was valid"),
+    ):
+        if rows:
+            shown = "; ".join(
+                f"{p.endpoint}/{p.move} {status} {p.headers}"[:160] for p, status in rows[:4]
+            )
+            out.append(
+                Broken("R", f"{len(rows)} requests {what} ({shown})", [p.nonce for p, _ in rows])
+            )
+    if unreachable:
+        shown = "; ".join(
+            f"{p.endpoint} {tier_of(p)} on {_pool_of(p)}: {status}, Retry-After {retry!r}"
+            for p, status, retry in unreachable[:4]
+        )
+        out.append(
+            Broken(
+                "R",
+                f"{len(unreachable)} `slo_unreachable` refusals not a sheddable request's"
+                f" 429 with a Retry-After in the API's shape ({shown})",
+                [p.nonce for p, _, _ in unreachable],
+            )
+        )
+    return out + _slo_counted_once(run, logged)
+
+
+def _slo_counted_once(run: Run, logged: dict[str, list[dict[str, Any]]]) -> list[Broken]:
+    """Each gateway's `llm_slo_requests_total` per pool, tier and objective against the
+    requests its access log shows with that objective: at most one outcome each."""
+    planned = {o.planned.nonce: o.planned for o in run.outcomes}
+    had: dict[tuple[int, str, str, str], int] = defaultdict(int)
+    for nonce, lines in logged.items():
+        for line in lines:
+            for objective in ("ttft", "tpot"):
+                if line.get(f"slo_{objective}_s") is not None:
+                    key = (line["gateway"], line["pool"], tier_of(planned[nonce]), objective)
+                    had[key] += 1
+    out = []
+    for i, text in enumerate(run.metrics):
+        counted: dict[tuple[int, str, str, str], float] = defaultdict(float)
+        for family in text_string_to_metric_families(text):
+            if family.name == "llm_slo_requests":
+                for sample in family.samples:
+                    if sample.name == "llm_slo_requests_total":
+                        labels = sample.labels
+                        key = (i, labels["pool"], labels["tier"], labels["objective"])
+                        counted[key] += sample.value
+        over = {k: (v, had.get(k, 0)) for k, v in counted.items() if v > had.get(k, 0)}
+        if over:
+            shown = ", ".join(f"{k[1:]}: {v:g} counted, {n} had it" for k, (v, n) in over.items())
+            out.append(
+                Broken("S", f"gateway {i}: llm_slo_requests_total counted more than once ({shown})")
+            )
+    return out
+
+
 def check(run: Run) -> list[Broken]:
     return [
         *check_quota(run),
@@ -370,4 +516,5 @@ def check(run: Run) -> list[Broken]:
         *check_slots(run),
         *check_leaks(run),
         *check_refusals(run),
+        *check_slo(run),
     ]

@@ -49,6 +49,9 @@ class Planned:
     after: str | None = None  # a Responses chain: the nonce whose answer's id it continues
     move: str = "single"
     upload: uploads.Upload | None = None  # a multipart body, sent as it is (not `body`)
+    # Request headers as sent, in order, a name possibly twice: latency objectives (ours and
+    # llm-d's names, valid or hostile), `x-priority`, the header a class with `slo` matches.
+    headers: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def stream(self) -> bool:
@@ -82,11 +85,13 @@ class Generator:
         gateways: int,
         rich: bool = True,
         longest_output: int = 3000,
+        slo_models: tuple[str, ...] = (),
     ) -> None:
         self.rng = random.Random(seed)
         self.seed = seed
         self.models, self.tenants, self.gateways = models, tenants, gateways
         self.longest_output = longest_output
+        self.slo_models = slo_models  # served by pools with `slo`: what `slo_burst` attacks
 
     def nonce(self) -> str:
         return f"adv-{self.rng.getrandbits(48):012x}"
@@ -107,6 +112,7 @@ class Generator:
             "cut_streams",
             "retry_reset",
             "uploads",
+            *(["slo_burst"] * 2 if self.slo_models else []),
         ]
         while at < seconds:
             plan.moves.append(self.move(self.rng.choice(kinds), at))
@@ -133,6 +139,8 @@ class Generator:
             )[0],
             pace_s=r.choice((0.0, 0.0, 0.001, 0.003)),
             huge_event_bytes=r.choice((0,) * 19 + (1_000_000,)),
+            first_delay_s=r.choices((0.0, 0.3, 1.2, 3.5), (88, 6, 4, 2))[0],
+            tokenless=r.random() < 0.04,
         )
 
     # --- request bodies -------------------------------------------------------------------------
@@ -153,6 +161,7 @@ class Generator:
         upload = uploads.draw(r, body, nonce) if endpoint in SPEECH else None
         reads = ("all", "leave", "slow", "leave_upload")
         read = r.choices(reads, (7, 2, 1, 2 if upload is not None else 0))[0]
+        headers = self.slo_headers() if r.random() < 0.35 else []
         return Planned(
             nonce=nonce,
             tenant=tenant or r.choice(self.tenants),
@@ -165,7 +174,39 @@ class Generator:
             leave_byte=r.randint(1, 60_000),
             move=move,
             upload=upload,
+            headers=headers,
         )
+
+    def slo_headers(self) -> list[tuple[str, str]]:
+        """Latency objectives as a client may send them: valid, tight, loose or hostile, under
+        our names or llm-d's or both, a name repeated; with a priority, and now and then the
+        header of the class whose objective is tight."""
+        r = self.rng
+        out: list[tuple[str, str]] = []
+        for objective in r.sample((0, 1), r.randint(1, 2)):
+            names = r.choice(((SLO_OURS[objective],), (SLO_LLMD[objective],),
+                              (SLO_OURS[objective], SLO_LLMD[objective]),
+                              (SLO_LLMD[objective], SLO_OURS[objective]),
+                              (SLO_OURS[objective], SLO_OURS[objective])))  # fmt: skip
+            out += [(name, self.slo_value()) for name in names]
+        if r.random() < 0.6:
+            out.append(("x-priority", r.choice(("critical", "standard", "sheddable", "sheddable"))))
+        if r.random() < 0.15:
+            out.append((TIGHT_CLASS_HEADER, "tight"))
+        r.shuffle(out)
+        return out
+
+    def slo_value(self) -> str:
+        r = self.rng
+        kind = r.choices(("valid", "tight", "loose", "hostile"), (4, 2, 1, 3))[0]
+        if kind == "valid":
+            return str(r.choice((r.randint(20, 3000), round(r.uniform(1, 500), 3))))
+        if kind == "tight":
+            return r.choice(("1", "0.5", "1e-320", "3"))
+        if kind == "loose":
+            return r.choice(("3600000", "3.6e6", "600000"))
+        huge = ("9" * r.randint(400, 9000), "1" + "0" * r.randint(310, 900))  # past a double
+        return r.choice((*HOSTILE_MS, *huge))
 
     def _bound(self, body: dict[str, Any], name: str, required: bool = False) -> None:
         r = self.rng
@@ -431,11 +472,57 @@ class Generator:
             out.append(p)
         return Move(at, "uploads", out)
 
+    def _slo_burst(self, at: float) -> Move:
+        """More streams at once than a pool with `slo` has slots, by every tenant and tier, with
+        objectives tight, loose and hostile: the queue orders each flow by deadline, sheddable
+        work no replica would serve in time is refused, the latency model counts every flight
+        in and out. The replica lies to the model: first tokens late (some past the gateway's
+        `first_token_s`), streams with none, answers whole (no first token to see)."""
+        r = self.rng
+        model = r.choice(self.slo_models)
+        out = []
+        for _ in range(r.randint(14, 26)):
+            script = Script(
+                natural=r.randint(2, 40),
+                pace_s=r.choice((0.0, 0.002, 0.01)),
+                first_delay_s=r.choices((0.0, 0.1, 0.5, 1.5, 3.5), (5, 3, 2, 1, 1))[0],
+                tokenless=r.random() < 0.1,
+                transport=r.choices(("ok", "reset_head", "error"), (12, 1, 1))[0],
+            )
+            p = self.request(r.choice(GENERATIVE), model=model, script=script, move="slo_burst")
+            for key in ("n", "ignore_eos", "min_tokens", "max_completion_tokens"):
+                p.body.pop(key, None)
+            # Short answers, reserved as such: a burst on the queue, not on the tenants' windows.
+            p.body[_BOUND_NAMES[p.endpoint]] = r.randint(4, 64)
+            if r.random() < 0.8:
+                p.body["stream"] = True
+            p.headers = self.slo_headers()
+            p.read = r.choices(("all", "leave"), (5, 1))[0]
+            out.append(p)
+        return Move(at, "slo_burst", out, concurrent=True)
+
     def _retry_reset(self, at: float) -> Move:
         p = self.request(self.rng.choice(GENERATIVE), move="retry_reset")
         p.script.transport = "reset_head"
         return Move(at, "retry_reset", [p])
 
+
+# The latency-objective headers, ours and llm-d's, by objective (TTFT, TPOT), and values no
+# objective may take (gateway/request/objective.py: milliseconds over 0, at most an hour).
+SLO_OURS = ("x-slo-ttft-ms", "x-slo-tpot-ms")
+SLO_LLMD = ("x-llm-d-slo-ttft-ms", "x-llm-d-slo-tpot-ms")
+HOSTILE_MS = (
+    "nan", "NaN", "inf", "-inf", "Infinity", "-0", "0", "0.0", "-5", "1e309", "3600001", "abc",
+    "", "0x10", "5ms", "1,5",
+)  # fmt: skip
+TIGHT_CLASS_HEADER = "x-adversary-class"
+
+
+# The output bound each generative endpoint reads.
+_BOUND_NAMES = {
+    "chat": "max_tokens", "completions": "max_tokens", "messages": "max_tokens",
+    "responses": "max_output_tokens",
+}  # fmt: skip
 
 # vLLM's names of a score request's two sides (gateway/api/scoring.py admits the same).
 SCORE_FIELDS = (

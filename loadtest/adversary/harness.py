@@ -26,10 +26,18 @@ import orjson
 import redis
 import yaml
 from aiohttp import web
+from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.adversary.count import Counter
-from loadtest.adversary.generator import ENDPOINT_PATHS, Generator, Move, Plan, Planned
+from loadtest.adversary.generator import (
+    ENDPOINT_PATHS,
+    TIGHT_CLASS_HEADER,
+    Generator,
+    Move,
+    Plan,
+    Planned,
+)
 from loadtest.adversary.replica import PIECE, SECRET, Ledger, Replica
 from loadtest.adversary.uploads import MAX_BODY_BYTES
 from loadtest.processes import RedisServer, free_port
@@ -56,6 +64,30 @@ REDIS_TIMEOUT_S = 0.2  # the gateways' bound on a Redis call
 # One pool's `max_output_tokens`: the generator's bounds (up to 3,000, times `n` up to 2) cross
 # it, and the checks expect its refusal (`checks.check_refusals`).
 OUTPUT_CAPS = {"llama3": 2500}
+# Pools that admit by latency (`slo`): objectives per tier, tight enough for sheddable work to be
+# refused as unreachable; Qwen 3's takes no objective from a header (`headers: false`), Llama
+# 3's pool has none (the headers are ignored there, and never sent upstream by any).
+SLO: dict[str, dict[str, Any]] = {
+    "gemma3": {
+        "objectives": {
+            "critical": {"ttft_ms": 2500},
+            "standard": {"ttft_ms": 1500, "tpot_ms": 100},
+            "sheddable": {"ttft_ms": 250, "tpot_ms": 30},
+        }
+    },
+    "qwen3": {"objectives": {"standard": {"ttft_ms": 800}}, "headers": False},
+}
+# Gemma 3's pool has two replicas (the same scripted one, twice): headroom has a choice, and a
+# replica that resets before its head sends the request to the other (a retry).
+REPLICAS = {"gemma3": 2}
+TIERS = {"gamma": "critical"}  # a tenant's tier; the others are standard
+TENANT_SLO = {"beta": {"tpot_ms": 60}}
+# The class a header puts a request in, whose objectives no replica can meet.
+CLASSES = [
+    {"name": "tight", "when": {"header": {TIGHT_CLASS_HEADER: "tight"}},
+     "slo": {"ttft_ms": 5, "tpot_ms": 1}},
+    {"name": "any", "when": {}},
+]  # fmt: skip
 
 
 def log(message: str) -> None:
@@ -79,6 +111,8 @@ class Outcome:
     leaked: bool = False
     error: str = ""
     ended: float = 0.0
+    retry_after: str | None = None  # a refusal's Retry-After
+    refusal: bytes = b""  # the head of a refusal's body (status 400 and over)
 
 
 @dataclass
@@ -103,7 +137,7 @@ class Run:
 
 
 def policy(
-    replicas: dict[str, str],
+    replicas: dict[str, list[str]],
     metrics_port: int,
     redis_url: str | None,
     gateways: int,
@@ -127,13 +161,14 @@ def policy(
         "pools": {
             m: {
                 "model": m,
-                "replicas": [replicas[m]],
+                "replicas": replicas[m],
                 **pool,
                 **({"max_output_tokens": OUTPUT_CAPS[m]} if m in OUTPUT_CAPS else {}),
+                **({"slo": SLO[m]} if m in SLO else {}),
             }
             for m in MODELS
         },
-        "classes": [{"name": "any", "when": {}}],
+        "classes": CLASSES,
         "routes": [
             {
                 "match": {"model": [m]},
@@ -154,6 +189,8 @@ def policy(
                 "keys": [f"sha256:{hashlib.sha256(key_of(name).encode()).hexdigest()}"],
                 "tpm": tpm,
                 "rpm": rpm,
+                "tier": TIERS.get(name, "standard"),
+                **({"slo": TENANT_SLO[name]} if name in TENANT_SLO else {}),
             }
             for name, (tpm, rpm) in TENANTS.items()
         },
@@ -247,7 +284,9 @@ async def send(
     if p.read == "leave_upload":
         await leave_upload(url, p, outcome)
         return
-    headers = {"Authorization": f"Bearer {key_of(p.tenant)}", "x-request-id": p.nonce}
+    headers = CIMultiDict({"Authorization": f"Bearer {key_of(p.tenant)}", "x-request-id": p.nonce})
+    for name, value in p.headers:
+        headers.add(name, value)
     body = dict(p.body)
     if previous is not None:
         body["previous_response_id"] = previous
@@ -259,6 +298,7 @@ async def send(
     try:
         async with http.post(f"{url}{ENDPOINT_PATHS[p.endpoint]}", headers=headers, **sent) as resp:
             outcome.status = resp.status
+            outcome.retry_after = resp.headers.get("Retry-After")
             async for chunk in resp.content.iter_chunked(4096):
                 raw += chunk
                 if p.read == "leave" and len(raw) >= p.leave_byte:
@@ -271,6 +311,8 @@ async def send(
         outcome.error = f"{type(exc).__name__}: {exc}"[:200]
     outcome.ended = time.time()
     outcome.leaked = SECRET.encode() in raw
+    if outcome.status >= 400:
+        outcome.refusal = bytes(raw[:4096])
     outcome.received_tokens = count_received(p.endpoint, bytes(raw), p.stream)
     if p.endpoint == "responses" and outcome.status == 200 and not outcome.left_early:
         outcome.response_id = _response_id(bytes(raw), p.stream)
@@ -434,14 +476,22 @@ async def execute(
     secret = web.Application()
     secret.router.add_route("*", "/{tail:.*}", lambda _: _secret_answer())
     redis_proc = RedisServer() if gateways > 1 else None
-    plan = Generator(seed, list(MODELS), list(TENANTS), gateways).plan(seconds)
+    plan = Generator(seed, list(MODELS), list(TENANTS), gateways, slo_models=tuple(SLO)).plan(
+        seconds
+    )
     for m in plan.moves:
         for p in m.requests:
             run.ledger.scripts[p.nonce] = p.script
     try:
         async with contextlib.AsyncExitStack() as stack:
             run.ledger.secret_url = await stack.enter_async_context(_served(secret)) + "/leak"
-            replicas = {m: await stack.enter_async_context(_served(replica.app())) for m in MODELS}
+            replicas = {
+                m: [
+                    await stack.enter_async_context(_served(replica.app()))
+                    for _ in range(REPLICAS.get(m, 1))
+                ]
+                for m in MODELS
+            }
             if redis_proc is not None:
                 redis_proc.start()
                 stack.callback(redis_proc.stop)

@@ -42,6 +42,10 @@ from loadtest.adversary.endpoints import DRAWN
 PIECE = " hello"  # one token in every model the harness serves
 NONCE = re.compile(rb"adv-[0-9a-f]{12}")
 USAGE_LIES = ("truth", "missing", "negative", "huge", "understate")
+# The client's headers the gateway reads and drops (gateway/request/forward.py).
+CLIENT_ONLY = frozenset(
+    {"x-slo-ttft-ms", "x-slo-tpot-ms", "x-llm-d-slo-ttft-ms", "x-llm-d-slo-tpot-ms", "x-priority"}
+)
 TRANSPORT = ("ok", "redirect", "hang", "reset_head", "reset_body", "error")
 SECRET = "internal-service-secret"  # what a redirect target answers: relayed, it is a leak
 
@@ -57,6 +61,11 @@ class Script:
     tiny_events: int = 0  # usage-bearing events of a few bytes each, before the text
     pace_s: float = 0.0  # between events: a model's decode time
     huge_event_bytes: int = 0  # one SSE comment this long before the text
+    # Lies to the latency model: the first token this late (a stream's, after its head; a
+    # whole answer's, before it), past the gateway's `first_token_s` or `read_s` or not; and a
+    # stream that ends without one.
+    first_delay_s: float = 0.0
+    tokenless: bool = False
 
 
 @dataclass
@@ -73,6 +82,9 @@ class Arrival:
     ended: float | None = None
     finished: bool = False  # wrote its whole answer
     nonce: str = ""
+    # The request headers it got that the gateway must never send upstream (the client's
+    # latency objectives and priority): what X checks is none.
+    leaked_headers: tuple[str, ...] = ()
 
 
 @dataclass
@@ -184,6 +196,7 @@ class Replica:
         model = str(body.get("model", ""))
         arrival = Arrival(endpoint, model, request.headers.get("x-request-id", ""), time.time())
         arrival.nonce = nonce
+        arrival.leaked_headers = _client_only(request)
         self.ledger.arrivals.setdefault(nonce, []).append(arrival)
         self.ledger.open_requests += 1
         try:
@@ -225,6 +238,8 @@ class Replica:
         text_of = _Shapes(endpoint, body, arrival, sequences)
         if body.get("stream") is True:
             return await self._stream(request, text_of, script, arrival, produce, sequences, chat)
+        if script.first_delay_s:
+            await asyncio.sleep(script.first_delay_s)
         arrival.produced = produce * sequences
         answer = text_of.whole(PIECE * produce, self._usage(script, arrival, produce * sequences))
         self._store(endpoint, body, arrival, chat, PIECE * produce, answer)
@@ -323,6 +338,10 @@ class Replica:
             batch = 12_000  # about 256 KB a write, as the break issue 35 found was sent
             for start in range(0, script.tiny_events, batch):
                 await resp.write(tiny * min(batch, script.tiny_events - start))
+        if script.first_delay_s:
+            await asyncio.sleep(script.first_delay_s)
+        if script.tokenless:
+            produce = 0
         sent = 0
         per = max(1, script.tokens_per_event)
         cut_at = produce // 2 if script.transport == "reset_body" else None
@@ -360,6 +379,7 @@ class Replica:
         nonce = _nonce(raw)
         body = orjson.loads(raw)
         arrival = Arrival(endpoint, str(body.get("model", "")), "", time.time())
+        arrival.leaked_headers = _client_only(request)
         self.ledger.arrivals.setdefault(nonce, []).append(arrival)
         self.ledger.open_requests += 1
         try:
@@ -386,6 +406,7 @@ class Replica:
     async def _passthrough(self, request: web.Request) -> web.Response:
         raw = await request.read()
         arrival = Arrival("passthrough", "", "", time.time(), finished=True, ended=time.time())
+        arrival.leaked_headers = _client_only(request)
         self.ledger.arrivals.setdefault(_nonce(raw), []).append(arrival)
         return web.json_response({"ok": True})
 
@@ -408,6 +429,10 @@ class Replica:
 
 
 _SPEECH = tuple(name for name, drawn in DRAWN.items() if drawn.kind == "speech")
+
+
+def _client_only(request: web.Request) -> tuple[str, ...]:
+    return tuple(name for name in request.headers if name.lower() in CLIENT_ONLY)
 
 
 def _form(raw: bytes, content_type: str) -> dict[str, Any]:

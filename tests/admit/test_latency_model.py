@@ -14,15 +14,20 @@ import statistics
 import time
 
 import pytest
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.admit import Claim, Replica
-from gateway.admit.latency import Fit, LatencyModel
+from gateway.admit.fairqueue import Place
+from gateway.admit.latency import Fit, Flight, LatencyModel
 from gateway.admit.pool import LivePool
+from gateway.api import BY_NAME
 from gateway.config.schema import LatencyModelSpec, PoolSpec
+from gateway.context.ctx import Ctx
 from gateway.context.objective import Objective
 from gateway.pick.picker import LeastInflightPicker
 
 SEED = LatencyModelSpec()
+SEED_FIT = (0.02, 0.06, 0.1)
 
 
 def true_ttft(prefill_tokens: int, decoding: int) -> float:
@@ -81,6 +86,39 @@ def test_no_load_makes_a_replica_faster() -> None:
     assert min(fit.theta) >= 0.0
 
 
+def test_a_fit_stays_put_over_many_samples() -> None:
+    """Rounding leaves P slightly asymmetric, and forgetting multiplies that by 1/forgetting
+    at every sample: at the default forgetting a fit updated as a full matrix diverged after
+    some 10,000 samples (θ to infinity, then predictions NaN, which no headroom compares
+    above, so placement by headroom found no replica at all)."""
+    rng = random.Random(9)
+    fit = Fit(SEED_FIT, SEED.forgetting)
+    for _ in range(30_000):
+        x = (1.0, rng.uniform(0, 2), rng.uniform(0, 0.6))
+        fit.observe(x, 0.02 + 0.06 * x[1] + 0.1 * x[2] + rng.gauss(0, 0.001))
+    assert fit.theta == pytest.approx([0.02, 0.06, 0.1], abs=0.005)
+    assert fit.p[0][1] == fit.p[1][0] and fit.p[1][2] == fit.p[2][1]
+
+
+def test_a_quiet_direction_does_not_wind_up() -> None:
+    """Forgetting divides the fit's uncertainty by `forgetting` at every sample; a feature that
+    stays 0 (nothing decoding while a replica serves one request at a time) never brings its
+    direction back down. Unbounded, one noisy sample after a quiet stretch set the whole
+    per-running coefficient (a 50 ms miss made it 50 ms per running request), and after about
+    `log(1e308) / -log(forgetting)` samples the uncertainty overflowed and the fit went to a
+    constant 0 for good."""
+    rng = random.Random(5)
+    for forgetting, quiet in ((0.995, 5000), (0.91, 20_000)):
+        fit = Fit(SEED_FIT, forgetting)
+        for _ in range(quiet):
+            x = (1.0, rng.uniform(0, 2), 0.0)
+            fit.observe(x, 0.02 + 0.06 * x[1] + rng.gauss(0, 0.001))
+        assert all(math.isfinite(v) for row in fit.p for v in row)
+        assert fit.theta == pytest.approx([0.02, 0.06, 0.1], abs=0.005)
+        fit.observe((1.0, 1.0, 0.01), 0.08 + 0.001 + 0.05)  # one request decoding, 50 ms late
+        assert fit.theta[2] < 0.1 + 1.0  # under 11 ms more per running request, not 50
+
+
 def test_predictions_beat_any_constant_on_a_loaded_replica() -> None:
     rng = random.Random(1)
     model, replica = LatencyModel(SEED), Replica("http://a", 64, None)
@@ -137,3 +175,33 @@ def test_one_stall_moves_the_fit_as_a_sample_three_times_the_prediction_would() 
     for _ in range(600):  # but a replica that really slowed is followed, at the fit's memory
         fit.observe((1.0, 0.0, 0.0), 0.05)
     assert fit.predict((1.0, 0.0, 0.0)) == pytest.approx(0.05, rel=0.05)
+
+
+async def test_a_replicas_usage_past_the_bound_trains_nothing(tiny_policy) -> None:
+    """A replica's usage is its word: a stream that claims 10^12 output tokens over a second
+    is a TPOT of a picosecond, which the fit would take toward 0 (every TPOT objective then
+    "met"). A count past what the request could be answered with trains nothing; an honest
+    one trains the fit."""
+    spec = PoolSpec(model="m", replicas=["http://a"], max_concurrency=4, slo={})
+    pool = LivePool("p", spec, LeastInflightPicker(None))
+    assert pool.latency is not None
+    for output, samples in ((10**12, 0), (50, 1)):
+        ctx = Ctx(
+            request_id="r",
+            api=BY_NAME["chat"],
+            path="/v1/chat/completions",
+            headers=CIMultiDictProxy(CIMultiDict()),
+            arrived=time.perf_counter(),
+        )
+        ctx.pool, ctx.stream, ctx.max_output, ctx.input_tokens = (
+            tiny_policy.pools["main"],
+            True,
+            64,
+            100,
+        )
+        async with pool.slot(ctx, Place()) as grant:
+            assert isinstance(ctx.prefill, Flight)
+            ctx.prefill.prefilled(time.perf_counter())
+            ctx.first_token, ctx.output_tokens = time.perf_counter() - 1.0, output
+            pool.answered(grant, ctx, None)
+        assert pool.latency.tpot.samples == samples

@@ -125,6 +125,28 @@ async def test_slo_headers_are_checked_and_never_sent_upstream(
     assert stub.stats.requests == 1  # the refused ones cost the replica nothing
 
 
+@pytest.mark.parametrize("header", ["x-slo-ttft-ms", "x-slo-tpot-ms"])
+async def test_an_objective_no_prediction_can_be_measured_against_still_places_the_request(
+    stub_factory, gateway_factory, tokenizer_dir, http, header
+) -> None:
+    """`1e-320` ms is over 0, so a valid header; against it every replica's headroom is -inf
+    (a margin over a denormal objective overflows). Placement took only a replica whose
+    headroom was over -inf: none, so the request waited for room it had, at the head of its
+    tier, and every request of the pool queued behind it until its `max_wait_s` ran out (the
+    adversary's draw). A standard request is placed on the replica that misses by least;
+    a sheddable one is refused as unreachable."""
+    stub = await stub_factory()
+    gw = await gateway_factory(
+        basic_policy(tokenizer_dir, [stub.url], queue={"max_wait_s": 1}, slo={})
+    )
+    hostile = asyncio.create_task(post(http, gw.url, **{header: "1e-320"}))
+    behind = asyncio.create_task(post(http, gw.url))
+    assert (await hostile)[0] == 200 and (await behind)[0] == 200
+    status, body, _ = await post(http, gw.url, **{header: "1e-320", "x-priority": "sheddable"})
+    assert status == 429 and b'"slo_unreachable"' in body
+    assert gw.inflight() == 0 and gw.waiting() == 0
+
+
 async def test_a_pool_without_slo_ignores_the_headers(
     stub_factory, gateway_factory, tokenizer_dir, http
 ) -> None:

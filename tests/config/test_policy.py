@@ -265,6 +265,21 @@ def test_lower_tiers_must_shed_first(tmp_path) -> None:
         load_policy(path)
 
 
+def test_an_infinite_latency_seed_is_refused(tmp_path) -> None:
+    """A sweep that failed may write an infinite coefficient (NaN fails `ge=0` already): taken,
+    every prediction of the pool is infinite, or NaN where its feature is 0 (no headroom to
+    rank by, a NaN at the top of a replica's heap of whole answers that never settles)."""
+    path = tmp_path / "x.yaml"
+    path.write_text(
+        "models:\n  a: {tokenizer: estimate, max_model_len: 10}\n"
+        "pools:\n  pa:\n    model: a\n    replicas: ['http://127.0.0.1:1']\n    max_concurrency: 1\n"
+        "    slo: {model: {ttft_per_1k_prefill_ms: .inf}}\n"
+        "classes: [{name: c}]\nroutes: [{pool: pa}]\n"
+    )
+    with pytest.raises(PolicyError, match=r"x.yaml:8: pools.pa.slo.model.ttft_per_1k_prefill_ms"):
+        load_policy(path)
+
+
 def test_an_unknown_counting_backend_is_refused_at_load(tmp_path) -> None:
     path = tmp_path / "x.yaml"
     path.write_text(

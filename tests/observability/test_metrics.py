@@ -200,9 +200,9 @@ async def test_a_gateway_with_every_feature_exports_exactly_the_declared_familie
     """What each collector fills at a scrape is what it declares: the same families, types, help
     texts and label names, so docs/metrics-reference.md (rendered from the declarations) lists
     what a scrape shows. Prefix and precise-prefix scorers, tokenizer threads and two counting
-    libraries make every family appear."""
+    libraries, and a pool with `slo`, make every family appear."""
     policy = {
-        **basic_policy(tokenizer_dir, [stub.url], pick={"scorers": {"prefix": 1}}),
+        **basic_policy(tokenizer_dir, [stub.url], pick={"scorers": {"prefix": 1}}, slo={}),
         "server": {"tokenizer_threads": 2},
     }
     kv_events = {"weight": 1, "endpoint": f"ipc://{tmp_path}/kv-{{port}}"}

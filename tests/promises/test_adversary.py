@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 
 from gateway.state.failover import RETRY_S
-from loadtest.adversary.checks import check, check_quota, check_refusals
+from loadtest.adversary.checks import check, check_quota, check_refusals, check_slo
 from loadtest.adversary.count import Counter, messages_chat
 from loadtest.adversary.endpoints import DRAWN, NOT_DRAWN, unaccounted
 from loadtest.adversary.generator import Generator, Planned, fresh_seed
 from loadtest.adversary.harness import (
     OUTPUT_CAPS,
     REDIS_TIMEOUT_S,
+    SLO,
     TENANTS,
     Outcome,
     Run,
@@ -135,3 +136,46 @@ def test_r_expects_the_refusal_of_a_bound_over_its_pools_and_no_other() -> None:
         )
     [broken] = check_refusals(run)
     assert broken.promise == "R" and broken.nonces == ["adv-000000000000"]
+
+
+def _slo_run(*rows: tuple[list[tuple[str, str]], int, dict[str, object]]) -> Run:
+    """A run of chats on the pool with `slo` that reads headers, each (headers, status, its
+    access-log line's fields), none reaching a replica."""
+    model = next(m for m, slo in SLO.items() if slo.get("headers") is not False)
+    run = Run(seed=0, gateways=1, seconds=1.0)
+    for i, (headers, status, line) in enumerate(rows):
+        nonce = f"adv-{i:012x}"
+        planned = Planned(nonce, "alpha", 0, "chat", model, {}, Script(), headers=headers)
+        run.ledger.scripts[nonce] = planned.script
+        run.outcomes.append(Outcome(planned, 0.0, status, retry_after="2", refusal=b""))
+        run.access.append({"request_id": nonce, "gateway": 0, "pool": model, **line})
+    return run
+
+
+def test_the_slo_checks_see_what_they_promise() -> None:
+    """Each of check_slo's promises fails on a run that breaks it, and holds on its mirror:
+    a hostile header served, a valid one refused as invalid, `slo_unreachable` to a standard
+    request or without its code, a client-only header upstream, an objective counted twice."""
+    hostile, valid = [("x-slo-ttft-ms", "nan")], [("x-llm-d-slo-ttft-ms", "1e-320")]
+    shed = [("x-priority", "sheddable"), *valid]
+    unreachable = {"reason": "slo_unreachable", "status": 429}
+    assert not check_slo(_slo_run((hostile, 400, {"reason": "invalid_slo"}), (valid, 200, {})))
+    [served] = check_slo(_slo_run((hostile, 200, {})))
+    [refused] = check_slo(_slo_run((valid, 400, {"reason": "invalid_slo"})))
+    both = [("x-slo-ttft-ms", "900"), ("x-llm-d-slo-ttft-ms", "nan"), ("x-slo-ttft-ms", "nan")]
+    assert not check_slo(_slo_run((both, 200, {})))  # ours first, its first value
+    run = _slo_run((shed, 429, unreachable))
+    run.outcomes[0].refusal = b'{"error": {"code": "slo_unreachable"}}'
+    assert not check_slo(run)
+    [standard] = check_slo(_slo_run((valid, 429, unreachable)))
+    assert {b.promise for b in (served, refused, standard)} == {"R"}
+    run.access[0]["slo_ttft_s"] = 0.0
+    run.metrics = [
+        "# TYPE llm_slo_requests_total counter\n"
+        'llm_slo_requests_total{pool="gemma3",tier="sheddable",objective="ttft",'
+        'outcome="refused"} 2.0\n'
+    ]
+    run.ledger.arrivals[run.outcomes[0].planned.nonce] = [
+        Arrival("chat", "gemma3", "", 0.0, leaked_headers=("X-Slo-Ttft-Ms",))
+    ]
+    assert sorted(b.promise for b in check_slo(run)) == ["R", "S", "X"]
