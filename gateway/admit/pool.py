@@ -685,18 +685,22 @@ class Held:
                 ctx.queue_wait = (ctx.queue_wait or 0.0) + waited
                 pool.demand.queued_s += waited
         ctx.replica = grant.replica.url
-        if pool.latency is not None:
-            cached = pool.picker.cached_share(grant.replica, grant.claim)
-            flight, ctx.predicted = pool.latency.admitted(
-                grant.replica, grant.claim, cached, ctx.stream
-            )
-            ctx.prefill = self._flight = flight
-        pool.picker.granted(grant.replica, grant.claim)
         self._grant = grant
         self._held = ctx.granted = time.perf_counter()
-        if (preemption := pool.preemption) is not None:
-            inflight = preemption.enter(grant.replica.url, self._held, grant.claim.priority)
-            self._inflight, ctx.cancel = (preemption, inflight), inflight.cancel
+        try:  # from here the slot is held: whatever fails gives it back (`__aexit__`)
+            if pool.latency is not None:
+                cached = pool.picker.cached_share(grant.replica, grant.claim)
+                flight, ctx.predicted = pool.latency.admitted(
+                    grant.replica, grant.claim, cached, ctx.stream
+                )
+                ctx.prefill = self._flight = flight
+            pool.picker.granted(grant.replica, grant.claim)
+            if (preemption := pool.preemption) is not None:
+                inflight = preemption.enter(grant.replica.url, self._held, grant.claim.priority)
+                self._inflight, ctx.cancel = (preemption, inflight), inflight.cancel
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
         return grant
 
     async def __aexit__(

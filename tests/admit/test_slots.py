@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway.admit import Claim, LivePool
+from gateway.admit import Claim, LivePool, Place
+from gateway.api import BY_NAME
 from gateway.config.schema import PoolSpec
+from gateway.context.ctx import Ctx
 from gateway.errors import QueueFull, QueueTimeout
 from gateway.pick.picker import LeastInflightPicker
 
@@ -164,3 +167,28 @@ async def test_a_reload_in_the_tick_a_waiter_gives_up_keeps_the_queue_counts(aft
     for grant in held:
         slots.release(grant)
     assert slots.inflight == 0
+
+
+async def test_a_failure_after_the_grant_gives_the_slot_back(tiny_policy) -> None:
+    """A picker (a plug-in) that raises when told of the grant: the request fails, its slot
+    and the latency model's flight do not stay taken."""
+    slots = pool(slo={})
+
+    def refuse(replica: object, claim: object) -> None:
+        raise RuntimeError("a scorer's bug")
+
+    slots.picker.granted = refuse  # type: ignore[method-assign]
+    ctx = Ctx(
+        request_id="r",
+        api=BY_NAME["chat"],
+        path="/v1/chat/completions",
+        headers=CIMultiDictProxy(CIMultiDict()),
+        arrived=0.0,
+    )
+    ctx.pool, ctx.input_tokens = tiny_policy.pools["main"], 100
+    with pytest.raises(RuntimeError):
+        async with slots.slot(ctx, Place()):
+            pass
+    [replica] = slots.replicas
+    assert (replica.inflight, replica.inflight_tokens) == (0, 0)
+    assert replica.latency is not None and replica.latency.prefill_tokens == 0
