@@ -521,7 +521,9 @@ def experiment_plan(setup: Setup, workload: Workload, knee: Knee, model: Latency
     rate = f"{steady * capacity:.4g}"
     trace = _trace(f"step:base={rate},peak={rate},start=0,end=0,duration={d:g}")
     if setup.experiment == "miscap":
-        low = Variant("slo+adaptive, cap 0.5x knee", max(1, knee.cap // 2), slo)
+        # Written too low: the caps start there, under a ceiling that lets them find the knee.
+        ceiling = {**slo, "adaptive": {**slo["adaptive"], "max_concurrency": 2 * knee.cap}}
+        low = Variant("slo+adaptive, cap 0.5x knee", max(1, knee.cap // 2), ceiling)
         high = Variant("slo+adaptive, cap 2x knee", 2 * knee.cap, slo)
         return Plan(trace, (static, low, high), _minutes)
     if setup.experiment == "overload":

@@ -1,5 +1,6 @@
-"""Caps that find the knee: each replica's concurrency cap moves between a floor and the pool's
-`max_concurrency` to hold the pool's latency target (`PoolSloSpec.adaptive_target`), and its
+"""Caps that find the knee: each replica's concurrency cap moves between a floor and a ceiling
+(the pool's `max_concurrency`, or `slo.adaptive.max_concurrency` above it, when the pool's may
+be written too low: there each cap starts) to hold the pool's latency target (`PoolSloSpec.adaptive_target`), and its
 in-flight token cap with it, in proportion.
 
 A cap written from last month's load test is either past the knee (latency turns non-linear) or
@@ -106,13 +107,15 @@ class Limiter:
         target = spec.slo.adaptive_target
         assert target is not None
         self._target: SloSpec = target
-        self._floor, self._ceiling = self._spec.min_concurrency, spec.max_concurrency
+        self._floor = self._spec.min_concurrency
+        self._ceiling = self._spec.max_concurrency or spec.max_concurrency
+        self._start = spec.max_concurrency  # as written: where a cap starts
         self._tokens = spec.max_inflight_tokens
         size = max(WINDOW, self._spec.min_samples)
         for kept in self._caps.values():
             kept.limit = self._clamp(kept.limit)
         staying = [self._caps[url].limit for url in spec.replicas if url in self._caps]
-        joins = round(sum(staying) / len(staying)) if staying else self._ceiling
+        joins = round(sum(staying) / len(staying)) if staying else self._start
         caps: dict[str, Cap] = {}
         for url in spec.replicas:
             cap = self._caps.get(url)
@@ -132,7 +135,7 @@ class Limiter:
         limit = self._caps[url].limit
         if self._tokens is None:
             return limit, None
-        return limit, max(1, self._tokens * limit // self._ceiling)
+        return limit, max(1, self._tokens * limit // self._start)
 
     def limits(self) -> dict[str, int]:
         return {url: cap.limit for url, cap in self._caps.items()}

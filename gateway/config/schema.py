@@ -335,6 +335,14 @@ class AdaptiveSpec(Spec):
             " unset: the pool's `standard` objective."
         ),
     )
+    max_concurrency: PositiveInt | None = Field(
+        None,
+        description=(
+            "The ceiling of a replica's cap; unset: the pool's `max_concurrency`. Set above it,"
+            " the pool's `max_concurrency` is where each replica's cap starts, and a cap written"
+            " too low grows past it to the knee (the in-flight token cap in proportion)."
+        ),
+    )
     min_concurrency: PositiveInt = Field(
         1,
         description=(
@@ -574,6 +582,12 @@ class PoolSpec(Spec):
         if adaptive is None:
             return self
         floor = adaptive.min_concurrency
+        if adaptive.max_concurrency is not None and adaptive.max_concurrency < self.max_concurrency:
+            raise ValueError(
+                f"`slo.adaptive.max_concurrency` ({adaptive.max_concurrency}) is under"
+                f" `max_concurrency` ({self.max_concurrency}), where the caps start: give the"
+                " pool's the lower one"
+            )
         if floor > self.max_concurrency:
             raise ValueError(
                 f"`slo.adaptive.min_concurrency` ({floor}) is over `max_concurrency`"

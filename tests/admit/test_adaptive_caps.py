@@ -345,3 +345,19 @@ async def test_a_replica_that_gets_slow_has_its_cap_lowered_on_metrics_then_grow
             task.cancel()
         await asyncio.gather(*loading, return_exceptions=True)
         await replica.close()
+
+
+def test_a_cap_written_too_low_grows_past_it_to_the_adaptive_ceiling() -> None:
+    limiter = Limiter("p", spec(20, max_concurrency=160))
+    assert limiter.caps(URL)[0] == 20  # it starts where the pool's cap was written
+    replica, now, caps = Replica(URL, 20, None), 0.0, []
+    for _ in range(30):
+        replica.inflight = limiter.caps(URL)[0]
+        for ttft_s in window(hockey_stick(40, 0.1)(replica.inflight)):
+            limiter.observe(replica, now, ttft_s, None)
+        now += INTERVAL_S
+        limiter.decide([replica], now)
+        caps.append(limiter.caps(URL)[0])
+    assert max(caps) > 20 and abs(caps[-1] - 40) <= 4
+    with pytest.raises(ValueError, match="under `max_concurrency`"):
+        spec(20, max_concurrency=10)
