@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.context.ctx import Ctx
 from gateway.context.objective import Objective
@@ -27,6 +26,7 @@ from gateway.request.attainment import outcomes
 from loadtest.sim import Profile, ReplicaOptions, start_replica
 from tests.conftest import accounted, basic_policy, eventually
 from tests.loadtest.test_simulator import write_profile
+from tests.promises.test_hostile_upstream import scrape
 
 GENEROUS = {"ttft_ms": 60_000, "tpot_ms": 60_000}
 IMPOSSIBLE = {"ttft_ms": 0.001, "tpot_ms": 0.001}  # a microsecond
@@ -48,16 +48,6 @@ async def sim(tmp_path: Path, tokenizer_dir: Path) -> AsyncIterator[Any]:
 def chat(**extra: Any) -> dict[str, Any]:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "review this listing"}]}
     return {**body, "max_tokens": 8, "ignore_eos": True, "stream": True, **extra}
-
-
-async def metrics(http: Any, gw: Any) -> dict[str, list[Any]]:
-    async with http.get(f"{gw.metrics_url}/metrics") as resp:
-        text = await resp.text()
-    out: dict[str, list[Any]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, []).append(sample)
-    return out
 
 
 def attained(found: dict[str, list[Any]]) -> dict[tuple[str, ...], float]:
@@ -95,7 +85,7 @@ async def test_met_missed_and_refused_are_counted_per_tier_and_objective(
     ) as resp:
         assert resp.status == 429 and (await resp.json())["error"]["code"] == "slo_unreachable"
     await accounted(gw, 3)
-    found = await metrics(http, gw)
+    found = await scrape(http, gw)
     assert attained(found) == {
         ("main", "standard", "ttft", "met"): 2.0,
         ("main", "standard", "tpot", "met"): 2.0,
@@ -152,7 +142,7 @@ async def test_a_pool_without_slo_has_no_slo_series_headers_or_fields(
     await accounted(gw, 0)
     assert not [name for name in headers if name.lower().startswith("x-gateway-slo")]
     assert not [name for name in headers if name.lower().startswith("x-gateway-predicted")]
-    found = await metrics(http, gw)
+    found = await scrape(http, gw)
     assert "llm_slo_requests_total" not in found
     assert "llm_slo_predicted_headroom_bucket" not in found
     assert not [key for key in access(gw)[0] if "slo" in key or "predicted" in key]
@@ -177,7 +167,7 @@ async def test_a_refused_request_is_counted_refused_and_one_that_left_early_not_
     await accounted(gw, 1)
     assert sorted(x["reason"] for x in access(gw)) == ["client_disconnect", "queue_full"]
     # The one that left did so long before its 60 s deadline: it says nothing of it.
-    assert attained(await metrics(http, gw)) == {
+    assert attained(await scrape(http, gw)) == {
         ("main", "standard", "ttft", "refused"): 1.0,
         ("main", "standard", "tpot", "refused"): 1.0,
     }
