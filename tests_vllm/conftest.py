@@ -33,6 +33,12 @@ from tests.conftest import (
 
 __all__ = ["basic_policy", "eventually", "gateway_factory", "http", "stub", "stub_factory"]
 
+# Every server of the suite runs eagerly. Compiling the model (torch.compile's trace and its
+# Inductor build) is most of a CPU start's engine set-up, paid again at every start (vLLM 0.32
+# fails to load its own compile cache back), and a server with a LoRA runs eagerly on CPU anyway:
+# what reaches the gateway, the HTTP API and the model's answers, is the same.
+EAGER = "--enforce-eager"
+
 
 def started_vllm(
     tmp_path_factory: pytest.TempPathFactory,
@@ -54,7 +60,7 @@ def started_vllm(
             [python, "-m", "loadtest.tiny_llama", str(model), str(labels)],
             check=True, capture_output=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
         )  # fmt: skip
-    with serve_vllm(python, model, directory / "vllm.log", extra_args=list(flags)) as server:
+    with serve_vllm(python, model, directory / "vllm.log", extra_args=[EAGER, *flags]) as server:
         yield server
 
 
@@ -124,6 +130,7 @@ def vllm_lora(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     base = tmp_path_factory.mktemp("vllm-lora")
     adapter = build_lora(base / LORA_NAME, Path(model_dir).resolve())
     flags = [
+        EAGER,
         "--enable-lora", "--max-lora-rank", str(LORA_RANK),
         "--lora-modules", f"{LORA_NAME}={adapter}",
         "--scheduling-policy", "priority",

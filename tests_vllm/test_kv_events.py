@@ -18,7 +18,7 @@ from gateway.pick.kv_events import token_blocks
 from gateway.pick.precise import PrecisePrefixScorer
 from loadtest.vllm_server import SERVED_NAME, VLLMServer, serve_vllm
 from tests.conftest import RunningGateway, Stub
-from tests_vllm.conftest import LORA_NAME, LORA_RANK, build_lora, eventually, vllm_policy
+from tests_vllm.conftest import EAGER, LORA_NAME, LORA_RANK, build_lora, eventually, vllm_policy
 
 RULES = " ".join(f"rule number {i} says that item {i} is forbidden." for i in range(60))
 
@@ -39,6 +39,7 @@ def vllm_events(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer
         "endpoint": f"ipc://{base}/kv-events.ipc",
     }
     flags = [
+        EAGER,
         "--kv-events-config", json.dumps(events),
         "--enable-lora", "--max-lora-rank", str(LORA_RANK),
         "--lora-modules", f"{LORA_NAME}={adapter}",
