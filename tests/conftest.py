@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import io
 import re
 import sys
@@ -22,7 +23,11 @@ from aiohttp import web
 from gateway.policy.compile import load_policy
 from gateway.runtime import Gateway
 from gateway.server.app import GATEWAY, create_app, create_metrics_app
+from gateway.tokenizer.backends import AUTO
+from gateway.tokenizer.counters import HFCounter
+from gateway.tokenizer.loaded import LoadedTokenizer, shared
 from loadtest.processes import RedisServer
+from loadtest.real_tokenizers import directory as real_directory
 from loadtest.stub_backend import CONFIG, STATS, StubConfig, StubStats, create_stub_app
 from loadtest.tiny_tokenizer import build
 
@@ -74,6 +79,34 @@ async def longest_loop_gap(work: Awaitable[Any], tick_s: float) -> tuple[Any, fl
     sleeps `tick_s` while it ran: how long anything held the loop meanwhile."""
     result, pace = await paced(work, tick_s)
     return result, pace.worst
+
+
+@functools.cache
+def real_reference(model: str) -> Any:
+    """transformers' tokenizer of a real model (loadtest/real_tokenizers.py), what the gateway's
+    counts are compared with: loaded once for the session, whichever module asks first."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(real_directory(model)))
+
+
+@functools.cache
+def real_load(model: str) -> LoadedTokenizer:
+    """A real model's tokenizer as the gateway loads it (`auto`), held for the session: a load
+    lives only while a counter holds it (gateway/tokenizer/loaded.py), so each module's counter
+    or policy naming the same directory would otherwise load it again, seconds each."""
+    return shared(str(real_directory(model)), AUTO)
+
+
+def real_counter(model: str) -> tuple[Any, HFCounter]:
+    """A real model's reference tokenizer and the gateway's counter of it; skipped where the
+    real tokenizers cannot be fetched."""
+    try:
+        path = real_directory(model)
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    real_load(model)
+    return real_reference(model), HFCounter.load(str(path))
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import subprocess
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,15 @@ from tests.conftest import (
     stub,
     stub_factory,
 )
+from tests_vllm.otlp import Receiver
 
 __all__ = ["basic_policy", "eventually", "gateway_factory", "http", "stub", "stub_factory"]
+
+# Every server of the suite runs eagerly. Compiling the model (torch.compile's trace and its
+# Inductor build) is most of a CPU start's engine set-up, paid again at every start (vLLM 0.32
+# fails to load its own compile cache back), and a server with a LoRA runs eagerly on CPU anyway:
+# what reaches the gateway, the HTTP API and the model's answers, is the same.
+EAGER = "--enforce-eager"
 
 
 def started_vllm(
@@ -54,7 +62,7 @@ def started_vllm(
             [python, "-m", "loadtest.tiny_llama", str(model), str(labels)],
             check=True, capture_output=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
         )  # fmt: skip
-    with serve_vllm(python, model, directory / "vllm.log", extra_args=list(flags)) as server:
+    with serve_vllm(python, model, directory / "vllm.log", extra_args=[EAGER, *flags]) as server:
         yield server
 
 
@@ -113,25 +121,51 @@ def build_lora(directory: Path, model_dir: Path) -> Path:
     return directory
 
 
-@pytest.fixture(scope="module")
-def vllm_lora(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """A second vLLM, for one module: the tiny model with a LoRA loaded at start, scheduling by
-    priority, one sequence at a time (so requests queue in vLLM, not in the gateway). Its own
-    server, so the session's keeps vLLM's defaults for every other test."""
+@pytest.fixture(scope="session")
+def receiver() -> Iterator[Receiver]:
+    """The OTLP/HTTP endpoint `vllm_lora` exports its spans to (test_tracing.py)."""
+    server = Receiver()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture(scope="session")
+def vllm_lora(tmp_path_factory: pytest.TempPathFactory, receiver: Receiver) -> Iterator[VLLMServer]:
+    """A second vLLM, for what the session's must not change for every other test: the tiny
+    model with a LoRA loaded at start, scheduling by priority, one sequence at a time (so
+    requests queue in vLLM, not in the gateway: test_lora.py); publishing its KV-cache events on
+    an ipc endpoint (test_kv_events.py); exporting its spans to `receiver` and reporting its
+    prefix-cache hits (test_tracing.py). One server for the three modules: a start costs more
+    than any one module's tests."""
     python, model_dir = os.environ.get("VLLM_PYTHON"), os.environ.get("VLLM_MODEL_DIR")
     if not python or not model_dir:
         pytest.fail("VLLM_PYTHON and VLLM_MODEL_DIR must be set: run `make test-vllm`")
     base = tmp_path_factory.mktemp("vllm-lora")
     adapter = build_lora(base / LORA_NAME, Path(model_dir).resolve())
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"ipc://{base}/kv-events.ipc",
+    }
     flags = [
+        EAGER,
         "--enable-lora", "--max-lora-rank", str(LORA_RANK),
         "--lora-modules", f"{LORA_NAME}={adapter}",
         "--scheduling-policy", "priority",
+        "--kv-events-config", json.dumps(events),
+        "--otlp-traces-endpoint", receiver.url,
+        "--enable-prompt-tokens-details",
     ]  # fmt: skip
-    with serve_vllm(
-        python, Path(model_dir).resolve(), base / "vllm.log", max_num_seqs=1, extra_args=flags
-    ) as server:
-        yield server
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        env.setenv("OTEL_SERVICE_NAME", "vllm")
+        with serve_vllm(
+            python, Path(model_dir).resolve(), base / "vllm.log", max_num_seqs=1, extra_args=flags
+        ) as server:
+            yield server
 
 
 POLICY_MAX_MODEL_LEN = 2 * MAX_MODEL_LEN

@@ -1,52 +1,24 @@
 """Real vLLM's KV-cache events (the CPU build publishes them): the `precise_prefix` scorer finds
 where vLLM publishes from its `/kv_event_sources`, follows it, and keys each block exactly as
 it keys a request's own token blocks, so a prompt vLLM prefilled for someone else steers the
-next request with that prefix to it; adapters and cache salts key blocks apart as vLLM does."""
+next request with that prefix to it; adapters and cache salts key blocks apart as vLLM does.
+The vLLM is the session's LoRA server (`vllm_lora`), which publishes its events."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 from transformers import AutoTokenizer
 
 from gateway.pick.kv_events import token_blocks
 from gateway.pick.precise import PrecisePrefixScorer
-from loadtest.vllm_server import SERVED_NAME, VLLMServer, serve_vllm
+from loadtest.vllm_server import SERVED_NAME, VLLMServer
 from tests.conftest import RunningGateway, Stub
-from tests_vllm.conftest import LORA_NAME, LORA_RANK, build_lora, eventually, vllm_policy
+from tests_vllm.conftest import LORA_NAME, eventually, vllm_policy
 
 RULES = " ".join(f"rule number {i} says that item {i} is forbidden." for i in range(60))
-
-
-@pytest.fixture(scope="module")
-def vllm_events(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """vLLM publishing its KV-cache events on an ipc endpoint, with a LoRA loaded."""
-    import os
-
-    python, model_dir = os.environ.get("VLLM_PYTHON"), os.environ.get("VLLM_MODEL_DIR")
-    if not python or not model_dir:
-        pytest.fail("VLLM_PYTHON and VLLM_MODEL_DIR must be set: run `make test-vllm`")
-    base = tmp_path_factory.mktemp("vllm-events")
-    adapter = build_lora(base / LORA_NAME, Path(model_dir).resolve())
-    events = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"ipc://{base}/kv-events.ipc",
-    }
-    flags = [
-        "--kv-events-config", json.dumps(events),
-        "--enable-lora", "--max-lora-rank", str(LORA_RANK),
-        "--lora-modules", f"{LORA_NAME}={adapter}",
-    ]  # fmt: skip
-    with serve_vllm(
-        python, Path(model_dir).resolve(), base / "vllm.log", extra_args=flags
-    ) as server:
-        yield server
 
 
 def chat(rules: str, product: str, model: str = SERVED_NAME) -> dict[str, Any]:
@@ -100,22 +72,22 @@ async def following_gateway(
 
 
 async def test_a_prefix_vllm_cached_for_someone_else_draws_the_next_request_to_it(
-    vllm_events: VLLMServer, stub: Stub, gateway_factory: Any, http: aiohttp.ClientSession
+    vllm_lora: VLLMServer, stub: Stub, gateway_factory: Any, http: aiohttp.ClientSession
 ) -> None:
-    gw, scorer = await following_gateway(gateway_factory, stub, vllm_events, http)
+    gw, scorer = await following_gateway(gateway_factory, stub, vllm_lora, http)
     assert scorer.block_size == 128  # vLLM's CPU default, learned from its events
     first = chat(RULES, "Product: a red lamp.")
-    await post(http, vllm_events.url, "/v1/chat/completions", first)  # not through the gateway
-    ids = chat_ids(vllm_events.model_dir, first)
+    await post(http, vllm_lora.url, "/v1/chat/completions", first)  # not through the gateway
+    ids = chat_ids(vllm_lora.model_dir, first)
     keys = token_blocks(ids, 128, None, None, 1024)
-    engine = scorer.blocks[vllm_events.url]
+    engine = scorer.blocks[vllm_lora.url]
     await eventually(lambda: engine.matched(keys) == len(keys), within_s=10)
     # The gateway's own token ids for the next request give the same keys: it goes to vLLM.
     before = len(stub.stats.bodies)
     second = chat(RULES, "Product: a blue chair.")
     await post(http, gw.url, "/v1/chat/completions", second)
     assert len(stub.stats.bodies) == before
-    shared = token_blocks(chat_ids(vllm_events.model_dir, second), 128, None, None, 1024)
+    shared = token_blocks(chat_ids(vllm_lora.model_dir, second), 128, None, None, 1024)
     assert scorer.blocks_matched >= engine.matched(shared) > 0
     # Another prompt of the same length, cached nowhere: the tie goes to the stub.
     await post(http, gw.url, "/v1/chat/completions", chat(RULES.replace("rule", "norm"), "x"))
@@ -123,10 +95,10 @@ async def test_a_prefix_vllm_cached_for_someone_else_draws_the_next_request_to_i
 
 
 async def test_completions_adapters_and_cache_salts_are_keyed_as_vllm_keys_them(
-    vllm_events: VLLMServer, stub: Stub, gateway_factory: Any, http: aiohttp.ClientSession
+    vllm_lora: VLLMServer, stub: Stub, gateway_factory: Any, http: aiohttp.ClientSession
 ) -> None:
-    _gw, scorer = await following_gateway(gateway_factory, stub, vllm_events, http)
-    engine = scorer.blocks[vllm_events.url]
+    _gw, scorer = await following_gateway(gateway_factory, stub, vllm_lora, http)
+    engine = scorer.blocks[vllm_lora.url]
     cases = [
         ({"model": SERVED_NAME}, None, None),
         ({"model": LORA_NAME}, LORA_NAME, None),
@@ -136,9 +108,9 @@ async def test_completions_adapters_and_cache_salts_are_keyed_as_vllm_keys_them(
     for n, (fields, lora, salt) in enumerate(cases):
         prompt = f"case {n}: " + RULES
         await post(
-            http, vllm_events.url, "/v1/completions", {**fields, "prompt": prompt, "max_tokens": 2}
+            http, vllm_lora.url, "/v1/completions", {**fields, "prompt": prompt, "max_tokens": 2}
         )
-        ids = completion_ids(vllm_events.model_dir, prompt)
+        ids = completion_ids(vllm_lora.model_dir, prompt)
         keys = token_blocks(ids, 128, lora, salt, 1024)
         await eventually(lambda k=keys: engine.matched(k) == len(k), within_s=10)  # type: ignore[misc]
         if lora or salt:  # the same tokens without the adapter or salt are other blocks

@@ -18,6 +18,7 @@ from loadtest.sim import ReplicaOptions, load_profile, start_replica
 from loadtest.sim.kv_events import KVEventsConfig
 from loadtest.vllm_server import SERVED_NAME, VLLMServer, serve_vllm
 from tests.loadtest.test_sim_kv_events import Message, events_of, received, subscriber
+from tests_vllm.conftest import EAGER
 
 PROMPT = "the seller lists a lamp with a lithium battery and no certificate. " * 40
 VLLM_QUIET_S = 2.0  # vLLM publishes from its engine process's own thread
@@ -32,7 +33,7 @@ def vllm_events(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VLLM
     base = tmp_path_factory.mktemp("vllm-kv")
     endpoint = f"ipc://{base / 'kv'}"
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": ""}
-    flags = ["--kv-events-config", json.dumps(config)]
+    flags = [EAGER, "--kv-events-config", json.dumps(config)]
     with serve_vllm(
         python, Path(model_dir).resolve(), base / "vllm.log", extra_args=flags
     ) as server:

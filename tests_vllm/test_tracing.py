@@ -1,94 +1,25 @@
 """Traces into real vLLM: the gateway forwards its upstream span's context, and vLLM's own span
-(`--otlp-traces-endpoint`, exported over OTLP/HTTP to a receiver here) is that span's child, in
-the client's trace. The same vLLM reports its prefix-cache hits (`--enable-prompt-tokens-details`):
-the gateway logs what it says."""
+(`--otlp-traces-endpoint`, exported over OTLP/HTTP to the session's `receiver`) is that span's
+child, in the client's trace. The same vLLM (the session's second, `vllm_lora`) reports its
+prefix-cache hits (`--enable-prompt-tokens-details`): the gateway logs what it says."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import orjson
-import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from loadtest.vllm_server import VLLMServer
-from tests_vllm.conftest import eventually, started_vllm, vllm_policy
+from tests_vllm.conftest import eventually, vllm_policy
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 RULES = "You label product reviews as positive or negative. " * 30
 
 
-class Receiver(ThreadingHTTPServer):
-    """An OTLP/HTTP traces endpoint on a thread: vLLM exports to it before any test's loop runs."""
-
-    def __init__(self) -> None:
-        self.spans: list[tuple[str, Any]] = []  # (service.name, span)
-        self.lock = threading.Lock()
-        super().__init__(("127.0.0.1", 0), _Export)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}/v1/traces"
-
-    def named(self, service: str) -> list[Any]:
-        with self.lock:
-            return [span for name, span in self.spans if name == service]
-
-
-class _Export(BaseHTTPRequestHandler):
-    server: Receiver
-
-    def do_POST(self) -> None:
-        message = ExportTraceServiceRequest.FromString(
-            self.rfile.read(int(self.headers["Content-Length"]))
-        )
-        for resource in message.resource_spans:
-            service = next(
-                (a.value.string_value for a in resource.resource.attributes
-                 if a.key == "service.name"), ""
-            )  # fmt: skip
-            with self.server.lock:
-                self.server.spans += [
-                    (service, s) for scope in resource.scope_spans for s in scope.spans
-                ]
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
-@pytest.fixture(scope="module")
-def receiver() -> Iterator[Receiver]:
-    server = Receiver()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-
-
-@pytest.fixture(scope="module")
-def traced_vllm(
-    tmp_path_factory: pytest.TempPathFactory, receiver: Receiver
-) -> Iterator[VLLMServer]:
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
-        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
-        env.setenv("OTEL_SERVICE_NAME", "vllm")
-        flags = ["--otlp-traces-endpoint", receiver.url, "--enable-prompt-tokens-details"]
-        yield from started_vllm(tmp_path_factory, "vllm-traced", flags)
-
-
 async def test_vllms_span_is_a_child_of_the_gateways_upstream_span(
-    traced_vllm, receiver, gateway_factory, http, monkeypatch
+    vllm_lora, receiver, gateway_factory, http, monkeypatch
 ) -> None:
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
-    policy = vllm_policy(traced_vllm)
+    policy = vllm_policy(vllm_lora)
     policy["tracing"] = {"endpoint": receiver.url, "service_name": "gateway"}
     gw = await gateway_factory(policy)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -112,8 +43,8 @@ async def test_vllms_span_is_a_child_of_the_gateways_upstream_span(
     print(f"vLLM's spans in the client's trace: {[s.name for s in ours]}")
 
 
-async def test_cached_tokens_are_what_vllm_reports(traced_vllm, gateway_factory, http) -> None:
-    gw = await gateway_factory(vllm_policy(traced_vllm))
+async def test_cached_tokens_are_what_vllm_reports(vllm_lora, gateway_factory, http) -> None:
+    gw = await gateway_factory(vllm_policy(vllm_lora))
     reported = []
     for question in ("Is the kettle good?", "Is the toaster good?"):
         messages = [{"role": "system", "content": RULES}, {"role": "user", "content": question}]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import sys
 import time
@@ -464,6 +465,14 @@ async def _play(run: Run, plan: Plan, urls: list[str], redis_proc: RedisServer |
                 raise task.exception()  # type: ignore[misc]
 
 
+@functools.cache
+def replica_counter(models: tuple[str, ...]) -> Counter:
+    """The replica's count of `models`, loaded once a process: the seconds of tokenizer loading
+    are the same for every run (the tests' several, `--until`'s many), and compete with the
+    gateways' own start for the cores."""
+    return Counter({m: directory(m) for m in models})
+
+
 async def execute(
     seed: int, seconds: float, gateways: int, logs: Path, backend: str = "auto"
 ) -> Run:
@@ -471,7 +480,7 @@ async def execute(
     library (`tokenizers` starts three models in a third of the time of `auto`'s self-check)."""
     run = Run(seed, gateways, seconds, logs=logs)
     await asyncio.to_thread(logs.mkdir, parents=True, exist_ok=True)
-    loading = asyncio.create_task(asyncio.to_thread(Counter, {m: directory(m) for m in MODELS}))
+    loading = asyncio.create_task(asyncio.to_thread(replica_counter, MODELS))
     replica = Replica(run.ledger, loading, MAX_MODEL_LEN)
     secret = web.Application()
     secret.router.add_route("*", "/{tail:.*}", lambda _: _secret_answer())

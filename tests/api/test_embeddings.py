@@ -8,13 +8,11 @@ from typing import Any
 
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from gateway.api import EMBEDDINGS
 from gateway.cli import main as gateway
-from gateway.tokenizer.counters import HFCounter
 from loadtest.sim import ReplicaOptions, load_profile, start_replica
-from tests.conftest import accounted, basic_policy, write_policy
+from tests.conftest import accounted, basic_policy, real_counter, write_policy
 from tests.request.test_quotas import quota_policy
 from tests.request.test_tenants import ACME_KEY
 
@@ -113,21 +111,11 @@ async def test_a_tenant_over_its_tpm_gets_429(sim, gateway_factory, tokenizer_di
 # ---------------------------------------------------------- counts on the real tokenizers
 
 
-def _real(model: str) -> tuple[Any, HFCounter]:
-    from loadtest.real_tokenizers import directory
-
-    try:
-        path = directory(model)
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    return AutoTokenizer.from_pretrained(str(path)), HFCounter.load(str(path))
-
-
 @pytest.mark.parametrize("model", ["gemma3", "llama3", "qwen3"])
 async def test_each_input_form_counts_as_vllm_tokenizes_it(model: str) -> None:
     """vLLM encodes each text on its own (special tokens unless `add_special_tokens` is false)
     and renders each conversation with the template, no generation prompt, no special tokens."""
-    reference, counter = _real(model)
+    reference, counter = real_counter(model)
 
     def text(t: str, special: bool = True) -> int:
         return len(reference(t, add_special_tokens=special)["input_ids"])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import functools
 import hashlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -33,7 +32,14 @@ from loadtest.loadgen.sweep import SweepConfig, Target, run_sweep
 from loadtest.loadgen.workloads import Fixed, Session, Workload, WorkloadClass
 from loadtest.sim import Profile, ReplicaOptions, start_replica
 from loadtest.sim.faults import Faults
-from tests.conftest import RedisServer, accounted, basic_policy, eventually
+from tests.conftest import (
+    RedisServer,
+    accounted,
+    basic_policy,
+    eventually,
+    real_load,
+    real_reference,
+)
 from tests.fuzzing import counted_or_refused, values
 from tests.loadtest.test_simulator import write_profile
 
@@ -169,21 +175,12 @@ def vllm_chain(replies: list[Any]) -> list[list[dict[str, Any]]]:
     return rendered
 
 
-@functools.cache
-def reference_tokenizer(model: str) -> Any:
-    from transformers import AutoTokenizer
-
-    from loadtest.real_tokenizers import directory
-
-    return AutoTokenizer.from_pretrained(str(directory(model)))
-
-
 def reference_count(model: str, messages: list[dict[str, Any]]) -> int:
     """transformers' count of what vLLM renders: vLLM's parsed conversation through the
     template, encoded with the special tokens (a responses request keeps them)."""
     from tests.tokenizer.test_real_tokenizers import OPENAI_FORMAT, vllm_conversation
 
-    tokenizer = reference_tokenizer(model)
+    tokenizer = real_reference(model)
     conversation = vllm_conversation({"messages": messages}, OPENAI_FORMAT[model])
     text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     return len(tokenizer(text)["input_ids"])
@@ -199,6 +196,7 @@ async def test_a_chain_is_counted_as_the_replica_renders_it(
 
     replica = await start_replica(tiny, ReplicaOptions(time_scale=1000, tokenizer=directory(model)))
     try:
+        real_load(model)  # the policy's counter finds it loaded
         gw = await gateway_factory(basic_policy(directory(model), [replica.url]))
         replies: list[Any] = []
         async with client(gw) as sdk:

@@ -8,12 +8,10 @@ import json
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
 
 from gateway.api import RERANK, SCORE
-from gateway.tokenizer.counters import HFCounter
 from loadtest.sim import ReplicaOptions, load_profile, start_replica
-from tests.conftest import accounted, basic_policy
+from tests.conftest import accounted, basic_policy, real_counter
 
 QUERY = "how do tokenizers count emoji? 🚀"
 DOCUMENTS = ["Byte-level BPE splits an emoji into several tokens.", "naïve café — 東京", "x"]
@@ -76,13 +74,7 @@ async def test_bad_input_is_a_400_in_openais_shape(gw, http, path, body) -> None
 
 @pytest.mark.parametrize("model", ["gemma3", "llama3", "qwen3"])
 async def test_a_pair_is_never_counted_under_any_way_vllm_encodes_it(model: str) -> None:
-    from loadtest.real_tokenizers import directory
-
-    try:
-        path = directory(model)
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    reference, counter = AutoTokenizer.from_pretrained(str(path)), HFCounter.load(str(path))
+    reference, counter = real_counter(model)
 
     def n(text: str, pair: str | None = None) -> int:
         return len(reference(text=text, text_pair=pair)["input_ids"])

@@ -10,7 +10,6 @@ from typing import Any
 import orjson
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
-from transformers import AutoTokenizer
 
 from gateway.api import CHAT, Api
 from gateway.config.schema import ServerSpec
@@ -20,6 +19,7 @@ from gateway.request.parse import parse
 from gateway.tokenizer.chat_template import ChatTemplate
 from gateway.tokenizer.counters import HFCounter
 from loadtest.real_tokenizers import directory
+from tests.conftest import real_reference
 
 PROSE = (
     "The committee reviewed the quarterly figures and agreed that the new warehouse would open"
@@ -28,19 +28,14 @@ PROSE = (
 
 
 @cache
-def tokenizer(name: str) -> Any:
-    return AutoTokenizer.from_pretrained(str(directory(name)))
-
-
-@cache
 def template(name: str) -> ChatTemplate:
-    return ChatTemplate(tokenizer(name))
+    return ChatTemplate(real_reference(name))
 
 
 def hf_render(name: str, messages: list[dict[str, Any]], **kwargs: Any) -> str:
     """transformers' own render, the way vLLM calls it."""
     kwargs.setdefault("add_generation_prompt", True)
-    return str(tokenizer(name).apply_chat_template(messages, tokenize=False, **kwargs))
+    return str(real_reference(name).apply_chat_template(messages, tokenize=False, **kwargs))
 
 
 def parsed(body: dict[str, Any], api: Api = CHAT, **limits: Any) -> Ctx:
@@ -111,7 +106,7 @@ def test_an_image_reaches_gemma_as_an_image_part_and_its_placeholder_is_known() 
 async def test_a_huge_input_text_part_is_counted_in_full() -> None:
     text = PROSE * 400
     counter = HFCounter.load(str(directory("qwen3")))
-    alone = len(tokenizer("qwen3").encode(text, add_special_tokens=False))
+    alone = len(real_reference("qwen3").encode(text, add_special_tokens=False))
     body = chat({"role": "tool", "content": [{"type": "input_text", "text": text}]})
     assert await counter.count_chat(body) >= alone
 

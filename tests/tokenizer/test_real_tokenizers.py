@@ -28,11 +28,11 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer
 
 from gateway.policy.compile import Policy, load_policy
 from loadtest import prose
 from loadtest.real_tokenizers import directory
+from tests.conftest import real_reference
 
 MODELS = ("gemma3", "llama3", "qwen3")
 BACKENDS = ("fastokens", "tokenizers")
@@ -62,7 +62,7 @@ def runner() -> Iterator[asyncio.Runner]:
 @pytest.fixture(scope="session")
 def references() -> dict[str, Any]:
     """transformers' tokenizers, loaded once per model on first use."""
-    return _Lazy(lambda model: AutoTokenizer.from_pretrained(str(directory(model))))
+    return _Lazy(real_reference)
 
 
 @pytest.fixture(scope="session")
