@@ -14,6 +14,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=$1
+# tests/setup/tools.sh installs helm into the environment unless the machine has it already.
+helm=$venv/bin/helm
+[[ -x $helm ]] || helm=$(command -v helm)
 buildah=(buildah --storage-driver vfs)
 base=localhost/python:3.11-slim
 
@@ -50,7 +53,7 @@ fi
 render_pod() {
     local prefix=$1
     shift
-    "$venv/bin/helm" template llm deploy/helm/llm-admission-gateway --namespace llm \
+    "$helm" template llm deploy/helm/llm-admission-gateway --namespace llm \
         --show-only templates/gateway.yaml "$@" |
         "$venv/bin/python" -c 'import sys, yaml
 docs = [d for d in yaml.safe_load_all(sys.stdin) if d]
