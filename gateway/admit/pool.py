@@ -353,19 +353,30 @@ class LivePool:
         objective = claim.objective
         assert objective is not None
         now = time.perf_counter()
-        best: Replica | None = None
-        best_room = -math.inf
-        predicted: Prediction | None = None
-        cached = self.picker.cached_share
-        for replica in replicas:
-            if not replica.fits(claim):
-                continue
-            prediction = latency.predict(replica, claim, cached(replica, claim))
-            room = prediction.headroom(objective, now)
-            if best is None or room > best_room:  # room beats none, even at -inf headroom
-                best, best_room, predicted = replica, room, prediction
-        if best_room < 0 and claim.priority == SHEDDABLE and predicted is not None:
+        best = self._best([r for r in replicas if r.fits(claim)], claim, latency, now)
+        if best is None:
+            return None
+        replica, room, predicted = best
+        if room < 0 and claim.priority == SHEDDABLE:
             raise self._unreachable(objective, predicted, now)
+        return replica
+
+    def _best(
+        self, replicas: Sequence[Replica], claim: Claim, latency: LatencyModel, at: float
+    ) -> tuple[Replica, float, Prediction] | None:
+        """Of `replicas`, the one predicted to leave `claim` the most headroom under its
+        objective at time `at`, with that headroom and the prediction; None without replicas.
+        Any replica beats none, even at a headroom of -inf (an objective no prediction can be
+        measured against)."""
+        objective = claim.objective
+        assert objective is not None
+        cached = self.picker.cached_share
+        best: tuple[Replica, float, Prediction] | None = None
+        for replica in replicas:
+            prediction = latency.predict(replica, claim, cached(replica, claim))
+            room = prediction.headroom(objective, at)
+            if best is None or room > best[1]:
+                best = (replica, room, prediction)
         return best
 
     def _unreachable(
@@ -508,21 +519,12 @@ class LivePool:
         replica (room or not): the newest sheddable request on the one it misses by least is
         cancelled (`preempt`), so it runs there with a lighter batch, or takes the slot that
         frees. Once, not at each dispatch: a request waiting for that slot asks no more."""
-        objective = claim.objective
-        if objective is None:
+        if claim.objective is None:
             return
-        now = time.perf_counter()
-        cached = self.picker.cached_share
-        best, best_room = None, -math.inf
-        for replica in self.replicas:
-            if replica.up:
-                room = latency.predict(replica, claim, cached(replica, claim)).headroom(
-                    objective, now
-                )
-                if room > best_room:
-                    best, best_room = replica, room
-        if best is not None and best_room < 0:
-            self.preempt(best, claim)
+        up = [r for r in self.replicas if r.up]
+        best = self._best(up, claim, latency, time.perf_counter())
+        if best is not None and best[1] < 0:
+            self.preempt(best[0], claim)
 
     def _reachable_after_wait(
         self, claim: Claim, objective: Objective, latency: LatencyModel
@@ -534,13 +536,10 @@ class LivePool:
         if wait_s is None:
             return
         now = time.perf_counter()
-        cached = self.picker.cached_share
-        predictions = [latency.predict(r, claim, cached(r, claim)) for r in self.replicas if r.up]
-        if not predictions:
-            return
-        best = max(predictions, key=lambda p: p.headroom(objective, now + wait_s))
-        if best.headroom(objective, now + wait_s) < 0:
-            raise self._unreachable(objective, best, now, wait_s)
+        up = [r for r in self.replicas if r.up]
+        best = self._best(up, claim, latency, now + wait_s)
+        if best is not None and best[1] < 0:
+            raise self._unreachable(objective, best[2], now, wait_s)
 
     def predicted_wait(self, workload: str) -> float | None:
         """The wait a new request of class `workload` would have for a slot here: 0 with a slot
