@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from gateway.config.schema import ModelSpec, PoolSpec, TenantSpec
 from gateway.context.match import Check
-from gateway.context.objective import Defaults
+from gateway.context.objective import Bound, Defaults
 from gateway.tokenizer.counters import TokenCounter
 
 
@@ -22,6 +22,7 @@ class Tenant:
     name: str
     spec: TenantSpec
     tier: int  # index into PRIORITIES: the highest priority its requests may have
+    objectives: Bound = (None, None)  # its `slo` in seconds, for gateway/request/objective.py
 
 
 @dataclass(frozen=True, slots=True)

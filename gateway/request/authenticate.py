@@ -18,6 +18,7 @@ from gateway.config.load import Problem
 from gateway.config.schema import PRIORITIES, TenantSpec
 from gateway.context.compiled import Tenant
 from gateway.context.ctx import Ctx
+from gateway.context.objective import seconds
 from gateway.errors import InvalidApiKey
 
 _HASH_PREFIX = "sha256:"
@@ -60,7 +61,7 @@ def compile_tenants(
     keys: dict[bytes, Tenant] = {}
     problems: list[Problem] = []
     for name, spec in specs.items():
-        tenant = Tenant(name, spec, PRIORITIES.index(spec.tier))
+        tenant = Tenant(name, spec, PRIORITIES.index(spec.tier), seconds(spec.slo))
         entries, found = _entries(name, spec, base)
         problems += found
         for entry in entries:

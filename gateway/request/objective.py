@@ -19,7 +19,7 @@ import math
 from multidict import CIMultiDictProxy
 
 from gateway.context.ctx import Ctx
-from gateway.context.objective import Bound, Objective, seconds
+from gateway.context.objective import Bound, Objective
 from gateway.errors import BadRequest
 
 TTFT_HEADERS = ("x-slo-ttft-ms", "x-llm-d-slo-ttft-ms")
@@ -33,7 +33,7 @@ def set_objective(ctx: Ctx) -> None:
     if pool is None or (defaults := pool.objectives) is None:
         return
     asked = _asked(ctx.headers) if defaults.headers else (None, None)
-    tenant = seconds(ctx.tenant.spec.slo) if ctx.tenant is not None else (None, None)
+    tenant = ctx.tenant.objectives if ctx.tenant is not None else (None, None)
     workload = defaults.by_class.get(ctx.workload, (None, None))
     tier = defaults.by_tier[ctx.priority]
     ttft = _first(asked[0], tenant[0], workload[0], tier[0])
