@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config.schema import PRIORITIES
 from gateway.state.failover import RETRY_S
-from loadtest.adversary.endpoints import COUNTED, SPEECH
+from loadtest.adversary.endpoints import COUNTED, COUNTING, SPEECH
 from loadtest.adversary.generator import SLO_LLMD, SLO_OURS, Planned
 from loadtest.adversary.harness import (
     LAG_S,
@@ -119,7 +119,7 @@ def check_quota(run: Run) -> list[Broken]:
     broken = []
     by_tenant: dict[str, list[tuple[float, int, str]]] = defaultdict(list)
     for outcome in run.outcomes:
-        if outcome.planned.endpoint in ("tokenize",):
+        if outcome.planned.endpoint in COUNTING:  # no replica: nothing the ledger can weigh
             continue
         got = tokens_got(outcome, run)
         reached = bool(run.ledger.arrivals.get(outcome.planned.nonce))
@@ -390,10 +390,10 @@ def tier_of(p: Planned) -> str:
 
 def slo_header_invalid(p: Planned) -> bool | None:
     """Whether the objective headers `p` was drawn with must be refused: None when its pool
-    reads none (no `slo`, or `headers: false`, or the gateway's own `/tokenize`). Of each
+    reads none (no `slo`, or `headers: false`, or one of the gateway's counting endpoints). Of each
     objective's names, ours first, the first sent decides, by its first value."""
     slo = SLO.get(_pool_of(p))
-    if slo is None or slo.get("headers") is False or p.endpoint == "tokenize":
+    if slo is None or slo.get("headers") is False or p.endpoint in COUNTING:
         return None
     sent: dict[str, str] = {}
     for name, value in p.headers:

@@ -4,8 +4,9 @@ Every registered endpoint is either in `DRAWN` (its path, how often a single req
 and its `kind`: how `generator.py` draws its bodies, how `replica.py` answers it and how
 `count.py` counts its prompt) or in `NOT_DRAWN` with the reason it is not; `unaccounted` names
 the ones that are neither, and `tests/promises/test_adversary.py` fails on any, so the next
-endpoint registered cannot be forgotten here. Two entries are not registered `Api`s: `/tokenize`
-(answered by the gateway itself, no replica) and a passthrough path (a route's, from the policy).
+endpoint registered cannot be forgotten here. Some entries are not registered `Api`s: the
+counting endpoints `/tokenize`, `/detokenize` and `/v1/messages/count_tokens` (answered by the
+gateway itself, no replica; kind `tokenize`) and a passthrough path (a route's, from the policy).
 """
 
 from __future__ import annotations
@@ -44,10 +45,13 @@ DRAWN: dict[str, Drawn] = {
     "transcriptions": _registered("transcriptions", 2, "speech"),
     "translations": _registered("translations", 1, "speech"),
     "tokenize": Drawn("/tokenize", 1, "tokenize", counted=False),
+    "detokenize": Drawn("/detokenize", 1, "tokenize", counted=False),
+    "count_tokens": Drawn("/v1/messages/count_tokens", 1, "tokenize", counted=False),
     "passthrough": Drawn("/v1/adversary/echo", 1, "passthrough", counted=False),
 }
 # A registered endpoint the adversary does not draw, and why (none today: each is drawn).
 NOT_DRAWN: dict[str, str] = {}
+COUNTING = frozenset(name for name, d in DRAWN.items() if d.kind == "tokenize")
 GENERATIVE = tuple(name for name, d in DRAWN.items() if d.kind == "generative")
 SPEECH = tuple(name for name, d in DRAWN.items() if d.kind == "speech")
 COUNTED = tuple(name for name, d in DRAWN.items() if d.counted)

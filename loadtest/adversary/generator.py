@@ -354,6 +354,22 @@ class Generator:
     def _tokenize_body(self, model: str, nonce: str) -> dict[str, Any]:
         return {"model": model, "prompt": f"{nonce} {self.text(1, 100)}"}
 
+    def _detokenize_body(self, model: str, nonce: str) -> dict[str, Any]:
+        """Token ids to decode: a few, many, or some no vocabulary holds (a 400)."""
+        r = self.rng
+        top = r.choice((1000, 1000, 1000, 10**9))
+        return {
+            "model": model,
+            "tokens": [r.randrange(top) for _ in range(r.choice((1, 50, 4000)))],
+        }
+
+    def _count_tokens_body(self, model: str, nonce: str) -> dict[str, Any]:
+        """A Messages body to count (Anthropic's `count_tokens`): no bound, no stream."""
+        body = self._messages_body(model, nonce)
+        body.pop("max_tokens", None)
+        body.pop("stream", None)
+        return body
+
     def _passthrough_body(self, model: str, nonce: str) -> dict[str, Any]:
         return {"model": model, "note": nonce}
 
