@@ -22,7 +22,8 @@ import aiohttp
 import redis
 
 STOP_WAIT_S = 10.0  # after SIGTERM, before SIGKILL
-READY_WAIT_S = 60.0  # the gateway's start-up (imports, tokenizers, first DNS lookup), at most
+READY_WAIT_S = 180.0  # start-up (imports, tokenizers, DNS), at most: two gateways loading three
+# real tokenizers each on a loaded 2-core machine took over 60 s
 
 
 def free_port() -> int:
