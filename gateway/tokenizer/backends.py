@@ -20,6 +20,7 @@ transformers, whose calls set both off unless a prompt is to be truncated.
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, Protocol
 
@@ -46,6 +47,33 @@ class Encoder(Protocol):
     def batch_ids(self, texts: list[str], special: bool) -> list[list[int]]:
         """Each text's token ids."""
         ...
+
+
+class Decoder(Protocol):
+    """Token ids back to text, as transformers' `decode` and `convert_ids_to_tokens` give them
+    (vLLM's `/detokenize` and `return_token_strs`); thread-safe."""
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids`, special tokens kept."""
+        ...
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's token string."""
+        ...
+
+
+class TransformersDecoder:
+    """transformers' own decoding: the reference, for a tokenizer fastokens does not decode
+    alike (it keeps the transformers tokenizer resident)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self._tokenizer.decode(ids))
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        return list(self._tokenizer.convert_ids_to_tokens(ids))
 
 
 class TokenizersEncoder:
@@ -92,6 +120,13 @@ class FastokensEncoder:
     def batch_ids(self, texts: list[str], special: bool) -> list[list[int]]:
         encoded = self._tokenizer.encode_batch(texts, add_special_tokens=special)
         return [list(e.ids) for e in encoded]
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self._tokenizer.decode(ids, skip_special_tokens=False))
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        id_to_token = self._tokenizer.id_to_token
+        return [id_to_token(i) for i in ids]
 
 
 def ids(encoder: Encoder, text: str, special: bool) -> list[int]:
@@ -160,6 +195,24 @@ def disagreement(fast: Encoder, reference: Encoder, added: list[str]) -> str | N
 
 class BackendError(ValueError):
     """`tokenizer_backend: fastokens` was asked for, and it cannot count this tokenizer exactly."""
+
+
+def decoding_disagreement(fast: FastokensEncoder, tokenizer: Any) -> str | None:
+    """How fastokens decodes differently from transformers' `tokenizer`, or None: every added
+    token alone and all together, then seeded runs of ids across the whole vocabulary (partial
+    UTF-8 byte tokens among them), both as text and as token strings. transformers may also
+    clean spaces up after decoding; a tokenizer that asks for it shows here as a difference."""
+    added = sorted(tokenizer.backend_tokenizer.get_added_tokens_decoder())
+    rng = random.Random(0)
+    size = len(tokenizer)
+    runs = [[i] for i in added] + [added]
+    runs += [[rng.randrange(size) for _ in range(rng.randint(1, 64))] for _ in range(256)]
+    for run in runs:
+        if fast.decode(run) != tokenizer.decode(run):
+            return f"the text of ids {run[:8]}"
+        if fast.token_strs(run) != tokenizer.convert_ids_to_tokens(run):
+            return f"the token strings of ids {run[:8]}"
+    return None
 
 
 def choose(tokenizer: Any, wanted: Backend, model: str) -> Encoder:

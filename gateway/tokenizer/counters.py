@@ -186,11 +186,6 @@ class HFCounter:
             image_tokens=image_tokens,
         )
 
-    @property
-    def tokenizer(self) -> Any:
-        """The transformers tokenizer (`LoadedTokenizer.tokenizer`: perhaps loaded again now)."""
-        return self.loaded.tokenizer
-
     def warm(self) -> None:
         """Encode once on every tokenizer thread, waited for: a thread's first encode with a
         tokenizer is its dearest (fastokens builds its per-thread matching state then: ~120-140
@@ -285,18 +280,10 @@ class HFCounter:
         """Token ids the tokenizer knows, added tokens included: 0 to `vocab_size - 1`."""
         return self.loaded.vocab_size
 
-    async def _decoding(self, ids: list[int], work: Callable[[Any, list[int]], T]) -> T:
-        """`work(tokenizer, ids)` with the transformers tokenizer; on the tokenizer threads
-        whatever the length while it must be loaded again."""
-        size = len(ids) if self.loaded.resident else self.inline_max_chars + 1
-        return await self._run(size, lambda: work(self.tokenizer, ids))
-
     async def decode(self, ids: list[int]) -> str:
         """The text of `ids`, special tokens kept, as vLLM's `/detokenize` decodes them."""
-        return str(await self._decoding(ids, lambda tokenizer, ids: tokenizer.decode(ids)))
+        return await self._run(len(ids), self.loaded.decoder.decode, ids)
 
     async def token_strs(self, ids: list[int]) -> list[str]:
         """Each id's token string (`convert_ids_to_tokens`), for `return_token_strs`."""
-        return list(
-            await self._decoding(ids, lambda tokenizer, ids: tokenizer.convert_ids_to_tokens(ids))
-        )
+        return await self._run(len(ids), self.loaded.decoder.token_strs, ids)

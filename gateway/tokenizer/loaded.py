@@ -11,14 +11,18 @@ anew. Entries live while a counter holds them, so a tokenizer no policy names is
 
 Where fastokens counts, the transformers tokenizer (with its own copy of the vocabulary in the
 tokenizers library) is let go once loaded: rendering needs only its templates and special tokens
-(`TemplateHost`), so one counting engine stays resident. It is loaded again only for what needs
-it, decoding ids (`/detokenize`, `return_token_strs`), on the tokenizer threads, once.
+(`TemplateHost`), and fastokens decodes ids (`/detokenize`, `return_token_strs`) as transformers
+does, checked as it loads (`decoding_disagreement`), so one engine stays resident. Where it does
+not decode alike, the transformers tokenizer is kept for decoding. Nothing is loaded after the
+policy: a lazy load on a tokenizer thread held the event loop for hundreds of milliseconds
+(the tokenizers library builds its vocabulary holding the GIL), which the adversary found.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import threading
 import weakref
@@ -26,10 +30,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.tokenizer.backends import TOKENIZERS, Backend, Encoder, choose
+from gateway.tokenizer.backends import (
+    Backend,
+    Decoder,
+    Encoder,
+    FastokensEncoder,
+    TransformersDecoder,
+    choose,
+    decoding_disagreement,
+)
 from gateway.tokenizer.chat_template import ChatTemplate, TemplateHost
 from gateway.tokenizer.floor import TokenFloor
 from gateway.watched import Stamp, stamp
+
+log = logging.getLogger("gateway.tokenizer")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -90,11 +104,19 @@ class LoadedTokenizer:
         self.floor = TokenFloor.of(tokenizer.backend_tokenizer)
         self.specials = encoder.counts([""], True)[0]
         self.vocab_size = len(tokenizer)  # token ids, added tokens included
-        # Kept where the tokenizers library counts (it is the engine) or renders the template
-        # itself; else let go, and loaded again if a decode needs it.
-        kept = encoder.name == TOKENIZERS or host is tokenizer
-        self._tokenizer: Any = tokenizer if kept else None
-        self._lock = threading.Lock()
+        # The transformers tokenizer stays only in what still needs it: the decoder where
+        # fastokens does not decode alike, the template host where it renders itself.
+        self.decoder: Decoder = TransformersDecoder(tokenizer)
+        if isinstance(encoder, FastokensEncoder):
+            different = decoding_disagreement(encoder, tokenizer)
+            if different is None:
+                self.decoder = encoder
+            else:
+                log.warning(
+                    "%s: fastokens decodes %s differently; transformers decodes it (resident)",
+                    identity.directory,
+                    different,
+                )
 
     @classmethod
     def load(cls, identity: Identity, model: str) -> LoadedTokenizer:
@@ -109,20 +131,6 @@ class LoadedTokenizer:
             return Identity.of(self.identity.directory, self.identity.backend) == self.identity
         except FileNotFoundError:
             return False
-
-    @property
-    def resident(self) -> bool:
-        """Whether the transformers tokenizer is loaded (decoding costs no load)."""
-        return self._tokenizer is not None
-
-    @property
-    def tokenizer(self) -> Any:
-        """The transformers tokenizer, loaded again if it was let go (seconds for a large
-        vocabulary: called on the tokenizer threads)."""
-        with self._lock:
-            if self._tokenizer is None:
-                self._tokenizer = load_tokenizer(self.identity.directory)
-            return self._tokenizer
 
 
 _loaded: weakref.WeakValueDictionary[Identity, LoadedTokenizer] = weakref.WeakValueDictionary()

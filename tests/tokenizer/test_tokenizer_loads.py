@@ -1,6 +1,6 @@
 """A tokenizer directory is loaded once, whatever number of models name it and reloads keep it
 (gateway/tokenizer/loaded.py); where fastokens counts, the transformers tokenizer is let go and
-loaded again only for decoding."""
+fastokens decodes too."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
 from transformers import AutoTokenizer
 
 from gateway.config.load import load_spec
 from gateway.policy.compile import compile_policy, load_policy, reference_problems
 from gateway.tokenizer import loaded
+from gateway.tokenizer.backends import TransformersDecoder
 from gateway.tokenizer.counters import HFCounter
 from tests.conftest import basic_policy, write_policy
 
@@ -101,20 +103,39 @@ def test_a_load_no_policy_holds_is_freed(tokenizer_dir: Path, tmp_path: Path) ->
     assert identity not in loaded._loaded
 
 
-async def test_where_fastokens_counts_decoding_loads_transformers_again(
-    tokenizer_dir: Path, tmp_path: Path
+async def test_where_fastokens_counts_it_decodes_too_and_nothing_is_loaded_after_the_policy(
+    tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A copy of its own: a tokenizer another test decoded with, still alive, would be resident.
+    """A load after the policy's (the transformers tokenizer again, for a first `/detokenize`)
+    held the event loop for hundreds of milliseconds: decoding needs none."""
     own = shutil.copytree(tokenizer_dir, tmp_path / "tokenizer")
     policy = load_policy(write_policy(tmp_path, basic_policy(own, ["http://127.0.0.1:9"])))
     try:
         (counter,) = counters(policy)
-        assert counter.backend == "fastokens" and not counter.loaded.resident
+        assert counter.backend == "fastokens" and counter.loaded.decoder is counter.encoder
+
+        def no_load(directory: str) -> None:
+            raise AssertionError(f"{directory} loaded again after the policy")
+
+        monkeypatch.setattr(loaded, "load_tokenizer", no_load)
         reference = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-        ids = reference.encode("Hello there, general decoding")
+        ids = [*reference.encode("Hello there, general decoding"), 0, counter.vocab_size - 1]
         assert await counter.decode(ids) == reference.decode(ids)
         assert await counter.token_strs(ids) == reference.convert_ids_to_tokens(ids)
         assert counter.vocab_size == len(reference)
-        assert counter.loaded.resident
+    finally:
+        policy.close()
+
+
+def test_a_tokenizer_fastokens_does_not_decode_alike_keeps_transformers_to_decode(
+    tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    own = shutil.copytree(tokenizer_dir, tmp_path / "tokenizer")
+    monkeypatch.setattr(loaded, "decoding_disagreement", lambda fast, tokenizer: "ids [0]")
+    policy = load_policy(write_policy(tmp_path, basic_policy(own, ["http://127.0.0.1:9"])))
+    try:
+        (counter,) = counters(policy)
+        assert counter.backend == "fastokens"
+        assert isinstance(counter.loaded.decoder, TransformersDecoder)
     finally:
         policy.close()
