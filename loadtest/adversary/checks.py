@@ -411,12 +411,19 @@ def slo_header_invalid(p: Planned) -> bool | None:
     return False
 
 
+def _answered_upstream(run: Run, p: Planned) -> bool:
+    """Whether a replica took `p` further than refusing it: one that resets the connection
+    before its head sends it back to the queue, where a retry may find its objective
+    unreachable (and be refused `slo_unreachable`) having reached that replica."""
+    return bool(run.ledger.arrivals.get(p.nonce)) and p.script.transport != "reset_head"
+
+
 def check_slo(run: Run) -> list[Broken]:
     """Latency objectives (issue 38): the client's objective headers and priority never reach a
     replica (X); a header no objective may take is refused and reaches no replica, and one that
     may, or one on a pool that reads none, is never refused as such (R); `slo_unreachable` goes
     only to sheddable requests on pools with `slo`, 429 (Anthropic's 529) with a Retry-After of
-    a whole second or more and the API's own error body (R); `llm_slo_requests_total` counts
+    a whole second or more and the API's own error body, before any replica answered (R); `llm_slo_requests_total` counts
     each request at most once per objective it had (S)."""
     out: list[Broken] = []
     leaked = sorted(
@@ -448,7 +455,7 @@ def check_slo(run: Run) -> list[Broken]:
                 or o.status != status
                 or not (retry.isdigit() and int(retry) >= 1)
                 or kind.encode() not in o.refusal
-                or run.ledger.arrivals.get(p.nonce)
+                or _answered_upstream(run, p)
             ):
                 unreachable.append((p, o.status, retry))
     for rows, what in (

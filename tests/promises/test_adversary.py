@@ -167,8 +167,17 @@ def test_the_slo_checks_see_what_they_promise() -> None:
     run = _slo_run((shed, 429, unreachable))
     run.outcomes[0].refusal = b'{"error": {"code": "slo_unreachable"}}'
     assert not check_slo(run)
+    # A replica that reset it before its head sent it back to the queue, where its retry found
+    # the objective unreachable: still a refusal before any replica answered.
+    nonce = run.outcomes[0].planned.nonce
+    run.ledger.arrivals[nonce] = [Arrival("chat", "gemma3", "", 0.0)]
+    run.outcomes[0].planned.script.transport = "reset_head"
+    assert not check_slo(run)
+    run.outcomes[0].planned.script.transport = "ok"
+    [answered] = check_slo(run)
+    del run.ledger.arrivals[nonce]
     [standard] = check_slo(_slo_run((valid, 429, unreachable)))
-    assert {b.promise for b in (served, refused, standard)} == {"R"}
+    assert {b.promise for b in (served, refused, answered, standard)} == {"R"}
     run.access[0]["slo_ttft_s"] = 0.0
     run.metrics = [
         "# TYPE llm_slo_requests_total counter\n"
