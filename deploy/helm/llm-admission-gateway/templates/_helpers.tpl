@@ -91,3 +91,17 @@ otherwise, from `registry` (the release workflow's IMAGE_REGISTRY, or a mirror o
 {{- end -}}
 {{- $source.type -}}
 {{- end }}
+
+{{/* `gateway.workers`, refused where the pod cannot share its caps and quotas across them: more
+than one needs the chart's Redis, or, without it, a `policy.state` naming a shared backend. */}}
+{{- define "llm.workers" -}}
+{{- $workers := int .Values.gateway.workers -}}
+{{- $backend := ternary "redis" ((.Values.policy.state | default dict).backend | default "memory") .Values.redis.enabled -}}
+{{- if lt $workers 1 -}}
+{{- fail "gateway.workers must be at least 1" -}}
+{{- end -}}
+{{- if and (gt $workers 1) (eq $backend "memory") -}}
+{{- fail (printf "gateway.workers: %d needs shared state (redis.enabled, or state.backend: redis): with state.backend memory every worker would keep its own caps and quotas" $workers) -}}
+{{- end -}}
+{{- $workers -}}
+{{- end }}
