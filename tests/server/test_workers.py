@@ -23,6 +23,7 @@ from tests.conftest import basic_policy, eventually, write_policy
 from tests.request.test_quotas import ACME_KEY, hashed
 
 AUTH = {"Authorization": f"Bearer {ACME_KEY}"}
+ADMIN_TOKEN = "admin-token-for-the-pod"
 
 
 @dataclass
@@ -62,6 +63,7 @@ async def pod(policy_path: Path, metrics_port: int, workers: int = 2) -> AsyncIt
         sys.executable, "-m", "gateway", "serve", "--policy", str(policy_path), "--port", "0",
         "--workers", str(workers),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "LLM_GATEWAY_ADMIN_TOKEN": ADMIN_TOKEN},
     )  # fmt: skip
     assert proc.stderr is not None
     running = Pod(proc, "", f"http://127.0.0.1:{metrics_port}")
@@ -185,20 +187,31 @@ async def test_a_killed_worker_restarts_a_reload_reaches_both_and_sigterm_drains
         assert restarts == {"": 1.0}
         assert await running.samples(http, "llm_gateway_workers") == {"": 2.0}
 
-        before = await running.samples(http, "llm_policy_info")
-        policy["routes"][0]["match"]["model"] = ["tiny", "after-hup"]
-        path.write_text(yaml.safe_dump(policy))
-        running.proc.send_signal(signal.SIGHUP)
-
         async def digests() -> set[str]:
+            """The policy each worker runs, by its hash."""
             async with http.get(f"{running.metrics_url}/metrics") as resp:
                 text = await resp.text()
             return set(re.findall(r'llm_policy_info\{hash="(\w+)",worker="\d"\}', text))
 
-        async with asyncio.timeout(30):
-            while len(found := await digests()) != 1 or found == set(before):  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
-        assert len(re.findall("reloaded: ", "".join(running.log))) == 2  # each worker, once
+        async def all_run_one_other_than(before: set[str]) -> None:
+            async with asyncio.timeout(30):
+                while len(found := await digests()) != 1 or found == before:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+
+        # SIGHUP to the parent reaches both workers.
+        before = await digests()
+        policy["routes"][0]["match"]["model"] = ["tiny", "after-hup"]
+        path.write_text(yaml.safe_dump(policy))
+        running.proc.send_signal(signal.SIGHUP)
+        await all_run_one_other_than(before)
+        # `/admin/reload` is answered by one worker; the other reloads too, through the parent.
+        before = await digests()
+        policy["routes"][0]["match"]["model"] = ["tiny", "after-admin"]
+        path.write_text(yaml.safe_dump(policy))
+        admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        async with http.post(f"{running.url}/admin/reload", headers=admin) as resp:
+            assert resp.status == 200
+        await all_run_one_other_than(before)
 
         inflight = [asyncio.create_task(chat(running.url)) for _ in range(4)]
         await eventually(lambda: stub.stats.running == 4, within_s=20)
