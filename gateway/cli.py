@@ -58,15 +58,18 @@ async def _serve(policy_path: str, host: str, port: int, worker: WorkerRole | No
     # While the tokenizers load (seconds, a minute for several large ones on a small CPU), the
     # listener answers the probes: alive, not ready (`create_starting_app`). The load runs on a
     # thread so that the loop answers them meanwhile.
+    # A worker started again after a crash does not: on a shared port its 503s would reach
+    # clients the other workers serve meanwhile.
     starting = GatewayRunner(create_starting_app(), access_log=None, shutdown_timeout=0.1)
     await starting.setup()
-    await web.TCPSite(
-        starting, host, port, backlog=1024, ssl_context=context, reuse_port=reuse_port
-    ).start()
-    port = starting.addresses[0][1]  # `--port 0`: the port the system gave, kept for serving
-    log.info(
-        "answering probes on %s://%s:%s while policy %s loads", scheme, host, port, policy_path
-    )
+    if worker is None or not worker.restarted:
+        await web.TCPSite(
+            starting, host, port, backlog=1024, ssl_context=context, reuse_port=reuse_port
+        ).start()
+        port = starting.addresses[0][1]  # `--port 0`: the port the system gave, kept for serving
+        log.info(
+            "answering probes on %s://%s:%s while policy %s loads", scheme, host, port, policy_path
+        )
     try:
         loaded_at = time.perf_counter()
         policy = await asyncio.to_thread(compile_policy, loaded)
@@ -166,7 +169,9 @@ def serve(args: argparse.Namespace) -> int:
         return supervise(args.policy, args.host, args.port, args.workers)
     worker = None
     if args.worker_index is not None:
-        worker = WorkerRole(args.worker_index, args.workers, args.metrics_socket)
+        worker = WorkerRole(
+            args.worker_index, args.workers, args.metrics_socket, args.worker_restarted
+        )
     try:
         return uvloop.run(_serve(args.policy, args.host, args.port, worker))
     except PolicyError as exc:
@@ -658,6 +663,7 @@ def main(argv: list[str] | None = None) -> int:
     # Set by the parent of `--workers N` on each worker it starts.
     p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     p.add_argument("--metrics-socket", help=argparse.SUPPRESS)
+    p.add_argument("--worker-restarted", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=serve)
     p = sub.add_parser("check", help="validate a policy file")
     p.add_argument("file")

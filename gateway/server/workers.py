@@ -49,12 +49,14 @@ ORPHAN_CHECK_S = 1.0  # how often a worker looks whether its parent is still the
 
 @dataclass(frozen=True, slots=True)
 class WorkerRole:
-    """What the parent tells a worker: which one it is, of how many, and where its `/metrics`
-    listens for the parent (a Unix socket: the metrics port is the parent's)."""
+    """What the parent tells a worker: which one it is, of how many, where its `/metrics` listens
+    for the parent (a Unix socket: the metrics port is the parent's), and whether it replaces
+    one that died (the others serve meanwhile: it opens no listener until it can serve)."""
 
     index: int
     count: int
     metrics_socket: str
+    restarted: bool
 
 
 def refusal(policy_path: str, workers: int) -> str | None:
@@ -121,13 +123,14 @@ class Supervisor:
     def _socket(self, index: int) -> Path:
         return self._sockets / f"worker-{index}.sock"
 
-    async def _start(self, index: int) -> asyncio.subprocess.Process:
+    async def _start(self, index: int, restarted: bool) -> asyncio.subprocess.Process:
         path = self._socket(index)
         path.unlink(missing_ok=True)  # its presence says the worker came up
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "gateway", "serve", "--policy", self.policy_path,
             "--host", self.host, "--port", str(self.port), "--workers", str(self.count),
             "--worker-index", str(index), "--metrics-socket", str(path),
+            *(["--worker-restarted"] if restarted else []),
         )  # fmt: skip
         self._procs[index] = proc
         log.info("worker %d started (pid %d)", index, proc.pid)
@@ -136,8 +139,10 @@ class Supervisor:
     async def _keep(self, index: int) -> None:
         """Worker `index` for as long as the pod runs: started again whenever it dies, unless it
         died before it ever served (a policy it cannot load: every start would fail alike)."""
+        restarted = False
         while True:
-            proc = await self._start(index)
+            proc = await self._start(index, restarted)
+            restarted = True
             code = await proc.wait()
             if self._stop.is_set():
                 return

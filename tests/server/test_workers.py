@@ -20,9 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.processes import free_port
 from tests.conftest import basic_policy, eventually, write_policy
-from tests.request.test_quotas import ACME_KEY, hashed
+from tests.request.test_tenants import ACME_KEY, BATCH_KEY, hashed
 
-AUTH = {"Authorization": f"Bearer {ACME_KEY}"}
 ADMIN_TOKEN = "admin-token-for-the-pod"
 
 
@@ -94,7 +93,10 @@ def pod_policy(
     tokenizer_dir: Path, replica: str, redis_url: str, metrics_port: int
 ) -> dict[str, Any]:
     policy = basic_policy(tokenizer_dir, [replica], max_concurrency=4, queue={"fail_fast": False})
-    policy["tenants"] = {"acme": {"keys": [hashed(ACME_KEY)], "tpm": 1000}}
+    policy["tenants"] = {
+        "acme": {"keys": [hashed(ACME_KEY)], "rpm": 5},
+        "batch": {"keys": [hashed(BATCH_KEY)]},  # no window: only the cap holds it
+    }
     policy["state"] = {"backend": "redis", "url": redis_url}
     policy["server"] = {"metrics_port": metrics_port, "readiness_delay_s": 0.2}
     policy["admin"] = {"watch_interval_s": 0}  # only a signal reloads
@@ -104,11 +106,12 @@ def pod_policy(
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 40}
 
 
-async def chat(url: str) -> tuple[int, dict[str, str]]:
+async def chat(url: str, key: str = BATCH_KEY) -> tuple[int, dict[str, str]]:
     """One request on a connection of its own: the kernel picks its worker per connection."""
+    headers = {"Authorization": f"Bearer {key}"}
     async with (
         aiohttp.ClientSession() as http,
-        http.post(f"{url}/v1/chat/completions", json=BODY, headers=AUTH) as resp,
+        http.post(f"{url}/v1/chat/completions", json=BODY, headers=headers) as resp,
     ):
         await resp.read()
         return resp.status, dict(resp.headers)
@@ -129,7 +132,7 @@ async def test_memory_state_or_no_metrics_port_refuses_workers(tokenizer_dir, tm
         assert proc.returncode == 1 and wanted in err.decode(), err.decode()
 
 
-async def test_two_workers_share_the_port_a_cap_and_a_tpm_exactly(
+async def test_two_workers_share_the_port_a_cap_and_a_tenants_window_exactly(
     stub_factory, tokenizer_dir, tmp_path, fresh_redis
 ) -> None:
     gate = asyncio.Event()
@@ -140,34 +143,37 @@ async def test_two_workers_share_the_port_a_cap_and_a_tpm_exactly(
         pod(write_policy(tmp_path, policy), metrics_port) as running,
         aiohttp.ClientSession() as http,
     ):
-        # The cap: 12 requests held on a replica of 4 slots, from both workers.
-        held = [asyncio.create_task(chat(running.url)) for _ in range(12)]
-        await eventually(lambda: stub.stats.running == 4, within_s=20)
 
         async def waiting() -> float:
             return sum((await running.samples(http, "llm_queue_depth")).values())
 
+        # The tenant's window, 5 requests a minute: a burst of 12 on both workers, held at the
+        # replica, takes exactly 5; a window per worker would grant 5 on each.
+        burst = [asyncio.create_task(chat(running.url, ACME_KEY)) for _ in range(12)]
+        await eventually(lambda: sum(task.done() for task in burst) == 7, within_s=20)
+        async with asyncio.timeout(20):  # the 5 granted reach the replica or wait for a slot
+            while stub.stats.running + await waiting() != 5:  # noqa: ASYNC110 - another process
+                await asyncio.sleep(0.05)
+        gate.set()
+        answers = await asyncio.gather(*burst)
+        assert sorted(status for status, _ in answers) == [200] * 5 + [429] * 7
+        granted = sorted(int(h["x-ratelimit-remaining-requests"]) for s, h in answers if s == 200)
+        assert granted == [0, 1, 2, 3, 4]  # one window: each grant saw the one before it
+
+        # The cap: 12 requests held on a replica of 4 slots, from both workers.
+        stub.config.gate = gate = asyncio.Event()
+        stub.stats.max_running = 0
+        held = [asyncio.create_task(chat(running.url)) for _ in range(12)]
+        await eventually(lambda: stub.stats.running == 4, within_s=20)
         async with asyncio.timeout(20):
             while await waiting() != 8:  # noqa: ASYNC110 - another process
                 await asyncio.sleep(0.05)
         assert stub.stats.max_running == 4  # every request is in a gateway: none took a 5th
         gate.set()
-        answers = await asyncio.gather(*held)
-        assert [status for status, _ in answers] == [200] * 12
+        assert [status for status, _ in await asyncio.gather(*held)] == [200] * 12
         assert stub.stats.max_running == 4
         served = await running.samples(http, "llm_requests_total")
-        assert served.keys() == {"0", "1"} and sum(served.values()) == 12, served  # spread
-
-        # The tenant's window, 1,000 tokens a minute, nearly spent by the requests above: a
-        # burst on both workers takes what is left and not a token more. Each grant says what the
-        # one window (Redis') kept after it: one sequence, a request's cost apart, ending with
-        # less than a request left; two windows (a worker's each) would repeat figures.
-        burst = await asyncio.gather(*(chat(running.url) for _ in range(12)))
-        assert {status for status, _ in burst} == {200, 429}
-        left = sorted(int(h["x-ratelimit-remaining-tokens"]) for s, h in burst if s == 200)
-        cost = left[1] - left[0]
-        assert cost > 0 and left == list(range(left[0], left[0] + cost * len(left), cost))
-        assert 0 <= left[0] < cost
+        assert served.keys() == {"0", "1"} and sum(served.values()) == 24, served  # spread
 
 
 async def test_a_killed_worker_restarts_a_reload_reaches_both_and_sigterm_drains(
@@ -183,6 +189,8 @@ async def test_a_killed_worker_restarts_a_reload_reaches_both_and_sigterm_drains
         os.kill(victim, signal.SIGKILL)
         await eventually(lambda: running.listening() == 3, within_s=60)
         assert running.pids()[0] != victim
+        # The new worker opened no "starting" listener: its 503s would reach the other's clients.
+        assert "".join(running.log).count("answering probes") == 2
         restarts = await running.samples(http, "llm_gateway_worker_restarts_total")
         assert restarts == {"": 1.0}
         assert await running.samples(http, "llm_gateway_workers") == {"": 2.0}
