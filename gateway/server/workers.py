@@ -134,6 +134,8 @@ class Supervisor:
         )  # fmt: skip
         self._procs[index] = proc
         log.info("worker %d started (pid %d)", index, proc.pid)
+        if self._stop.is_set():  # stopping began while it started: it missed the SIGTERM
+            proc.send_signal(signal.SIGTERM)
         return proc
 
     async def _keep(self, index: int) -> None:
