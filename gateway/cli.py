@@ -654,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--workers",
         type=int,
-        default=int(os.environ.get("LLM_GATEWAY_WORKERS", "1")),
+        default=os.environ.get("LLM_GATEWAY_WORKERS", "1"),  # argparse converts it, or says why
         help=(
             "gateway processes sharing the port, one per core the pod has; more than 1 needs"
             " state.backend: redis and server.metrics_port (default: $LLM_GATEWAY_WORKERS or 1)"
