@@ -293,18 +293,29 @@ def test_the_gateway_runs_a_worker_per_requested_cpu_with_the_metrics_port_set(
     assert policy["state"]["backend"] == "redis" and policy["server"]["metrics_port"]
 
 
-def test_the_chart_refuses_workers_without_shared_state() -> None:
+def test_the_charts_workers_follow_the_cpu_request_and_need_shared_state() -> None:
     def render(*sets: str) -> subprocess.CompletedProcess[str]:
         argv = [tool("helm"), "template", "llm", str(CHART), "--namespace", "llm"]
         for each in sets:
             argv += ["--set", each]
         return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
 
+    def workers(*sets: str) -> int:
+        out = render(*sets)
+        assert out.returncode == 0, out.stderr
+        (deployment,) = (
+            d for d in yaml.safe_load_all(out.stdout)
+            if d and d["kind"] == "Deployment" and d["metadata"]["name"] == "llm-gateway"
+        )  # fmt: skip
+        args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+        return int(args[args.index("--workers") + 1])
+
+    assert workers("gateway.resources.requests.cpu=4") == 4
+    assert workers("gateway.resources.requests.cpu=1500m") == 2  # rounded up
+    assert workers("gateway.resources.requests.cpu=4", "gateway.workers=3") == 3  # as set
     refused = render("redis.enabled=false")
     assert refused.returncode != 0 and "state.backend: redis" in refused.stderr
-    alone = render("redis.enabled=false", "gateway.workers=1", "gateway.resources.requests.cpu=1")
-    assert alone.returncode == 0, alone.stderr
-    assert '--workers, "1"]' in alone.stdout
+    assert workers("redis.enabled=false", "gateway.resources.requests.cpu=1") == 1
 
 
 def pod_labels(objects: list[dict[str, Any]], deployment: str) -> dict[str, str]:
