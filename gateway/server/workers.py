@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.openmetrics import exposition as openmetrics
@@ -192,12 +193,22 @@ class Supervisor:
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def _readyz(self, request: web.Request) -> web.Response:
+        """Every worker's `/readyz` 200: the first's body; else the first that is not, or 503
+        naming the worker that does not answer (starting again after a crash)."""
         answers = await asyncio.gather(*(self._fetch(i, "/readyz") for i in range(self.count)))
         for index, answer in enumerate(answers):
             if answer is None or answer[0] != 200:
-                text = answer[1] if answer is not None else f"worker {index} is not answering\n"
-                return web.Response(status=503, text=text)
-        return web.Response(text=answers[0][1] if answers[0] else "")
+                body = (
+                    answer[1]
+                    if answer is not None
+                    else orjson.dumps(
+                        {"ready": False, "worker": index, "answering": False}
+                    ).decode()
+                )
+                return web.Response(status=503, text=body, content_type="application/json")
+        first = answers[0]
+        assert first is not None
+        return web.Response(text=first[1], content_type="application/json")
 
     async def run(self) -> int:
         held = _hold_port(self.host, self.port)

@@ -147,6 +147,9 @@ async def test_two_workers_share_the_port_a_cap_and_a_tenants_window_exactly(
         async def waiting() -> float:
             return sum((await running.samples(http, "llm_queue_depth")).values())
 
+        async with http.get(f"{running.metrics_url}/readyz") as resp:  # every worker's
+            assert resp.status == 200 and (await resp.json())["ready"] is True
+
         # The tenant's window, 5 requests a minute: a burst of 12 on both workers, held at the
         # replica, takes exactly 5; a window per worker would grant 5 on each.
         burst = [asyncio.create_task(chat(running.url, ACME_KEY)) for _ in range(12)]
