@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import getpass
 import logging
+import os
 import signal
 import sys
 import time
@@ -24,21 +25,28 @@ from gateway.request.authenticate import key_entry
 if TYPE_CHECKING:
     from gateway.config.schema import RouteMatch
     from gateway.context.ctx import Ctx
+    from gateway.server.workers import WorkerRole
 
 log = logging.getLogger("gateway")
 
 
-async def _serve(policy_path: str, host: str, port: int) -> int:
+async def _serve(policy_path: str, host: str, port: int, worker: WorkerRole | None) -> int:
+    """One gateway: alone, or worker `worker.index` of a pod's (gateway/server/workers.py), which
+    shares its port, passes its reloads to the others and serves its metrics to the parent."""
     from aiohttp import web
 
     from gateway.config.load import load_spec
     from gateway.policy.compile import compile_policy, reference_problems
     from gateway.server.app import GATEWAY, create_app, create_metrics_app, create_starting_app
     from gateway.server.protocol import GatewayRunner
+    from gateway.server.workers import watch_parent
     from gateway.tls import ListenerTls
 
     loaded = load_spec(policy_path, reference_problems)
+    if worker is not None:
+        loaded = _worker_share(loaded, worker.count)
     server = loaded.spec.server
+    reuse_port = worker is not None
     tls = ListenerTls(server.tls, Path(loaded.path).parent) if server.tls is not None else None
     context = tls.context if tls is not None else None
     scheme = "https" if context is not None else "http"
@@ -50,18 +58,25 @@ async def _serve(policy_path: str, host: str, port: int) -> int:
     # While the tokenizers load (seconds, a minute for several large ones on a small CPU), the
     # listener answers the probes: alive, not ready (`create_starting_app`). The load runs on a
     # thread so that the loop answers them meanwhile.
+    # A worker started again after a crash does not: on a shared port its 503s would reach
+    # clients the other workers serve meanwhile.
     starting = GatewayRunner(create_starting_app(), access_log=None, shutdown_timeout=0.1)
     await starting.setup()
-    await web.TCPSite(starting, host, port, backlog=1024, ssl_context=context).start()
-    port = starting.addresses[0][1]  # `--port 0`: the port the system gave, kept for serving
-    log.info(
-        "answering probes on %s://%s:%s while policy %s loads", scheme, host, port, policy_path
-    )
+    if worker is None or not worker.restarted:
+        await web.TCPSite(
+            starting, host, port, backlog=1024, ssl_context=context, reuse_port=reuse_port
+        ).start()
+        port = starting.addresses[0][1]  # `--port 0`: the port the system gave, kept for serving
+        log.info(
+            "answering probes on %s://%s:%s while policy %s loads", scheme, host, port, policy_path
+        )
     try:
         loaded_at = time.perf_counter()
         policy = await asyncio.to_thread(compile_policy, loaded)
         log.info("policy %s loaded in %.1f s", policy_path, time.perf_counter() - loaded_at)
-        app = create_app(policy, access_log=sys.stdout.buffer)
+        app = create_app(
+            policy, access_log=sys.stdout.buffer, workers=worker.count if worker else 1
+        )
         # transformers, the tokenizer and pydantic leave a great many long-lived objects:
         # without this every full collection walks them all and stalls the event loop
         # (docs/benchmarks-history.md).
@@ -75,6 +90,8 @@ async def _serve(policy_path: str, host: str, port: int) -> int:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        if worker is not None:
+            orphaned = loop.create_task(watch_parent(stop), name="parent-watch")
         reloads: set[asyncio.Task[object]] = set()
 
         def reload_on_hup() -> None:
@@ -91,7 +108,9 @@ async def _serve(policy_path: str, host: str, port: int) -> int:
         await starting.cleanup()  # the port is the gateway's own next, at once
     tls = app[GATEWAY].listener_tls
     context = tls.context if tls is not None else None
-    await web.TCPSite(runner, host, port, backlog=1024, ssl_context=context).start()
+    await web.TCPSite(
+        runner, host, port, backlog=1024, ssl_context=context, reuse_port=reuse_port
+    ).start()
     loop.add_signal_handler(signal.SIGHUP, reload_on_hup)
     if hup_while_loading.is_set():
         reload_on_hup()
@@ -100,11 +119,16 @@ async def _serve(policy_path: str, host: str, port: int) -> int:
         metrics = GatewayRunner(create_metrics_app(app), access_log=None)
         await metrics.setup()
         runners.append(metrics)
-        await web.TCPSite(metrics, host, server.metrics_port).start()
-        log.info("metrics on http://%s:%s/metrics", host, server.metrics_port)
+        if worker is None:
+            await web.TCPSite(metrics, host, server.metrics_port).start()
+            log.info("metrics on http://%s:%s/metrics", host, server.metrics_port)
+        else:  # last: the parent reads the socket's presence as "this worker serves"
+            await web.UnixSite(metrics, worker.metrics_socket).start()
     for address in runner.addresses:  # last: every listener is open once this is said
         log.info("listening on %s://%s:%s (policy %s)", scheme, address[0], address[1], policy_path)
     await stop.wait()
+    if worker is not None:
+        orphaned.cancel()
     app[GATEWAY].draining = True
     log.info(
         "draining: readiness off for %.1fs, then up to %.1fs for in-flight requests",
@@ -118,11 +142,38 @@ async def _serve(policy_path: str, host: str, port: int) -> int:
     return 0
 
 
+def _worker_share(loaded: LoadedSpec, workers: int) -> LoadedSpec:
+    """A worker's policy: unless `server.tokenizer_threads` says how many, its share of the
+    container's CPUs (rounded up), so N workers do not start N times the threads there are cores."""
+    from gateway.tokenizer.cpus import available_cpus
+
+    server = loaded.spec.server
+    if server.tokenizer_threads is not None:
+        return loaded
+    threads = -(-available_cpus() // workers)
+    spec = loaded.spec.model_copy(
+        update={"server": server.model_copy(update={"tokenizer_threads": threads})}
+    )
+    return dataclasses.replace(loaded, spec=spec)
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvloop
 
+    from gateway.server.workers import WorkerRole, supervise
+
+    if args.workers < 1:
+        print("--workers must be at least 1", file=sys.stderr)
+        return 2
+    if args.workers > 1 and args.worker_index is None:
+        return supervise(args.policy, args.host, args.port, args.workers)
+    worker = None
+    if args.worker_index is not None:
+        worker = WorkerRole(
+            args.worker_index, args.workers, args.metrics_socket, args.worker_restarted
+        )
     try:
-        return uvloop.run(_serve(args.policy, args.host, args.port))
+        return uvloop.run(_serve(args.policy, args.host, args.port, worker))
     except PolicyError as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -600,6 +651,19 @@ def main(argv: list[str] | None = None) -> int:
         help="address to listen on, the metrics port's too (default: %(default)s; 0.0.0.0: all)",
     )
     p.add_argument("--port", type=int, default=8080, help="port for the API (default: %(default)s)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=os.environ.get("LLM_GATEWAY_WORKERS", "1"),  # argparse converts it, or says why
+        help=(
+            "gateway processes sharing the port, one per core the pod has; more than 1 needs"
+            " state.backend: redis and server.metrics_port (default: $LLM_GATEWAY_WORKERS or 1)"
+        ),
+    )
+    # Set by the parent of `--workers N` on each worker it starts.
+    p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--metrics-socket", help=argparse.SUPPRESS)
+    p.add_argument("--worker-restarted", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=serve)
     p = sub.add_parser("check", help="validate a policy file")
     p.add_argument("file")

@@ -135,12 +135,13 @@ def _tracing(policy: Policy, running: Tracing | None) -> Tracing | None:
 class Gateway:
     """The running gateway: the current `Runtime`, upstream sessions, health checks, accounting."""
 
-    def __init__(self, policy: Policy, access_log: IO[bytes] | None) -> None:
+    def __init__(self, policy: Policy, access_log: IO[bytes] | None, workers: int = 1) -> None:
         # Outlives reloads: windows keep their charges and slots their leases (a changed
         # `state` section needs a restart).
         self.state: State
         self.ledger: SlotLedger | None
-        self.state, self.ledger, holder_record = build_state(policy.spec.state)
+        self.state, self.ledger, holder_record = build_state(policy.spec.state, workers)
+        self.workers = workers  # this process and the others of its pod (`serve --workers`)
         self.runtime = Runtime.build(policy, None, self.ledger)
         tls = policy.spec.server.tls  # the listener opens once: its context outlives reloads
         self.listener_tls = ListenerTls(tls, _base(policy)) if tls is not None else None

@@ -899,8 +899,9 @@ class ServerSpec(Spec):
             "Threads in each of the two tokenizer pools (texts over `inline_tokenize_max_chars`,"
             " and those of `large_tokenize_chars` or more). Unset: the CPUs the container may use,"
             " the smaller of its CPU affinity and its cgroup CPU quota rounded up (at least 1),"
-            " so a pod limited to 2 CPUs on a large node does not start a thread per node core."
-            " Read at start; a reload does not change it."
+            " so a pod limited to 2 CPUs on a large node does not start a thread per node core;"
+            " with `serve --workers N`, each worker's share of them. Read at start; a reload does"
+            " not change it."
         ),
     )
     inline_tokenize_max_chars: int = Field(

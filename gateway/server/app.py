@@ -43,6 +43,7 @@ from gateway.server import logs, vllm_endpoints
 from gateway.server.limits import RequestLimits, handler_args
 from gateway.server.model_cards import model_cards
 from gateway.server.stored_responses import relay
+from gateway.server.workers import ask_parent_to_reload
 
 log = logging.getLogger("gateway.server")
 
@@ -300,6 +301,8 @@ async def admin_reload(request: web.Request) -> web.Response:
         policy = await asyncio.shield(reloading)
     except PolicyError as exc:
         raise InvalidPolicy(str(exc)) from None
+    if gateway.workers > 1:  # this worker alone answered: the others reload too
+        ask_parent_to_reload()
     return _json({"reloaded": True, "hash": policy.digest, "pools": sorted(policy.pools)})
 
 
@@ -319,10 +322,13 @@ async def metrics(request: web.Request, *, public: bool) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
-def create_app(policy: Policy, *, access_log: IO[bytes] | None = None) -> web.Application:
-    """Build the gateway app for a compiled policy; `access_log` gets one JSON line per request."""
+def create_app(
+    policy: Policy, *, access_log: IO[bytes] | None = None, workers: int = 1
+) -> web.Application:
+    """Build the gateway app for a compiled policy; `access_log` gets one JSON line per request;
+    `workers`: the processes of its pod (`serve --workers`), this one included."""
     logs.install()
-    gateway = Gateway(policy, access_log if policy.spec.server.access_log else None)
+    gateway = Gateway(policy, access_log if policy.spec.server.access_log else None, workers)
     server = policy.spec.server
     app = web.Application(client_max_size=server.max_body_bytes, handler_args=handler_args(server))
     app[GATEWAY] = gateway

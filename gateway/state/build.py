@@ -30,13 +30,18 @@ def _redis(spec: StateSpec) -> Backend:
 BACKENDS: dict[str, Callable[[StateSpec], Backend]] = {"redis": _redis}
 
 
-def build_state(spec: StateSpec) -> tuple[State, SlotLedger | None, HolderRecord | None]:
+def build_state(
+    spec: StateSpec, workers: int = 1
+) -> tuple[State, SlotLedger | None, HolderRecord | None]:
     """The policy's `state` section: quota windows in memory and neither slot ledger nor holder
     record (this gateway's own counts are every slot, its own record every holder), or all
-    three in the shared backend with its failure policy."""
+    three in the shared backend with its failure policy. Each of a pod's `workers` processes is
+    one more gateway sharing it: failing open, each keeps 1/(`gateways` x `workers`)."""
     if spec.backend == "memory":
         return MemoryState(), None, None
     failover = FailoverState(
-        BACKENDS[spec.backend](spec), on_failure=spec.on_failure, gateways=spec.gateways
+        BACKENDS[spec.backend](spec),
+        on_failure=spec.on_failure,
+        gateways=spec.gateways * workers,
     )
     return failover, failover, failover

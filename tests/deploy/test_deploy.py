@@ -280,6 +280,44 @@ def test_the_gateway_deployment_drains_within_its_grace_period_unprivileged(
     assert pdb["spec"]["selector"]["matchLabels"] == pod_labels(fleet, "llm-gateway")
 
 
+def test_the_gateway_runs_a_worker_per_requested_cpu_with_the_metrics_port_set(
+    fleet: list[dict[str, Any]],
+) -> None:
+    """`gateway.workers` processes per pod, one per CPU it requests: fewer leave cores idle,
+    more share them; more than one needs the pod's one scrape port and shared state."""
+    (gateway,) = one(fleet, "Deployment", "llm-gateway")["spec"]["template"]["spec"]["containers"]
+    args = gateway["args"]
+    workers = int(args[args.index("--workers") + 1])
+    assert workers == 2 == int(gateway["resources"]["requests"]["cpu"])
+    policy = deployed_policy(fleet)
+    assert policy["state"]["backend"] == "redis" and policy["server"]["metrics_port"]
+
+
+def test_the_charts_workers_follow_the_cpu_request_and_need_shared_state() -> None:
+    def render(*sets: str) -> subprocess.CompletedProcess[str]:
+        argv = [tool("helm"), "template", "llm", str(CHART), "--namespace", "llm"]
+        for each in sets:
+            argv += ["--set", each]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+
+    def workers(*sets: str) -> int:
+        out = render(*sets)
+        assert out.returncode == 0, out.stderr
+        (deployment,) = (
+            d for d in yaml.safe_load_all(out.stdout)
+            if d and d["kind"] == "Deployment" and d["metadata"]["name"] == "llm-gateway"
+        )  # fmt: skip
+        args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+        return int(args[args.index("--workers") + 1])
+
+    assert workers("gateway.resources.requests.cpu=4") == 4
+    assert workers("gateway.resources.requests.cpu=1500m") == 2  # rounded up
+    assert workers("gateway.resources.requests.cpu=4", "gateway.workers=3") == 3  # as set
+    refused = render("redis.enabled=false")
+    assert refused.returncode != 0 and "state.backend: redis" in refused.stderr
+    assert workers("redis.enabled=false", "gateway.resources.requests.cpu=1") == 1
+
+
 def pod_labels(objects: list[dict[str, Any]], deployment: str) -> dict[str, str]:
     return one(objects, "Deployment", deployment)["spec"]["selector"]["matchLabels"]  # type: ignore[no-any-return]
 

@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis.crc import key_slot
 
+from gateway.config.schema import StateSpec
 from gateway.state import (
     Correction,
     Limit,
@@ -32,6 +33,7 @@ from gateway.state import (
     WindowFull,
 )
 from gateway.state.base import StateUnreachable
+from gateway.state.build import build_state
 from gateway.state.failover import FailoverState
 from gateway.state.redis import RedisState
 from tests.conftest import RedisServer, RunningGateway, eventually, paced
@@ -161,6 +163,18 @@ async def test_a_hung_redis_fails_within_the_time_out(black_hole: str) -> None:
     result = await opened.reserve(limits)
     assert isinstance(result, Reservation) and result.windows[0].limit == 50  # 1/2 locally
     await opened.close()
+
+
+async def test_each_worker_of_a_pod_is_one_more_gateway_failing_open() -> None:
+    """`serve --workers 3` with `state.gateways: 2`: six processes share the limits, so each
+    worker's local share while Redis fails is a sixth."""
+    black_hole = "redis://127.0.0.1:9/0"  # nothing listens: the first call fails at once
+    state, ledger, _ = build_state(StateSpec(backend="redis", url=black_hole, gateways=2), 3)
+    assert ledger is not None and ledger.gateways == 6
+    limits = [Limit(TenantWindow("acme", "tokens"), 10, 600)]
+    result = await state.reserve(limits)
+    assert isinstance(result, Reservation) and result.windows[0].limit == 100
+    await state.close()
 
 
 def redis_policy(

@@ -91,3 +91,20 @@ otherwise, from `registry` (the release workflow's IMAGE_REGISTRY, or a mirror o
 {{- end -}}
 {{- $source.type -}}
 {{- end }}
+
+{{/* `gateway.workers`, or unset the pod's CPU request rounded up (`2`, `1500m`: 2; none: 1);
+refused where the pod cannot share its caps and quotas across them: more than one needs the
+chart's Redis, or, without it, a `policy.state` naming a shared backend. */}}
+{{- define "llm.workers" -}}
+{{- $cpu := toString ((.Values.gateway.resources.requests | default dict).cpu | default "1") -}}
+{{- $requested := ternary (divf (trimSuffix "m" $cpu | float64) 1000) ($cpu | float64) (hasSuffix "m" $cpu) | ceil | int -}}
+{{- $workers := int (.Values.gateway.workers | default $requested) -}}
+{{- $backend := ternary "redis" ((.Values.policy.state | default dict).backend | default "memory") .Values.redis.enabled -}}
+{{- if lt $workers 1 -}}
+{{- fail "gateway.workers must be at least 1" -}}
+{{- end -}}
+{{- if and (gt $workers 1) (eq $backend "memory") -}}
+{{- fail (printf "gateway.workers: %d needs shared state (redis.enabled, or state.backend: redis): with state.backend memory every worker would keep its own caps and quotas" $workers) -}}
+{{- end -}}
+{{- $workers -}}
+{{- end }}
