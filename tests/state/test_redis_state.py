@@ -163,6 +163,9 @@ async def test_a_hung_redis_fails_within_the_time_out(black_hole: str) -> None:
     await opened.close()
 
 
+EXACT = {"fraction": 0}  # every request's charge its own script call: exact headers, no slices
+
+
 def redis_policy(
     tokenizer_dir: Any, stub: Any, server: RedisServer, **state: Any
 ) -> dict[str, Any]:
@@ -180,7 +183,8 @@ async def backend_up(http: aiohttp.ClientSession, gw: RunningGateway) -> str:
 async def test_the_10000_tpm_case_holds_in_redis(
     fresh_redis, stub, gateway_factory, tokenizer_dir, http
 ) -> None:
-    gw = await gateway_factory(redis_policy(tokenizer_dir, stub, fresh_redis))
+    # exact per-request charges (no slices): the clock moved here is Redis's alone
+    gw = await gateway_factory(redis_policy(tokenizer_dir, stub, fresh_redis, slices=EXACT))
     clock = Clock()
     gw.gateway.state.shared.clock = clock  # type: ignore[attr-defined]
     body = await sized(gw, 4000)
@@ -212,7 +216,10 @@ async def test_two_gateways_share_a_tenants_tpm_window(
 async def test_fail_open_serves_at_local_limits_then_shares_again_when_redis_returns(
     fresh_redis, stub, gateway_factory, tokenizer_dir, http
 ) -> None:
-    policy = redis_policy(tokenizer_dir, stub, fresh_redis, on_failure="open", gateways=2)
+    # exact headers, as without slices (a live slice would still serve its rest locally)
+    policy = redis_policy(
+        tokenizer_dir, stub, fresh_redis, on_failure="open", gateways=2, slices=EXACT
+    )
     first, second = await gateway_factory(policy), await gateway_factory(policy)
     body = await sized(first, 4000)
     assert (await chat(http, first, body))[0] == 200

@@ -1,0 +1,376 @@
+"""`SlicedState`: a shared store's quota windows leased to this gateway in slices, so most
+reservations and every correction cost no call of their own.
+
+A request's reservation takes its amount from this gateway's live slice of each window it
+charges, synchronously. Only when some window's slice lacks room does one call (`grant`) ask
+the store for new slices of those windows: per window the most in `[need, need + extra]` that
+fits (`extra` = ceil(limit x `fraction`)), so near the limit a slice is just the request's own
+charge, exactly what a reservation without slices takes, and nothing that fits is refused for
+want of room this gateway held: the slice it replaces is cut back to what it handed out in the
+same script, before the new one is counted. A refusal is the store's `WindowFull`.
+
+Why no window ever holds more than its limit: a slice hands out for at most `max_age_s` after
+its grant (measured from before the call was sent, so never later than the store's own
+grant time plus `max_age_s`), and its charge is stamped `grant + max_age_s` (its latest
+possible use), so the store counts it from the grant until `max_age_s + WINDOW_S` after.
+Take any interval `[a, a + WINDOW_S)` and the requests admitted in it; let the latest-granted
+slice any of them used be granted at `g`: `g <= ` its request's time `< a + WINDOW_S`. Every
+other slice used there was granted at `g' <= g` and handed out at some `t >= a`, so its stamp
+`g' + max_age_s >= t >= a > g - WINDOW_S`: at `g` the store still counted it (base.py: a charge
+stamped `s` counts until `s + WINDOW_S`), at its full amount (a live slice is cut back only
+when it stops handing out). So the grant at `g` fit all of them, and every request admitted
+in the interval, under the limit. Corrections change a slice's charge as they change a
+request's: while it hands out, a refund is room this gateway reuses and an excess raises the
+charge; after, the charge is rewritten to what its requests really used; once it has left
+the window an excess is charged anew and a refund is nothing (`State.adjust`).
+
+What slices cost: each gateway holds back from the others up to one slice (`extra`) of each
+window it charges, for at most `max_age_s`; the headers' `remaining` is the store's at the
+grant plus the slice's free part, so another gateway's use since is not in it.
+
+Corrections are not sent one by one: `adjust` records them (no await) and a flusher task,
+every `flush_s`, sends every slice whose charge must change, and the excesses of slices gone,
+in one call (`Backend.adjust`: one script per tenant, in one pipeline). A flush the store does
+not take is logged as a lost correction, as `FailoverState` logs its own, and not retried.
+Slot and holder calls pass through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway.state.base import (
+    WINDOW_S,
+    Backend,
+    Correction,
+    Holder,
+    Limit,
+    PoolReplica,
+    Reservation,
+    SliceAsk,
+    SliceGrant,
+    SlotClaim,
+    TenantWindow,
+    Window,
+    WindowFull,
+)
+
+log = logging.getLogger("gateway.state")
+_SEP = " "  # between a reservation's slice ids (the store's ids have none)
+
+
+class Sliceable(Backend, Protocol):
+    """A store that grants slices (redis.py's `RedisState`)."""
+
+    def slice_id(self) -> str:
+        """A new charge id, unique across gateways."""
+        ...
+
+    async def grant(
+        self, asks: Sequence[SliceAsk], slice_id: str, max_age_s: float
+    ) -> SliceGrant | WindowFull:
+        """Each asked slice, all or none, charged under `slice_id` stamped `max_age_s` ahead;
+        raises one of `failures` when unreachable."""
+        ...
+
+
+@dataclass(slots=True, eq=False)
+class _Slice:
+    """One window's slice: `charged` is what the store holds under `id` (as last written),
+    `handed` what this gateway's requests hold of it now."""
+
+    id: str
+    key: TenantWindow
+    charged: int
+    handed: int
+    until: float  # local monotonic time it stops handing out
+    forget_at: float  # its charge has left every window: a correction after is a new charge
+    limit: int
+    remaining: int  # the store's, right after the grant
+    reset_at: float
+    live: bool = True
+
+    def free(self) -> int:
+        return self.charged - self.handed if self.live else 0
+
+    def target(self) -> int:
+        """What the store should hold: all of it while it hands out (more, after an excess);
+        what its requests use once it stopped."""
+        return max(self.charged, self.handed) if self.live else self.handed
+
+    def window(self, now: float) -> Window:
+        return Window(self.limit, max(0, self.remaining + self.free()), self.reset_at - now)
+
+
+def lost(corrections: Sequence[Correction], exc: BaseException) -> None:
+    """The warning for corrections a store did not take (they are not retried)."""
+    what = ", ".join(
+        f"{fix.charge_id} in {fix.key.tenant}'s {fix.key.window}" for fix in corrections
+    )
+    log.warning("correction of charges %s lost: %r", what, exc)
+
+
+class SlicedState:
+    """A `Sliceable` store's windows leased in slices; see the module docstring."""
+
+    def __init__(
+        self,
+        shared: Sliceable,
+        *,
+        fraction: float,
+        max_age_s: float,
+        flush_s: float = 0.05,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.shared = shared
+        self.failures = shared.failures
+        self.fraction = fraction
+        self.max_age_s = max_age_s
+        self.flush_s = flush_s
+        self.monotonic = monotonic
+        self._live: dict[TenantWindow, _Slice] = {}
+        self._known: dict[tuple[str, TenantWindow], _Slice] = {}  # until it left every window
+        self._forget: deque[_Slice] = deque()  # in grant order, so in `forget_at` order
+        self._dirty: set[_Slice] = set()  # slices whose charge must change
+        self._gone: list[Correction] = []  # excesses of slices forgotten
+        self._ids = itertools.count(1)
+        self._prefix = uuid.uuid4().hex[:8]
+        self._flusher: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # --- the quota windows ---------------------------------------------------------------
+
+    def _current(self, key: TenantWindow, now: float) -> _Slice | None:
+        held = self._live.get(key)
+        if held is not None and held.until <= now:
+            self._retire(held)
+            return None
+        return held
+
+    def _retire(self, held: _Slice) -> None:
+        held.live = False
+        if self._live.get(held.key) is held:
+            del self._live[held.key]
+        self._touched(held)
+
+    def _touched(self, held: _Slice) -> None:
+        if held.target() != held.charged:
+            self._dirty.add(held)
+
+    async def reserve(self, limits: Sequence[Limit]) -> Reservation | WindowFull:
+        if self._flusher is None and not self._closed:
+            self._flusher = asyncio.create_task(self._flush_every())
+        now = self.monotonic()
+        need: dict[TenantWindow, tuple[int, int]] = {}  # key -> (amount, limit)
+        for lim in limits:
+            amount = need.get(lim.key, (0, 0))[0]
+            need[lim.key] = (amount + lim.amount, lim.limit)
+        held: dict[TenantWindow, _Slice] = {}
+        short: list[SliceAsk] = []
+        for key, (amount, limit) in need.items():
+            current = self._current(key, now)
+            if current is not None and current.free() >= amount:
+                held[key] = current
+            else:
+                old = None
+                if current is not None:
+                    self._retire(current)  # cut back to what it handed, in the grant's script
+                    old = (current.id, current.handed)
+                extra = math.ceil(limit * self.fraction)
+                short.append(SliceAsk(key, amount, extra, limit, old))
+        for key, current in held.items():
+            current.handed += need[key][0]
+        if short:
+            try:
+                result = await self.shared.grant(short, self.shared.slice_id(), self.max_age_s)
+            except BaseException:
+                self._give_back(held, need)
+                raise
+            self._cut_back(short)
+            if isinstance(result, WindowFull):
+                self._give_back(held, need)
+                return self._refusal(result, limits, short, now)
+            self._install(result, short, need, now, held)
+        ids = _SEP.join(dict.fromkeys(held[lim.key].id for lim in limits))
+        now = self.monotonic()
+        return Reservation(ids, tuple(held[lim.key].window(now) for lim in limits))
+
+    def _give_back(
+        self, held: dict[TenantWindow, _Slice], need: dict[TenantWindow, tuple[int, int]]
+    ) -> None:
+        for key, current in held.items():
+            current.handed -= need[key][0]
+            self._touched(current)
+
+    def _cut_back(self, asks: Sequence[SliceAsk]) -> None:
+        """The slices a grant replaced, cut back by its script to what they had handed out."""
+        for ask in asks:
+            if ask.old is not None and (old := self._known.get((ask.old[0], ask.key))):
+                old.charged = ask.old[1]
+                self._touched(old)
+
+    def _install(
+        self,
+        grant: SliceGrant,
+        asks: Sequence[SliceAsk],
+        need: dict[TenantWindow, tuple[int, int]],
+        sent: float,
+        held: dict[TenantWindow, _Slice],
+    ) -> None:
+        """The granted slices made live (their life counted from `sent`, before the call), each
+        previous one now cut back in the store to what it had handed out."""
+        now = self.monotonic()
+        for ask, amount, window in zip(asks, grant.amounts, grant.windows, strict=True):
+            fresh = _Slice(
+                id=grant.id,
+                key=ask.key,
+                charged=amount,
+                handed=need[ask.key][0],
+                until=sent + self.max_age_s,
+                forget_at=sent + self.max_age_s + WINDOW_S + 1.0,
+                limit=window.limit,
+                remaining=window.remaining,
+                reset_at=now + window.reset_s,
+            )
+            replaced = self._live.get(ask.key)
+            if replaced is not None:  # another request's grant raced this one: it hands no more
+                self._retire(replaced)
+            self._live[ask.key] = fresh
+            self._known[fresh.id, ask.key] = fresh
+            self._forget.append(fresh)
+            held[ask.key] = fresh
+
+    def _refusal(
+        self, full: WindowFull, limits: Sequence[Limit], asks: Sequence[SliceAsk], now: float
+    ) -> WindowFull:
+        """The store's refusal, its index and windows made the caller's (one per limit)."""
+        asked = {ask.key: window for ask, window in zip(asks, full.windows, strict=True)}
+        refused = asks[full.index].key
+        windows = []
+        for lim in limits:
+            window = asked.get(lim.key)
+            if window is None:
+                current = self._live.get(lim.key)
+                window = current.window(now) if current is not None else Window(lim.limit, 0, 0.0)
+            windows.append(window)
+        index = next(i for i, lim in enumerate(limits) if lim.key == refused)
+        return WindowFull(index, full.retry_after_s, tuple(windows))
+
+    async def peek(self, limits: Sequence[Limit]) -> tuple[Window, ...]:
+        """The store's windows, plus the free part of this gateway's live slices."""
+        windows = await self.shared.peek(limits)
+        now = self.monotonic()
+        out = []
+        for lim, window in zip(limits, windows, strict=True):
+            current = self._current(lim.key, now)
+            free = current.free() if current is not None else 0
+            out.append(Window(window.limit, window.remaining + free, window.reset_s))
+        return tuple(out)
+
+    async def adjust(self, corrections: Sequence[Correction]) -> None:
+        """Recorded against each charge's slice, sent by the next flush; never awaits."""
+        for fix in corrections:
+            held = self._slice_of(fix)
+            if held is not None:
+                held.handed += fix.actual - fix.reserved
+                self._touched(held)
+            elif fix.actual > fix.reserved:  # its slice has left the window: the excess is new
+                self._gone.append(
+                    Correction(fix.key, self._fresh_id(), 0, fix.actual - fix.reserved)
+                )
+
+    def _fresh_id(self) -> str:
+        return f"{self.shared.slice_id()}x"
+
+    def _slice_of(self, fix: Correction) -> _Slice | None:
+        for slice_id in fix.charge_id.split(_SEP):
+            held = self._known.get((slice_id, fix.key))
+            if held is not None:
+                return held
+        return None
+
+    async def flush(self) -> None:
+        """Stop the slices past their age, forget those whose charge left every window, and
+        send every pending correction in one call."""
+        now = self.monotonic()
+        for held in [h for h in self._live.values() if h.until <= now]:
+            self._retire(held)
+        while self._forget and self._forget[0].forget_at <= now:
+            gone = self._forget.popleft()
+            self._known.pop((gone.id, gone.key), None)
+        fixes = self._gone
+        self._gone = []
+        for held in self._dirty:
+            target = held.target()
+            if target != held.charged:
+                fixes.append(Correction(held.key, held.id, held.charged, target))
+                held.charged = target
+        self._dirty.clear()
+        if not fixes:
+            return
+        try:
+            await self.shared.adjust(fixes)
+        except self.failures as exc:
+            lost(fixes, exc)
+
+    async def _flush_every(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_s)
+            try:
+                await self.flush()
+            except Exception:
+                log.exception("flushing quota slices failed")
+
+    async def close(self) -> None:
+        """Stop the flusher, give back every live slice's unused part, then close the store."""
+        self._closed = True
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+            self._flusher = None
+        for held in list(self._live.values()):
+            self._retire(held)
+        await self.flush()
+        await self.shared.close()
+
+    # --- slots and holders pass through ----------------------------------------------------
+
+    def lease_id(self) -> str:
+        return self.shared.lease_id()
+
+    async def lease(self, claim: SlotClaim, lease_id: str) -> tuple[bool, int] | None:
+        return await self.shared.lease(claim, lease_id)
+
+    async def renew(
+        self,
+        replica: PoolReplica,
+        held: Sequence[tuple[str, str]],
+        released: Sequence[tuple[str, str]] = (),
+    ) -> int | None:
+        return await self.shared.renew(replica, held, released)
+
+    async def unlease(self, replica: PoolReplica, workload: str, lease_id: str) -> None:
+        await self.shared.unlease(replica, workload, lease_id)
+
+    async def share_waiting(self, pool: str, waiting: Sequence[int]) -> tuple[int, ...] | None:
+        return await self.shared.share_waiting(pool, waiting)
+
+    async def record(self, response_id: str, holder: Holder) -> None:
+        await self.shared.record(response_id, holder)
+
+    async def holder(self, response_id: str) -> Holder | None:
+        return await self.shared.holder(response_id)
+
+    async def forget(self, response_id: str) -> None:
+        await self.shared.forget(response_id)
