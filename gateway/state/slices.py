@@ -145,6 +145,7 @@ class SlicedState:
         self._gone: list[Correction] = []  # excesses of slices forgotten
         self._ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:8]
+        self._granting: dict[TenantWindow, asyncio.Future[None]] = {}  # grants under way
         self._flusher: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -170,40 +171,75 @@ class SlicedState:
     async def reserve(self, limits: Sequence[Limit]) -> Reservation | WindowFull:
         if self._flusher is None and not self._closed:
             self._flusher = asyncio.create_task(self._flush_every())
-        now = self.monotonic()
         need: dict[TenantWindow, tuple[int, int]] = {}  # key -> (amount, limit)
         for lim in limits:
             amount = need.get(lim.key, (0, 0))[0]
             need[lim.key] = (amount + lim.amount, lim.limit)
-        held: dict[TenantWindow, _Slice] = {}
-        short: list[SliceAsk] = []
-        for key, (amount, limit) in need.items():
-            current = self._current(key, now)
-            if current is not None and current.free() >= amount:
-                held[key] = current
-            else:
-                old = None
-                if current is not None:
-                    self._retire(current)  # cut back to what it handed, in the grant's script
-                    old = (current.id, current.handed)
-                extra = math.ceil(limit * self.fraction)
-                short.append(SliceAsk(key, amount, extra, limit, old))
+        while True:
+            now = self.monotonic()
+            held: dict[TenantWindow, _Slice] = {}
+            short: list[TenantWindow] = []
+            for key, (amount, _) in need.items():
+                current = self._current(key, now)
+                if current is not None and current.free() >= amount:
+                    held[key] = current
+                else:
+                    short.append(key)
+            # A burst that finds a window's slice short waits for the one grant already asked
+            # rather than each asking its own: concurrent grants would each hold a slice back.
+            asked = [self._granting[key] for key in short if key in self._granting]
+            if not asked:
+                break
+            await asyncio.wait(asked)
         for key, current in held.items():
             current.handed += need[key][0]
         if short:
-            try:
-                result = await self.shared.grant(short, self.shared.slice_id(), self.max_age_s)
-            except BaseException:
+            asks = [self._ask(key, *need[key], now) for key in short]
+            refused = await self._grant(asks, need, held)
+            if refused is not None:
                 self._give_back(held, need)
-                raise
-            self._cut_back(short)
-            if isinstance(result, WindowFull):
-                self._give_back(held, need)
-                return self._refusal(result, limits, short, now)
-            self._install(result, short, need, now, held)
+                return self._refusal(refused, limits, asks, now)
         ids = _SEP.join(dict.fromkeys(held[lim.key].id for lim in limits))
         now = self.monotonic()
         return Reservation(ids, tuple(held[lim.key].window(now) for lim in limits))
+
+    def _ask(self, key: TenantWindow, amount: int, limit: int, now: float) -> SliceAsk:
+        """A new slice of `key`'s window; the current one stops handing out, to be cut back to
+        what it handed by the grant's own script."""
+        current = self._current(key, now)
+        old = None
+        if current is not None:
+            self._retire(current)
+            old = (current.id, current.handed)
+        return SliceAsk(key, amount, math.ceil(limit * self.fraction), limit, old)
+
+    async def _grant(
+        self,
+        asks: Sequence[SliceAsk],
+        need: dict[TenantWindow, tuple[int, int]],
+        held: dict[TenantWindow, _Slice],
+    ) -> WindowFull | None:
+        """One grant call for `asks`, the slices granted made live and added to `held`; the
+        store's refusal, if it refused. Other requests for these windows wait for it."""
+        granting = asyncio.get_running_loop().create_future()
+        for ask in asks:
+            self._granting[ask.key] = granting
+        sent = self.monotonic()
+        try:
+            result = await self.shared.grant(asks, self.shared.slice_id(), self.max_age_s)
+        except BaseException:
+            self._give_back(held, need)
+            raise
+        finally:
+            for ask in asks:
+                if self._granting.get(ask.key) is granting:
+                    del self._granting[ask.key]
+            granting.set_result(None)
+        self._cut_back(asks)
+        if isinstance(result, WindowFull):
+            return result
+        self._install(result, asks, need, sent, held)
+        return None
 
     def _give_back(
         self, held: dict[TenantWindow, _Slice], need: dict[TenantWindow, tuple[int, int]]

@@ -84,6 +84,18 @@ async def test_near_the_limit_a_slice_is_the_requests_own_charge(fresh_redis: Re
     assert used(fresh_redis, TOKENS) == 100
 
 
+async def test_a_burst_waits_for_one_grant_rather_than_each_asking(
+    fresh_redis: RedisServer,
+) -> None:
+    state = sliced(fresh_redis, fraction=0.5)
+    burst = await asyncio.gather(*(state.reserve([Limit(TOKENS, 1, 1000)]) for _ in range(20)))
+    # one slice of 501 serves all twenty; a grant each would have held the window full
+    assert all(isinstance(result, Reservation) for result in burst)
+    assert used(fresh_redis, TOKENS) == 501
+    await state.close()
+    assert used(fresh_redis, TOKENS) == 20
+
+
 async def test_a_slices_unused_part_goes_back_after_its_age(fresh_redis: RedisServer) -> None:
     state = sliced(fresh_redis, fraction=0.5, max_age_s=0.2)
     result = await state.reserve([Limit(TOKENS, 10, 100)])
