@@ -39,11 +39,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import math
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -143,8 +141,6 @@ class SlicedState:
         self._forget: deque[_Slice] = deque()  # in grant order, so in `forget_at` order
         self._dirty: set[_Slice] = set()  # slices whose charge must change
         self._gone: list[Correction] = []  # excesses of slices forgotten
-        self._ids = itertools.count(1)
-        self._prefix = uuid.uuid4().hex[:8]
         self._granting: dict[TenantWindow, asyncio.Future[None]] = {}  # grants under way
         self._flusher: asyncio.Task[None] | None = None
         self._closed = False
@@ -263,8 +259,8 @@ class SlicedState:
         sent: float,
         held: dict[TenantWindow, _Slice],
     ) -> None:
-        """The granted slices made live (their life counted from `sent`, before the call), each
-        previous one now cut back in the store to what it had handed out."""
+        """The granted slices made live, their life counted from `sent`, before the call. None
+        is live for these windows: `_ask` retired each, and other requests waited for this."""
         now = self.monotonic()
         for ask, amount, window in zip(asks, grant.amounts, grant.windows, strict=True):
             fresh = _Slice(
@@ -278,9 +274,6 @@ class SlicedState:
                 remaining=window.remaining,
                 reset_at=now + window.reset_s,
             )
-            replaced = self._live.get(ask.key)
-            if replaced is not None:  # another request's grant raced this one: it hands no more
-                self._retire(replaced)
             self._live[ask.key] = fresh
             self._known[fresh.id, ask.key] = fresh
             self._forget.append(fresh)

@@ -19,6 +19,7 @@ from gateway.state.failover import FailoverState
 from gateway.state.redis import RedisState
 from gateway.state.slices import SlicedState
 from tests.conftest import RedisServer, eventually
+from tests.request.test_quotas import Clock
 
 TOKENS = TenantWindow("acme", "tokens")
 REQUESTS = TenantWindow("acme", "requests")
@@ -82,6 +83,30 @@ async def test_near_the_limit_a_slice_is_the_requests_own_charge(fresh_redis: Re
     await first.close()
     await second.close()
     assert used(fresh_redis, TOKENS) == 100
+
+
+async def test_a_slice_counts_until_a_window_after_its_last_possible_use(
+    fresh_redis: RedisServer,
+) -> None:
+    """A slice granted at 0 may hand out until 10: its charge must still count at 61, or another
+    gateway's grant then would put more than the limit in the window from 9."""
+    clock = Clock()
+    first, second = (
+        SlicedState(
+            RedisState(fresh_redis.url, clock=clock), fraction=0.5, max_age_s=10, monotonic=clock
+        )
+        for _ in range(2)
+    )
+    assert isinstance(await first.reserve([Limit(TOKENS, 10, 100)]), Reservation)  # a slice of 60
+    clock.now += 9
+    assert isinstance(await first.reserve([Limit(TOKENS, 50, 100)]), Reservation)  # from it
+    clock.now += 52  # 61 after the grant
+    refused = await second.reserve([Limit(TOKENS, 51, 100)])
+    assert isinstance(refused, WindowFull)
+    assert refused.retry_after_s == 9.0  # the slice leaves the window at 10 + 60
+    assert isinstance(await second.reserve([Limit(TOKENS, 40, 100)]), Reservation)
+    for state in (first, second):
+        await state.close()
 
 
 async def test_a_burst_waits_for_one_grant_rather_than_each_asking(
