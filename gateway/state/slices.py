@@ -111,7 +111,8 @@ class _Slice:
 
 
 def lost(corrections: Sequence[Correction], exc: BaseException) -> None:
-    """The warning for corrections a store did not take (they are not retried)."""
+    """The warning for corrections a store did not take, a flush's or `FailoverState`'s own
+    (neither is retried: an excess sent twice would be charged twice)."""
     what = ", ".join(
         f"{fix.charge_id} in {fix.key.tenant}'s {fix.key.window}" for fix in corrections
     )

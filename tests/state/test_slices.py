@@ -7,9 +7,11 @@ per-request `RedisState` the other tests in this package check.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import Sequence
 
+import pytest
 import redis
 
 from gateway.config.schema import StateSpec
@@ -179,6 +181,22 @@ async def test_an_excess_after_the_slice_left_the_window_is_charged_anew(
     await state.adjust([Correction(TOKENS, first.id, 10, 25), Correction(TOKENS, first.id, 10, 0)])
     await state.flush()
     assert used(fresh_redis, TOKENS) == 25  # the refund of a charge gone is nothing
+    await state.close()
+
+
+async def test_a_flush_redis_does_not_take_is_logged_as_lost(
+    fresh_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = SlicedState(
+        RedisState(fresh_redis.url, timeout_s=0.3), fraction=0.1, max_age_s=5, flush_s=3600
+    )
+    result = await state.reserve([Limit(TOKENS, 10, 1000)])
+    assert isinstance(result, Reservation)
+    await state.adjust([Correction(TOKENS, result.id, 10, 500)])  # an excess: Redis must hear
+    fresh_redis.stop()
+    with caplog.at_level(logging.WARNING, logger="gateway.state"):
+        await state.flush()
+    assert f"correction of charges {result.id} in acme's tokens lost" in caplog.text
     await state.close()
 
 
