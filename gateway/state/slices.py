@@ -142,7 +142,8 @@ class SlicedState:
         self._forget: deque[_Slice] = deque()  # in grant order, so in `forget_at` order
         self._dirty: set[_Slice] = set()  # slices whose charge must change
         self._gone: list[Correction] = []  # excesses of slices forgotten
-        self._granting: dict[TenantWindow, asyncio.Future[None]] = {}  # grants under way
+        # grants under way, each done with the failure it met (None: an answer)
+        self._granting: dict[TenantWindow, asyncio.Future[BaseException | None]] = {}
         self._flusher: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -184,10 +185,15 @@ class SlicedState:
                     short.append(key)
             # A burst that finds a window's slice short waits for the one grant already asked
             # rather than each asking its own: concurrent grants would each hold a slice back.
+            # A grant the store failed fails its waiters too, at once, rather than each waiting
+            # out a time-out of its own in turn.
             asked = [self._granting[key] for key in short if key in self._granting]
             if not asked:
                 break
             await asyncio.wait(asked)
+            for failed in (grant.result() for grant in asked):
+                if failed is not None:
+                    raise failed
         for key, current in held.items():
             current.handed += need[key][0]
         if short:
@@ -218,20 +224,22 @@ class SlicedState:
     ) -> WindowFull | None:
         """One grant call for `asks`, the slices granted made live and added to `held`; the
         store's refusal, if it refused. Other requests for these windows wait for it."""
-        granting = asyncio.get_running_loop().create_future()
+        granting: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
         for ask in asks:
             self._granting[ask.key] = granting
         sent = self.monotonic()
+        failed: BaseException | None = None
         try:
             result = await self.shared.grant(asks, self.shared.slice_id(), self.max_age_s)
-        except BaseException:
+        except BaseException as exc:
             self._give_back(held, need)
+            failed = exc if isinstance(exc, self.failures) else None
             raise
         finally:
             for ask in asks:
                 if self._granting.get(ask.key) is granting:
                     del self._granting[ask.key]
-            granting.set_result(None)
+            granting.set_result(failed)
         self._cut_back(asks)
         if isinstance(result, WindowFull):
             return result

@@ -16,6 +16,7 @@ import redis
 
 from gateway.config.schema import StateSpec
 from gateway.state import Correction, Limit, Reservation, TenantWindow, WindowFull
+from gateway.state.base import SliceAsk, SliceGrant
 from gateway.state.build import build_state
 from gateway.state.failover import FailoverState
 from gateway.state.redis import RedisState
@@ -38,13 +39,20 @@ def used(server: RedisServer, key: TenantWindow) -> int:
 
 
 class Counting(RedisState):
-    """The real Redis backend, counting the correction calls it is asked to make."""
+    """The real Redis backend, counting the correction and grant calls it is asked to make."""
 
     calls = 0
+    grants = 0
 
     async def adjust(self, corrections: Sequence[Correction]) -> None:
         self.calls += 1
         await super().adjust(corrections)
+
+    async def grant(
+        self, asks: Sequence[SliceAsk], slice_id: str, max_age_s: float
+    ) -> SliceGrant | WindowFull:
+        self.grants += 1
+        return await super().grant(asks, slice_id, max_age_s)
 
 
 async def test_two_gateways_never_grant_a_window_past_its_limit(fresh_redis: RedisServer) -> None:
@@ -121,6 +129,20 @@ async def test_a_burst_waits_for_one_grant_rather_than_each_asking(
     assert used(fresh_redis, TOKENS) == 501
     await state.close()
     assert used(fresh_redis, TOKENS) == 20
+
+
+async def test_a_grant_redis_fails_fails_the_burst_that_waited_for_it(
+    fresh_redis: RedisServer,
+) -> None:
+    backend = Counting(fresh_redis.url, timeout_s=0.3)
+    state = SlicedState(backend, fraction=0.5, max_age_s=0.5)
+    fresh_redis.stop()
+    burst = await asyncio.gather(
+        *(state.reserve([Limit(TOKENS, 1, 1000)]) for _ in range(10)), return_exceptions=True
+    )
+    assert all(isinstance(error, backend.failures) for error in burst)
+    assert backend.grants == 1  # not one each in turn, every one a time-out with a hung Redis
+    await state.close()
 
 
 async def test_a_slices_unused_part_goes_back_after_its_age(fresh_redis: RedisServer) -> None:
