@@ -102,6 +102,28 @@ async def test_ids_are_unique_across_gateways(fresh_redis: RedisServer) -> None:
         await two.close()
 
 
+async def test_excesses_of_a_charge_gone_add_up_and_leave_the_window(
+    fresh_redis: RedisServer,
+) -> None:
+    """A slice's charge may be corrected more than once after it left the window (batched
+    corrections of its requests): each excess counts, and all of them leave a window later."""
+    clock = Clock()
+    shared = RedisState(fresh_redis.url, clock=clock)
+    key = TenantWindow("acme", "tokens")
+    try:
+        charge = await shared.reserve([Limit(key, 10, 1000)])
+        assert isinstance(charge, Reservation)
+        clock.now += 61
+        await shared.adjust([Correction(key, charge.id, 10, 30)])
+        clock.now += 1
+        await shared.adjust([Correction(key, charge.id, 10, 15)])
+        assert (await shared.peek([Limit(key, 0, 1000)]))[0].remaining == 1000 - 20 - 5
+        clock.now += 61
+        assert (await shared.peek([Limit(key, 0, 1000)]))[0].remaining == 1000
+    finally:
+        await shared.close()
+
+
 async def test_what_one_call_touches_is_one_redis_cluster_slot(fresh_redis: RedisServer) -> None:
     """Callers name a tenant's windows and a pool's replica; the Redis backend's keys for them
     hash to one Cluster slot per call (a tenant's windows, a replica's leases), so each script
