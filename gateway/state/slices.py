@@ -166,9 +166,13 @@ class SlicedState:
         if held.target() != held.charged:
             self._dirty.add(held)
 
-    async def reserve(self, limits: Sequence[Limit]) -> Reservation | WindowFull:
+    def _start(self) -> None:
+        """The flusher, from the first call that may leave it work (a running loop is needed)."""
         if self._flusher is None and not self._closed:
             self._flusher = asyncio.create_task(self._flush_every())
+
+    async def reserve(self, limits: Sequence[Limit]) -> Reservation | WindowFull:
+        self._start()
         need: dict[TenantWindow, tuple[int, int]] = {}  # key -> (amount, limit)
         for lim in limits:
             amount = need.get(lim.key, (0, 0))[0]
@@ -317,6 +321,7 @@ class SlicedState:
 
     async def adjust(self, corrections: Sequence[Correction]) -> None:
         """Recorded against each charge's slice, sent by the next flush; never awaits."""
+        self._start()
         for fix in corrections:
             held = self._slice_of(fix)
             if held is not None:
