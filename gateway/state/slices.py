@@ -17,9 +17,9 @@ Take any interval `[a, a + WINDOW_S)` and the requests admitted in it; let the l
 slice any of them used be granted at `g`: `g <= ` its request's time `< a + WINDOW_S`. Every
 other slice used there was granted at `g' <= g` and handed out at some `t >= a`, so its stamp
 `g' + max_age_s >= t >= a > g - WINDOW_S`: at `g` the store still counted it (base.py: a charge
-stamped `s` counts until `s + WINDOW_S`), at its full amount (a live slice is cut back only
-when it stops handing out). So the grant at `g` fit all of them, and every request admitted
-in the interval, under the limit. Corrections change a slice's charge as they change a
+stamped `s` counts until `s + WINDOW_S`), at no less than its requests hold (a slice is cut
+back only once it stops handing out, and only to what it handed). So the grant at `g` fit all
+of them, and every request admitted in the interval, under the limit. Corrections change a slice's charge as they change a
 request's: while it hands out, a refund is room this gateway reuses and an excess raises the
 charge; after, the charge is rewritten to what its requests really used; once it has left
 the window an excess is charged anew and a refund is nothing (`State.adjust`).
