@@ -1057,6 +1057,30 @@ class TenantSpec(Spec):
         return self
 
 
+class SlicesSpec(Spec):
+    """Shares of each quota window a gateway leases from Redis, so most requests charge theirs
+    without a Redis call (gateway/state/slices.py): fewer calls, for a little room held back."""
+
+    fraction: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description=(
+            "Room a gateway leases beyond a request's own charge, as a fraction of the window's"
+            " limit (up to what fits); held back from the other gateways for at most"
+            " `max_age_s`. 0: every request charges Redis itself, exactly, with no slices."
+        ),
+    )
+    max_age_s: PositiveFloat = Field(
+        0.5,
+        le=10,
+        description=(
+            "How long a slice serves requests before its unused part goes back; its charge"
+            " counts in Redis this much longer than a request's, so no window over-grants."
+        ),
+    )
+
+
 class StateSpec(Spec):
     """Where quota windows and replica slots live: this process (one gateway), or Redis shared
     by several, so the caps and limits hold across all of them.
@@ -1097,6 +1121,9 @@ class StateSpec(Spec):
             " next turn, `GET` and cancel there and counts that turn exactly; from the last"
             " turn that wrote or read it."
         ),
+    )
+    slices: SlicesSpec = Field(
+        SlicesSpec(), description="Quota windows leased in slices (`redis`): see `SlicesSpec`."
     )
 
 

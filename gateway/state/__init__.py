@@ -4,6 +4,7 @@ for one gateway or in a shared backend (Redis) for several; `SlotLedger`, the re
 
 Modules: base.py (the protocols, their values and `Backend`, what a shared store implements),
 memory.py (`MemoryState`), redis.py (the Redis backend: its Lua, its keys, its failures),
+slices.py (`SlicedState`: a backend's quota windows leased in slices, corrections batched),
 failover.py (`FailoverState`: any backend behind `on_failure`), build.py (`build_state`: the
 policy's `state` section made into them, the backends by name). Code outside this package imports
 the protocols only (here, base.py) and build.py: which backend runs is never its business.

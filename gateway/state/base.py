@@ -125,6 +125,29 @@ class Correction:
     actual: int
 
 
+@dataclass(frozen=True, slots=True)
+class SliceAsk:
+    """A slice of window `key` asked of a shared store: at least `need`, up to `need + extra` as
+    room allows; `old` is this gateway's previous slice of the window, `(charge id, amount)`,
+    rewritten to what it handed out in the same call, so its unused part is room again first."""
+
+    key: TenantWindow
+    need: int
+    extra: int
+    limit: int
+    old: tuple[str, int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class SliceGrant:
+    """Every slice asked was charged under `id`, `amounts` each (in the order asked), stamped
+    `max_age_s` ahead of the store's clock; `windows` as the grant left them."""
+
+    id: str
+    amounts: tuple[int, ...]
+    windows: tuple[Window, ...]
+
+
 class Windows(Protocol):
     """The quota windows' calls, as every backend makes them."""
 

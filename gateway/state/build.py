@@ -14,15 +14,19 @@ from gateway.state.base import Backend, HolderRecord, SlotLedger, State
 from gateway.state.failover import FailoverState
 from gateway.state.memory import MemoryState
 from gateway.state.redis import RedisState
+from gateway.state.slices import SlicedState
 
 
 def _redis(spec: StateSpec) -> Backend:
-    return RedisState(
+    redis = RedisState(
         spec.url,
         timeout_s=spec.timeout_s,
         lease_ttl_s=spec.lease_ttl_s,
         holder_ttl_s=spec.stored_response_ttl_s,
     )
+    if spec.slices.fraction == 0:  # every request's charge its own script call, exactly
+        return redis
+    return SlicedState(redis, fraction=spec.slices.fraction, max_age_s=spec.slices.max_age_s)
 
 
 # `state.backend` -> the shared backend it names; `memory` is no entry: a gateway alone shares

@@ -30,6 +30,7 @@ from gateway.state.base import (
     WindowFull,
 )
 from gateway.state.memory import MemoryState
+from gateway.state.slices import lost
 
 log = logging.getLogger("gateway.state")  # one logger for state/, the name operators grep
 _LOCAL = "local:"
@@ -159,10 +160,7 @@ class FailoverState:
         # called once: a lost correction is logged, never retried
         except self.shared.failures as exc:
             self._failed(exc)
-            lost = ", ".join(
-                f"{fix.charge_id} in {fix.key.tenant}'s {fix.key.window}" for fix in shared
-            )
-            log.warning("correction of charges %s lost: %r", lost, exc)
+            lost(shared, exc)
 
     # --- replica slots: failing open counts locally (the caller keeps 1/gateways of a cap) ---
 

@@ -51,6 +51,8 @@ from gateway.state.base import (
     Limit,
     PoolReplica,
     Reservation,
+    SliceAsk,
+    SliceGrant,
     SlotClaim,
     TenantWindow,
     Window,
@@ -99,15 +101,40 @@ local function window(k, limit, used, now, span)
   if #newest > 0 then reset = tonumber(newest[2]) + span - now end
   return {tostring(limit), tostring(math.max(0, limit - used)), fmt(reset)}
 end
-local function touch(k, span)
-  local ms = math.ceil((span + 1) * 1000)
+-- Keys live until their newest charge leaves the window (a slice's is stamped ahead), + 1 s.
+local function touch(k, now, span)
+  local newest = redis.call('ZRANGE', k .. ':z', -1, -1, 'WITHSCORES')
+  local last = #newest > 0 and math.max(now, tonumber(newest[2])) or now
+  local ms = math.ceil((last - now + span + 1) * 1000)
   for _, s in ipairs({':z', ':a', ':u'}) do redis.call('PEXPIRE', k .. s, ms) end
 end
-local function charge(k, id, at, amount, used, span)
+local function charge(k, id, at, amount, used, now, span)
   redis.call('ZADD', k .. ':z', fmt(at), id)
   redis.call('HSET', k .. ':a', id, amount)
   redis.call('SET', k .. ':u', used + amount)
-  touch(k, span)
+  touch(k, now, span)
+end
+-- When the refused windows (indexes into BASE) would all fit: nil when one asks more than its
+-- whole limit; else the time until enough of each window's oldest charges have left it.
+local function retry_after(refused, amounts, limits, used, now, span)
+  local retry = 0
+  for _, i in ipairs(refused) do
+    if amounts[i] > limits[i] then return nil end
+    local excess = used[i] + amounts[i] - limits[i]
+    local log = redis.call('ZRANGE', BASE[i] .. ':z', 0, -1, 'WITHSCORES')
+    for j = 1, #log, 2 do
+      excess = excess - tonumber(redis.call('HGET', BASE[i] .. ':a', log[j]) or '0')
+      if excess <= 0 then
+        retry = math.max(retry, math.max(0, tonumber(log[j + 1]) + span - now))
+        break
+      end
+    end
+  end
+  return retry
+end
+local function refusal(refused, amounts, limits, used, now, span)
+  local retry = retry_after(refused, amounts, limits, used, now, span)
+  return {0, refused[1], retry == nil and '' or fmt(retry)}
 end
 """
 )
@@ -130,29 +157,11 @@ local out = {}
 if #refused == 0 then
   out = {1, 0, ''}
   for i, k in ipairs(BASE) do
-    charge(k, id, now, amounts[i], used[i], span)
+    charge(k, id, now, amounts[i], used[i], now, span)
     used[i] = used[i] + amounts[i]
   end
 else
-  local retry = 0
-  for _, i in ipairs(refused) do
-    if retry ~= nil then
-      if amounts[i] > limits[i] then
-        retry = nil
-      else
-        local excess = used[i] + amounts[i] - limits[i]
-        local log = redis.call('ZRANGE', BASE[i] .. ':z', 0, -1, 'WITHSCORES')
-        for j = 1, #log, 2 do
-          excess = excess - tonumber(redis.call('HGET', BASE[i] .. ':a', log[j]) or '0')
-          if excess <= 0 then
-            retry = math.max(retry, math.max(0, tonumber(log[j + 1]) + span - now))
-            break
-          end
-        end
-      end
-    end
-  end
-  out = {0, refused[1], retry == nil and '' or fmt(retry)}
+  out = refusal(refused, amounts, limits, used, now, span)
 end
 for i, k in ipairs(BASE) do
   for _, v in ipairs(window(k, limits[i], used[i], now, span)) do out[#out + 1] = v end
@@ -189,12 +198,57 @@ for i, k in ipairs(BASE) do
   if held then
     redis.call('HSET', k .. ':a', id, actual)
     redis.call('SET', k .. ':u', used + actual - tonumber(held))
-    touch(k, span)
+    touch(k, now, span)
   elseif actual > reserved then
-    charge(k, id .. '+', now, actual - reserved, used, span)
+    -- a slice's charge may be corrected again after it left: its excesses add up, stamped now
+    local more = tonumber(redis.call('HGET', k .. ':a', id .. '+') or '0')
+    charge(k, id .. '+', now, more + actual - reserved, used - more, now, span)
   end
 end
 return 1
+"""
+)
+
+
+# A slice of each window (gateway/state/slices.py): KEYS as `_RESERVE`'s. ARGV: now, window,
+# id, max_age, then per window: need, extra, limit, the id of the slice it replaces ('' none) and
+# what that one handed out. Each old slice is rewritten to its amount first; then, all or none,
+# each window is charged the most in [need, need + extra] that fits, stamped now + max_age.
+# Returns, comma-joined: granted, refused index, retry, then limit, remaining, reset, amount
+# per window.
+_SLICE = (
+    _PRELUDE
+    + """
+local now, span, id, age = clock(), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
+local used, needs, extras, limits, refused = {}, {}, {}, {}, {}
+for i, k in ipairs(BASE) do
+  local j = 5 * i
+  needs[i], extras[i], limits[i] = tonumber(ARGV[j]), tonumber(ARGV[j + 1]), tonumber(ARGV[j + 2])
+  used[i] = expire(k, now - span)
+  local old = ARGV[j + 3]
+  local held = old ~= '' and redis.call('HGET', k .. ':a', old)
+  if held then
+    used[i] = used[i] + tonumber(ARGV[j + 4]) - tonumber(held)
+    redis.call('HSET', k .. ':a', old, ARGV[j + 4])
+    redis.call('SET', k .. ':u', used[i])
+  end
+  if used[i] + needs[i] > limits[i] then refused[#refused + 1] = i end
+end
+local out, amounts = {1, 0, ''}, {}
+if #refused == 0 then
+  for i, k in ipairs(BASE) do
+    amounts[i] = math.min(needs[i] + extras[i], limits[i] - used[i])
+    charge(k, id, now + age, amounts[i], used[i], now, span)
+    used[i] = used[i] + amounts[i]
+  end
+else
+  out = refusal(refused, needs, limits, used, now, span)
+end
+for i, k in ipairs(BASE) do
+  for _, v in ipairs(window(k, limits[i], used[i], now, span)) do out[#out + 1] = v end
+  out[#out + 1] = tostring(amounts[i] or 0)
+end
+return table.concat(out, ',')
 """
 )
 
@@ -385,6 +439,7 @@ class RedisState:
         self._reserve = self.client.register_script(_RESERVE)
         self._peek = self.client.register_script(_PEEK)
         self._adjust = self.client.register_script(_ADJUST)
+        self._slice = self.client.register_script(_SLICE)
         self._lease = self.client.register_script(_LEASE)
         self._renew = self.client.register_script(_RENEW)
         self._waiting = self.client.register_script(_WAITING)
@@ -423,10 +478,45 @@ class RedisState:
         return _windows(_fields(reply))
 
     async def adjust(self, corrections: Sequence[Correction]) -> None:
+        """One script per tenant (a script's keys share one Redis Cluster slot), several in one
+        pipeline: the slices' flusher corrects every tenant's at once."""
+        by_tenant: dict[str, list[Correction]] = {}
+        for fix in corrections:
+            by_tenant.setdefault(fix.key.tenant, []).append(fix)
+        calls = [self._adjust_call(fixes) for fixes in by_tenant.values()]
+        if len(calls) == 1:
+            await self._run(self._adjust, *calls[0])
+        elif calls:
+            pipe = self.client.pipeline(transaction=False)
+            for keys, args in calls:
+                await self._adjust(keys=keys, args=args, client=pipe)
+            await self._bounded(pipe.execute())
+
+    def _adjust_call(self, corrections: Sequence[Correction]) -> tuple[list[str], list[Any]]:
         args: list[Any] = [self._now(), WINDOW_S]
         for fix in corrections:
             args += [fix.charge_id, fix.reserved, fix.actual]
-        await self._run(self._adjust, _keys(fix.key for fix in corrections), args)
+        return _keys(fix.key for fix in corrections), args
+
+    def slice_id(self) -> str:
+        return f"{self._prefix}:q{next(self._ids)}"
+
+    async def grant(
+        self, asks: Sequence[SliceAsk], slice_id: str, max_age_s: float
+    ) -> SliceGrant | WindowFull:
+        args: list[Any] = [self._now(), WINDOW_S, slice_id, max_age_s]
+        for ask in asks:
+            old_id, old_amount = ask.old if ask.old is not None else ("", 0)
+            args += [ask.need, ask.extra, ask.limit, old_id, old_amount]
+        out = _fields(await self._run(self._slice, _keys(ask.key for ask in asks), args))
+        rows = [out[i : i + 4] for i in range(3, len(out), 4)]
+        windows = _windows([v for row in rows for v in row[:3]])
+        if int(out[0]) == 1:
+            return SliceGrant(slice_id, tuple(int(row[3]) for row in rows), windows)
+        retry = out[2]
+        return WindowFull(
+            index=int(out[1]) - 1, retry_after_s=float(retry) if retry else None, windows=windows
+        )
 
     # --- replica slots as leases (the `SlotLedger` calls, undecorated: `FailoverState` adds
     # the failure policy) ------------------------------------------------------------------

@@ -104,6 +104,28 @@ async def test_ids_are_unique_across_gateways(fresh_redis: RedisServer) -> None:
         await two.close()
 
 
+async def test_excesses_of_a_charge_gone_add_up_and_leave_the_window(
+    fresh_redis: RedisServer,
+) -> None:
+    """A slice's charge may be corrected more than once after it left the window (batched
+    corrections of its requests): each excess counts, and all of them leave a window later."""
+    clock = Clock()
+    shared = RedisState(fresh_redis.url, clock=clock)
+    key = TenantWindow("acme", "tokens")
+    try:
+        charge = await shared.reserve([Limit(key, 10, 1000)])
+        assert isinstance(charge, Reservation)
+        clock.now += 61
+        await shared.adjust([Correction(key, charge.id, 10, 30)])
+        clock.now += 1
+        await shared.adjust([Correction(key, charge.id, 10, 15)])
+        assert (await shared.peek([Limit(key, 0, 1000)]))[0].remaining == 1000 - 20 - 5
+        clock.now += 61
+        assert (await shared.peek([Limit(key, 0, 1000)]))[0].remaining == 1000
+    finally:
+        await shared.close()
+
+
 async def test_what_one_call_touches_is_one_redis_cluster_slot(fresh_redis: RedisServer) -> None:
     """Callers name a tenant's windows and a pool's replica; the Redis backend's keys for them
     hash to one Cluster slot per call (a tenant's windows, a replica's leases), so each script
@@ -177,6 +199,9 @@ async def test_each_worker_of_a_pod_is_one_more_gateway_failing_open() -> None:
     await state.close()
 
 
+EXACT = {"fraction": 0}  # every request's charge its own script call: exact headers, no slices
+
+
 def redis_policy(
     tokenizer_dir: Any, stub: Any, server: RedisServer, **state: Any
 ) -> dict[str, Any]:
@@ -194,7 +219,8 @@ async def backend_up(http: aiohttp.ClientSession, gw: RunningGateway) -> str:
 async def test_the_10000_tpm_case_holds_in_redis(
     fresh_redis, stub, gateway_factory, tokenizer_dir, http
 ) -> None:
-    gw = await gateway_factory(redis_policy(tokenizer_dir, stub, fresh_redis))
+    # exact per-request charges (no slices): the clock moved here is Redis's alone
+    gw = await gateway_factory(redis_policy(tokenizer_dir, stub, fresh_redis, slices=EXACT))
     clock = Clock()
     gw.gateway.state.shared.clock = clock  # type: ignore[attr-defined]
     body = await sized(gw, 4000)
@@ -226,7 +252,10 @@ async def test_two_gateways_share_a_tenants_tpm_window(
 async def test_fail_open_serves_at_local_limits_then_shares_again_when_redis_returns(
     fresh_redis, stub, gateway_factory, tokenizer_dir, http
 ) -> None:
-    policy = redis_policy(tokenizer_dir, stub, fresh_redis, on_failure="open", gateways=2)
+    # exact headers, as without slices (a live slice would still serve its rest locally)
+    policy = redis_policy(
+        tokenizer_dir, stub, fresh_redis, on_failure="open", gateways=2, slices=EXACT
+    )
     first, second = await gateway_factory(policy), await gateway_factory(policy)
     body = await sized(first, 4000)
     assert (await chat(http, first, body))[0] == 200

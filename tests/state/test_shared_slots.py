@@ -368,7 +368,10 @@ async def test_a_pool_a_reload_removes_keeps_its_running_streams_leases_then_giv
     gate = asyncio.Event()  # the stream runs until the test lets it answer
     slow, fresh = await stub_factory(gate=gate), await stub_factory()
     ttl = 30.0  # of the test's clock; Redis drops an untouched key after twice this, in its own
-    policy = shared_policy(tokenizer_dir, slow.url, fresh_redis, cap=4, lease_ttl_s=ttl)
+    # no quota slices: `state.shared` is the Redis backend itself, whose clock the test moves
+    policy = shared_policy(
+        tokenizer_dir, slow.url, fresh_redis, cap=4, lease_ttl_s=ttl, slices={"fraction": 0}
+    )
     gw = await gateway_factory(policy)
     clock = Clock()
     gw.gateway.state.shared.clock = clock  # type: ignore[attr-defined]

@@ -1,0 +1,240 @@
+"""`SlicedState` against a real `redis-server`: windows leased in slices never over-grant across
+gateways, a slice's unused part goes back, corrections are sent in one call per flush, and
+nothing is left running after close. Turning slices off (`fraction: 0`) leaves the exact
+per-request `RedisState` the other tests in this package check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Sequence
+
+import pytest
+import redis
+
+from gateway.config.schema import StateSpec
+from gateway.state import Correction, Limit, Reservation, TenantWindow, WindowFull
+from gateway.state.base import SliceAsk, SliceGrant
+from gateway.state.build import build_state
+from gateway.state.failover import FailoverState
+from gateway.state.redis import RedisState
+from gateway.state.slices import SlicedState
+from tests.conftest import RedisServer, eventually
+from tests.request.test_quotas import Clock
+
+TOKENS = TenantWindow("acme", "tokens")
+REQUESTS = TenantWindow("acme", "requests")
+
+
+def sliced(server: RedisServer, *, fraction: float = 0.2, max_age_s: float = 0.5) -> SlicedState:
+    return SlicedState(RedisState(server.url), fraction=fraction, max_age_s=max_age_s)
+
+
+def used(server: RedisServer, key: TenantWindow) -> int:
+    """What Redis counts in the window now."""
+    raw = redis.Redis(port=server.port).get(f"quota:{{{key.tenant}}}:{key.window}:u")
+    return int(raw or 0)
+
+
+class Counting(RedisState):
+    """The real Redis backend, counting the correction and grant calls it is asked to make."""
+
+    calls = 0
+    grants = 0
+
+    async def adjust(self, corrections: Sequence[Correction]) -> None:
+        self.calls += 1
+        await super().adjust(corrections)
+
+    async def grant(
+        self, asks: Sequence[SliceAsk], slice_id: str, max_age_s: float
+    ) -> SliceGrant | WindowFull:
+        self.grants += 1
+        return await super().grant(asks, slice_id, max_age_s)
+
+
+async def test_two_gateways_never_grant_a_window_past_its_limit(fresh_redis: RedisServer) -> None:
+    rng = random.Random(39)
+    gateways = [sliced(fresh_redis), sliced(fresh_redis)]
+    granted: list[tuple[int, int]] = []  # (tokens, requests) of each reservation granted
+
+    async def client(state: SlicedState) -> None:
+        for _ in range(60):
+            amount = rng.randint(1, 400)
+            limits = [Limit(TOKENS, amount, 10_000), Limit(REQUESTS, 1, 150)]
+            if isinstance(await state.reserve(limits), Reservation):
+                granted.append((amount, 1))
+            await asyncio.sleep(0)
+
+    await asyncio.gather(*(client(gateways[i % 2]) for i in range(8)))
+    tokens, requests = sum(t for t, _ in granted), sum(r for _, r in granted)
+    assert tokens <= 10_000 and requests <= 150
+    assert len(granted) < 8 * 60  # the windows did fill
+    for state in gateways:
+        await state.close()
+    # every slice's unused part given back: Redis holds what was granted, no more
+    assert (used(fresh_redis, TOKENS), used(fresh_redis, REQUESTS)) == (tokens, requests)
+
+
+async def test_near_the_limit_a_slice_is_the_requests_own_charge(fresh_redis: RedisServer) -> None:
+    first, second = sliced(fresh_redis, fraction=0.5), sliced(fresh_redis, fraction=0.5)
+    assert isinstance(await first.reserve([Limit(TOKENS, 40, 100)]), Reservation)
+    assert used(fresh_redis, TOKENS) == 90  # 40 and a slice of 50 more
+    # the other gateway gets what is left (10), not refused for want of a slice
+    assert isinstance(await second.reserve([Limit(TOKENS, 10, 100)]), Reservation)
+    refused = await second.reserve([Limit(TOKENS, 1, 100)])
+    assert isinstance(refused, WindowFull) and refused.retry_after_s is not None
+    # the first gateway's slice serves its own rest locally
+    assert isinstance(await first.reserve([Limit(TOKENS, 50, 100)]), Reservation)
+    assert isinstance(await first.reserve([Limit(TOKENS, 1, 100)]), WindowFull)
+    assert isinstance(await first.reserve([Limit(TOKENS, 101, 100)]), WindowFull)
+    await first.close()
+    await second.close()
+    assert used(fresh_redis, TOKENS) == 100
+
+
+async def test_a_slice_counts_until_a_window_after_its_last_possible_use(
+    fresh_redis: RedisServer,
+) -> None:
+    """A slice granted at 0 may hand out until 10: its charge must still count at 61, or another
+    gateway's grant then would put more than the limit in the window from 9."""
+    clock = Clock()
+    first, second = (
+        SlicedState(
+            RedisState(fresh_redis.url, clock=clock), fraction=0.5, max_age_s=10, monotonic=clock
+        )
+        for _ in range(2)
+    )
+    assert isinstance(await first.reserve([Limit(TOKENS, 10, 100)]), Reservation)  # a slice of 60
+    clock.now += 9
+    assert isinstance(await first.reserve([Limit(TOKENS, 50, 100)]), Reservation)  # from it
+    clock.now += 52  # 61 after the grant
+    refused = await second.reserve([Limit(TOKENS, 51, 100)])
+    assert isinstance(refused, WindowFull)
+    assert refused.retry_after_s == 9.0  # the slice leaves the window at 10 + 60
+    assert isinstance(await second.reserve([Limit(TOKENS, 40, 100)]), Reservation)
+    for state in (first, second):
+        await state.close()
+
+
+async def test_a_burst_waits_for_one_grant_rather_than_each_asking(
+    fresh_redis: RedisServer,
+) -> None:
+    state = sliced(fresh_redis, fraction=0.5)
+    burst = await asyncio.gather(*(state.reserve([Limit(TOKENS, 1, 1000)]) for _ in range(20)))
+    # one slice of 501 serves all twenty; a grant each would have held the window full
+    assert all(isinstance(result, Reservation) for result in burst)
+    assert used(fresh_redis, TOKENS) == 501
+    await state.close()
+    assert used(fresh_redis, TOKENS) == 20
+
+
+async def test_a_grant_redis_fails_fails_the_burst_that_waited_for_it(
+    fresh_redis: RedisServer,
+) -> None:
+    backend = Counting(fresh_redis.url, timeout_s=0.3)
+    state = SlicedState(backend, fraction=0.5, max_age_s=0.5)
+    fresh_redis.stop()
+    burst = await asyncio.gather(
+        *(state.reserve([Limit(TOKENS, 1, 1000)]) for _ in range(10)), return_exceptions=True
+    )
+    assert all(isinstance(error, backend.failures) for error in burst)
+    assert backend.grants == 1  # not one each in turn, every one a time-out with a hung Redis
+    await state.close()
+
+
+async def test_a_slices_unused_part_goes_back_after_its_age(fresh_redis: RedisServer) -> None:
+    state = sliced(fresh_redis, fraction=0.5, max_age_s=0.2)
+    result = await state.reserve([Limit(TOKENS, 10, 100)])
+    assert isinstance(result, Reservation)
+    assert used(fresh_redis, TOKENS) == 60
+    await eventually(lambda: used(fresh_redis, TOKENS) == 10)
+    # a refund after the slice stopped corrects its charge in Redis
+    await state.adjust([Correction(TOKENS, result.id, 10, 4)])
+    await eventually(lambda: used(fresh_redis, TOKENS) == 4)
+    await state.close()
+
+
+async def test_a_refund_while_the_slice_lives_is_reused_locally(fresh_redis: RedisServer) -> None:
+    state = sliced(fresh_redis, fraction=0.1, max_age_s=5.0)
+    first = await state.reserve([Limit(TOKENS, 90, 100)])
+    assert isinstance(first, Reservation) and used(fresh_redis, TOKENS) == 100
+    await state.adjust([Correction(TOKENS, first.id, 90, 30)])
+    again = await state.reserve([Limit(TOKENS, 60, 100)])
+    assert isinstance(again, Reservation) and again.id == first.id  # the same slice, no call
+    await state.close()
+    assert used(fresh_redis, TOKENS) == 90
+
+
+async def test_corrections_of_every_tenant_go_in_one_call_per_flush(
+    fresh_redis: RedisServer,
+) -> None:
+    backend = Counting(fresh_redis.url)
+    state = SlicedState(backend, fraction=0.1, max_age_s=0.1, flush_s=3600)  # flushed by hand
+    fixes = []
+    for tenant in ("a", "b", "c"):
+        key = TenantWindow(tenant, "tokens")
+        for _ in range(5):
+            result = await state.reserve([Limit(key, 10, 1000)])
+            assert isinstance(result, Reservation)
+            fixes.append(Correction(key, result.id, 10, 3))
+    await state.adjust(fixes)
+    assert backend.calls == 0  # recorded, not sent
+    stats = redis.Redis(port=fresh_redis.port)
+    before = stats.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    await asyncio.sleep(0.1)  # the slices' age: each must give back its rest
+    await state.flush()
+    after = stats.info("commandstats")["cmdstat_evalsha"]["calls"]
+    assert (backend.calls, after - before) == (1, 3)  # one call, one script per tenant
+    assert [used(fresh_redis, TenantWindow(t, "tokens")) for t in "abc"] == [15, 15, 15]
+    await state.close()
+
+
+async def test_an_excess_after_the_slice_left_the_window_is_charged_anew(
+    fresh_redis: RedisServer,
+) -> None:
+    state = sliced(fresh_redis, fraction=0.1, max_age_s=0.1)
+    first = await state.reserve([Limit(TOKENS, 10, 1000)])
+    assert isinstance(first, Reservation)
+    await state.close()
+    state = sliced(fresh_redis)  # a slice this state never knew: as one forgotten
+    await state.adjust([Correction(TOKENS, first.id, 10, 25), Correction(TOKENS, first.id, 10, 0)])
+    await state.flush()
+    assert used(fresh_redis, TOKENS) == 25  # the refund of a charge gone is nothing
+    await state.close()
+
+
+async def test_a_flush_redis_does_not_take_is_logged_as_lost(
+    fresh_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = SlicedState(
+        RedisState(fresh_redis.url, timeout_s=0.3), fraction=0.1, max_age_s=5, flush_s=3600
+    )
+    result = await state.reserve([Limit(TOKENS, 10, 1000)])
+    assert isinstance(result, Reservation)
+    await state.adjust([Correction(TOKENS, result.id, 10, 500)])  # an excess: Redis must hear
+    fresh_redis.stop()
+    with caplog.at_level(logging.WARNING, logger="gateway.state"):
+        await state.flush()
+    assert f"correction of charges {result.id} in acme's tokens lost" in caplog.text
+    await state.close()
+
+
+async def test_close_leaves_no_task(fresh_redis: RedisServer) -> None:
+    before = asyncio.all_tasks()
+    state = sliced(fresh_redis)
+    assert isinstance(await state.reserve([Limit(TOKENS, 1, 100)]), Reservation)
+    assert len(asyncio.all_tasks() - before) == 1  # the flusher
+    await state.close()
+    assert asyncio.all_tasks() == before
+
+
+def test_fraction_zero_is_the_exact_backend(fresh_redis: RedisServer) -> None:
+    exact, _, _ = build_state(
+        StateSpec(backend="redis", url=fresh_redis.url, slices={"fraction": 0})
+    )
+    default, _, _ = build_state(StateSpec(backend="redis", url=fresh_redis.url))
+    assert isinstance(exact, FailoverState) and type(exact.shared) is RedisState
+    assert isinstance(default, FailoverState) and isinstance(default.shared, SlicedState)
