@@ -71,7 +71,9 @@ class Runtime:
             upstreams[name] = carried
             kept = previous.slots.get(name) if previous is not None else None
             if kept is None:
-                slots[name] = LivePool(name, pool.spec, policy.pickers[name], ledger)
+                slots[name] = LivePool(
+                    name, pool.spec, policy.pickers[name], ledger, policy.spec.state.spare_slots_s
+                )
             else:  # its replicas keep their counts: in-flight requests release where they took
                 spec = pool.spec
                 if spec.dns is not None:  # keep what DNS found until the next lookup
