@@ -72,7 +72,7 @@ def redis_now(server: RedisServer) -> float:
     return seconds + micros / 1e6
 
 
-@pytest.mark.parametrize("spare_s", [0.0, 60.0])
+@pytest.mark.parametrize("spare_s", [0.0, 1.0])
 async def test_two_gateways_never_run_more_than_the_replicas_cap_together(
     fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http, spare_s
 ) -> None:
@@ -88,8 +88,6 @@ async def test_two_gateways_never_run_more_than_the_replicas_cap_together(
         )
         assert statuses == [200] * 40
     assert replica.stats.max_running == 3  # reached, never passed
-    if spare_s:
-        await asyncio.gather(first.gateway.close(), second.gateway.close())
     await eventually(lambda: leases(fresh_redis) == 0)  # every release reached Redis
     assert first.inflight() == second.inflight() == 0
 
@@ -408,6 +406,10 @@ async def test_a_pool_a_reload_removes_keeps_its_running_streams_leases_then_giv
     assert gw.gateway.retiring == {}
 
 
+# The tests of spares below give Redis calls 2 s (not the file's 0.3 s): on a loaded machine a
+# call that timed out sent the gateway to its local share, which gives every spare back.
+
+
 class Calls:
     """Counts the slot ledger's lease and release calls a gateway makes to Redis (its real
     `RedisState`, whose methods this wraps and still calls)."""
@@ -434,7 +436,13 @@ async def test_a_request_after_a_request_takes_the_spare_lease_without_a_call(
     replica = await stub_factory()
     # Lease lives far longer than the test: a lease gone from Redis was given back, not expired.
     policy = shared_policy(
-        tokenizer_dir, replica.url, fresh_redis, cap=4, lease_ttl_s=60, spare_slots_s=0.5
+        tokenizer_dir,
+        replica.url,
+        fresh_redis,
+        cap=4,
+        timeout_s=2.0,
+        lease_ttl_s=60,
+        spare_slots_s=0.5,
     )
     gw = await gateway_factory(policy)
     calls = Calls(gw)
@@ -453,7 +461,13 @@ async def test_spare_slots_zero_gives_every_lease_back_as_it_frees(
 ) -> None:
     replica = await stub_factory()
     policy = shared_policy(
-        tokenizer_dir, replica.url, fresh_redis, cap=4, lease_ttl_s=60, spare_slots_s=0
+        tokenizer_dir,
+        replica.url,
+        fresh_redis,
+        cap=4,
+        timeout_s=2.0,
+        lease_ttl_s=60,
+        spare_slots_s=0,
     )
     gw = await gateway_factory(policy)
     calls = Calls(gw)
@@ -468,7 +482,13 @@ async def test_spares_are_given_back_when_the_gateway_closes(
 ) -> None:
     replica = await stub_factory(delay_s=0.05)
     policy = shared_policy(
-        tokenizer_dir, replica.url, fresh_redis, cap=4, lease_ttl_s=60, spare_slots_s=60
+        tokenizer_dir,
+        replica.url,
+        fresh_redis,
+        cap=4,
+        timeout_s=2.0,
+        lease_ttl_s=60,
+        spare_slots_s=60,
     )
     gw = await gateway_factory(policy)
     assert await asyncio.gather(*(post(http, gw.url) for _ in range(4))) == [200] * 4
@@ -485,7 +505,13 @@ async def test_a_reload_gives_the_spares_back_and_a_smaller_cap_holds_at_once(
     gate = asyncio.Event()
     replica, other = await stub_factory(gate=gate), await stub_factory()
     policy = shared_policy(
-        tokenizer_dir, replica.url, fresh_redis, cap=3, lease_ttl_s=60, spare_slots_s=60
+        tokenizer_dir,
+        replica.url,
+        fresh_redis,
+        cap=3,
+        timeout_s=2.0,
+        lease_ttl_s=60,
+        spare_slots_s=60,
     )
     first = await gateway_factory(policy)
     second = await gateway_factory({**policy, "state": {**policy["state"], "spare_slots_s": 0}})
@@ -525,7 +551,13 @@ async def test_a_spare_is_not_kept_while_another_gateway_waits_for_a_slot(
     frees and the waiter takes it in the next pause."""
     replica = await stub_factory(delay_s=0.02)
     policy = shared_policy(
-        tokenizer_dir, replica.url, fresh_redis, cap=1, lease_ttl_s=0.6, spare_slots_s=60
+        tokenizer_dir,
+        replica.url,
+        fresh_redis,
+        cap=1,
+        timeout_s=2.0,
+        lease_ttl_s=0.6,
+        spare_slots_s=60,
     )
     busy, other = await gateway_factory(policy), await gateway_factory(policy)
     assert await post(http, busy.url) == 200  # its spare now holds the only slot
