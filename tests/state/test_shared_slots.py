@@ -568,3 +568,25 @@ async def test_a_spare_is_not_kept_while_another_gateway_waits_for_a_slot(
         sent += 1
         await asyncio.sleep(0.05)  # longer than two polls (20 ms, jittered)
     assert waiter.done() and await waiter == 200, sent
+
+
+async def test_redis_down_the_spares_go_and_the_share_counts_only_slots_in_use(
+    fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    """Failing open, a gateway keeps what it holds plus its share of the rest: spares it kept
+    would count as held and, reused, run past that share."""
+    replica = await stub_factory(delay_s=0.1)
+    policy = shared_policy(
+        tokenizer_dir, replica.url, fresh_redis, cap=4, gateways=2, timeout_s=2.0,
+        spare_slots_s=60,
+    )  # fmt: skip
+    gw = await gateway_factory(policy)
+    assert await asyncio.gather(*(post(http, gw.url) for _ in range(4))) == [200] * 4
+    assert leases(fresh_redis) == 4  # all four kept as spares
+    pool = gw.gateway.slots["main"]
+    fresh_redis.stop()
+    await eventually(lambda: pool.degraded)  # the next renewal finds Redis down
+    assert pool.replicas[0].cap == 2 and not pool.replicas[0].spares
+    replica.stats.max_running = 0
+    assert await asyncio.gather(*(post(http, gw.url) for _ in range(8))) == [200] * 8
+    assert replica.stats.max_running == 2
