@@ -60,8 +60,14 @@ class Runtime:
 
     @classmethod
     def build(
-        cls, policy: Policy, previous: Runtime | None, ledger: SlotLedger | None = None
+        cls,
+        policy: Policy,
+        previous: Runtime | None,
+        ledger: SlotLedger | None = None,
+        spare_s: float = 0.0,
     ) -> Runtime:
+        """`ledger` and `spare_s` (`state.spare_slots_s`) are the gateway's from its start: a
+        changed `state` section takes effect at the next one, for new pools too."""
         slots = {}
         upstreams = {}
         for name, pool in policy.pools.items():
@@ -71,7 +77,7 @@ class Runtime:
             upstreams[name] = carried
             kept = previous.slots.get(name) if previous is not None else None
             if kept is None:
-                slots[name] = LivePool(name, pool.spec, policy.pickers[name], ledger)
+                slots[name] = LivePool(name, pool.spec, policy.pickers[name], ledger, spare_s)
             else:  # its replicas keep their counts: in-flight requests release where they took
                 spec = pool.spec
                 if spec.dns is not None:  # keep what DNS found until the next lookup
@@ -142,7 +148,8 @@ class Gateway:
         self.ledger: SlotLedger | None
         self.state, self.ledger, holder_record = build_state(policy.spec.state, workers)
         self.workers = workers  # this process and the others of its pod (`serve --workers`)
-        self.runtime = Runtime.build(policy, None, self.ledger)
+        self.spare_s = policy.spec.state.spare_slots_s
+        self.runtime = Runtime.build(policy, None, self.ledger, self.spare_s)
         tls = policy.spec.server.tls  # the listener opens once: its context outlives reloads
         self.listener_tls = ListenerTls(tls, _base(policy)) if tls is not None else None
         self.metrics_port = policy.spec.server.metrics_port  # its listener, too, opens once
@@ -351,7 +358,7 @@ class Gateway:
                 log.warning("server.metrics_port changed: its listener moves at the next start")
             _warn_unscraped(policy, self.metrics_port)
             previous = self.runtime
-            self.runtime = Runtime.build(policy, previous, self.ledger)
+            self.runtime = Runtime.build(policy, previous, self.ledger, self.spare_s)
             self.holders.capacity = policy.spec.server.max_stored_responses
             tracing = _tracing(policy, self.tracing)
             if tracing is not self.tracing and self.tracing is not None:

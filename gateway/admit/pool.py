@@ -57,7 +57,12 @@ class LivePool:
     """The replicas of one pool and the queue in front of them."""
 
     def __init__(
-        self, name: str, spec: PoolSpec, picker: Picker, ledger: SlotLedger | None = None
+        self,
+        name: str,
+        spec: PoolSpec,
+        picker: Picker,
+        ledger: SlotLedger | None = None,
+        spare_s: float = 0.0,
     ) -> None:
         self.name = name
         self.picker = picker
@@ -69,7 +74,9 @@ class LivePool:
         # None without a ledger, not a null one: the branches on it keep a lone gateway's slot
         # a synchronous take (`_take_here`), where any ledger, even a no-op, is an await.
         self.leases = (
-            None if ledger is None else Leases(name, ledger, self._dispatch, self._degraded_changed)
+            None
+            if ledger is None
+            else Leases(name, ledger, self._dispatch, self._degraded_changed, spare_s)
         )
         self.ejector = Ejector(name)
         self._dispatcher: asyncio.Task[None] | None = None
@@ -150,6 +157,8 @@ class LivePool:
         for url in known.keys() - set(spec.replicas):
             picker.forget(url)
         if self.leases is not None:  # without a ledger no replica holds a lease
+            # Caps and reservations may change: a spare kept under the old ones may not fit.
+            self.leases.give_back()
             self.leases.departed += [
                 r for url, r in known.items() if url not in spec.replicas and r.lease_ids
             ]
@@ -269,6 +278,8 @@ class LivePool:
         moved = self.limiter.decide(self.replicas, time.perf_counter())
         for replica, _ in moved:
             self._limit(replica)
+        if self.leases is not None:  # a spare kept under a cap that shrank may not fit it
+            self.leases.give_back([replica for replica, grew in moved if not grew])
         if any(grew for _, grew in moved):
             self._dispatch()
 

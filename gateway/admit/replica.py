@@ -50,6 +50,7 @@ class Replica:
         "reserve",
         "shared",
         "slow_since",
+        "spares",
         "tpot",
         "url",
     )
@@ -69,6 +70,8 @@ class Replica:
         self.ejected_until: float | None = None  # None: in the pool
         self.leases = 0  # slots handed out by `slot()` and not yet given back
         self.lease_ids: dict[str, str] = {}  # the ledger's leases held here -> reserved class
+        # Of those, the ones no request uses (`leases.py`) -> since when, the oldest first
+        self.spares: dict[str, float] = {}
         self.shared: int | None = None  # leases on it across all gateways, as last seen
         self.leased_elsewhere: int | None = None  # of those, the other gateways', at most
         self.blocked_until = 0.0  # the ledger refused a lease: not asked again before this
@@ -128,6 +131,16 @@ class Replica:
         self.inflight_tokens += claim.tokens
         by_class = self.by_class
         by_class[claim.workload] = by_class.get(claim.workload, 0) + 1
+
+    def reuse(self, workload: str) -> str | None:
+        """A spare lease of class `workload`, the newest (the oldest are the next to go back),
+        taken out of the spares; None if there is none."""
+        lease_ids = self.lease_ids
+        for lease in reversed(self.spares):
+            if lease_ids[lease] == workload:
+                del self.spares[lease]
+                return lease
+        return None
 
     def untake(self, claim: Claim) -> None:
         self.inflight -= 1

@@ -1113,6 +1113,16 @@ class StateSpec(Spec):
             " it): the slots of a gateway that dies return to the others this long after."
         ),
     )
+    spare_slots_s: float = Field(
+        0.1,
+        ge=0,
+        description=(
+            "How long a replica-slot lease freed here may stay idle as this gateway's spare"
+            " (still a lease in Redis) before it is given back: the next request of its class"
+            " on that replica takes it without a Redis call. Kept only while no other gateway"
+            " has requests waiting and Redis answers; 0: every lease goes back as it frees."
+        ),
+    )
     stored_response_ttl_s: PositiveFloat = Field(
         86400.0,
         description=(

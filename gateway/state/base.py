@@ -224,8 +224,9 @@ class Slots(Protocol):
         raced the renewal); the replica's leases in all, None if unreachable."""
         ...
 
-    async def unlease(self, replica: PoolReplica, workload: str, lease_id: str) -> None:
-        """Give a slot back; one the backend missed is dropped by the replica's next renewal."""
+    async def unlease(self, replica: PoolReplica, leases: Sequence[tuple[str, str]]) -> None:
+        """Give slots back (`(class, id)`, one call for all of them); one the backend missed is
+        dropped by the replica's next renewal."""
         ...
 
     async def share_waiting(self, pool: str, waiting: Sequence[int]) -> tuple[int, ...] | None:

@@ -197,9 +197,10 @@ class FailoverState:
             return None
         return total
 
-    async def unlease(self, replica: PoolReplica, workload: str, lease_id: str) -> None:
-        if isinstance(await self._shared(self.shared.unlease(replica, workload, lease_id)), _Down):
-            self._lose(replica, workload, lease_id)
+    async def unlease(self, replica: PoolReplica, leases: Sequence[tuple[str, str]]) -> None:
+        if isinstance(await self._shared(self.shared.unlease(replica, leases)), _Down):
+            for workload, lease_id in leases:
+                self._lose(replica, workload, lease_id)
 
     async def share_waiting(self, pool: str, waiting: Sequence[int]) -> tuple[int, ...] | None:
         everyone = await self._shared(self.shared.share_waiting(pool, waiting))

@@ -547,8 +547,8 @@ class RedisState:
                 args += [op, index.get(workload, 0), lease_id]
         return int(await self._run(self._renew, _slot_keys(replica, classes), args))
 
-    async def unlease(self, replica: PoolReplica, workload: str, lease_id: str) -> None:
-        await self.renew(replica, (), [(workload, lease_id)])
+    async def unlease(self, replica: PoolReplica, leases: Sequence[tuple[str, str]]) -> None:
+        await self.renew(replica, (), leases)
 
     async def share_waiting(self, pool: str, waiting: Sequence[int]) -> tuple[int, ...]:
         keys = [f"queue:{{{pool}}}:w", f"queue:{{{pool}}}:t"]

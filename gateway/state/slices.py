@@ -403,8 +403,8 @@ class SlicedState:
     ) -> int | None:
         return await self.shared.renew(replica, held, released)
 
-    async def unlease(self, replica: PoolReplica, workload: str, lease_id: str) -> None:
-        await self.shared.unlease(replica, workload, lease_id)
+    async def unlease(self, replica: PoolReplica, leases: Sequence[tuple[str, str]]) -> None:
+        await self.shared.unlease(replica, leases)
 
     async def share_waiting(self, pool: str, waiting: Sequence[int]) -> tuple[int, ...] | None:
         return await self.shared.share_waiting(pool, waiting)

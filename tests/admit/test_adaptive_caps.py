@@ -23,7 +23,7 @@ from loadtest.sim import Faults, Profile, ReplicaOptions, start_replica
 from tests.conftest import basic_policy, eventually
 from tests.fleet.test_resilience import scrape
 from tests.loadtest.test_simulator import write_profile
-from tests.state.test_shared_slots import post, shared_policy
+from tests.state.test_shared_slots import leases, post, shared_policy
 
 URL = "http://127.0.0.1:9000"
 INTERVAL_S = 2.0  # the default: two simulated minutes are 60 windows
@@ -264,6 +264,29 @@ async def test_with_redis_the_adaptive_cap_bounds_every_gateway_together(
     statuses = await asyncio.gather(*(post(http, gw.url) for _ in range(10) for gw in gateways))
     assert statuses == [200] * 20
     assert replica.stats.max_running == 2
+
+
+async def test_with_redis_a_cap_that_shrinks_gives_this_gateways_spares_back(
+    fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    """A spare is taken without asking Redis: one kept under the old limit would let a request
+    past the new one, so a limit that falls gives the replica's spares back."""
+    replica = await stub_factory()
+    policy = shared_policy(
+        tokenizer_dir, replica.url, fresh_redis, cap=6, timeout_s=2.0, lease_ttl_s=60,
+        spare_slots_s=60,
+    )  # fmt: skip
+    policy["pools"]["main"]["slo"] = {"adaptive": {"target": {"ttft_ms": 1000}}}
+    gw = await gateway_factory(policy)
+    assert await asyncio.gather(*(post(http, gw.url) for _ in range(4))) == [200] * 4
+    assert leases(fresh_redis) > 0  # spares, kept for a minute
+    slots = gw.gateway.slots["main"]
+    assert slots.limiter is not None
+    for ttft_s in window(3.0):  # slow answers: over the target
+        slots.limiter.observe(slots.replicas[0], time.perf_counter(), ttft_s, None)
+    slots.adapt()
+    assert slots.replicas[0].max_concurrency < 6
+    await eventually(lambda: leases(fresh_redis) == 0)
 
 
 # --- a real gateway in front of a simulated replica ---------------------------------------------

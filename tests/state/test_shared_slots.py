@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import aiohttp
+import pytest
 import redis
 
 from tests.conftest import (
@@ -71,16 +72,21 @@ def redis_now(server: RedisServer) -> float:
     return seconds + micros / 1e6
 
 
+@pytest.mark.parametrize("spare_s", [0.0, 1.0])
 async def test_two_gateways_never_run_more_than_the_replicas_cap_together(
-    fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http
+    fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http, spare_s
 ) -> None:
+    """With spares too: a slot reused without asking Redis is one Redis still counts."""
     replica = await stub_factory(delay_s=0.05)
-    policy = shared_policy(tokenizer_dir, replica.url, fresh_redis, cap=3, gateways=2)
-    first, second = await gateway_factory(policy), await gateway_factory(policy)
-    statuses = await asyncio.gather(
-        *(post(http, gw.url) for _ in range(20) for gw in (first, second))
+    policy = shared_policy(
+        tokenizer_dir, replica.url, fresh_redis, cap=3, gateways=2, spare_slots_s=spare_s
     )
-    assert statuses == [200] * 40
+    first, second = await gateway_factory(policy), await gateway_factory(policy)
+    for _ in range(3):  # the later rounds start with the spares the earlier ones left
+        statuses = await asyncio.gather(
+            *(post(http, gw.url) for _ in range(20) for gw in (first, second))
+        )
+        assert statuses == [200] * 40
     assert replica.stats.max_running == 3  # reached, never passed
     await eventually(lambda: leases(fresh_redis) == 0)  # every release reached Redis
     assert first.inflight() == second.inflight() == 0
@@ -156,6 +162,9 @@ async def test_redis_down_each_gateway_keeps_its_share_of_the_cap_then_shares_ag
     gw = await gateway_factory(policy)
     assert await asyncio.gather(*(post(http, gw.url) for _ in range(8))) == [200] * 8
     assert replica.stats.max_running == 4  # shared: one gateway may use the whole cap
+    # Its spares gone back (a spare is a lease Redis granted: a request may still take it while
+    # Redis is down and nothing has found out yet), so the next requests find Redis down.
+    await eventually(lambda: leases(fresh_redis) == 0)
 
     fresh_redis.stop()
     replica.stats.max_running = 0
@@ -209,6 +218,8 @@ async def test_redis_down_and_failing_closed_answers_503_at_once_then_recovers(
     policy = shared_policy(tokenizer_dir, replica.url, fresh_redis, cap=4, on_failure="closed")
     gw = await gateway_factory(policy)
     assert await post(http, gw.url) == 200
+    # Its spare gone back: a request that takes one makes no call that could find Redis down.
+    await eventually(lambda: leases(fresh_redis) == 0)
     fresh_redis.stop()
 
     async def refused() -> None:
@@ -396,3 +407,189 @@ async def test_a_pool_a_reload_removes_keeps_its_running_streams_leases_then_giv
     # Its expiry is a lease life ahead on a clock that stands still: gone means given back.
     await eventually(lambda: leases(fresh_redis) == 0)
     assert gw.gateway.retiring == {}
+
+
+# The tests of spares below give Redis calls 2 s (not the file's 0.3 s): on a loaded machine a
+# call that timed out sent the gateway to its local share, which gives every spare back.
+
+
+class Calls:
+    """Counts the slot ledger's lease and release calls a gateway makes to Redis (its real
+    `RedisState`, whose methods this wraps and still calls)."""
+
+    def __init__(self, gw: Any) -> None:
+        self.leases = self.releases = 0
+        shared = gw.gateway.state.shared
+        lease, unlease = shared.lease, shared.unlease
+
+        async def counted_lease(*args: Any) -> Any:
+            self.leases += 1
+            return await lease(*args)
+
+        async def counted_unlease(*args: Any) -> Any:
+            self.releases += 1
+            return await unlease(*args)
+
+        shared.lease, shared.unlease = counted_lease, counted_unlease
+
+
+async def test_a_request_after_a_request_takes_the_spare_lease_without_a_call(
+    fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    replica = await stub_factory()
+    # Lease lives far longer than the test: a lease gone from Redis was given back, not expired.
+    policy = shared_policy(
+        tokenizer_dir,
+        replica.url,
+        fresh_redis,
+        cap=4,
+        timeout_s=2.0,
+        lease_ttl_s=60,
+        spare_slots_s=0.5,
+    )
+    gw = await gateway_factory(policy)
+    calls = Calls(gw)
+    for _ in range(20):
+        assert await post(http, gw.url) == 200
+        assert leases(fresh_redis) == 1  # the spare: its slot still counts against the cap
+    assert (calls.leases, calls.releases) == (1, 0)
+    # Idle, it goes back within the bound, in one call.
+    await eventually(lambda: leases(fresh_redis) == 0)
+    assert (calls.leases, calls.releases) == (1, 1)
+    assert not gw.gateway.slots["main"].replicas[0].lease_ids
+
+
+async def test_spare_slots_zero_gives_every_lease_back_as_it_frees(
+    fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    replica = await stub_factory()
+    policy = shared_policy(
+        tokenizer_dir,
+        replica.url,
+        fresh_redis,
+        cap=4,
+        timeout_s=2.0,
+        lease_ttl_s=60,
+        spare_slots_s=0,
+    )
+    gw = await gateway_factory(policy)
+    calls = Calls(gw)
+    for _ in range(5):
+        assert await post(http, gw.url) == 200
+    await eventually(lambda: calls.releases == 5)
+    assert calls.leases == 5 and leases(fresh_redis) == 0
+
+
+async def test_spares_are_given_back_when_the_gateway_closes(
+    fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    replica = await stub_factory(delay_s=0.05)
+    policy = shared_policy(
+        tokenizer_dir,
+        replica.url,
+        fresh_redis,
+        cap=4,
+        timeout_s=2.0,
+        lease_ttl_s=60,
+        spare_slots_s=60,
+    )
+    gw = await gateway_factory(policy)
+    assert await asyncio.gather(*(post(http, gw.url) for _ in range(4))) == [200] * 4
+    assert leases(fresh_redis) == 4  # kept as spares for a minute...
+    await gw.gateway.close()
+    assert leases(fresh_redis) == 0  # ...unless the gateway closes: then all go back
+
+
+async def test_a_reload_gives_the_spares_back_and_a_smaller_cap_holds_at_once(
+    fresh_redis, stub_factory, gateway_factory, tokenizer_dir, tmp_path, http
+) -> None:
+    """A spare taken under the old cap would let a request past the new one without asking
+    Redis: a reload gives every spare back, and one of a replica that left the pool too."""
+    gate = asyncio.Event()
+    replica, other = await stub_factory(gate=gate), await stub_factory()
+    policy = shared_policy(
+        tokenizer_dir,
+        replica.url,
+        fresh_redis,
+        cap=3,
+        timeout_s=2.0,
+        lease_ttl_s=60,
+        spare_slots_s=60,
+    )
+    first = await gateway_factory(policy)
+    second = await gateway_factory({**policy, "state": {**policy["state"], "spare_slots_s": 0}})
+    gate.set()
+    assert await asyncio.gather(*(post(http, first.url) for _ in range(2))) == [200] * 2
+    assert leases(fresh_redis) == 2  # two spares at the first gateway
+    gate.clear()
+    held = asyncio.create_task(post(http, second.url))  # the second runs one
+    await eventually(lambda: replica.stats.running == 1)
+    policy["pools"]["main"]["max_concurrency"] = 2
+    (tmp_path / "policy.yaml").write_text(json.dumps(policy))
+    await first.gateway.reload()
+    await eventually(lambda: leases(fresh_redis) == 1)  # the spares went back
+    # One running at the second gateway, cap 2: one more fits across both, not two.
+    more = [asyncio.create_task(post(http, first.url)) for _ in range(2)]
+    await eventually(lambda: replica.stats.running == 2 and first.waiting() == 1)
+    gate.set()
+    assert await asyncio.gather(held, *more) == [200] * 3
+    assert replica.stats.max_running == 2
+
+    # The second gateway keeps none: what Redis holds now are the first's spares...
+    await eventually(lambda: second.inflight() == 0 and leases(fresh_redis) > 0)
+    policy["pools"]["main"]["replicas"] = [other.url]
+    (tmp_path / "policy.yaml").write_text(json.dumps(policy))
+    await first.gateway.reload()
+    # ...and a replica the reload removes gives them back at once, a minute before their time.
+    await eventually(lambda: leases(fresh_redis) == 0)
+    assert first.gateway.slots["main"].leases.departed == []
+
+
+async def test_a_spare_is_not_kept_while_another_gateway_waits_for_a_slot(
+    fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    """A gateway whose client sends request after request, each after a short pause, keeps its
+    one slot as a spare through every pause: the other gateway's waiter, polling Redis, would
+    never find it free. Once the share tick tells it of that waiter, the slot goes back as it
+    frees and the waiter takes it in the next pause."""
+    replica = await stub_factory(delay_s=0.02)
+    policy = shared_policy(
+        tokenizer_dir,
+        replica.url,
+        fresh_redis,
+        cap=1,
+        timeout_s=2.0,
+        lease_ttl_s=0.6,
+        spare_slots_s=60,
+    )
+    busy, other = await gateway_factory(policy), await gateway_factory(policy)
+    assert await post(http, busy.url) == 200  # its spare now holds the only slot
+    waiter = asyncio.create_task(post(http, other.url))
+    sent = 0
+    while not waiter.done() and sent < 100:  # ~10 s of pauses; a share tick is 0.2 s
+        assert await post(http, busy.url) == 200
+        sent += 1
+        await asyncio.sleep(0.05)  # longer than two polls (20 ms, jittered)
+    assert waiter.done() and await waiter == 200, sent
+
+
+async def test_redis_down_the_spares_go_and_the_share_counts_only_slots_in_use(
+    fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    """Failing open, a gateway keeps what it holds plus its share of the rest: spares it kept
+    would count as held and, reused, run past that share."""
+    replica = await stub_factory(delay_s=0.1)
+    policy = shared_policy(
+        tokenizer_dir, replica.url, fresh_redis, cap=4, gateways=2, timeout_s=2.0,
+        spare_slots_s=60,
+    )  # fmt: skip
+    gw = await gateway_factory(policy)
+    assert await asyncio.gather(*(post(http, gw.url) for _ in range(4))) == [200] * 4
+    assert leases(fresh_redis) == 4  # all four kept as spares
+    pool = gw.gateway.slots["main"]
+    fresh_redis.stop()
+    await eventually(lambda: pool.degraded)  # the next renewal finds Redis down
+    assert pool.replicas[0].cap == 2 and not pool.replicas[0].spares
+    replica.stats.max_running = 0
+    assert await asyncio.gather(*(post(http, gw.url) for _ in range(8))) == [200] * 8
+    assert replica.stats.max_running == 2
