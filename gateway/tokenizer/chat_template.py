@@ -636,12 +636,12 @@ class ChatTemplate:
             text = self._text(True if tools else None)
             self._by_tools[tools] = None if text is None else _source(text)
         default = self._by_tools[False]
+        specials = dict(tokenizer.special_tokens_map)  # what transformers adds per call
         self._compiled = {
-            source.text: _compile_jinja_template(source.text)
+            source.text: _Compiled(_compile_jinja_template(source.text), specials)
             for source in self._by_tools.values()
             if source is not None
         }
-        self._specials = dict(tokenizer.special_tokens_map)  # what transformers adds per call
         self.takes_parts = default is not None and default.takes_parts
         self.image_placeholder = self._placeholder() if self.takes_parts else ""
 
@@ -728,17 +728,51 @@ class ChatTemplate:
                     return_dict=False,
                 )
             else:  # what apply_chat_template renders, without its per-call set-up
-                rendered = self._compiled[source.text].render(
-                    messages=conversation,
-                    tools=tools,
-                    documents=None,
-                    **{"add_generation_prompt": False, **self._specials, **passed},
-                )
+                rendered = self._compiled[source.text].render(conversation, tools, passed)
         except Exception as exc:  # templates raise whatever jinja or their own checks raise
             raise BadRequest(_reason(exc), param="messages") from None
         return str(rendered)
 
 
+class _Compiled:
+    """A compiled template rendered as `apply_chat_template` renders it (`messages`, `tools`,
+    `documents`, `add_generation_prompt` and the special tokens, then the request's keywords),
+    with what is the same for every request worked out at load. jinja's `Template.render` copies
+    the environment's globals (a `ChainMap`, walked in Python) into a new dict on every call: a
+    quarter of a short chat's rendering. Here they are flattened once, and each render builds
+    its context as `Template.render` does (`new_context`, then the root function), from them."""
+
+    def __init__(self, template: Any, specials: dict[str, Any]) -> None:
+        from jinja2.runtime import new_context
+
+        assert not template.environment.is_async  # transformers' environment never is
+        self._template = template
+        self._new_context = new_context
+        self._globals = dict(template.globals)
+        self._fixed = {**self._globals, "documents": None, "add_generation_prompt": False}
+        self._fixed.update(specials)
+
+    def render(self, messages: list[Any], tools: Any, passed: dict[str, Any]) -> str:
+        """`Template.render(messages=..., tools=..., documents=None, add_generation_prompt=False,
+        **specials, **passed)`; a keyword of `passed` it sets itself is refused as that call
+        refuses it (a `TypeError`)."""
+        if passed.keys() & _SET_BY_RENDER:
+            duplicate = sorted(passed.keys() & _SET_BY_RENDER)[0]
+            raise TypeError(f"render() got multiple values for keyword argument {duplicate!r}")
+        template = self._template
+        variables = {**self._fixed, "messages": messages, "tools": tools, **passed}
+        context = self._new_context(
+            template.environment, template.name, template.blocks, variables, shared=True,
+            globals=self._globals,
+        )  # fmt: skip
+        try:
+            return str(template.environment.concat(template.root_render_func(context)))
+        except Exception:
+            template.environment.handle_exception()  # raises it, as `Template.render` does
+            raise
+
+
+_SET_BY_RENDER = frozenset({"messages", "tools", "documents"})
 _EFFORTS = ("low", "medium", "high", "xhigh", "max")  # vLLM's `AnthropicEffort`
 _INLINE_SYSTEM_PROBE = [
     {"role": role, "content": "t"} for role in ("system", "user", "system", "user")

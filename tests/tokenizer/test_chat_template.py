@@ -4,6 +4,8 @@ chat input is refused before any tokenizer time (gateway/tokenizer/chat_template
 from __future__ import annotations
 
 import time
+from collections import ChainMap
+from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
@@ -181,6 +183,37 @@ def test_a_template_error_is_a_400_on_messages() -> None:
     with pytest.raises(BadRequest) as info:
         template("gemma3").render(body)
     assert info.value.param == "messages" and "user/assistant/user/assistant" in info.value.message
+
+
+def test_template_variables_override_special_tokens_but_never_the_messages() -> None:
+    """The request's variables reach the template after the special tokens, as transformers
+    passes them; one naming `messages` is refused as transformers' own call refuses it (two
+    values for one keyword), never rendered in place of the conversation it counts."""
+    messages = [{"role": "user", "content": "hi"}]
+    body = chat(*messages, chat_template_kwargs={"bos_token": "<own>"})
+    assert template("gemma3").render(body) == hf_render("gemma3", messages, bos_token="<own>")
+    assert template("gemma3").render(body).startswith("<own>")
+    body = chat(*messages, chat_template_kwargs={"messages": []})
+    with pytest.raises(BadRequest) as info:
+        template("gemma3").render(body)
+    assert info.value.param == "messages" and "'messages'" in info.value.message
+
+
+def test_a_render_copies_none_of_the_environments_globals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The template's globals (jinja's and transformers' `raise_exception`, a `ChainMap`) are
+    flattened when the template is loaded: jinja's `Template.render` walks them in Python on every
+    call, a quarter of a short chat's rendering (docs/benchmarks.md, issue 39)."""
+    messages = [{"role": "user", "content": "hi"}]
+    loaded = template("qwen3")
+    expected = hf_render("qwen3", messages)
+
+    def walked(self: ChainMap[Any, Any]) -> Iterator[Any]:
+        raise AssertionError("the environment's globals were walked for a request")
+
+    monkeypatch.setattr(ChainMap, "__iter__", walked)
+    assert loaded.render(chat(*messages)) == expected
+    with pytest.raises(BadRequest, match="user/assistant/user/assistant"):  # still raised
+        template("gemma3").render(chat({"role": "assistant", "content": "no user turn first"}))
 
 
 @pytest.mark.parametrize(
