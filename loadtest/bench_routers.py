@@ -59,7 +59,8 @@ events {{ worker_connections 1024; }}
 http {{
     access_log off;
     client_body_buffer_size 1m;
-    upstream stub {{ server {upstream}; keepalive 16; }}
+    keepalive_requests 1000000;
+    upstream stub {{ server {upstream}; keepalive 16; keepalive_requests 1000000; }}
     server {{
         listen {host}:{port};
         location / {{
@@ -78,7 +79,8 @@ def find_nginx() -> str | None:
 
 
 def start_nginx(procs: Fleet, nginx: str, stub: Service) -> Service:
-    """One nginx worker proxying to the stub over kept-alive connections, no access log."""
+    """One nginx worker proxying to the stub over kept-alive connections, no access log; a
+    connection is never closed after its 1,000th request (nginx's default) in a paired run."""
     port = free_port()
     conf = procs.workdir / "nginx.conf"
     upstream = stub.url.removeprefix("http://")
