@@ -413,6 +413,16 @@ def _set(values: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# The fields of a request `template_kwargs` reads: a chat without any of them is rendered with
+# the keywords of an empty one.
+KEYWORD_FIELDS = frozenset(
+    {
+        "add_generation_prompt", "chat_template_kwargs", "continue_final_message", "documents",
+        "reasoning_effort", "tools",
+    }
+)  # fmt: skip
+
+
 def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     """Every keyword vLLM hands `apply_chat_template` before its filter, `tools` included."""
     user = body.get("chat_template_kwargs") or {}
@@ -642,6 +652,7 @@ class ChatTemplate:
             for source in self._by_tools.values()
             if source is not None
         }
+        self._plain = self._keywords({})  # what a chat setting none of `KEYWORD_FIELDS` gets
         self.takes_parts = default is not None and default.takes_parts
         self.image_placeholder = self._placeholder() if self.takes_parts else ""
 
@@ -703,20 +714,30 @@ class ChatTemplate:
         with_image, without = between
         return with_image.replace(without, "", 1) if without else with_image
 
-    def render(self, body: dict[str, Any]) -> str:
-        """The prompt vLLM renders for `body` (checked by parse); a template's refusal, or
-        vLLM's of the messages, is a `BadRequest` on `messages`."""
+    def _keywords(self, body: dict[str, Any]) -> tuple[_Source | None, Any, dict[str, Any]]:
+        """The template `body` is rendered with (None: the tokenizer has none), its tools, and
+        the keywords vLLM lets through to it. The same for every body that sets none of
+        `KEYWORD_FIELDS`: then `_plain`'s, worked out at load and never changed."""
         kwargs = template_kwargs(body)
         tools = kwargs.pop("tools")
         source = self._by_tools[tools is not None]
+        if source is None:
+            return None, tools, {}
+        passed = {k: v for k, v in kwargs.items() if k in source.accepted}
+        if not passed.get("continue_final_message"):
+            passed.pop("continue_final_message", None)  # false is apply_chat_template's default
+        return source, tools, passed
+
+    def render(self, body: dict[str, Any]) -> str:
+        """The prompt vLLM renders for `body` (checked by parse); a template's refusal, or
+        vLLM's of the messages, is a `BadRequest` on `messages`."""
+        plain = KEYWORD_FIELDS.isdisjoint(body)
+        source, tools, passed = self._plain if plain else self._keywords(body)
         if source is None:
             raise BadRequest(_NO_TEMPLATE, param="messages")
         conversation = [_message(m, source.takes_parts) for m in body["messages"]]
         if not source.knows_developer and any(m["role"] == "developer" for m in conversation):
             conversation = _as_system(conversation)
-        passed = {k: v for k, v in kwargs.items() if k in source.accepted}
-        if not passed.get("continue_final_message"):
-            passed.pop("continue_final_message", None)  # false is apply_chat_template's default
         try:
             if passed.keys() & _APPLY_ONLY or passed.get("documents") is not None:
                 rendered = self.tokenizer.apply_chat_template(

@@ -18,6 +18,7 @@ from gateway.config.schema import ServerSpec
 from gateway.context.ctx import Ctx
 from gateway.errors import BadRequest
 from gateway.request.parse import parse
+from gateway.tokenizer import chat_template
 from gateway.tokenizer.chat_template import ChatTemplate
 from gateway.tokenizer.counters import HFCounter
 from loadtest.real_tokenizers import directory
@@ -214,6 +215,46 @@ def test_a_render_copies_none_of_the_environments_globals(monkeypatch: pytest.Mo
     assert loaded.render(chat(*messages)) == expected
     with pytest.raises(BadRequest, match="user/assistant/user/assistant"):  # still raised
         template("gemma3").render(chat({"role": "assistant", "content": "no user turn first"}))
+
+
+def test_a_chat_setting_no_template_keyword_gets_the_keywords_worked_out_at_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A chat without any of `KEYWORD_FIELDS` is rendered with the keywords of an empty body,
+    found when the template loaded; one with any of them works its own out."""
+    messages = [{"role": "user", "content": "hi"}]
+    loaded = template("qwen3")
+    thinking_off = hf_render("qwen3", messages, enable_thinking=False)
+
+    def per_request(body: dict[str, Any]) -> dict[str, Any]:
+        raise AssertionError("a plain chat's template keywords were worked out per request")
+
+    monkeypatch.setattr(chat_template, "template_kwargs", per_request)
+    assert loaded.render(chat(*messages, max_tokens=5)) == hf_render("qwen3", messages)
+    monkeypatch.undo()
+    assert loaded.render(chat(*messages, reasoning_effort="none")) == thinking_off
+
+
+def test_keyword_fields_are_every_field_template_kwargs_reads() -> None:
+    """Else a field added to `template_kwargs` would be ignored for a chat taking the plain path."""
+
+    class Reading(dict[str, Any]):
+        read: set[str] = set()
+
+        def get(self, key: str, default: Any = None) -> Any:
+            self.read.add(key)
+            return super().get(key, default)
+
+        def __getitem__(self, key: str) -> Any:
+            self.read.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key: object) -> bool:
+            self.read.add(str(key))
+            return super().__contains__(key)
+
+    chat_template.template_kwargs(Reading())
+    assert Reading.read == chat_template.KEYWORD_FIELDS
 
 
 @pytest.mark.parametrize(
