@@ -759,9 +759,10 @@ class _Compiled:
     """A compiled template rendered as `apply_chat_template` renders it (`messages`, `tools`,
     `documents`, `add_generation_prompt` and the special tokens, then the request's keywords),
     with what is the same for every request worked out at load. jinja's `Template.render` copies
-    the environment's globals (a `ChainMap`, walked in Python) into a new dict on every call: a
-    quarter of a short chat's rendering. Here they are flattened once, and each render builds
-    its context as `Template.render` does (`new_context`, then the root function), from them."""
+    the environment's globals (a `ChainMap`, walked in Python) into a new dict on every call,
+    as much as a short chat's template itself costs. Here they are flattened once, and each
+    render builds its context as `Template.render` does (`new_context`, then the root function),
+    from them."""
 
     def __init__(self, template: Any, specials: dict[str, Any]) -> None:
         from jinja2.runtime import new_context

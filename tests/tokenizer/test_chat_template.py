@@ -203,7 +203,7 @@ def test_template_variables_override_special_tokens_but_never_the_messages() -> 
 def test_a_render_copies_none_of_the_environments_globals(monkeypatch: pytest.MonkeyPatch) -> None:
     """The template's globals (jinja's and transformers' `raise_exception`, a `ChainMap`) are
     flattened when the template is loaded: jinja's `Template.render` walks them in Python on every
-    call, a quarter of a short chat's rendering (docs/benchmarks.md, issue 39)."""
+    call (docs/benchmarks.md, issue 39)."""
     messages = [{"role": "user", "content": "hi"}]
     loaded = template("qwen3")
     expected = hf_render("qwen3", messages)
