@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The real-vLLM suite's tiny model; vLLM's own environment is cached outside the repository.
 TINY_LLAMA := loadtest/out/tiny-llama
 
-.PHONY: test test-vllm image lint demo schema deploy-base metrics-reference bench-overhead bench-endpoints bench-startup bench-vllm soak fuzz clean
+.PHONY: test test-vllm image lint demo schema deploy-base metrics-reference bench-overhead bench-endpoints bench-routers bench-startup bench-vllm soak fuzz clean
 
 $(STAMP): pyproject.toml
 	python=$$(PYTHON='$(PYTHON)' tests/setup/python.sh) && tests/setup/venv.sh "$$python" $(VENV)
@@ -68,6 +68,11 @@ bench-overhead: $(STAMP)
 
 bench-endpoints: $(STAMP)
 	$(BIN)/python -m loadtest.bench_endpoints
+
+# The latency the gateway, the pass-through, nginx and vllm-router each add at one connection,
+# side by side (a router not installed is skipped: `python -m loadtest.bench_routers --help`).
+bench-routers: $(STAMP)
+	$(BIN)/python -m loadtest.bench_routers $(BENCH_ROUTERS_ARGS)
 
 # Ready-time and RSS of `serve` on the real Gemma 3 and Llama 3 tokenizers (one model, two, three
 # naming one directory) and `explain`'s time; two checkouts side by side, by ratio, with

@@ -413,6 +413,16 @@ def _set(values: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# The fields of a request `template_kwargs` reads: a chat without any of them is rendered with
+# the keywords of an empty one.
+KEYWORD_FIELDS = frozenset(
+    {
+        "add_generation_prompt", "chat_template_kwargs", "continue_final_message", "documents",
+        "reasoning_effort", "tools",
+    }
+)  # fmt: skip
+
+
 def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     """Every keyword vLLM hands `apply_chat_template` before its filter, `tools` included."""
     user = body.get("chat_template_kwargs") or {}
@@ -636,12 +646,13 @@ class ChatTemplate:
             text = self._text(True if tools else None)
             self._by_tools[tools] = None if text is None else _source(text)
         default = self._by_tools[False]
+        specials = dict(tokenizer.special_tokens_map)  # what transformers adds per call
         self._compiled = {
-            source.text: _compile_jinja_template(source.text)
+            source.text: _Compiled(_compile_jinja_template(source.text), specials)
             for source in self._by_tools.values()
             if source is not None
         }
-        self._specials = dict(tokenizer.special_tokens_map)  # what transformers adds per call
+        self._plain = self._keywords({})  # what a chat setting none of `KEYWORD_FIELDS` gets
         self.takes_parts = default is not None and default.takes_parts
         self.image_placeholder = self._placeholder() if self.takes_parts else ""
 
@@ -703,20 +714,30 @@ class ChatTemplate:
         with_image, without = between
         return with_image.replace(without, "", 1) if without else with_image
 
-    def render(self, body: dict[str, Any]) -> str:
-        """The prompt vLLM renders for `body` (checked by parse); a template's refusal, or
-        vLLM's of the messages, is a `BadRequest` on `messages`."""
+    def _keywords(self, body: dict[str, Any]) -> tuple[_Source | None, Any, dict[str, Any]]:
+        """The template `body` is rendered with (None: the tokenizer has none), its tools, and
+        the keywords vLLM lets through to it. The same for every body that sets none of
+        `KEYWORD_FIELDS`: then `_plain`'s, worked out at load and never changed."""
         kwargs = template_kwargs(body)
         tools = kwargs.pop("tools")
         source = self._by_tools[tools is not None]
+        if source is None:
+            return None, tools, {}
+        passed = {k: v for k, v in kwargs.items() if k in source.accepted}
+        if not passed.get("continue_final_message"):
+            passed.pop("continue_final_message", None)  # false is apply_chat_template's default
+        return source, tools, passed
+
+    def render(self, body: dict[str, Any]) -> str:
+        """The prompt vLLM renders for `body` (checked by parse); a template's refusal, or
+        vLLM's of the messages, is a `BadRequest` on `messages`."""
+        plain = KEYWORD_FIELDS.isdisjoint(body)
+        source, tools, passed = self._plain if plain else self._keywords(body)
         if source is None:
             raise BadRequest(_NO_TEMPLATE, param="messages")
         conversation = [_message(m, source.takes_parts) for m in body["messages"]]
         if not source.knows_developer and any(m["role"] == "developer" for m in conversation):
             conversation = _as_system(conversation)
-        passed = {k: v for k, v in kwargs.items() if k in source.accepted}
-        if not passed.get("continue_final_message"):
-            passed.pop("continue_final_message", None)  # false is apply_chat_template's default
         try:
             if passed.keys() & _APPLY_ONLY or passed.get("documents") is not None:
                 rendered = self.tokenizer.apply_chat_template(
@@ -728,17 +749,52 @@ class ChatTemplate:
                     return_dict=False,
                 )
             else:  # what apply_chat_template renders, without its per-call set-up
-                rendered = self._compiled[source.text].render(
-                    messages=conversation,
-                    tools=tools,
-                    documents=None,
-                    **{"add_generation_prompt": False, **self._specials, **passed},
-                )
+                rendered = self._compiled[source.text].render(conversation, tools, passed)
         except Exception as exc:  # templates raise whatever jinja or their own checks raise
             raise BadRequest(_reason(exc), param="messages") from None
         return str(rendered)
 
 
+class _Compiled:
+    """A compiled template rendered as `apply_chat_template` renders it (`messages`, `tools`,
+    `documents`, `add_generation_prompt` and the special tokens, then the request's keywords),
+    with what is the same for every request worked out at load. jinja's `Template.render` copies
+    the environment's globals (a `ChainMap`, walked in Python) into a new dict on every call,
+    as much as a short chat's template itself costs. Here they are flattened once, and each
+    render builds its context as `Template.render` does (`new_context`, then the root function),
+    from them."""
+
+    def __init__(self, template: Any, specials: dict[str, Any]) -> None:
+        from jinja2.runtime import new_context
+
+        assert not template.environment.is_async  # transformers' environment never is
+        self._template = template
+        self._new_context = new_context
+        self._globals = dict(template.globals)
+        self._fixed = {**self._globals, "documents": None, "add_generation_prompt": False}
+        self._fixed.update(specials)
+
+    def render(self, messages: list[Any], tools: Any, passed: dict[str, Any]) -> str:
+        """`Template.render(messages=..., tools=..., documents=None, add_generation_prompt=False,
+        **specials, **passed)`; a keyword of `passed` it sets itself is refused as that call
+        refuses it (a `TypeError`)."""
+        if passed.keys() & _SET_BY_RENDER:
+            duplicate = sorted(passed.keys() & _SET_BY_RENDER)[0]
+            raise TypeError(f"render() got multiple values for keyword argument {duplicate!r}")
+        template = self._template
+        variables = {**self._fixed, "messages": messages, "tools": tools, **passed}
+        context = self._new_context(
+            template.environment, template.name, template.blocks, variables, shared=True,
+            globals=self._globals,
+        )  # fmt: skip
+        try:
+            return str(template.environment.concat(template.root_render_func(context)))
+        except Exception:
+            template.environment.handle_exception()  # raises it, as `Template.render` does
+            raise
+
+
+_SET_BY_RENDER = frozenset({"messages", "tools", "documents"})
 _EFFORTS = ("low", "medium", "high", "xhigh", "max")  # vLLM's `AnthropicEffort`
 _INLINE_SYSTEM_PROBE = [
     {"role": role, "content": "t"} for role in ("system", "user", "system", "user")

@@ -4,6 +4,8 @@ chat input is refused before any tokenizer time (gateway/tokenizer/chat_template
 from __future__ import annotations
 
 import time
+from collections import ChainMap
+from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
@@ -16,6 +18,7 @@ from gateway.config.schema import ServerSpec
 from gateway.context.ctx import Ctx
 from gateway.errors import BadRequest
 from gateway.request.parse import parse
+from gateway.tokenizer import chat_template
 from gateway.tokenizer.chat_template import ChatTemplate
 from gateway.tokenizer.counters import HFCounter
 from loadtest.real_tokenizers import directory
@@ -181,6 +184,77 @@ def test_a_template_error_is_a_400_on_messages() -> None:
     with pytest.raises(BadRequest) as info:
         template("gemma3").render(body)
     assert info.value.param == "messages" and "user/assistant/user/assistant" in info.value.message
+
+
+def test_template_variables_override_special_tokens_but_never_the_messages() -> None:
+    """The request's variables reach the template after the special tokens, as transformers
+    passes them; one naming `messages` is refused as transformers' own call refuses it (two
+    values for one keyword), never rendered in place of the conversation it counts."""
+    messages = [{"role": "user", "content": "hi"}]
+    body = chat(*messages, chat_template_kwargs={"bos_token": "<own>"})
+    assert template("gemma3").render(body) == hf_render("gemma3", messages, bos_token="<own>")
+    assert template("gemma3").render(body).startswith("<own>")
+    body = chat(*messages, chat_template_kwargs={"messages": []})
+    with pytest.raises(BadRequest) as info:
+        template("gemma3").render(body)
+    assert info.value.param == "messages" and "'messages'" in info.value.message
+
+
+def test_a_render_copies_none_of_the_environments_globals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The template's globals (jinja's and transformers' `raise_exception`, a `ChainMap`) are
+    flattened when the template is loaded: jinja's `Template.render` walks them in Python on every
+    call (docs/benchmarks.md, issue 39)."""
+    messages = [{"role": "user", "content": "hi"}]
+    loaded = template("qwen3")
+    expected = hf_render("qwen3", messages)
+
+    def walked(self: ChainMap[Any, Any]) -> Iterator[Any]:
+        raise AssertionError("the environment's globals were walked for a request")
+
+    monkeypatch.setattr(ChainMap, "__iter__", walked)
+    assert loaded.render(chat(*messages)) == expected
+    with pytest.raises(BadRequest, match="user/assistant/user/assistant"):  # still raised
+        template("gemma3").render(chat({"role": "assistant", "content": "no user turn first"}))
+
+
+def test_a_chat_setting_no_template_keyword_gets_the_keywords_worked_out_at_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A chat without any of `KEYWORD_FIELDS` is rendered with the keywords of an empty body,
+    found when the template loaded; one with any of them works its own out."""
+    messages = [{"role": "user", "content": "hi"}]
+    loaded = template("qwen3")
+    thinking_off = hf_render("qwen3", messages, enable_thinking=False)
+
+    def per_request(body: dict[str, Any]) -> dict[str, Any]:
+        raise AssertionError("a plain chat's template keywords were worked out per request")
+
+    monkeypatch.setattr(chat_template, "template_kwargs", per_request)
+    assert loaded.render(chat(*messages, max_tokens=5)) == hf_render("qwen3", messages)
+    monkeypatch.undo()
+    assert loaded.render(chat(*messages, reasoning_effort="none")) == thinking_off
+
+
+def test_keyword_fields_are_every_field_template_kwargs_reads() -> None:
+    """Else a field added to `template_kwargs` would be ignored for a chat taking the plain path."""
+
+    class Reading(dict[str, Any]):
+        read: set[str] = set()
+
+        def get(self, key: str, default: Any = None) -> Any:
+            self.read.add(key)
+            return super().get(key, default)
+
+        def __getitem__(self, key: str) -> Any:
+            self.read.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key: object) -> bool:
+            self.read.add(str(key))
+            return super().__contains__(key)
+
+    chat_template.template_kwargs(Reading())
+    assert Reading.read == chat_template.KEYWORD_FIELDS
 
 
 @pytest.mark.parametrize(
