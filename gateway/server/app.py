@@ -14,8 +14,6 @@ from typing import IO, Any
 
 import orjson
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.openmetrics import exposition as openmetrics
 
 from gateway.admit import Replica
 from gateway.api import BY_PATH, MESSAGES, Api, anthropic
@@ -40,6 +38,7 @@ from gateway.request.authenticate import identify
 from gateway.request.parse import by_size
 from gateway.runtime import Gateway
 from gateway.server import logs, vllm_endpoints
+from gateway.server.exposition import exposition
 from gateway.server.limits import RequestLimits, handler_args
 from gateway.server.model_cards import model_cards
 from gateway.server.stored_responses import relay
@@ -307,19 +306,11 @@ async def admin_reload(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request, *, public: bool) -> web.Response:
-    """Prometheus's text format, or OpenMetrics when the scraper asks for it (Prometheus does
-    with exemplar storage on): only OpenMetrics shows the latency histograms' exemplars, the
-    trace of a request that fell in each bucket. On the public port, a 404 as soon as the
-    running policy has tenants (`Gateway.metrics_public`)."""
+    """The gateway's metrics (`exposition`); on the public port, a 404 as soon as the running
+    policy has tenants (`Gateway.metrics_public`)."""
     if public and not request.app[GATEWAY].metrics_public:
         return await not_found(request)
-    registry = request.app[GATEWAY].accountant.metrics.registry
-    if "application/openmetrics-text" in request.headers.get("Accept", ""):
-        body = openmetrics.generate_latest(registry)  # type: ignore[no-untyped-call]
-        content_type = openmetrics.CONTENT_TYPE_LATEST
-    else:
-        body, content_type = generate_latest(registry), CONTENT_TYPE_LATEST
-    return web.Response(body=body, headers={"Content-Type": content_type})
+    return exposition(request, request.app[GATEWAY].accountant.metrics.registry)
 
 
 def create_app(

@@ -34,12 +34,12 @@ from pathlib import Path
 import aiohttp
 import orjson
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.openmetrics import exposition as openmetrics
 
 from gateway.config.load import PolicyError, load_spec
 from gateway.exporter.workers import Families, merged, parent_families
 from gateway.policy.compile import reference_problems
+from gateway.server.exposition import exposition
 
 log = logging.getLogger("gateway.workers")
 RESTART_AFTER_S = 1.0  # between a worker's death and its new start: a crash loop stays slow
@@ -185,12 +185,7 @@ class Supervisor:
         scrapes = {str(i): a[1] for i, a in enumerate(answers) if a is not None and a[0] == 200}
         running = sum(p.returncode is None for p in self._procs.values())
         families = Families([*merged(scrapes), *parent_families(running, self.restarts)])
-        if "application/openmetrics-text" in request.headers.get("Accept", ""):
-            body = openmetrics.generate_latest(families)  # type: ignore[no-untyped-call]
-            content_type = openmetrics.CONTENT_TYPE_LATEST
-        else:
-            body, content_type = generate_latest(families), CONTENT_TYPE_LATEST
-        return web.Response(body=body, headers={"Content-Type": content_type})
+        return exposition(request, families)
 
     async def _readyz(self, request: web.Request) -> web.Response:
         """Every worker's `/readyz` 200: the first's body; else the first that is not, or 503
