@@ -11,7 +11,10 @@ one script may charge them together) the script keeps:
 
 - `K:z`, a ZSET of charge ids scored by the time they were made;
 - `K:a`, a hash of their amounts;
-- `K:u`, the running total, so a call costs the charges that expired, not the whole log.
+- `K:u`, the running total, so a call costs the charges that expired, not the whole log. It is
+  written with `KEEPTTL` (Redis 6.0 or later): a plain `SET` drops a key's expiry, and a total
+  rewritten by a call that then charged nothing (a refusal) would outlive the log it sums,
+  counting charges long gone against the tenant for good.
 
 The clock is Redis' own `TIME`, read inside the script: one clock for all gateways, whose own
 clocks may disagree. Tests may inject a clock (as with `MemoryState`) to move time instead of
@@ -91,7 +94,7 @@ local function expire(k, horizon)
       redis.call('HDEL', a, unpack(chunk))
     end
     redis.call('ZREMRANGEBYSCORE', z, '-inf', fmt(horizon))
-    redis.call('SET', u, used)
+    redis.call('SET', u, used, 'KEEPTTL')
   end
   return used
 end
@@ -111,7 +114,7 @@ end
 local function charge(k, id, at, amount, used, now, span)
   redis.call('ZADD', k .. ':z', fmt(at), id)
   redis.call('HSET', k .. ':a', id, amount)
-  redis.call('SET', k .. ':u', used + amount)
+  redis.call('SET', k .. ':u', used + amount, 'KEEPTTL')
   touch(k, now, span)
 end
 -- When the refused windows (indexes into BASE) would all fit: nil when one asks more than its
@@ -197,7 +200,7 @@ for i, k in ipairs(BASE) do
   local held = redis.call('HGET', k .. ':a', id)
   if held then
     redis.call('HSET', k .. ':a', id, actual)
-    redis.call('SET', k .. ':u', used + actual - tonumber(held))
+    redis.call('SET', k .. ':u', used + actual - tonumber(held), 'KEEPTTL')
     touch(k, now, span)
   elseif actual > reserved then
     -- a slice's charge may be corrected again after it left: its excesses add up, stamped now
@@ -230,7 +233,7 @@ for i, k in ipairs(BASE) do
   if held then
     used[i] = used[i] + tonumber(ARGV[j + 4]) - tonumber(held)
     redis.call('HSET', k .. ':a', old, ARGV[j + 4])
-    redis.call('SET', k .. ':u', used[i])
+    redis.call('SET', k .. ':u', used[i], 'KEEPTTL')
   end
   if used[i] + needs[i] > limits[i] then refused[#refused + 1] = i end
 end

@@ -104,6 +104,28 @@ async def test_ids_are_unique_across_gateways(fresh_redis: RedisServer) -> None:
         await two.close()
 
 
+async def test_a_refusal_that_rewrote_the_total_leaves_it_expiring_with_its_log(
+    fresh_redis: RedisServer,
+) -> None:
+    """A call that drops expired charges rewrites the running total; a plain SET took its
+    expiry away, and a refusal then charged nothing to set it again: the total outlived the
+    charges it summed and counted them against the tenant for good."""
+    clock = Clock()
+    shared = RedisState(fresh_redis.url, clock=clock)
+    key = TenantWindow("acme", "tokens")
+    try:
+        assert isinstance(await shared.reserve([Limit(key, 10, 1000)]), Reservation)
+        clock.now += 30
+        assert isinstance(await shared.reserve([Limit(key, 20, 1000)]), Reservation)
+        clock.now += 35  # the first charge has left the window, the second not
+        assert isinstance(await shared.reserve([Limit(key, 2000, 1000)]), WindowFull)
+        total = redis.Redis(port=fresh_redis.port)
+        assert total.get("quota:{acme}:tokens:u") == b"20"
+        assert total.pttl("quota:{acme}:tokens:u") > 0
+    finally:
+        await shared.close()
+
+
 async def test_excesses_of_a_charge_gone_add_up_and_leave_the_window(
     fresh_redis: RedisServer,
 ) -> None:

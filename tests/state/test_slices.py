@@ -95,6 +95,20 @@ async def test_near_the_limit_a_slice_is_the_requests_own_charge(fresh_redis: Re
     assert used(fresh_redis, TOKENS) == 100
 
 
+async def test_a_refused_grant_leaves_the_total_expiring(fresh_redis: RedisServer) -> None:
+    """A grant cuts the slice it replaces back and rewrites the total before it finds the new
+    one does not fit: a total without its expiry would outlive the log it sums and hold the
+    tenant at its limit for good."""
+    state = sliced(fresh_redis, fraction=0.5)
+    try:
+        assert isinstance(await state.reserve([Limit(TOKENS, 40, 100)]), Reservation)
+        assert isinstance(await state.reserve([Limit(TOKENS, 70, 100)]), WindowFull)
+        assert used(fresh_redis, TOKENS) == 40  # cut back to what it handed out
+        assert redis.Redis(port=fresh_redis.port).pttl("quota:{acme}:tokens:u") > 0
+    finally:
+        await state.close()
+
+
 async def test_a_slice_counts_until_a_window_after_its_last_possible_use(
     fresh_redis: RedisServer,
 ) -> None:
