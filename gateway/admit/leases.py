@@ -150,12 +150,12 @@ class Leases:
         for replica in list(self._sparing) if replicas is None else replicas:
             spares = replica.spares
             gone = [lease for lease, since in spares.items() if since < idle_since]
-            if not gone:
-                continue
             for lease in gone:
                 del spares[lease]
-            if not spares:
+            if not spares:  # taken by requests (`Replica.reuse`) or given back now
                 self._sparing.discard(replica)
+            if not gone:
+                continue
             self._spawn(
                 self._unlease(replica, [(replica.lease_ids.pop(lease), lease) for lease in gone])
             )
