@@ -110,6 +110,11 @@ class _Slice:
         return Window(self.limit, max(0, self.remaining + self.free()), self.reset_at - now)
 
 
+def _granted(held: _Slice) -> float:
+    """When a slice was granted, as its stop time tells: every slice hands out as long."""
+    return held.until
+
+
 def lost(corrections: Sequence[Correction], exc: BaseException) -> None:
     """The warning for corrections a store did not take, a flush's or `FailoverState`'s own
     (neither is retried: an excess sent twice would be charged twice)."""
@@ -336,11 +341,11 @@ class SlicedState:
         return f"{self.shared.slice_id()}x"
 
     def _slice_of(self, fix: Correction) -> _Slice | None:
-        for slice_id in fix.charge_id.split(_SEP):
-            held = self._known.get((slice_id, fix.key))
-            if held is not None:
-                return held
-        return None
+        """The slice of `fix.key` its request took: of the slices its reservation names, the
+        newest holding that window. An older one may hold it too (a grant of several windows
+        whose slice of this one ran short before the others), and served the request another."""
+        named = (self._known.get((slice_id, fix.key)) for slice_id in fix.charge_id.split(_SEP))
+        return max((held for held in named if held is not None), key=_granted, default=None)
 
     async def flush(self) -> None:
         """Stop the slices past their age, forget those whose charge left every window, and

@@ -95,6 +95,31 @@ async def test_near_the_limit_a_slice_is_the_requests_own_charge(fresh_redis: Re
     assert used(fresh_redis, TOKENS) == 100
 
 
+async def test_a_correction_lands_on_the_slice_its_request_took_for_that_window(
+    fresh_redis: RedisServer,
+) -> None:
+    """One grant leased slices of two windows; the smaller ran short and was leased again alone.
+    A request charged from the first grant's slice of one and the second's of the other: its
+    refund on the second window goes to the second slice, not the older one its id also names."""
+    model = TenantWindow("acme", "model:m:tokens")
+    state = sliced(fresh_redis, fraction=0.5)
+    try:
+        first = await state.reserve([Limit(TOKENS, 10, 1000), Limit(model, 10, 100)])
+        assert isinstance(first, Reservation)
+        assert isinstance(
+            await state.reserve([Limit(TOKENS, 10, 1000), Limit(model, 45, 100)]), Reservation
+        )
+        mixed = await state.reserve([Limit(TOKENS, 10, 1000), Limit(model, 20, 100)])
+        assert isinstance(mixed, Reservation)
+        old, new = mixed.id.split(" ")
+        assert old == first.id
+        await state.adjust([Correction(model, mixed.id, 20, 0)])
+        assert state._known[new, model].handed == 0
+        assert state._known[old, model].handed == 55  # what its own two requests still hold
+    finally:
+        await state.close()
+
+
 async def test_a_refused_grant_leaves_the_total_expiring(fresh_redis: RedisServer) -> None:
     """A grant cuts the slice it replaces back and rewrites the total before it finds the new
     one does not fit: a total without its expiry would outlive the log it sums and hold the
