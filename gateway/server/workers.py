@@ -43,6 +43,7 @@ from gateway.server.exposition import exposition
 
 log = logging.getLogger("gateway.workers")
 RESTART_AFTER_S = 1.0  # between a worker's death and its new start: a crash loop stays slow
+RESTART_MAX_S = 30.0  # the longest, for a restart that keeps dying before it serves
 SCRAPE_TIMEOUT_S = 5.0  # a worker's `/metrics` or `/readyz`; one that hangs is left out
 KILL_AFTER_S = 10.0  # past the workers' own drain, before the parent kills what is left
 ORPHAN_CHECK_S = 1.0  # how often a worker looks whether its parent is still there
@@ -140,28 +141,40 @@ class Supervisor:
         return proc
 
     async def _keep(self, index: int) -> None:
-        """Worker `index` for as long as the pod runs: started again whenever it dies, unless it
-        died before it ever served (a policy it cannot load: every start would fail alike)."""
-        restarted = False
+        """Worker `index` for as long as the pod runs: started again whenever it dies. The pod
+        stops only when a worker's first start dies before serving (a policy it cannot load:
+        every start would fail alike); a restart that dies before serving (killed as it loads,
+        a file briefly unreadable) is tried again, each time later, while the others serve."""
+        restarted, wait_s = False, RESTART_AFTER_S
         while True:
             proc = await self._start(index, restarted)
-            restarted = True
             code = await proc.wait()
             if self._stop.is_set():
                 return
-            if not self._socket(index).exists():
+            served = self._socket(index).exists()
+            if not served and not restarted:
                 log.error("worker %d exited with %d before serving: stopping the pod", index, code)
                 self.exit_code = code or 1
                 self._stop.set()
                 return
             self.restarts += 1
-            log.error("worker %d (pid %d) died with %d: starting it again", index, proc.pid, code)
-            await asyncio.sleep(RESTART_AFTER_S)
+            restarted = True
+            wait_s = RESTART_AFTER_S if served else min(2 * wait_s, RESTART_MAX_S)
+            log.error(
+                "worker %d (pid %d) died with %d%s: starting it again in %g s",
+                index, proc.pid, code, "" if served else " before serving", wait_s,
+            )  # fmt: skip
+            await asyncio.sleep(wait_s)
             if self._stop.is_set():
                 return
 
     def _signal_all(self, sig: signal.Signals) -> None:
-        for proc in self._procs.values():
+        """`sig` to every running worker; a reload's SIGHUP only to those serving: one still
+        starting reads the policy file as it loads anyway, and SIGHUP before its handler is
+        installed would kill it."""
+        for index, proc in self._procs.items():
+            if sig == signal.SIGHUP and not self._socket(index).exists():
+                continue
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(sig)

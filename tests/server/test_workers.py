@@ -179,6 +179,29 @@ async def test_two_workers_share_the_port_a_cap_and_a_tenants_window_exactly(
         assert served.keys() == {"0", "1"} and sum(served.values()) == 24, served  # spread
 
 
+async def test_a_restart_that_dies_before_serving_is_tried_again_and_the_pod_serves_on(
+    stub_factory, tokenizer_dir, tmp_path, fresh_redis
+) -> None:
+    """Only a worker's first start dying before it serves stops the pod (a policy that cannot
+    load); a restart killed as it loads (the OOM killer at its load's peak) is tried again."""
+    stub = await stub_factory()
+    metrics_port = free_port()
+    path = write_policy(
+        tmp_path, pod_policy(tokenizer_dir, stub.url, fresh_redis.url, metrics_port)
+    )
+    async with pod(path, metrics_port) as running:
+        victim = running.pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        await eventually(lambda: running.pids()[0] != victim, within_s=30)
+        loading = running.pids()[0]
+        os.kill(loading, signal.SIGKILL)  # still importing: it has not served
+        await eventually(lambda: running.listening() == 3, within_s=60)
+        assert running.proc.returncode is None
+        assert running.pids()[0] not in (victim, loading)
+        assert "before serving: starting it again" in "".join(running.log)
+        assert (await chat(running.url))[0] == 200
+
+
 async def test_a_killed_worker_restarts_a_reload_reaches_both_and_sigterm_drains(
     stub_factory, tokenizer_dir, tmp_path, fresh_redis
 ) -> None:
