@@ -31,7 +31,9 @@ grant plus the slice's free part, so another gateway's use since is not in it.
 Corrections are not sent one by one: `adjust` records them (no await) and a flusher task,
 every `flush_s`, sends every slice whose charge must change, and the excesses of slices gone,
 in one call (`Backend.adjust`: one script per tenant, in one pipeline). A flush the store does
-not take is logged as a lost correction, as `FailoverState` logs its own, and not retried.
+not take is sent again by the next for every slice (a slice's charge is written outright);
+an excess of a slice gone, a new charge each time it is sent, is logged as a lost correction,
+as `FailoverState` logs its own, and not retried.
 Slot and holder calls pass through.
 """
 
@@ -356,20 +358,28 @@ class SlicedState:
         while self._forget and self._forget[0].forget_at <= now:
             gone = self._forget.popleft()
             self._known.pop((gone.id, gone.key), None)
-        fixes = self._gone
-        self._gone = []
+        excesses, self._gone = self._gone, []
+        moved: list[tuple[_Slice, int]] = []  # each slice corrected, and what the store held
         for held in self._dirty:
             target = held.target()
             if target != held.charged:
-                fixes.append(Correction(held.key, held.id, held.charged, target))
+                moved.append((held, held.charged))
                 held.charged = target
         self._dirty.clear()
+        fixes = [*excesses, *(Correction(h.key, h.id, before, h.charged) for h, before in moved)]
         if not fixes:
             return
         try:
             await self.shared.adjust(fixes)
         except self.failures as exc:
-            lost(fixes, exc)
+            # A slice's charge is rewritten outright: the next flush sends it again, from what
+            # the store last took. The excess of a slice gone is a new charge, which sent
+            # twice (the failed call may have made it) would count twice: lost.
+            for held, before in moved:
+                held.charged = before
+                self._touched(held)
+            if excesses:
+                lost(excesses, exc)
 
     async def _flush_every(self) -> None:
         while True:

@@ -245,9 +245,11 @@ async def test_an_excess_after_the_slice_left_the_window_is_charged_anew(
     await state.close()
 
 
-async def test_a_flush_redis_does_not_take_is_logged_as_lost(
+async def test_a_flush_redis_does_not_take_is_sent_again_by_the_next(
     fresh_redis: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A slice's correction is its charge written outright: kept, and sent when the store is
+    back (a restarted Redis lost the slice's own charge, so its excess is charged anew)."""
     state = SlicedState(
         RedisState(fresh_redis.url, timeout_s=0.3), fraction=0.1, max_age_s=5, flush_s=3600
     )
@@ -257,7 +259,37 @@ async def test_a_flush_redis_does_not_take_is_logged_as_lost(
     fresh_redis.stop()
     with caplog.at_level(logging.WARNING, logger="gateway.state"):
         await state.flush()
-    assert f"correction of charges {result.id} in acme's tokens lost" in caplog.text
+    assert "lost" not in caplog.text
+    fresh_redis.start()
+    await state.flush()
+    assert used(fresh_redis, TOKENS) == 500 - 110  # the slice charged 10 and 100 more
+    await state.close()
+
+
+async def test_an_excess_of_a_slice_gone_that_redis_does_not_take_is_logged_as_lost(
+    fresh_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once a slice's charge has left every window, an excess is a new charge: sent twice it
+    would count twice, so a flush that fails loses it, said."""
+    clock, local = Clock(), Clock()
+    state = SlicedState(
+        RedisState(fresh_redis.url, timeout_s=0.3, clock=clock),
+        fraction=0.1,
+        max_age_s=0.05,
+        flush_s=3600,
+        monotonic=local,
+    )
+    result = await state.reserve([Limit(TOKENS, 10, 1000)])
+    assert isinstance(result, Reservation)
+    clock.now += 120
+    local.now += 120
+    await state.flush()  # retired and forgotten: its charge has left every window
+    await state.adjust([Correction(TOKENS, result.id, 10, 50)])
+    fresh_redis.stop()
+    with caplog.at_level(logging.WARNING, logger="gateway.state"):
+        await state.flush()
+    assert "in acme's tokens lost" in caplog.text
+    fresh_redis.start()
     await state.close()
 
 
