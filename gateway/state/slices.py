@@ -67,6 +67,10 @@ from gateway.state.base import (
 
 log = logging.getLogger("gateway.state")
 _SEP = " "  # between a reservation's slice ids (the store's ids have none)
+# Grants a reservation makes before it counts the store as failing: a slice that stopped while a
+# grant ran sends the request's windows to one grant together, which stops none unless the
+# call itself outlives a slice.
+_ATTEMPTS = 3
 
 
 class Sliceable(Backend, Protocol):
@@ -184,20 +188,49 @@ class SlicedState:
         for lim in limits:
             amount = need.get(lim.key, (0, 0))[0]
             need[lim.key] = (amount + lim.amount, lim.limit)
+        for attempt in range(_ATTEMPTS):
+            held, short = await self._take(need, everything=attempt > 0)
+            if not short:
+                break
+            asks = [self._ask(key, *need[key], self.monotonic()) for key in short]
+            refused = await self._grant(asks, need, held)
+            if refused is not None:
+                self._give_back(held, need)
+                return self._refusal(refused, limits, asks, self.monotonic())
+            # A slice taken before the grant may have stopped while it ran: a request admitted
+            # after its stamp would be outside what Redis counts for it. All back, and all of
+            # the request's windows in one grant, whose slices start together.
+            now = self.monotonic()
+            if all(current.until > now for current in held.values()):
+                break
+            self._give_back(held, need)
+        else:
+            raise TimeoutError(
+                f"quota slice grants took longer than a slice's life ({self.max_age_s:g} s)"
+                f" {_ATTEMPTS} times in a row"
+            )
+        ids = _SEP.join(dict.fromkeys(held[lim.key].id for lim in limits))
+        now = self.monotonic()
+        return Reservation(ids, tuple(held[lim.key].window(now) for lim in limits))
+
+    async def _take(
+        self, need: dict[TenantWindow, tuple[int, int]], everything: bool
+    ) -> tuple[dict[TenantWindow, _Slice], list[TenantWindow]]:
+        """Each window's amount taken from its live slice where it has room; the windows whose
+        slice has none (`everything`: every window), to grant. A burst that finds a window's slice short waits for the one
+        grant already asked rather than each asking its own: concurrent grants would each hold
+        a slice back. A grant the store failed fails its waiters too, at once, rather than each
+        waiting out a time-out of its own in turn."""
         while True:
             now = self.monotonic()
             held: dict[TenantWindow, _Slice] = {}
             short: list[TenantWindow] = []
             for key, (amount, _) in need.items():
-                current = self._current(key, now)
+                current = None if everything else self._current(key, now)
                 if current is not None and current.free() >= amount:
                     held[key] = current
                 else:
                     short.append(key)
-            # A burst that finds a window's slice short waits for the one grant already asked
-            # rather than each asking its own: concurrent grants would each hold a slice back.
-            # A grant the store failed fails its waiters too, at once, rather than each waiting
-            # out a time-out of its own in turn.
             asked = [self._granting[key] for key in short if key in self._granting]
             if not asked:
                 break
@@ -207,15 +240,7 @@ class SlicedState:
                     raise failed
         for key, current in held.items():
             current.handed += need[key][0]
-        if short:
-            asks = [self._ask(key, *need[key], now) for key in short]
-            refused = await self._grant(asks, need, held)
-            if refused is not None:
-                self._give_back(held, need)
-                return self._refusal(refused, limits, asks, now)
-        ids = _SEP.join(dict.fromkeys(held[lim.key].id for lim in limits))
-        now = self.monotonic()
-        return Reservation(ids, tuple(held[lim.key].window(now) for lim in limits))
+        return held, short
 
     def _ask(self, key: TenantWindow, amount: int, limit: int, now: float) -> SliceAsk:
         """A new slice of `key`'s window; the current one stops handing out, to be cut back to

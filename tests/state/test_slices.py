@@ -120,6 +120,42 @@ async def test_a_correction_lands_on_the_slice_its_request_took_for_that_window(
         await state.close()
 
 
+async def test_a_slice_that_stops_while_a_grant_runs_serves_none_of_that_request(
+    fresh_redis: RedisServer,
+) -> None:
+    """A request took one window from a live slice and waited for a grant for another; the
+    grant took longer than that slice had left. Admitted then, it would fall after the slice's
+    stamp, outside what Redis counts for it: it takes that window again from a new slice."""
+    local = Clock()
+
+    class Slow(Counting):
+        takes_s = 0.3
+
+        async def grant(
+            self, asks: Sequence[SliceAsk], slice_id: str, max_age_s: float
+        ) -> SliceGrant | WindowFull:
+            local.now += self.takes_s  # the call's time, on the slices' own clock
+            return await super().grant(asks, slice_id, max_age_s)
+
+    store = Slow(fresh_redis.url)
+    state = SlicedState(store, fraction=0.1, max_age_s=0.5, monotonic=local)
+    model = TenantWindow("acme", "model:m:tokens")
+    try:
+        first = await state.reserve([Limit(TOKENS, 10, 100_000), Limit(model, 10, 100)])
+        assert isinstance(first, Reservation)  # both slices live until 0.5 on `local`
+        local.now += 0.1
+        late = await state.reserve([Limit(TOKENS, 10, 100_000), Limit(model, 80, 100)])
+        assert isinstance(late, Reservation)
+        assert first.id not in late.id.split(" ")  # both windows from the one grant after
+        assert store.grants == 3  # the first, the model's alone, then both together
+        assert state._known[first.id, TOKENS].handed == 10  # the late request's share went back
+        store.takes_s = 0.6  # a grant that outlives a slice: the store is failing, said so
+        with pytest.raises(TimeoutError):
+            await state.reserve([Limit(TOKENS, 10, 100_000), Limit(REQUESTS, 1, 1000)])
+    finally:
+        await state.close()
+
+
 async def test_a_refused_grant_leaves_the_total_expiring(fresh_redis: RedisServer) -> None:
     """A grant cuts the slice it replaces back and rewrites the total before it finds the new
     one does not fit: a total without its expiry would outlive the log it sums and hold the
