@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from gateway.config.load import load_spec
 from gateway.policy.compile import compile_policy, load_policy, reference_problems
 from gateway.tokenizer import loaded
-from gateway.tokenizer.backends import TransformersDecoder
+from gateway.tokenizer.backends import FastokensEncoder, TransformersDecoder
 from gateway.tokenizer.counters import HFCounter
 from tests.conftest import basic_policy, write_policy
 
@@ -123,6 +123,25 @@ async def test_where_fastokens_counts_it_decodes_too_and_nothing_is_loaded_after
         assert await counter.decode(ids) == reference.decode(ids)
         assert await counter.token_strs(ids) == reference.convert_ids_to_tokens(ids)
         assert counter.vocab_size == len(reference)
+    finally:
+        policy.close()
+
+
+def test_a_tokenizer_fastokens_fails_to_decode_is_decoded_by_transformers(
+    tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fastokens raising on a probe is a disagreement, not a policy that fails to load."""
+
+    def fails(self: FastokensEncoder, ids: list[int]) -> str:
+        raise ValueError("cannot decode")
+
+    own = shutil.copytree(tokenizer_dir, tmp_path / "tokenizer")
+    monkeypatch.setattr(FastokensEncoder, "decode", fails)
+    policy = load_policy(write_policy(tmp_path, basic_policy(own, ["http://127.0.0.1:9"])))
+    try:
+        (counter,) = counters(policy)
+        assert counter.backend == "fastokens"
+        assert isinstance(counter.loaded.decoder, TransformersDecoder)
     finally:
         policy.close()
 
