@@ -111,13 +111,16 @@ async def _refuse_redirects(
 
 
 def replica_session(
-    tls: ssl.SSLContext | None = None, timeout: aiohttp.ClientTimeout | None = None
+    tls: ssl.SSLContext | None = None,
+    timeout: aiohttp.ClientTimeout | None = None,
+    connector: aiohttp.BaseConnector | None = None,
 ) -> aiohttp.ClientSession:
     """A session for the gateway's own requests to replicas (health, `/metrics`, adapter lists,
-    stored responses, KV-event sources): every answer passes `_refuse_redirects` before aiohttp
-    could follow it. `tls` verifies https:// replicas (None: the system's trust store)."""
+    stored responses, KV-event sources), and a pod's parent's to its workers (`connector`, their
+    Unix sockets): every answer passes `_refuse_redirects` before aiohttp could follow it. `tls`
+    verifies https:// replicas (None: the system's trust store)."""
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ssl=tls or True),
+        connector=connector or aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ssl=tls or True),
         timeout=timeout or aiohttp.client.DEFAULT_TIMEOUT,
         auto_decompress=False,
         skip_auto_headers=("Accept-Encoding", "User-Agent"),

@@ -40,6 +40,7 @@ from gateway.config.load import PolicyError, load_spec
 from gateway.exporter.workers import Families, merged, parent_families
 from gateway.policy.compile import reference_problems
 from gateway.server.exposition import exposition
+from gateway.upstream import replica_session
 
 log = logging.getLogger("gateway.workers")
 RESTART_AFTER_S = 1.0  # between a worker's death and its new start: a crash loop stays slow
@@ -186,7 +187,7 @@ class Supervisor:
         headers = {"Accept": openmetrics.CONTENT_TYPE_LATEST}
         try:
             async with (
-                aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
+                replica_session(timeout=timeout, connector=connector) as session,
                 session.get(f"http://worker{path}", headers=headers) as response,
             ):
                 return response.status, await response.text()
