@@ -43,8 +43,6 @@ async def _serve(policy_path: str, host: str, port: int, worker: WorkerRole | No
     from gateway.tls import ListenerTls
 
     loaded = load_spec(policy_path, reference_problems)
-    if worker is not None:
-        loaded = _worker_share(loaded, worker.count)
     server = loaded.spec.server
     reuse_port = worker is not None
     tls = ListenerTls(server.tls, Path(loaded.path).parent) if server.tls is not None else None
@@ -72,7 +70,9 @@ async def _serve(policy_path: str, host: str, port: int, worker: WorkerRole | No
         )
     try:
         loaded_at = time.perf_counter()
-        policy = await asyncio.to_thread(compile_policy, loaded)
+        policy = await asyncio.to_thread(
+            lambda: compile_policy(loaded, share=worker.count if worker else 1)
+        )
         log.info("policy %s loaded in %.1f s", policy_path, time.perf_counter() - loaded_at)
         app = create_app(
             policy, access_log=sys.stdout.buffer, workers=worker.count if worker else 1
@@ -140,21 +140,6 @@ async def _serve(policy_path: str, host: str, port: int, worker: WorkerRole | No
         await each.cleanup()
     log.info("stopped")
     return 0
-
-
-def _worker_share(loaded: LoadedSpec, workers: int) -> LoadedSpec:
-    """A worker's policy: unless `server.tokenizer_threads` says how many, its share of the
-    container's CPUs (rounded up), so N workers do not start N times the threads there are cores."""
-    from gateway.tokenizer.cpus import available_cpus
-
-    server = loaded.spec.server
-    if server.tokenizer_threads is not None:
-        return loaded
-    threads = -(-available_cpus() // workers)
-    spec = loaded.spec.model_copy(
-        update={"server": server.model_copy(update={"tokenizer_threads": threads})}
-    )
-    return dataclasses.replace(loaded, spec=spec)
 
 
 def serve(args: argparse.Namespace) -> int:

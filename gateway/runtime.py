@@ -349,7 +349,9 @@ class Gateway:
     async def _reload(self, current: Policy) -> Policy:
         """`reload` under its lock: compile the file, and swap it in if it changed."""
         policy = await asyncio.to_thread(
-            lambda: compile_policy(load_spec(current.path, reference_problems), previous=current)
+            lambda: compile_policy(
+                load_spec(current.path, reference_problems), previous=current, share=self.workers
+            )
         )
         if policy.digest != current.digest:
             if (policy.spec.server.tls is None) != (self.listener_tls is None):

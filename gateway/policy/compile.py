@@ -336,8 +336,11 @@ def compile_policy(
     load_tokenizers: bool = True,
     tokenizer_files: bool = True,
     previous: Policy | None = None,
+    share: int = 1,
 ) -> Policy:
     """Build the runtime policy; raise `PolicyError` naming file, line and field of each problem.
+    `share`: the processes that share the container's CPUs (a pod's workers, `serve --workers`);
+    without `server.tokenizer_threads`, each starts its share of them, rounded up.
 
     `load_tokenizers=False` checks a policy without loading its tokenizers (CI): token counting
     then falls back to the character estimate, and each tokenizer directory is only checked to
@@ -361,7 +364,9 @@ def compile_policy(
         and any(m.tokenizer != COUNT_BY_CHARS for m in spec.models.values())
     ):
         wanted = spec.server.tokenizer_threads
-        threads = TokenizerThreads.start(available_cpus() if wanted is None else wanted)
+        threads = TokenizerThreads.start(
+            -(-available_cpus() // share) if wanted is None else wanted
+        )
     base = Path(loaded.path).parent
     tenants, tenant_problems = compile_tenants(spec.tenants, base)
     problems += tenant_problems

@@ -91,6 +91,24 @@ def test_a_reload_keeps_the_load_until_the_files_change(
             policy.close()
 
 
+def test_a_workers_unchanged_reload_keeps_its_models_and_its_share_of_the_cpus(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """A pod's worker starts its share of the CPUs as tokenizer threads without writing it into
+    its policy, so a reload of the same file is the same policy: nothing is loaded again."""
+    path = three_models(tokenizer_dir, tmp_path)
+    first = compile_policy(load_spec(path, reference_problems), share=64)
+    second = compile_policy(load_spec(path, reference_problems), previous=first, share=64)
+    try:
+        assert first.tokenizer_threads is not None
+        assert first.tokenizer_threads.small.threads == 1  # a 64th of the CPUs, rounded up
+        assert second.digest == first.digest
+        assert all(second.models[n] is first.models[n] for n in first.models)
+    finally:
+        second.close()
+        first.close()
+
+
 def test_a_load_no_policy_holds_is_freed(tokenizer_dir: Path, tmp_path: Path) -> None:
     # A copy of its own: another test's policy still alive may hold the shared directory's load.
     own = shutil.copytree(tokenizer_dir, tmp_path / "tokenizer")
