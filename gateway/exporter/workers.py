@@ -10,7 +10,7 @@ every family stays exact, and a query sums `without (worker)` where a pod's figu
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
@@ -44,13 +44,3 @@ def parent_families(running: int, restarts: int) -> list[Metric]:
             value=restarts,
         ),
     ]
-
-
-class Families:
-    """What `generate_latest` reads: fixed families, collected once."""
-
-    def __init__(self, families: Iterable[Metric]) -> None:
-        self._families = list(families)
-
-    def collect(self) -> list[Metric]:
-        return self._families

@@ -2,7 +2,7 @@
 
 prometheus-client's own `Histogram.observe` takes a lock per value it updates and walks the
 buckets in Python, and a request records five or more values. Every write here comes from the
-event loop's thread, and `/metrics` is rendered on that same thread, so no lock is needed: a
+event loop's thread, and `/metrics` collects on that same thread, so no lock is needed: a
 child is a list of bucket counts found by `bisect`, or a number. The
 exposition is prometheus-client's, from the families built at scrape time, so the names, `_total`
 and `_bucket`/`_sum`/`_count` series and `le` values are exactly what its classes export.

@@ -38,7 +38,7 @@ from gateway.request.authenticate import identify
 from gateway.request.parse import by_size
 from gateway.runtime import Gateway
 from gateway.server import logs, vllm_endpoints
-from gateway.server.exposition import exposition
+from gateway.server.exposition import collected, exposition
 from gateway.server.limits import RequestLimits, handler_args
 from gateway.server.model_cards import model_cards
 from gateway.server.stored_responses import relay
@@ -310,7 +310,8 @@ async def metrics(request: web.Request, *, public: bool) -> web.Response:
     policy has tenants (`Gateway.metrics_public`)."""
     if public and not request.app[GATEWAY].metrics_public:
         return await not_found(request)
-    return exposition(request, request.app[GATEWAY].accountant.metrics.registry)
+    registry = request.app[GATEWAY].accountant.metrics.registry
+    return await exposition(request, await collected(registry.collectors))
 
 
 def create_app(

@@ -37,9 +37,9 @@ from aiohttp import web
 from prometheus_client.openmetrics import exposition as openmetrics
 
 from gateway.config.load import PolicyError, load_spec
-from gateway.exporter.workers import Families, merged, parent_families
+from gateway.exporter.workers import merged, parent_families
 from gateway.policy.compile import reference_problems
-from gateway.server.exposition import exposition
+from gateway.server.exposition import Families, exposition
 from gateway.upstream import replica_session
 
 log = logging.getLogger("gateway.workers")
@@ -198,8 +198,10 @@ class Supervisor:
         answers = await asyncio.gather(*(self._fetch(i, "/metrics") for i in range(self.count)))
         scrapes = {str(i): a[1] for i, a in enumerate(answers) if a is not None and a[0] == 200}
         running = sum(p.returncode is None for p in self._procs.values())
-        families = Families([*merged(scrapes), *parent_families(running, self.restarts)])
-        return exposition(request, families)
+        families = await asyncio.to_thread(merged, scrapes)  # parsing is as long as writing
+        return await exposition(
+            request, Families([*families, *parent_families(running, self.restarts)])
+        )
 
     async def _readyz(self, request: web.Request) -> web.Response:
         """Every worker's `/readyz` 200: the first's body; else the first that is not, or 503

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.observability.instruments import Instruments
+from gateway.observability.registry import Declared, Declaring
 from loadtest.tiny_tokenizer import WORDS
 from tests.conftest import basic_policy
 
@@ -239,3 +242,62 @@ def test_the_registry_takes_only_collectors_that_declare_their_families() -> Non
 
     with pytest.raises(TypeError, match="Undeclared declares no families"):
         Instruments().registry.register(Undeclared())
+
+
+class _Witness(Declaring):
+    """A collector that notes how many turns the loop had taken when it was collected, and the
+    thread that wrote its family out."""
+
+    def __init__(self, name: str, turns: list[int]) -> None:
+        self.turns = turns
+        self.declared = (Declared(GaugeMetricFamily, name, "A witness."),)
+        self.seen_at: int | None = None
+        self.written_on: set[int] = set()
+
+    def collect(self) -> list[Metric]:
+        self.seen_at = self.turns[0]
+        witness, family = self, self.declared[0]()
+
+        class Noted(GaugeMetricFamily):
+            @property  # type: ignore[override]
+            def samples(self) -> list:
+                witness.written_on.add(threading.get_ident())
+                return family.samples
+
+            @samples.setter
+            def samples(self, value: list) -> None:
+                pass
+
+        noted = Noted(family.name, family.documentation, value=1)
+        self.written_on.clear()  # building it read its samples too
+        return [noted]
+
+
+async def test_a_scrape_lets_the_loop_run_between_collectors_and_writes_off_it(
+    stub, gateway_factory, tokenizer_dir, http
+) -> None:
+    """A busy gateway's scrape is long to build and longer to write: the loop must not wait for
+    all of it at once, nor for any writing."""
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [stub.url]))
+    turns = [0]
+    first, second = _Witness("llm_witness_a", turns), _Witness("llm_witness_b", turns)
+    registry = gw.gateway.accountant.metrics.registry
+    registry.register(first)
+    registry.register(second)
+
+    async def ticking() -> None:
+        while True:
+            turns[0] += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(ticking())
+    try:
+        async with http.get(f"{gw.metrics_url}/metrics") as resp:
+            assert resp.status == 200
+            found = samples(await resp.text())
+    finally:
+        ticker.cancel()
+    assert found["llm_witness_a"][0].value == found["llm_witness_b"][0].value == 1
+    assert first.seen_at is not None and second.seen_at is not None
+    assert second.seen_at > first.seen_at  # the loop took a turn between the two
+    assert first.written_on and threading.get_ident() not in first.written_on | second.written_on

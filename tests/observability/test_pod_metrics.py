@@ -10,7 +10,8 @@ from prometheus_client.openmetrics.parser import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.exporter.workers import Families, merged, parent_families
+from gateway.exporter.workers import merged, parent_families
+from gateway.server.exposition import Families
 
 
 def _worker(requests: int, latencies: list[float], leases: float) -> str:
@@ -41,7 +42,7 @@ def test_each_workers_series_is_kept_whole_under_its_worker_label_in_both_format
     scrapes = {"0": _worker(3, [0.05, 0.5, 5.0], 7), "1": _worker(2, [0.05, 0.05], 7)}
     families = Families([*merged(scrapes), *parent_families(running=2, restarts=1)])
     for om in (False, True):
-        text = (openmetrics.generate_latest(families) if om else generate_latest(families)).decode()  # type: ignore[no-untyped-call, arg-type]
+        text = (openmetrics.generate_latest(families) if om else generate_latest(families)).decode()  # type: ignore[no-untyped-call]
         found = _samples(text, om)
         assert found[("llm_requests_total", (("code", "200"), ("worker", "0")))] == 3
         assert found[("llm_requests_total", (("code", "200"), ("worker", "1")))] == 2
@@ -64,7 +65,7 @@ def test_each_workers_series_is_kept_whole_under_its_worker_label_in_both_format
 
 def test_a_worker_missing_from_a_scrape_leaves_only_its_own_series_out() -> None:
     families = Families(merged({"1": _worker(2, [0.05], 7)}))
-    found = _samples(generate_latest(families).decode(), False)  # type: ignore[arg-type]
+    found = _samples(generate_latest(families).decode(), False)
     assert {labels for name, labels in found if name == "llm_requests_total"} == {
         (("code", "200"), ("worker", "1"))
     }
