@@ -36,6 +36,7 @@ from gateway.request.quota import Quotas
 from gateway.state import SlotLedger, State
 from gateway.state.build import build_state
 from gateway.tls import ListenerTls, replica_context
+from gateway.tokenizer.counters import HFCounter
 from gateway.upstream import Upstream, replica_session
 from gateway.watched import stamp
 
@@ -150,6 +151,9 @@ class Gateway:
         self.workers = workers  # this process and the others of its pod (`serve --workers`)
         self.spare_s = policy.spec.state.spare_slots_s
         self.runtime = Runtime.build(policy, None, self.ledger, self.spare_s)
+        for model in policy.models.values():  # built on the loop's thread, before it serves
+            if isinstance(model.counter, HFCounter):
+                model.counter.warm_inline()
         tls = policy.spec.server.tls  # the listener opens once: its context outlives reloads
         self.listener_tls = ListenerTls(tls, _base(policy)) if tls is not None else None
         self.metrics_port = policy.spec.server.metrics_port  # its listener, too, opens once

@@ -153,7 +153,10 @@ class HFCounter:
         self.floor = loaded.floor
         self.specials = loaded.specials
         self.threads = threads
-        self.inline_max_chars = inline_max_chars // self.encoder.inline_share
+        # Counted on the calling thread up to this size once it is warm (`warm_inline`); until
+        # then, with threads, every text goes to them.
+        self.inline_limit = inline_max_chars // self.encoder.inline_share
+        self.inline_max_chars = self.inline_limit if threads is None else -1
         self.large_threads = large_threads  # None: the large texts share `threads`
         self.large_min_chars = large_min_chars
         # The placeholder an "openai"-format template writes per image is already in the count;
@@ -197,6 +200,15 @@ class HFCounter:
         pools = {id(p): p for p in (self.threads, self.large_threads) if p is not None}
         for pool in pools.values():
             pool.each(self.encoder.counts, [WARM_TEXT], False)
+
+    def warm_inline(self) -> None:
+        """Encode once on the calling thread, the event loop's, and count short texts there from
+        now on. Its first encode costs what a tokenizer thread's does (`warm`), tens of
+        milliseconds that a request's inline count would otherwise hold the loop for. Called as
+        the gateway is built, before it serves. A counter a reload loads is not warmed there,
+        since that would hold a serving loop as long: all its texts go to the threads."""
+        self.encoder.counts([WARM_TEXT], False)
+        self.inline_max_chars = self.inline_limit
 
     @property
     def backend(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import threading
 
 import pytest
 from transformers import AutoTokenizer
@@ -14,6 +15,7 @@ from gateway.tokenizer.counters import HFCounter
 from gateway.tokenizer.loaded import load_tokenizer
 from gateway.tokenizer.threads import CountingThreads
 from loadtest.tiny_tokenizer import SPECIALS, WORDS, save
+from tests.conftest import basic_policy
 
 
 def varied_conversations(count: int, seed: int = 1) -> list[list[dict[str, str]]]:
@@ -51,12 +53,14 @@ BACKENDS = ["fastokens", "tokenizers"]
 
 
 def counter(tokenizer_dir, backend: str = "auto", *, inline_max_chars: int = 2048) -> HFCounter:
-    return HFCounter.load(
+    loaded = HFCounter.load(
         str(tokenizer_dir),
         backend=backend,
         threads=CountingThreads(2, "tokenize"),
         inline_max_chars=inline_max_chars,
     )
+    loaded.warm_inline()  # as the gateway does on its loop's thread
+    return loaded
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -164,3 +168,43 @@ async def test_truncation_or_padding_in_tokenizer_json_does_not_change_a_count(
 def test_missing_tokenizer_directory_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_tokenizer(str(tmp_path / "nope"))
+
+
+class _Noting:
+    """An encoder that notes the thread of each encode."""
+
+    def __init__(self, encoder) -> None:
+        self._encoder, self.threads = encoder, []
+        self.inline_share = encoder.inline_share
+
+    def counts(self, texts: list[str], special: bool) -> list[int]:
+        self.threads.append(threading.get_ident())
+        return self._encoder.counts(texts, special)
+
+
+async def test_a_short_text_is_counted_on_the_loop_only_once_the_loop_thread_is_warm(
+    tokenizer_dir,
+) -> None:
+    """A thread's first encode builds the encoder's per-thread state, tens of milliseconds with
+    a real tokenizer: on the event loop, that would be one request holding it."""
+    fresh = HFCounter.load(
+        str(tokenizer_dir), threads=CountingThreads(2, "tokenize"), inline_max_chars=2048
+    )
+    noting = fresh.encoder = _Noting(fresh.encoder)
+    loop_thread = threading.get_ident()
+    assert await fresh.count_prompts("hello world") == await counter(tokenizer_dir).count_prompts(
+        "hello world"
+    )
+    assert noting.threads[-1] != loop_thread  # cold here: the threads count it
+    fresh.warm_inline()
+    assert noting.threads[-1] == loop_thread
+    await fresh.count_prompts("hello world")
+    assert noting.threads[-1] == loop_thread
+
+
+async def test_a_gateway_warms_its_counters_on_its_loop_before_it_serves(
+    stub, gateway_factory, tokenizer_dir
+) -> None:
+    gw = await gateway_factory(basic_policy(tokenizer_dir, [stub.url]))
+    counters = [model.counter for model in gw.gateway.policy.models.values()]
+    assert counters and all(c.inline_max_chars == c.inline_limit > 0 for c in counters)
