@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from loadtest.adversary.checks import Broken, check
+from loadtest.adversary.checks import Broken, check, worst_loop
 from loadtest.adversary.generator import fresh_seed
 from loadtest.adversary.harness import Run, execute
 
@@ -36,6 +36,11 @@ def report(run: Run, broken: list[Broken], wall_s: float) -> str:
         f"- attack: {run.seconds:g} s; wall {wall_s:.0f} s; requests sent {len(run.outcomes)},"
         f" reached a replica {reached}",
         f"- statuses: {', '.join(f'{k}: {v}' for k, v in sorted(statuses.items()))}",
+        "- loop, beyond what the machine explains (quiet baseline, worst second): "
+        + ", ".join(
+            f"gateway {i} {base * 1000:.0f} ms, {worst * 1000:.0f} ms"
+            for i, (base, worst) in enumerate(worst_loop(run))
+        ),
         f"- replay: `python -m loadtest.adversary --seed {run.seed} --seconds {run.seconds:g}"
         f" --gateways {run.gateways}`",
         "",

@@ -214,6 +214,19 @@ def check_counts(run: Run) -> list[Broken]:
     ]
 
 
+def worst_loop(run: Run) -> list[tuple[float, float]]:
+    """Per gateway, its quiet baseline and its worst unexplained second under attack: how near
+    the margin a run that held came."""
+    start, end = run.attack
+    return [
+        (
+            max((u for t, _, u in ticks if t < run.started - 1), default=0.0),
+            max((u for t, _, u in ticks if start <= t <= end + 1), default=0.0),
+        )
+        for ticks in run.ticks
+    ]
+
+
 def check_loop(run: Run) -> list[Broken]:
     broken = []
     start, end = run.attack
