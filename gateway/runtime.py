@@ -411,3 +411,4 @@ class Gateway:
         if self.tracing is not None:
             await self.tracing.close()
         self.policy.close()
+        self.accountant.flush()

@@ -6,6 +6,7 @@ records what it did.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import time
@@ -69,6 +70,7 @@ class Accountant:
         self._outcomes: dict[tuple[str, str, str, str, int], Any] = {}
         self._slo: dict[tuple[str, ...], Any] = {}  # llm_slo_requests_total's children
         self._untrusted: set[str] = set()  # replicas whose untrusted usage was logged
+        self._flush_due = False
 
     def _labels(self, ctx: Ctx) -> tuple[str, str, str]:
         if ctx.pool is None:
@@ -117,6 +119,15 @@ class Accountant:
             if objective is not None:
                 record.update(attainment.logged(ctx, objective))
             self.access_log.write(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
+            if not self._flush_due:  # one write(2) a loop turn, whatever ended in it
+                self._flush_due = True
+                asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        """The access log's buffered lines out: at the end of the loop turn a request ended in,
+        so a line is out within the turn, at one system call for all the turn's requests."""
+        self._flush_due = False
+        if self.access_log is not None:
             self.access_log.flush()
 
     def _bound_usage(self, ctx: Ctx, max_model_len: int) -> None:
