@@ -156,6 +156,7 @@ class SlicedState:
         # grants under way, each done with the failure it met (None: an answer)
         self._granting: dict[TenantWindow, asyncio.Future[BaseException | None]] = {}
         self._flusher: asyncio.Task[None] | None = None
+        self._flushing: asyncio.Future[None] | None = None  # the flusher's flush under way
         self._closed = False
 
     # --- the quota windows ---------------------------------------------------------------
@@ -409,19 +410,28 @@ class SlicedState:
     async def _flush_every(self) -> None:
         while True:
             await asyncio.sleep(self.flush_s)
+            # Shielded: a flush under way has taken its corrections off the books, so `close`
+            # cancelling the flusher lets it finish rather than lose them.
+            self._flushing = asyncio.ensure_future(self.flush())
             try:
-                await self.flush()
+                await asyncio.shield(self._flushing)
             except Exception:
                 log.exception("flushing quota slices failed")
 
     async def close(self) -> None:
-        """Stop the flusher, give back every live slice's unused part, then close the store."""
+        """Stop the flusher (a flush under way ends first), give back every live slice's
+        unused part, then close the store."""
         self._closed = True
         if self._flusher is not None:
             self._flusher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._flusher
             self._flusher = None
+        if self._flushing is not None and not self._flushing.done():
+            try:
+                await self._flushing
+            except Exception:
+                log.exception("flushing quota slices failed")
         for held in list(self._live.values()):
             self._retire(held)
         await self.flush()

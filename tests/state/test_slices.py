@@ -345,3 +345,33 @@ def test_fraction_zero_is_the_exact_backend(fresh_redis: RedisServer) -> None:
     default, _, _ = build_state(StateSpec(backend="redis", url=fresh_redis.url))
     assert isinstance(exact, FailoverState) and type(exact.shared) is RedisState
     assert isinstance(default, FailoverState) and isinstance(default.shared, SlicedState)
+
+
+class Stalling(RedisState):
+    """The real Redis backend, whose corrections wait for `go` before they are sent."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.go = asyncio.Event()
+        self.sending = asyncio.Event()
+
+    async def adjust(self, corrections: Sequence[Correction]) -> None:
+        self.sending.set()
+        await self.go.wait()
+        await super().adjust(corrections)
+
+
+async def test_close_while_the_flusher_sends_loses_none_of_its_corrections(
+    fresh_redis: RedisServer,
+) -> None:
+    backend = Stalling(fresh_redis.url)
+    state = SlicedState(backend, fraction=0.1, max_age_s=5.0, flush_s=0.01)
+    result = await state.reserve([Limit(TOKENS, 10, 1000)])
+    assert isinstance(result, Reservation) and used(fresh_redis, TOKENS) == 110
+    await state.adjust([Correction(TOKENS, result.id, 10, 500)])  # an excess Redis must hear
+    await backend.sending.wait()  # the flusher is sending it
+    closing = asyncio.create_task(state.close())
+    await asyncio.sleep(0.05)
+    backend.go.set()
+    await closing
+    assert used(fresh_redis, TOKENS) == 500  # the excess, and the slice's rest given back
