@@ -153,6 +153,9 @@ class SlicedState:
         self._forget: deque[_Slice] = deque()  # in grant order, so in `forget_at` order
         self._dirty: set[_Slice] = set()  # slices whose charge must change
         self._gone: list[Correction] = []  # excesses of slices forgotten
+        # Slices of grant calls that failed, which the store may have made all the same: each
+        # set to nothing (a store that never made one takes that as nothing).
+        self._unsure: list[Correction] = []
         # grants under way, each done with the failure it met (None: an answer)
         self._granting: dict[TenantWindow, asyncio.Future[BaseException | None]] = {}
         self._flusher: asyncio.Task[None] | None = None
@@ -266,11 +269,13 @@ class SlicedState:
             self._granting[ask.key] = granting
         sent = self.monotonic()
         failed: BaseException | None = None
+        slice_id = self.shared.slice_id()
         try:
-            result = await self.shared.grant(asks, self.shared.slice_id(), self.max_age_s)
+            result = await self.shared.grant(asks, slice_id, self.max_age_s)
         except BaseException as exc:
             self._give_back(held, need)
             failed = exc if isinstance(exc, self.failures) else None
+            self._unsure.extend(Correction(ask.key, slice_id, 0, 0) for ask in asks)
             raise
         finally:
             for ask in asks:
@@ -385,6 +390,7 @@ class SlicedState:
             gone = self._forget.popleft()
             self._known.pop((gone.id, gone.key), None)
         excesses, self._gone = self._gone, []
+        unsure, self._unsure = self._unsure, []
         moved: list[tuple[_Slice, int]] = []  # each slice corrected, and what the store held
         for held in self._dirty:
             target = held.target()
@@ -392,7 +398,11 @@ class SlicedState:
                 moved.append((held, held.charged))
                 held.charged = target
         self._dirty.clear()
-        fixes = [*excesses, *(Correction(h.key, h.id, before, h.charged) for h, before in moved)]
+        fixes = [
+            *excesses,
+            *unsure,
+            *(Correction(h.key, h.id, before, h.charged) for h, before in moved),
+        ]
         if not fixes:
             return
         try:
@@ -401,6 +411,8 @@ class SlicedState:
             # A slice's charge is rewritten outright: the next flush sends it again, from what
             # the store last took. The excess of a slice gone is a new charge, which sent
             # twice (the failed call may have made it) would count twice: lost.
+            # A grant the store may have made stays charged till its window passes: the
+            # tenant's room, never another's.
             for held, before in moved:
                 held.charged = before
                 self._touched(held)

@@ -375,3 +375,24 @@ async def test_close_while_the_flusher_sends_loses_none_of_its_corrections(
     backend.go.set()
     await closing
     assert used(fresh_redis, TOKENS) == 500  # the excess, and the slice's rest given back
+
+
+class Unanswered(RedisState):
+    """The real Redis backend, whose grants are made but whose answers never arrive."""
+
+    async def grant(
+        self, asks: Sequence[SliceAsk], slice_id: str, max_age_s: float
+    ) -> SliceGrant | WindowFull:
+        await super().grant(asks, slice_id, max_age_s)
+        raise TimeoutError("the answer was lost")
+
+
+async def test_a_grant_whose_answer_is_lost_is_given_back(fresh_redis: RedisServer) -> None:
+    """The caller's request failed, so nothing will use the slice Redis charged for it."""
+    state = SlicedState(Unanswered(fresh_redis.url), fraction=0.1, max_age_s=5.0, flush_s=3600)
+    with pytest.raises(TimeoutError):
+        await state.reserve([Limit(TOKENS, 10, 1000)])
+    assert used(fresh_redis, TOKENS) == 110
+    await state.flush()
+    assert used(fresh_redis, TOKENS) == 0
+    await state.close()
