@@ -116,6 +116,9 @@ class Leases:
                 replica.leased_elsewhere = max(0, replica.shared - mine)
                 if not granted:
                     replica.untake(claim)
+                    if replica.spares:  # its room is held here, idle, for another class
+                        await self._give_back_now(replica)
+                        continue
                     replica.blocked_until = time.monotonic() + POLL_S
                     continue
             replica.lease_ids[lease_id] = workload  # renewed from now on, written back if lost
@@ -159,6 +162,14 @@ class Leases:
             self._spawn(
                 self._unlease(replica, [(replica.lease_ids.pop(lease), lease) for lease in gone])
             )
+
+    async def _give_back_now(self, replica: Replica) -> None:
+        """`replica`'s spares back in the ledger before this returns: a request here of
+        another class waits for that room, and would otherwise wait for the sweep."""
+        gone = list(replica.spares)
+        replica.spares.clear()
+        self._sparing.discard(replica)
+        await self._unlease(replica, [(replica.lease_ids.pop(lease), lease) for lease in gone])
 
     async def _sweep(self) -> None:
         """While spares are kept, every half of `spare_s` give back those idle for at least

@@ -593,3 +593,39 @@ async def test_redis_down_the_spares_go_and_the_share_counts_only_slots_in_use(
     replica.stats.max_running = 0
     assert await asyncio.gather(*(post(http, gw.url) for _ in range(8))) == [200] * 8
     assert replica.stats.max_running == 2
+
+
+async def test_a_spare_of_one_class_makes_room_for_a_request_of_another_at_once(
+    fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http
+) -> None:
+    """A spare holds its replica's room for its own class; a request of another class that
+    Redis refuses for that room gets it back, rather than polling until the spare is swept."""
+    replica = await stub_factory(delay_s=0.05)
+    policy = shared_policy(
+        tokenizer_dir,
+        replica.url,
+        fresh_redis,
+        cap=2,
+        timeout_s=2.0,
+        lease_ttl_s=60,
+        spare_slots_s=60,  # swept after half a minute
+    )
+    policy["classes"] = [
+        {"name": "long", "when": {"input_tokens": {"gte": 20}}},
+        {"name": "any", "when": {}},
+    ]
+    policy["pools"]["main"]["reserve"] = {"long": 1}
+    gw = await gateway_factory(policy)
+    long_chat = {**CHAT, "messages": [{"role": "user", "content": "hello there " * 20}]}
+
+    async def chat(body: dict[str, Any]) -> int:
+        async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+            await resp.read()
+            return resp.status
+
+    assert await asyncio.gather(chat(long_chat), chat(long_chat)) == [200, 200]
+    assert leases(fresh_redis) == 2  # both kept as spares of `long`: the replica's whole cap
+    async with asyncio.timeout(10):
+        assert await chat(CHAT) == 200
+    logged = [json.loads(line) for line in gw.access_log.getvalue().splitlines()]
+    assert [line["class"] for line in logged] == ["long", "long", "any"]
