@@ -169,7 +169,9 @@ class Leases:
         gone = list(replica.spares)
         replica.spares.clear()
         self._sparing.discard(replica)
-        await self._unlease(replica, [(replica.lease_ids.pop(lease), lease) for lease in gone])
+        leases = [(replica.lease_ids.pop(lease), lease) for lease in gone]
+        # Shielded: a client that leaves meanwhile must not cut the release short.
+        await asyncio.shield(self._spawn(self._unlease(replica, leases)))
 
     async def _sweep(self) -> None:
         """While spares are kept, every half of `spare_s` give back those idle for at least
@@ -189,12 +191,13 @@ class Leases:
         finally:
             self._freed()
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run a release in the background: it must finish even if the request's task is
         cancelled, so it cannot be awaited in the request's `finally`."""
         task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     def set_degraded(self, degraded: bool) -> None:
         if degraded != self.degraded:
