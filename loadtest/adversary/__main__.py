@@ -33,6 +33,7 @@ def report(run: Run, broken: list[Broken], wall_s: float) -> str:
         f"# Adversary run, seed {run.seed}",
         "",
         f"- gateways: {run.gateways}{' sharing redis-server (stopped, restarted)' if run.gateways > 1 else ''}",
+        *([f"- shared state: {run.state}"] if run.state else []),
         f"- attack: {run.seconds:g} s; wall {wall_s:.0f} s; requests sent {len(run.outcomes)},"
         f" reached a replica {reached}",
         f"- statuses: {', '.join(f'{k}: {v}' for k, v in sorted(statuses.items()))}",

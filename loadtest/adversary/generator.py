@@ -548,3 +548,14 @@ SCORE_FIELDS = (
 
 def fresh_seed() -> int:
     return uuid.uuid4().int % 1_000_000_000
+
+
+def shared_state(seed: int) -> dict[str, Any]:
+    """How a run's gateways share state: quota slices and spare slot leases off, at their
+    defaults, or larger. Drawn apart from the plan, so a seed's requests are the same whatever
+    it draws here."""
+    rng = random.Random(f"state:{seed}")
+    return {
+        "slices": {"fraction": rng.choice((0.0, 0.05, 0.2)), "max_age_s": rng.choice((0.5, 2.0))},
+        "spare_slots_s": rng.choice((0.0, 0.1, 0.5)),
+    }

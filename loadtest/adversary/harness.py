@@ -38,6 +38,7 @@ from loadtest.adversary.generator import (
     Move,
     Plan,
     Planned,
+    shared_state,
 )
 from loadtest.adversary.replica import PIECE, SECRET, Ledger, Replica
 from loadtest.adversary.uploads import MAX_BODY_BYTES
@@ -135,6 +136,7 @@ class Run:
     redis_down: tuple[float, float] | None = None
     redis_leases: int = 0
     logs: Path | None = None
+    state: dict[str, Any] | None = None  # with two gateways, how they share it (`shared_state`)
 
 
 def policy(
@@ -143,7 +145,9 @@ def policy(
     redis_url: str | None,
     gateways: int,
     backend: str = "auto",
+    state: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The gateways' policy; with `redis_url`, shared through it as `state` adds to."""
     pool = {
         "max_concurrency": 12,
         "queue": {"max_depth": 64, "max_wait_s": 5},
@@ -204,6 +208,7 @@ def policy(
             "on_failure": "open",
             "timeout_s": REDIS_TIMEOUT_S,
             "lease_ttl_s": 3,
+            **(state or {}),
         }
     return out
 
@@ -479,6 +484,8 @@ async def execute(
     """One run; its `Run` holds everything the checks read. `backend`: the gateways' tokenizer
     library (`tokenizers` starts three models in a third of the time of `auto`'s self-check)."""
     run = Run(seed, gateways, seconds, logs=logs)
+    if gateways > 1:
+        run.state = shared_state(seed)
     await asyncio.to_thread(logs.mkdir, parents=True, exist_ok=True)
     loading = asyncio.create_task(asyncio.to_thread(replica_counter, MODELS))
     replica = Replica(run.ledger, loading, MAX_MODEL_LEN)
@@ -511,7 +518,12 @@ async def execute(
                 directory_i.mkdir(exist_ok=True)
                 path = directory_i / "policy.yaml"
                 spec = policy(
-                    replicas, metrics_ports[-1], redis_proc and redis_proc.url, gateways, backend
+                    replicas,
+                    metrics_ports[-1],
+                    redis_proc and redis_proc.url,
+                    gateways,
+                    backend,
+                    run.state,
                 )
                 path.write_text(yaml.safe_dump(spec, sort_keys=False))
                 starting.append(gateway_process(path, free_port(), directory_i))
