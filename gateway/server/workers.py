@@ -119,6 +119,7 @@ class Supervisor:
         self.count = count
         self.restarts = 0
         self.exit_code = 0
+        self._served = False  # every worker has been ready at once
         self._procs: dict[int, asyncio.subprocess.Process] = {}
         self._stop = asyncio.Event()
         self._sockets = Path(tempfile.mkdtemp(prefix="llm-gateway-workers-"))
@@ -204,22 +205,25 @@ class Supervisor:
         )
 
     async def _readyz(self, request: web.Request) -> web.Response:
-        """Every worker's `/readyz` 200: the first's body; else the first that is not, or 503
-        naming the worker that does not answer (starting again after a crash)."""
+        """The pod's readiness (the chart's probe with N > 1: on the public port it would reach
+        whichever worker took the connection, one still loading too). Until every worker has
+        been ready at once: 200 when each is, else the first that is not, or 503 naming the
+        worker that does not answer. After that, 200 while any worker is: one that restarts
+        listens only once it serves, so clients reach the others meanwhile, and a draining pod's
+        workers all say 503."""
         answers = await asyncio.gather(*(self._fetch(i, "/readyz") for i in range(self.count)))
-        for index, answer in enumerate(answers):
-            if answer is None or answer[0] != 200:
-                body = (
-                    answer[1]
-                    if answer is not None
-                    else orjson.dumps(
-                        {"ready": False, "worker": index, "answering": False}
-                    ).decode()
-                )
-                return web.Response(status=503, text=body, content_type="application/json")
-        first = answers[0]
-        assert first is not None
-        return web.Response(text=first[1], content_type="application/json")
+        ready = [a for a in answers if a is not None and a[0] == 200]
+        if len(ready) == self.count:
+            self._served = True
+        if self._served and ready:
+            return web.Response(text=ready[0][1], content_type="application/json")
+        index, answer = next((i, a) for i, a in enumerate(answers) if a is None or a[0] != 200)
+        body = (
+            answer[1]
+            if answer is not None
+            else orjson.dumps({"ready": False, "worker": index, "answering": False}).decode()
+        )
+        return web.Response(status=503, text=body, content_type="application/json")
 
     async def run(self) -> int:
         held = _hold_port(self.host, self.port)

@@ -246,8 +246,14 @@ def test_tls_comes_from_a_mounted_secret_cert_manager_issues_and_the_probes_spea
         "cert_file": str(directory / "tls.crt"), "key_file": str(directory / "tls.key"),
     }  # fmt: skip
     (gateway,) = pod["spec"]["containers"]
-    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+    for probe in ("livenessProbe", "startupProbe"):
         assert gateway[probe]["httpGet"]["scheme"] == "HTTPS", probe
+    # A pod of workers is ready as its parent says, on the plain metrics port.
+    assert gateway["readinessProbe"]["httpGet"] == {
+        "path": "/readyz",
+        "port": "metrics",
+        "scheme": "HTTP",
+    }
     metrics = {p["name"]: p["containerPort"] for p in gateway["ports"]}["metrics"]
     assert deployed_policy(objects)["server"]["metrics_port"] == metrics  # scraped over HTTP
     certificate = one(objects, "Certificate", "llm-gateway")

@@ -211,8 +211,18 @@ async def test_a_killed_worker_restarts_a_reload_reaches_both_and_sigterm_drains
     policy = pod_policy(tokenizer_dir, stub.url, fresh_redis.url, metrics_port)
     path = write_policy(tmp_path, policy)
     async with pod(path, metrics_port) as running, aiohttp.ClientSession() as http:
+
+        async def ready() -> int:
+            """The pod's readiness, as the chart's probe reads it with N > 1."""
+            async with http.get(f"{running.metrics_url}/readyz") as resp:
+                return resp.status
+
+        assert await ready() == 200  # both serve
         victim = running.pids()[0]
         os.kill(victim, signal.SIGKILL)
+        await eventually(lambda: running.pids()[0] != victim, within_s=30)
+        # While it loads, the other serves every client (the new one listens once it serves).
+        assert await ready() == 200
         await eventually(lambda: running.listening() == 3, within_s=60)
         assert running.pids()[0] != victim
         # The new worker opened no "starting" listener: its 503s would reach the other's clients.
