@@ -11,9 +11,12 @@ import hashlib
 import json
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.overhead.bodies import MODEL
 from loadtest.overhead.fleet import ROOT
@@ -79,3 +82,17 @@ def explain(policy: Path, body: str, workdir: Path) -> dict[str, Any]:
     )
     result: dict[str, Any] = json.loads(out.stdout)
     return result
+
+
+def counting_backends(gateway_url: str) -> dict[str, str]:
+    """The library the running gateway counts each model with (`llm_token_counter_info`):
+    `explain` counts every model with the tokenizers library, the reference, whatever the
+    gateway chose."""
+    with urllib.request.urlopen(f"{gateway_url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        sample.labels["model"]: sample.labels["backend"]
+        for family in text_string_to_metric_families(text)
+        if family.name == "llm_token_counter_info"
+        for sample in family.samples
+    }

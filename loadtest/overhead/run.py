@@ -46,7 +46,7 @@ from loadtest.overhead.fleet import (
     wait_started,
 )
 from loadtest.overhead.paired import Paired, measure_paired
-from loadtest.overhead.policy import explain, write_policy
+from loadtest.overhead.policy import counting_backends, explain, write_policy
 from loadtest.overhead.report import counting_report, git_revision, machine, report
 from loadtest.overhead.ttfb import TtfbResult, measure_ttfb
 from loadtest.overhead.wrk import Run, measure, run_wrk, static_lua, varying_lua
@@ -119,13 +119,14 @@ def run(
             short_decision = explain(policy, short_body, workdir)
             bodies = {"short": short_body, "classify": sample_classify, "stream": stream_body}
             libraries = []
+            backends = counting_backends(targets["gateway"].url)
             for counted in COUNTED:
                 # A sample (~4.5 characters a token) shows which library the gateway counts the
                 # model with, and that the texts measured alone are counted as the gateway does.
                 chat = prose_chat(counted.model, 4.5, rng)
                 sample = explain(policy, dumps(chat), workdir)
                 lib = Libraries.load(
-                    counted, directories[counted.model], sample["counting_backend"], gateway_threads
+                    counted, directories[counted.model], backends[counted.model], gateway_threads
                 )
                 alone = lib.alone[lib.backend].count(lib.render(chat))
                 if alone != sample["input_tokens"]:
