@@ -413,6 +413,17 @@ async def test_a_pool_a_reload_removes_keeps_its_running_streams_leases_then_giv
 # call that timed out sent the gateway to its local share, which gives every spare back.
 
 
+def spare_policy(
+    tokenizer_dir: Any, replica: str, server: RedisServer, *, cap: int, spare_s: float
+) -> dict[str, Any]:
+    """Redis calls get 2 s (above), and a lease lives far longer than a test: one gone from
+    Redis was given back, not expired."""
+    return shared_policy(
+        tokenizer_dir, replica, server, cap=cap, timeout_s=2.0, lease_ttl_s=60,
+        spare_slots_s=spare_s,
+    )  # fmt: skip
+
+
 class Calls:
     """Counts the slot ledger's lease and release calls a gateway makes to Redis (its real
     `RedisState`, whose methods this wraps and still calls)."""
@@ -437,16 +448,7 @@ async def test_a_request_after_a_request_takes_the_spare_lease_without_a_call(
     fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http
 ) -> None:
     replica = await stub_factory()
-    # Lease lives far longer than the test: a lease gone from Redis was given back, not expired.
-    policy = shared_policy(
-        tokenizer_dir,
-        replica.url,
-        fresh_redis,
-        cap=4,
-        timeout_s=2.0,
-        lease_ttl_s=60,
-        spare_slots_s=0.5,
-    )
+    policy = spare_policy(tokenizer_dir, replica.url, fresh_redis, cap=4, spare_s=0.5)
     gw = await gateway_factory(policy)
     calls = Calls(gw)
     for _ in range(20):
@@ -463,15 +465,7 @@ async def test_spare_slots_zero_gives_every_lease_back_as_it_frees(
     fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http
 ) -> None:
     replica = await stub_factory()
-    policy = shared_policy(
-        tokenizer_dir,
-        replica.url,
-        fresh_redis,
-        cap=4,
-        timeout_s=2.0,
-        lease_ttl_s=60,
-        spare_slots_s=0,
-    )
+    policy = spare_policy(tokenizer_dir, replica.url, fresh_redis, cap=4, spare_s=0)
     gw = await gateway_factory(policy)
     calls = Calls(gw)
     for _ in range(5):
@@ -484,15 +478,7 @@ async def test_spares_are_given_back_when_the_gateway_closes(
     fresh_redis, stub_factory, gateway_factory, tokenizer_dir, http
 ) -> None:
     replica = await stub_factory(delay_s=0.05)
-    policy = shared_policy(
-        tokenizer_dir,
-        replica.url,
-        fresh_redis,
-        cap=4,
-        timeout_s=2.0,
-        lease_ttl_s=60,
-        spare_slots_s=60,
-    )
+    policy = spare_policy(tokenizer_dir, replica.url, fresh_redis, cap=4, spare_s=60)
     gw = await gateway_factory(policy)
     assert await asyncio.gather(*(post(http, gw.url) for _ in range(4))) == [200] * 4
     assert leases(fresh_redis) == 4  # kept as spares for a minute...
@@ -507,15 +493,7 @@ async def test_a_reload_gives_the_spares_back_and_a_smaller_cap_holds_at_once(
     Redis: a reload gives every spare back, and one of a replica that left the pool too."""
     gate = asyncio.Event()
     replica, other = await stub_factory(gate=gate), await stub_factory()
-    policy = shared_policy(
-        tokenizer_dir,
-        replica.url,
-        fresh_redis,
-        cap=3,
-        timeout_s=2.0,
-        lease_ttl_s=60,
-        spare_slots_s=60,
-    )
+    policy = spare_policy(tokenizer_dir, replica.url, fresh_redis, cap=3, spare_s=60)
     first = await gateway_factory(policy)
     second = await gateway_factory({**policy, "state": {**policy["state"], "spare_slots_s": 0}})
     gate.set()
@@ -601,15 +579,9 @@ async def test_a_spare_of_one_class_makes_room_for_a_request_of_another_at_once(
     """A spare holds its replica's room for its own class; a request of another class that
     Redis refuses for that room gets it back, rather than polling until the spare is swept."""
     replica = await stub_factory(delay_s=0.05)
-    policy = shared_policy(
-        tokenizer_dir,
-        replica.url,
-        fresh_redis,
-        cap=2,
-        timeout_s=2.0,
-        lease_ttl_s=60,
-        spare_slots_s=60,  # swept after half a minute
-    )
+    policy = spare_policy(
+        tokenizer_dir, replica.url, fresh_redis, cap=2, spare_s=60
+    )  # swept after half a minute
     policy["classes"] = [
         {"name": "long", "when": {"input_tokens": {"gte": 20}}},
         {"name": "any", "when": {}},
