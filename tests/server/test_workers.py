@@ -97,7 +97,9 @@ def pod_policy(
         "acme": {"keys": [hashed(ACME_KEY)], "rpm": 5},
         "batch": {"keys": [hashed(BATCH_KEY)]},  # no window: only the cap holds it
     }
-    policy["state"] = {"backend": "redis", "url": redis_url}
+    # Calls get 2 s: on a loaded machine one that timed out would send a worker to its local
+    # share of the windows, and the exact counts below would not hold.
+    policy["state"] = {"backend": "redis", "url": redis_url, "timeout_s": 2.0}
     policy["server"] = {"metrics_port": metrics_port, "readiness_delay_s": 0.2}
     policy["admin"] = {"watch_interval_s": 0}  # only a signal reloads
     return policy
@@ -153,7 +155,7 @@ async def test_two_workers_share_the_port_a_cap_and_a_tenants_window_exactly(
         # The tenant's window, 5 requests a minute: a burst of 12 on both workers, held at the
         # replica, takes exactly 5; a window per worker would grant 5 on each.
         burst = [asyncio.create_task(chat(running.url, ACME_KEY)) for _ in range(12)]
-        await eventually(lambda: sum(task.done() for task in burst) == 7, within_s=20)
+        await eventually(lambda: sum(task.done() for task in burst) >= 7, within_s=20)
         async with asyncio.timeout(20):  # the 5 granted reach the replica or wait for a slot
             while stub.stats.running + await waiting() != 5:  # noqa: ASYNC110 - another process
                 await asyncio.sleep(0.05)
