@@ -156,6 +156,7 @@ async def test_two_workers_share_the_port_a_cap_and_a_tenants_window_exactly(
         # replica, takes exactly 5; a window per worker would grant 5 on each.
         burst = [asyncio.create_task(chat(running.url, ACME_KEY)) for _ in range(12)]
         await eventually(lambda: sum(task.done() for task in burst) >= 7, within_s=20)
+        assert [t.result()[0] for t in burst if t.done()] == [429] * 7
         async with asyncio.timeout(20):  # the 5 granted reach the replica or wait for a slot
             while stub.stats.running + await waiting() != 5:  # noqa: ASYNC110 - another process
                 await asyncio.sleep(0.05)
