@@ -258,6 +258,9 @@ def policy(config: AutoscaleConfig, dns_port: int, ports: Mapping[str, int]) -> 
         "pools": pools,
         "classes": list(config.classes or ({"name": "any"},)),
         "routes": list(routes),
+        # The run ends when its load is done: a request a client gave up on meanwhile (a slow
+        # machine's time-out) must not hold the gateway's stop for its whole drain.
+        "server": {"drain_grace_s": 1},
     }
 
 
