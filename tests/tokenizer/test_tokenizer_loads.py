@@ -153,22 +153,21 @@ def test_a_tokenizer_fastokens_fails_to_decode_is_decoded_by_transformers(
     def fails(self: FastokensEncoder, ids: list[int]) -> str:
         raise ValueError("cannot decode")
 
-    own = shutil.copytree(tokenizer_dir, tmp_path / "tokenizer")
     monkeypatch.setattr(FastokensEncoder, "decode", fails)
-    policy = load_policy(write_policy(tmp_path, basic_policy(own, ["http://127.0.0.1:9"])))
-    try:
-        (counter,) = counters(policy)
-        assert counter.backend == "fastokens"
-        assert isinstance(counter.loaded.decoder, TransformersDecoder)
-    finally:
-        policy.close()
+    _counts_with_fastokens_and_decodes_with_transformers(tokenizer_dir, tmp_path)
 
 
 def test_a_tokenizer_fastokens_does_not_decode_alike_keeps_transformers_to_decode(
     tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    own = shutil.copytree(tokenizer_dir, tmp_path / "tokenizer")
     monkeypatch.setattr(loaded, "decoding_disagreement", lambda fast, tokenizer: "ids [0]")
+    _counts_with_fastokens_and_decodes_with_transformers(tokenizer_dir, tmp_path)
+
+
+def _counts_with_fastokens_and_decodes_with_transformers(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    own = shutil.copytree(tokenizer_dir, tmp_path / "tokenizer")
     policy = load_policy(write_policy(tmp_path, basic_policy(own, ["http://127.0.0.1:9"])))
     try:
         (counter,) = counters(policy)
