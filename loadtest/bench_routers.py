@@ -90,6 +90,47 @@ def start_nginx(procs: Fleet, nginx: str, stub: Service) -> Service:
     return procs.start("nginx", argv, port)
 
 
+_NGINX_STUB_CONF = """\
+daemon off;
+worker_processes 1;
+pid {workdir}/nginx-stub.pid;
+error_log stderr warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    client_body_buffer_size 1m;
+    keepalive_requests 1000000;
+    server {{
+        listen {host}:{port};
+        location / {{
+            default_type application/json;
+            return 200 '{answer}';
+        }}
+    }}
+}}
+"""
+
+
+def start_nginx_stub(procs: Fleet, nginx: str, model: str, tokens: int) -> Service:
+    """A replica that costs next to nothing: one nginx worker that answers every request with
+    the same non-streamed chat completion of `tokens` tokens (it reads no body). For a
+    benchmark whose Python stub would take a share of the cores the gateway is measured on."""
+    port = free_port()
+    answer = {
+        "id": "chatcmpl-nginx", "object": "chat.completion", "created": 0, "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": " tok" * tokens},
+                     "finish_reason": "length"}],
+        "usage": {"completion_tokens": tokens, "total_tokens": tokens},
+    }  # fmt: skip
+    conf = procs.workdir / "nginx-stub.conf"
+    text = _NGINX_STUB_CONF.format(
+        workdir=procs.workdir, host=HOST, port=port, answer=json.dumps(answer)
+    )
+    conf.write_text(text)
+    argv = [nginx, "-e", "stderr", "-p", str(procs.workdir), "-c", str(conf)]
+    return procs.start("nginx-stub", argv, port)
+
+
 def start_vllm_router(procs: Fleet, router: str, stub: Service) -> Service:
     port = free_port()
     argv = [router, "--host", HOST, "--port", str(port), "--worker-urls", stub.url]
