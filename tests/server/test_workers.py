@@ -63,6 +63,7 @@ async def pod(policy_path: Path, metrics_port: int, workers: int = 2) -> AsyncIt
         "--workers", str(workers),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "LLM_GATEWAY_ADMIN_TOKEN": ADMIN_TOKEN},
+        start_new_session=True,  # its own process group: the teardown kills every worker in it
     )  # fmt: skip
     assert proc.stderr is not None
     running = Pod(proc, "", f"http://127.0.0.1:{metrics_port}")
@@ -80,12 +81,11 @@ async def pod(policy_path: Path, metrics_port: int, workers: int = 2) -> AsyncIt
         running.url = f"http://127.0.0.1:{port}"
         yield running
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        for pid in running.pids().values():  # a worker the parent's kill left behind
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        # The whole group, workers included, even one whose start the log does not show yet: a
+        # worker left alive holds the parent's stderr open, and the reader would wait on it.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
         await reader
 
 
