@@ -12,7 +12,8 @@ run against what the harness itself saw, never against the gateway's own view al
 - `generator.py`, the seeded sequences of requests (every endpoint, random shapes, tenants and
   client behaviours), replayable from the printed seed; `uploads.py`, multipart bodies;
 - `harness.py`, the processes (one gateway, or two sharing a `redis-server` that is stopped and
-  restarted mid-run) and a `/healthz` ticker in its own process;
+  restarted mid-run) and a `/healthz` ticker in its own process; `slow_link.py`, the gateways'
+  link to that Redis, which holds its replies for a spell;
 - `checks.py`, Q (quota), C (count), L (loop) and S (slots), and R (the refusals drawn), each
   failure naming the promise, the seed and the offending requests.
 

@@ -33,7 +33,19 @@ def report(run: Run, broken: list[Broken], wall_s: float) -> str:
         f"# Adversary run, seed {run.seed}",
         "",
         f"- gateways: {run.gateways}{' sharing redis-server (stopped, restarted)' if run.gateways > 1 else ''}",
-        *([f"- shared state: {run.state}"] if run.state else []),
+        *(
+            [f"- shared state: {run.state}; slots reserved for `tight`: {run.reserve}"]
+            if run.state
+            else []
+        ),
+        *(
+            [
+                f"- Redis's replies held {run.redis_slow[2]:g} s each for"
+                f" {run.redis_slow[1] - run.redis_slow[0]:.1f} s of the attack"
+            ]
+            if run.redis_slow
+            else []
+        ),
         f"- attack: {run.seconds:g} s; wall {wall_s:.0f} s; requests sent {len(run.outcomes)},"
         f" reached a replica {reached}",
         f"- statuses: {', '.join(f'{k}: {v}' for k, v in sorted(statuses.items()))}",

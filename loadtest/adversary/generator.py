@@ -550,6 +550,19 @@ def fresh_seed() -> int:
     return uuid.uuid4().int % 1_000_000_000
 
 
+def reserved_slots(seed: int) -> int:
+    """Slots each replica keeps for the `tight` class with two gateways: 4 or 2 of 12, or none.
+    A reservation makes a gateway's idle spare leases of one class refuse another class's
+    request, which must give them back and ask again. Drawn apart from the plan too."""
+    return random.Random(f"reserve:{seed}").choice((4, 2, 0))
+
+
+def slow_replies(seed: int) -> float:
+    """How long each of Redis's replies is held in the run's slow spell with two gateways: none,
+    late within the gateways' call time-out, or late past it. Drawn apart from the plan too."""
+    return random.Random(f"slow:{seed}").choice((0.0, 0.05, 0.5))
+
+
 def shared_state(seed: int) -> dict[str, Any]:
     """How a run's gateways share state: quota slices and spare slot leases off, at their
     defaults, or larger. Drawn apart from the plan, so a seed's requests are the same whatever

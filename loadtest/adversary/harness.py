@@ -4,8 +4,8 @@ Order: the scripted replicas and a "secret" local service (what a followed redir
 on loopback in this process; `redis-server` when two gateways share state; each gateway a real
 `python -m gateway serve` with a policy written here (Gemma 3, Llama 3 and Qwen 3 on their real
 tokenizers, three tenants whose small TPM/RPM bind); a `/healthz` ticker process per gateway.
-Then a quiet baseline, the plan's moves at their times (Redis stopped and started again in the
-middle when shared), the drain, a quiet period, and a scrape of what everything reports. Every
+Then a quiet baseline, the plan's moves at their times (Redis's replies held for a spell, then
+Redis stopped and started again in the middle, when shared), the drain, a quiet period, and a scrape of what everything reports. Every
 process is stopped on the way out, whatever happened.
 """
 
@@ -38,9 +38,12 @@ from loadtest.adversary.generator import (
     Move,
     Plan,
     Planned,
+    reserved_slots,
     shared_state,
+    slow_replies,
 )
 from loadtest.adversary.replica import PIECE, SECRET, Ledger, Replica
+from loadtest.adversary.slow_link import SlowLink
 from loadtest.adversary.uploads import MAX_BODY_BYTES
 from loadtest.processes import RedisServer, free_port
 from loadtest.processes import gateway as gateway_process
@@ -62,6 +65,7 @@ CLIENT_CONCURRENCY = 48
 REQUEST_TIMEOUT_S = 40.0
 SLOW_READ_S = 0.004  # per 4 KiB a slow client reads
 REDIS_DOWN = (0.35, 0.55)  # shares of the run: Redis stopped, then started again (empty)
+REDIS_SLOW = (0.1, 0.25)  # shares of the run: Redis's replies held (`slow_replies`)
 REDIS_TIMEOUT_S = 0.2  # the gateways' bound on a Redis call
 # One pool's `max_output_tokens`: the generator's bounds (up to 3,000, times `n` up to 2) cross
 # it, and the checks expect its refusal (`checks.check_refusals`).
@@ -134,9 +138,12 @@ class Run:
     ticks: list[list[tuple[float, float, float]]] = field(default_factory=list)
     attack: tuple[float, float] = (0.0, 0.0)
     redis_down: tuple[float, float] | None = None
+    # When Redis's replies were held, and how long each: (from, to, seconds)
+    redis_slow: tuple[float, float, float] | None = None
     redis_leases: int = 0
     logs: Path | None = None
     state: dict[str, Any] | None = None  # with two gateways, how they share it (`shared_state`)
+    reserve: int = 0  # with two gateways, a replica's slots kept for `tight` (`reserved_slots`)
 
 
 def policy(
@@ -146,10 +153,13 @@ def policy(
     gateways: int,
     backend: str = "auto",
     state: dict[str, Any] | None = None,
+    reserve: int = 0,
 ) -> dict[str, Any]:
-    """The gateways' policy; with `redis_url`, shared through it as `state` adds to."""
+    """The gateways' policy; with `redis_url`, shared through it as `state` adds to; with
+    `reserve`, each replica keeps that many of its slots for the `tight` class."""
     pool = {
         "max_concurrency": 12,
+        **({"reserve": {"tight": reserve}} if reserve else {}),
         "queue": {"max_depth": 64, "max_wait_s": 5},
         "timeouts": {"connect_s": 2, "first_token_s": 3, "read_s": 3, "total_s": 30},
         "health": {"interval_s": 1, "reconcile_interval_s": 0},
@@ -420,7 +430,13 @@ async def _watch_lags(run: Run, ports: list[int]) -> None:
             await asyncio.sleep(1.0)
 
 
-async def _play(run: Run, plan: Plan, urls: list[str], redis_proc: RedisServer | None) -> None:
+async def _play(
+    run: Run,
+    plan: Plan,
+    urls: list[str],
+    redis_proc: RedisServer | None,
+    link: SlowLink | None,
+) -> None:
     limit = asyncio.Semaphore(CLIENT_CONCURRENCY)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     ids: dict[str, str | None] = {}
@@ -458,9 +474,19 @@ async def _play(run: Run, plan: Plan, urls: list[str], redis_proc: RedisServer |
             await asyncio.to_thread(redis_proc.start)
             run.redis_down = (down, time.time())
 
+        async def slow(held_s: float) -> None:
+            assert link is not None
+            await asyncio.sleep(run.seconds * REDIS_SLOW[0])
+            began, link.delay_s = time.time(), held_s
+            await asyncio.sleep(run.seconds * (REDIS_SLOW[1] - REDIS_SLOW[0]))
+            link.delay_s = 0.0
+            run.redis_slow = (began, time.time(), held_s)
+
         tasks = [asyncio.create_task(move(m)) for m in plan.moves]
         if redis_proc is not None:
             tasks.append(asyncio.create_task(outage()))
+        if link is not None and (held_s := slow_replies(run.seed)):
+            tasks.append(asyncio.create_task(slow(held_s)))
         done, pending = await asyncio.wait(tasks, timeout=run.seconds + DRAIN_S)
         for task in pending:
             task.cancel()
@@ -485,7 +511,7 @@ async def execute(
     library (`tokenizers` starts three models in a third of the time of `auto`'s self-check)."""
     run = Run(seed, gateways, seconds, logs=logs)
     if gateways > 1:
-        run.state = shared_state(seed)
+        run.state, run.reserve = shared_state(seed), reserved_slots(seed)
     await asyncio.to_thread(logs.mkdir, parents=True, exist_ok=True)
     loading = asyncio.create_task(asyncio.to_thread(replica_counter, MODELS))
     replica = Replica(run.ledger, loading, MAX_MODEL_LEN)
@@ -508,9 +534,12 @@ async def execute(
                 ]
                 for m in MODELS
             }
+            link, redis_url = None, None
             if redis_proc is not None:
                 redis_proc.start()
                 stack.callback(redis_proc.stop)
+                link = SlowLink(redis_proc.port)
+                redis_url = await stack.enter_async_context(link.serving())
             metrics_ports, starting = [], []
             for i in range(gateways):
                 metrics_ports.append(free_port())
@@ -520,10 +549,11 @@ async def execute(
                 spec = policy(
                     replicas,
                     metrics_ports[-1],
-                    redis_proc and redis_proc.url,
+                    redis_url,
                     gateways,
                     backend,
                     run.state,
+                    run.reserve,
                 )
                 path.write_text(yaml.safe_dump(spec, sort_keys=False))
                 starting.append(gateway_process(path, free_port(), directory_i))
@@ -539,7 +569,7 @@ async def execute(
             run.started = time.time()
             watching = asyncio.create_task(_watch_lags(run, metrics_ports))
             try:
-                await _play(run, plan, urls, redis_proc)
+                await _play(run, plan, urls, redis_proc, link)
             finally:
                 watching.cancel()
             run.attack = (run.started, time.time())

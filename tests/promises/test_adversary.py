@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
+from redis import exceptions as redis_errors
 
 from gateway.state.failover import RETRY_S
 from loadtest.adversary.checks import check, check_quota, check_refusals, check_slo
@@ -25,11 +27,14 @@ from loadtest.adversary.harness import (
     execute,
 )
 from loadtest.adversary.replica import Arrival, Script
+from loadtest.adversary.slow_link import SlowLink
 from loadtest.real_tokenizers import directory
 
 SECONDS = 10.0  # of attack; the gateways' start (three real tokenizers) takes longer than that
 
 FRESH = fresh_seed()
+# Seed 36's two gateways draw quota slices of 0.2, spare slot leases of 0.5 s, and 4 slots of
+# each replica reserved for `tight`: a spare of one class held when the other's request comes.
 
 
 @pytest.mark.parametrize(
@@ -85,11 +90,14 @@ def test_the_independent_count_converts_messages_as_vllm_does() -> None:
     ]
 
 
-def _after_a_restart(first_sent_s: float) -> Run:
-    """A run whose Redis was away from +3.5 s to +5.6 s, and a tenant that got 0.6 of its TPM
-    in 6 requests sent from `first_sent_s` on, then, from a second later, its whole TPM in 20."""
+def _after_a_restart(first_sent_s: float, **redis: tuple[float, ...]) -> Run:
+    """A run whose Redis was away from +3.5 s to +5.6 s (or as `redis` says), and a tenant
+    that got 0.6 of its TPM in 6 requests sent from `first_sent_s` on, then, from a second
+    later, its whole TPM in 20."""
     tpm = TENANTS["beta"][0]
     run = Run(seed=36, gateways=2, seconds=10.0, started=1000.0, redis_down=(1003.5, 1005.6))
+    for name, value in redis.items():
+        setattr(run, name, value)
     sends = [(first_sent_s + i / 10, tpm // 10) for i in range(6)]
     sends += [(first_sent_s + 1 + i / 10, tpm // 20) for i in range(20)]
     for i, (at, tokens) in enumerate(sends):
@@ -110,6 +118,35 @@ def test_a_window_from_redis_return_allows_the_gateways_retry_only():
     retried = 5.6 + REDIS_TIMEOUT_S + RETRY_S
     assert not check_quota(_after_a_restart(5.6 + 0.05))
     assert check_quota(_after_a_restart(retried + 0.05))
+
+
+def test_redis_late_past_the_time_out_allows_one_more_tpm_and_late_within_it_none():
+    """Replies held past the gateways' call time-out send them to their local shares while
+    Redis keeps what it did: a window that sees it may hold one more TPM (this tenant's 1.6),
+    not two; replies held less are waited for, and the window is held to its TPM."""
+    spell = (1001.0, 1002.5)
+    late = _after_a_restart(1.2, redis_down=None, redis_slow=(*spell, 0.5))
+    assert not check_quota(late)
+    assert check_quota(_after_a_restart(1.2, redis_down=None, redis_slow=(*spell, 0.05)))
+    assert check_quota(_after_a_restart(1.2, redis_down=None))
+
+
+async def test_the_slow_link_holds_redis_replies_and_closes_with_redis(fresh_redis) -> None:
+    link = SlowLink(fresh_redis.port)
+    async with link.serving() as url:
+        client = aioredis.Redis.from_url(url, socket_timeout=0.2)
+        try:
+            assert await client.ping()
+            link.delay_s = 0.5
+            with pytest.raises(redis_errors.TimeoutError):
+                await client.ping()
+            link.delay_s = 0.0
+            assert await client.ping()
+            fresh_redis.stop()
+            with pytest.raises(redis_errors.ConnectionError):
+                await client.ping()
+        finally:
+            await client.aclose()
 
 
 def test_the_independent_count_drops_empty_text_parts_as_vllm_does() -> None:
