@@ -490,10 +490,13 @@ class RedisState:
         if len(calls) == 1:
             await self._run(self._adjust, *calls[0])
         elif calls:
-            pipe = self.client.pipeline(transaction=False)
-            for keys, args in calls:
-                await self._adjust(keys=keys, args=args, client=pipe)
-            await self._bounded(pipe.execute())
+            # Closed on the way out: a time-out during the scripts' check, which `execute`
+            # makes before the part that gives its connection back, would keep that
+            # connection from the pool for good, and a pool emptied so fails every call.
+            async with self.client.pipeline(transaction=False) as pipe:
+                for keys, args in calls:
+                    await self._adjust(keys=keys, args=args, client=pipe)
+                await self._bounded(pipe.execute())
 
     def _adjust_call(self, corrections: Sequence[Correction]) -> tuple[list[str], list[Any]]:
         args: list[Any] = [self._now(), WINDOW_S]

@@ -10,6 +10,7 @@ to 1/N local limits or closed to a fast 503, and shared limits return with Redis
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -36,6 +37,7 @@ from gateway.state.base import StateUnreachable
 from gateway.state.build import build_state
 from gateway.state.failover import FailoverState
 from gateway.state.redis import RedisState
+from loadtest.adversary.slow_link import SlowLink
 from tests.conftest import RedisServer, RunningGateway, eventually, paced
 from tests.request.test_quotas import Clock, chat, quota_policy, sized
 
@@ -207,6 +209,32 @@ async def test_a_hung_redis_fails_within_the_time_out(black_hole: str) -> None:
     result = await opened.reserve(limits)
     assert isinstance(result, Reservation) and result.windows[0].limit == 50  # 1/2 locally
     await opened.close()
+
+
+async def test_a_redis_that_answers_late_gets_every_connection_back(
+    fresh_redis: RedisServer,
+) -> None:
+    """Corrections of two tenants go in one pipeline, whose scripts are checked before the
+    part of `execute` that gives its connection back. A reply later than the time-out there
+    kept that connection from the pool for good: with a pool of one, every later call failed
+    though Redis answered again. Found by the adversary's slow Redis."""
+    link = SlowLink(fresh_redis.port)
+    async with link.serving() as url:
+        state = RedisState(url, timeout_s=0.2, max_connections=1)
+        a, b = TenantWindow("a", "tokens"), TenantWindow("b", "tokens")
+        charges = [await state.reserve([Limit(key, 10, 1000)]) for key in (a, b)]
+        assert all(isinstance(c, Reservation) for c in charges)
+        fixes = [Correction(key, c.id, 10, 5) for key, c in zip((a, b), charges, strict=True)]
+        await state.adjust(fixes)
+        link.delay_s = 0.5
+        for _ in range(4):
+            with pytest.raises((TimeoutError, redis.RedisError)):
+                await state.adjust(fixes)
+        link.delay_s = 0.0
+        await asyncio.sleep(0.6)  # the replies held are delivered, or dropped with their link
+        gc.collect()  # what a lost pipeline holds is let go only when it is collected
+        assert isinstance(await state.reserve([Limit(a, 1, 1000)]), Reservation)
+        await state.close()
 
 
 async def test_each_worker_of_a_pod_is_one_more_gateway_failing_open() -> None:
