@@ -297,6 +297,15 @@ def check_slots(run: Run) -> list[Broken]:
         broken.append(Broken("S", f"the replicas still hold {run.ledger.open_requests} requests"))
     if run.redis_leases:
         broken.append(Broken("S", f"Redis still holds {run.redis_leases} live slot leases"))
+    for i, reports in enumerate(run.asyncio_reports):
+        if reports:
+            broken.append(
+                Broken(
+                    "S",
+                    f"gateway {i}: asyncio reported {len(reports)} resources lost, first:"
+                    f" {reports[0].split(' ERROR asyncio: ', 1)[1][:200]}",
+                )
+            )
     twice = [n for n, lines in _log_by_nonce(run).items() if len(lines) > 1]
     if twice:
         broken.append(Broken("S", f"{len(twice)} requests logged (charged) more than once", twice))

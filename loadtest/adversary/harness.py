@@ -141,6 +141,9 @@ class Run:
     # When Redis's replies were held, and how long each: (from, to, seconds)
     redis_slow: tuple[float, float, float] | None = None
     redis_leases: int = 0
+    # Per gateway, what asyncio itself logged (at ERROR): a task's exception nobody read, a task
+    # destroyed while pending, a client or transport never closed: each a resource lost.
+    asyncio_reports: list[list[str]] = field(default_factory=list)
     logs: Path | None = None
     state: dict[str, Any] | None = None  # with two gateways, how they share it (`shared_state`)
     reserve: int = 0  # with two gateways, a replica's slots kept for `tight` (`reserved_slots`)
@@ -587,6 +590,8 @@ async def execute(
         for line in lines:
             with contextlib.suppress(orjson.JSONDecodeError):
                 run.access.append({**orjson.loads(line), "gateway": i})
+        text = (logs / f"gateway-{i}" / "gateway.log").read_text(errors="replace")
+        run.asyncio_reports.append([x for x in text.splitlines() if " ERROR asyncio: " in x])
     return run
 
 
