@@ -53,82 +53,63 @@ TARGET_RATIO = 1.5  # the gateway's added p50 over vllm-router's, at most (issue
 _NGINX_CONF = """\
 daemon off;
 worker_processes 1;
-pid {workdir}/nginx.pid;
+pid {workdir}/{name}.pid;
 error_log stderr warn;
 events {{ worker_connections 1024; }}
 http {{
     access_log off;
     client_body_buffer_size 1m;
     keepalive_requests 1000000;
-    upstream stub {{ server {upstream}; keepalive 16; keepalive_requests 1000000; }}
+    {upstream}
     server {{
         listen {host}:{port};
         location / {{
-            proxy_pass http://stub;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
+{location}
         }}
     }}
 }}
 """
+_PROXY_TO_STUB = """\
+            proxy_pass http://stub;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;"""
 
 
 def find_nginx() -> str | None:
     return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
 
 
-def start_nginx(procs: Fleet, nginx: str, stub: Service) -> Service:
-    """One nginx worker proxying to the stub over kept-alive connections, no access log; a
-    connection is never closed after its 1,000th request (nginx's default) in a paired run."""
+def _start_nginx(procs: Fleet, nginx: str, name: str, upstream: str, location: str) -> Service:
+    """One nginx worker, no access log, its `location /` as given, on a free port."""
     port = free_port()
-    conf = procs.workdir / "nginx.conf"
-    upstream = stub.url.removeprefix("http://")
-    text = _NGINX_CONF.format(workdir=procs.workdir, upstream=upstream, host=HOST, port=port)
-    conf.write_text(text)
+    conf = procs.workdir / f"{name}.conf"
+    values = {"workdir": procs.workdir, "name": name, "upstream": upstream, "host": HOST}
+    conf.write_text(_NGINX_CONF.format(**values, port=port, location=location))
     argv = [nginx, "-e", "stderr", "-p", str(procs.workdir), "-c", str(conf)]
-    return procs.start("nginx", argv, port)
+    return procs.start(name, argv, port)
 
 
-_NGINX_STUB_CONF = """\
-daemon off;
-worker_processes 1;
-pid {workdir}/nginx-stub.pid;
-error_log stderr warn;
-events {{ worker_connections 1024; }}
-http {{
-    access_log off;
-    client_body_buffer_size 1m;
-    keepalive_requests 1000000;
-    server {{
-        listen {host}:{port};
-        location / {{
-            default_type application/json;
-            return 200 '{answer}';
-        }}
-    }}
-}}
-"""
+def start_nginx(procs: Fleet, nginx: str, stub: Service) -> Service:
+    """nginx proxying to the stub over kept-alive connections; a connection is never closed
+    after its 1,000th request (nginx's default) in a paired run."""
+    server = stub.url.removeprefix("http://")
+    upstream = f"upstream stub {{ server {server}; keepalive 16; keepalive_requests 1000000; }}"
+    return _start_nginx(procs, nginx, "nginx", upstream, _PROXY_TO_STUB)
 
 
 def start_nginx_stub(procs: Fleet, nginx: str, model: str, tokens: int) -> Service:
-    """A replica that costs next to nothing: one nginx worker that answers every request with
-    the same non-streamed chat completion of `tokens` tokens (it reads no body). For a
-    benchmark whose Python stub would take a share of the cores the gateway is measured on."""
-    port = free_port()
+    """A replica that costs next to nothing: nginx answering every request with the same
+    non-streamed chat completion of `tokens` tokens (it reads no body). For a benchmark whose
+    Python stub would take a share of the cores the gateway is measured on."""
     answer = {
         "id": "chatcmpl-nginx", "object": "chat.completion", "created": 0, "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": " tok" * tokens},
                      "finish_reason": "length"}],
         "usage": {"completion_tokens": tokens, "total_tokens": tokens},
     }  # fmt: skip
-    conf = procs.workdir / "nginx-stub.conf"
-    text = _NGINX_STUB_CONF.format(
-        workdir=procs.workdir, host=HOST, port=port, answer=json.dumps(answer)
-    )
-    conf.write_text(text)
-    argv = [nginx, "-e", "stderr", "-p", str(procs.workdir), "-c", str(conf)]
-    return procs.start("nginx-stub", argv, port)
+    location = f"            default_type application/json;\n            return 200 '{json.dumps(answer)}';"
+    return _start_nginx(procs, nginx, "nginx-stub", "", location)
 
 
 def start_vllm_router(procs: Fleet, router: str, stub: Service) -> Service:
