@@ -84,8 +84,9 @@ soak: $(STAMP)
 	$(BIN)/python -m loadtest.soak
 
 # The generative adversary's long profile (issue 35's promises): 10 minutes against one gateway,
-# then 10 against two sharing redis-server; a fresh seed each, printed, and a report per run in
-# loadtest/out/. Replay one: `python -m loadtest.adversary --seed N --seconds 600 [--gateways 2]`.
+# 10 against two sharing redis-server, then 10 against a pod of two workers sharing it; a fresh
+# seed each, printed, and a report per run in loadtest/out/. Replay one:
+# `python -m loadtest.adversary --seed N --seconds 600 [--gateways 2] [--workers 2]`.
 FUZZ_SECONDS ?= 600
 fuzz: $(STAMP)
 	tests/setup/tools.sh $(VENV)
@@ -93,7 +94,9 @@ fuzz: $(STAMP)
 		--gateways 1 --out loadtest/out/fuzz-one-gateway.md; one=$$?; \
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m loadtest.adversary --seconds $(FUZZ_SECONDS) \
 		--gateways 2 --out loadtest/out/fuzz-two-gateways.md; two=$$?; \
-	test $$one -eq 0 -a $$two -eq 0
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m loadtest.adversary --seconds $(FUZZ_SECONDS) \
+		--workers 2 --out loadtest/out/fuzz-pod.md; pod=$$?; \
+	test $$one -eq 0 -a $$two -eq 0 -a $$pod -eq 0
 
 bench-vllm: $(STAMP)
 	VLLM_PYTHON=$$(tests_vllm/vllm_env.sh) && \

@@ -92,14 +92,17 @@ async def python_process(
 
 @contextlib.asynccontextmanager
 async def gateway(
-    policy: Path, port: int, logs: Path, host: str = "127.0.0.1"
+    policy: Path, port: int, logs: Path, host: str = "127.0.0.1", workers: int = 1
 ) -> AsyncIterator[str]:
-    """`python -m gateway serve` on `host:port`, ready; yields its URL. Its access log goes to
-    `logs/access.jsonl`, its own log to `logs/gateway.log`."""
+    """`python -m gateway serve` on `host:port` (`--workers N` with N > 1), ready; yields its
+    URL. Its access log goes to `logs/access.jsonl`, its own log to `logs/gateway.log` (a pod's
+    workers write theirs there too)."""
     url = f"http://{host}:{port}"
     log_path = logs / "gateway.log"
     with (logs / "access.jsonl").open("wb") as access, log_path.open("wb") as errors:
-        argv = ("-m", "gateway", "serve", "--policy", str(policy), "--host", host)
+        argv: tuple[str, ...] = ("-m", "gateway", "serve", "--policy", str(policy), "--host", host)
+        if workers > 1:
+            argv += ("--workers", str(workers))
         async with python_process(*argv, "--port", str(port), stdout=access, stderr=errors) as proc:
             await _wait_ready(url, proc, log_path)
             yield url

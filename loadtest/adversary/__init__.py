@@ -12,10 +12,11 @@ run against what the harness itself saw, never against the gateway's own view al
 - `generator.py`, the seeded sequences of requests (every endpoint, random shapes, tenants and
   client behaviours), replayable from the printed seed; `uploads.py`, multipart bodies;
 - `harness.py`, the processes (one gateway, or two sharing a `redis-server` that is stopped and
-  restarted mid-run) and a `/healthz` ticker in its own process; `slow_link.py`, the gateways'
+  restarted mid-run, or a pod of two workers sharing one: `serve --workers 2`) and a `/healthz`
+  ticker in its own process; `slow_link.py`, the gateways'
   link to that Redis, which holds its replies for a spell;
 - `checks.py`, Q (quota), C (count), L (loop) and S (slots), and R (the refusals drawn), each
   failure naming the promise, the seed and the offending requests.
 
-    python -m loadtest.adversary --seed 7 --seconds 60 [--gateways 2] [--out loadtest/out/...]
+    python -m loadtest.adversary --seed 7 --seconds 60 [--gateways 2] [--workers 2] [--out loadtest/out/...]
 """

@@ -1,6 +1,6 @@
 """`python -m loadtest.adversary`: one run (or runs until a promise breaks), then the checks.
 
-    python -m loadtest.adversary --seed 7 --seconds 60 [--gateways 2] [--out FILE]
+    python -m loadtest.adversary --seed 7 --seconds 60 [--gateways 2] [--workers 2] [--out FILE]
     python -m loadtest.adversary --seconds 20 --until Q    # fresh seeds until Q breaks
     python -m loadtest.adversary --seconds 20 --until L:tiny_events   # ... naming that move
 
@@ -32,7 +32,8 @@ def report(run: Run, broken: list[Broken], wall_s: float) -> str:
     lines = [
         f"# Adversary run, seed {run.seed}",
         "",
-        f"- gateways: {run.gateways}{' sharing redis-server (stopped, restarted)' if run.gateways > 1 else ''}",
+        f"- gateways: {run.gateways}{f', each a pod of {run.workers} workers' if run.workers > 1 else ''}"
+        f"{' sharing redis-server (stopped, restarted)' if run.state is not None else ''}",
         *(
             [f"- shared state: {run.state}; slots reserved for `tight`: {run.reserve}"]
             if run.state
@@ -55,7 +56,7 @@ def report(run: Run, broken: list[Broken], wall_s: float) -> str:
             for i, (base, worst) in enumerate(worst_loop(run))
         ),
         f"- replay: `python -m loadtest.adversary --seed {run.seed} --seconds {run.seconds:g}"
-        f" --gateways {run.gateways}`",
+        f" --gateways {run.gateways}{f' --workers {run.workers}' if run.workers > 1 else ''}`",
         "",
         "## Broken promises" if broken else "## All promises held",
         "",
@@ -65,10 +66,10 @@ def report(run: Run, broken: list[Broken], wall_s: float) -> str:
 
 
 async def once(
-    seed: int, seconds: float, gateways: int, logs: Path, backend: str
+    seed: int, seconds: float, gateways: int, logs: Path, backend: str, workers: int
 ) -> tuple[Run, list[Broken], float]:
     started = time.monotonic()
-    run = await execute(seed, seconds, gateways, logs, backend)
+    run = await execute(seed, seconds, gateways, logs, backend, workers)
     return run, check(run), time.monotonic() - started
 
 
@@ -82,6 +83,13 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--gateways", type=int, choices=(1, 2), default=1)
+    parser.add_argument(
+        "--workers",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="each gateway a pod of this many (`serve --workers`), sharing Redis",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
         "--backend",
@@ -106,7 +114,7 @@ def main() -> int:
         )
         with tempfile.TemporaryDirectory(prefix="adversary-") as logs:
             run, broken, wall = asyncio.run(
-                once(seed, args.seconds, args.gateways, Path(logs), args.backend)
+                once(seed, args.seconds, args.gateways, Path(logs), args.backend, args.workers)
             )
         text = report(run, broken, wall)
         print(text, flush=True)

@@ -126,6 +126,7 @@ class Run:
     seed: int
     gateways: int
     seconds: float
+    workers: int = 1  # a gateway's: with more than one, each gateway is a pod
     started: float = 0.0
     outcomes: list[Outcome] = field(default_factory=list)
     ledger: Ledger = field(default_factory=Ledger)
@@ -351,14 +352,14 @@ def _response_id(raw: bytes, stream: bool) -> str | None:
 
 
 async def _ticker(
-    url: str, pid: int, into: list[tuple[float, float, float]]
+    url: str, pids: list[int], into: list[tuple[float, float, float]]
 ) -> AsyncIterator[None]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "loadtest.adversary.ticker",
         url,
-        str(pid),
+        ",".join(map(str, pids)),
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
     )
@@ -387,15 +388,25 @@ async def _ticker(
 ticker = contextlib.asynccontextmanager(_ticker)
 
 
-def _serving(policy: Path) -> int:
-    """The process id of the gateway serving `policy` (its command line names it)."""
+def _serving(policy: Path) -> list[int]:
+    """The process ids serving `policy` (their command lines name it): a gateway, or a pod's
+    parent and workers."""
+    found = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             with contextlib.suppress(OSError):
                 argv = (proc / "cmdline").read_bytes().split(b"\0")
                 if b"serve" in argv and str(policy).encode() in argv:
-                    return int(proc.name)
-    raise RuntimeError(f"no process serves {policy}")
+                    found.append(int(proc.name))
+    return found
+
+
+async def _all_serving(policy: Path, processes: int) -> list[int]:
+    """`_serving(policy)` once all `processes` run: a pod's workers start after its parent."""
+    async with asyncio.timeout(60):
+        while len(pids := _serving(policy)) < processes:  # noqa: ASYNC110 - another process
+            await asyncio.sleep(0.1)
+    return pids
 
 
 async def _scrape(http: aiohttp.ClientSession, port: int) -> str:
@@ -413,7 +424,10 @@ def lags_over(metrics: str) -> float:
     """Observations of `llm_event_loop_lag_seconds` over LAG_S in a scrape."""
     for family in text_string_to_metric_families(metrics):
         if family.name == "llm_event_loop_lag_seconds":
-            buckets = {s.labels.get("le"): s.value for s in family.samples if "le" in s.labels}
+            buckets: dict[str | None, float] = {}
+            for s in family.samples:  # a pod's workers each have theirs
+                if "le" in s.labels:
+                    buckets[s.labels["le"]] = buckets.get(s.labels["le"], 0.0) + s.value
             return buckets.get("+Inf", 0.0) - buckets.get(str(LAG_S), 0.0)
     return 0.0
 
@@ -508,19 +522,21 @@ def replica_counter(models: tuple[str, ...]) -> Counter:
 
 
 async def execute(
-    seed: int, seconds: float, gateways: int, logs: Path, backend: str = "auto"
+    seed: int, seconds: float, gateways: int, logs: Path, backend: str = "auto", workers: int = 1
 ) -> Run:
     """One run; its `Run` holds everything the checks read. `backend`: the gateways' tokenizer
-    library (`tokenizers` starts three models in a third of the time of `auto`'s self-check)."""
-    run = Run(seed, gateways, seconds, logs=logs)
-    if gateways > 1:
+    library (`tokenizers` starts three models in a third of the time of `auto`'s self-check);
+    `workers`: each gateway a pod of that many (`serve --workers`), sharing Redis as two
+    gateways do."""
+    run = Run(seed, gateways, seconds, logs=logs, workers=workers)
+    if gateways > 1 or workers > 1:
         run.state, run.reserve = shared_state(seed), reserved_slots(seed)
     await asyncio.to_thread(logs.mkdir, parents=True, exist_ok=True)
     loading = asyncio.create_task(asyncio.to_thread(replica_counter, MODELS))
     replica = Replica(run.ledger, loading, MAX_MODEL_LEN)
     secret = web.Application()
     secret.router.add_route("*", "/{tail:.*}", lambda _: _secret_answer())
-    redis_proc = RedisServer() if gateways > 1 else None
+    redis_proc = RedisServer() if gateways > 1 or workers > 1 else None
     plan = Generator(seed, list(MODELS), list(TENANTS), gateways, slo_models=tuple(SLO)).plan(
         seconds
     )
@@ -559,14 +575,16 @@ async def execute(
                     run.reserve,
                 )
                 path.write_text(yaml.safe_dump(spec, sort_keys=False))
-                starting.append(gateway_process(path, free_port(), directory_i))
+                starting.append(gateway_process(path, free_port(), directory_i, workers=workers))
             log(f"starting {gateways} gateway(s) and loading the replica's tokenizers")
             urls = await asyncio.gather(*(stack.enter_async_context(g) for g in starting))
             await loading
             for i, url in enumerate(urls):
                 run.ticks.append([])
-                pid = _serving(logs / f"gateway-{i}" / "policy.yaml")
-                await stack.enter_async_context(ticker(url, pid, run.ticks[-1]))
+                pids = await _all_serving(
+                    logs / f"gateway-{i}" / "policy.yaml", 1 + workers if workers > 1 else 1
+                )
+                await stack.enter_async_context(ticker(url, pids, run.ticks[-1]))
             log(f"{gateways} gateway(s) ready; quiet baseline {BASELINE_S:g} s")
             await asyncio.sleep(BASELINE_S)
             run.started = time.time()

@@ -2,7 +2,8 @@
 
 In its own process so nothing the harness does (clients, the scripted replica, counting)
 delays it: what it sees late is the gateway's loop, or the machine. Every `TICK_S` it asks
-`/healthz` on one kept-alive connection and, once a second, prints that second's worst
+`/healthz` on one kept-alive connection (on a new one each time in front of a pod of workers,
+so that the kernel spreads the ticks over them) and, once a second, prints that second's worst
 latency and the worst part of a latency the machine does not explain:
 `<unix time> <worst seconds> <worst unexplained seconds>`. Runs until its stdin closes.
 
@@ -13,7 +14,7 @@ holding the GIL the loop waits for) and this ticker's own is taken off the laten
 that was runnable and not scheduled held nothing, a loop busy or blocked on its own work did.
 Two busy cores shared with other processes then still give a clean witness.
 
-    python -m loadtest.adversary.ticker http://127.0.0.1:PORT GATEWAY_PID
+    python -m loadtest.adversary.ticker http://127.0.0.1:PORT GATEWAY_PID[,PID...]
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ from pathlib import Path
 import aiohttp
 
 TICK_S = 0.007
+
+
+def runqueue_waits_of(pids: list[int]) -> dict[int, int]:
+    """`runqueue_waits` of every process of a gateway (a pod: its parent and workers)."""
+    return {tid: wait for pid in pids for tid, wait in runqueue_waits(pid).items()}
 
 
 def runqueue_waits(pid: int) -> dict[int, int]:
@@ -46,17 +52,17 @@ def longest_wait(before: dict[int, int], after: dict[int, int]) -> float:
     return max((w - before.get(t, w) for t, w in after.items()), default=0) / 1e9
 
 
-async def tick(url: str, gateway_pid: int) -> None:
+async def tick(url: str, gateway_pids: list[int]) -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     closed = asyncio.ensure_future(reader.read())
-    connector = aiohttp.TCPConnector(limit=1)
+    connector = aiohttp.TCPConnector(limit=1, force_close=len(gateway_pids) > 1)
     timeout = aiohttp.ClientTimeout(total=30)
     own = os.getpid()
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
         second, worst, unexplained = int(time.time()), 0.0, 0.0
-        gateway, mine = runqueue_waits(gateway_pid), runqueue_waits(own)
+        gateway, mine = runqueue_waits_of(gateway_pids), runqueue_waits(own)
         while not closed.done():
             started = time.perf_counter()
             try:
@@ -65,7 +71,7 @@ async def tick(url: str, gateway_pid: int) -> None:
             except (aiohttp.ClientError, TimeoutError):
                 pass  # a gateway stopping: the harness reads the latency, not the status
             latency = time.perf_counter() - started
-            now_gateway, now_mine = runqueue_waits(gateway_pid), runqueue_waits(own)
+            now_gateway, now_mine = runqueue_waits_of(gateway_pids), runqueue_waits(own)
             waited = longest_wait(gateway, now_gateway) + longest_wait(mine, now_mine)
             gateway, mine = now_gateway, now_mine
             worst = max(worst, latency)
@@ -78,4 +84,4 @@ async def tick(url: str, gateway_pid: int) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(tick(sys.argv[1], int(sys.argv[2])))
+    asyncio.run(tick(sys.argv[1], [int(pid) for pid in sys.argv[2].split(",")]))

@@ -1,8 +1,9 @@
 """The generative adversary's short profile: issue 35's promises Q, C, L and S (and no redirect
 followed) after a seeded run of random requests on every endpoint against the real gateway as a
-process, behind a replica that lies on cue; one gateway, and two sharing a real `redis-server`
-that is stopped and restarted mid-run. Two fixed seeds, and one fresh seed each session, printed
-in the failure with the command that replays it. The long profile is `make fuzz`."""
+process, behind a replica that lies on cue; one gateway, two sharing a real `redis-server` that
+is stopped and restarted mid-run, and one pod of two workers (`serve --workers 2`, as the chart
+runs it) sharing one likewise. Three fixed seeds, and one fresh seed each session, printed in
+the failure with the command that replays it. The long profile is `make fuzz`."""
 
 from __future__ import annotations
 
@@ -38,15 +39,19 @@ FRESH = fresh_seed()
 
 
 @pytest.mark.parametrize(
-    ("seed", "gateways"), [(35, 1), (36, 2), (FRESH, 1)], ids=["fixed-one", "fixed-two", "fresh"]
+    ("seed", "gateways", "workers"),
+    [(35, 1, 1), (36, 2, 1), (37, 1, 2), (FRESH, 1, 1)],
+    ids=["fixed-one", "fixed-two", "fixed-pod", "fresh"],
 )
-async def test_promises_hold_against_the_adversary(tmp_path: Path, seed: int, gateways: int):
-    run = await execute(seed, SECONDS, gateways, tmp_path, backend="tokenizers")
+async def test_promises_hold_against_the_adversary(
+    tmp_path: Path, seed: int, gateways: int, workers: int
+):
+    run = await execute(seed, SECONDS, gateways, tmp_path, backend="tokenizers", workers=workers)
     assert run.outcomes, "the adversary sent nothing"
     broken = check(run)
     replay = (
         f"replay: python -m loadtest.adversary --seed {seed} --seconds {SECONDS:g}"
-        f" --gateways {gateways} --backend tokenizers"
+        f" --gateways {gateways} --workers {workers} --backend tokenizers"
     )
     assert not broken, "\n".join([*(b.line(seed) for b in broken), replay])
 
