@@ -188,10 +188,9 @@ def _outages(run: Run, start: float) -> int:
         if start <= up + REDIS_TIMEOUT_S + RETRY_S and down <= start + WINDOW_S:
             more += 2
     if run.redis_slow is not None:
-        # Replies held, even for less than the call time-out: a call that takes several round
-        # trips (a new connection's handshake, a reply queued behind held ones) times out, and
-        # the gateways count locally as while Redis is away, but Redis keeps what it did: one
-        # more limit, not two.
+        # Replies held, even for a quarter of the call time-out (calls still outlast it: a wait
+        # for a connection and a new one's set-up add up), send the gateways to count locally
+        # as while Redis is away, but Redis keeps what it did: one more limit, not two.
         began, ended, held_s = run.redis_slow
         if start <= ended + held_s + REDIS_TIMEOUT_S + RETRY_S and began <= start + WINDOW_S:
             more += 1

@@ -559,8 +559,8 @@ def reserved_slots(seed: int) -> int:
 
 def slow_replies(seed: int) -> float:
     """How long each of Redis's replies is held in the run's slow spell with shared state: none,
-    less than the gateways' call time-out (a call of one round trip waits for it, one of
-    several may not), or more. Drawn apart from the plan too."""
+    a quarter of the gateways' call time-out (which calls still outlast), or more than it. Drawn
+    apart from the plan too."""
     return random.Random(f"slow:{seed}").choice((0.0, 0.05, 0.5))
 
 

@@ -129,9 +129,8 @@ def test_redis_late_allows_one_more_tpm_however_late():
     """Replies held send the gateways to their local shares while Redis keeps what it did: a
     window that sees it may hold one more TPM (this tenant's 1.6). Held 0.05 s, under the 0.2 s
     time-out, they still do: a pod of two workers fell back to its local shares within seconds
-    of such a spell, through calls of several round trips (a new connection's handshake), and
-    seed 125071480 broke Q there while the check allowed nothing. Without a spell, the window
-    is held to its TPM."""
+    of such a spell (its calls timed out), and seed 125071480 broke Q there while the check
+    allowed nothing. Without a spell, the window is held to its TPM."""
     spell = (1001.0, 1002.5)
     for held_s in (0.5, 0.05):
         assert not check_quota(_after_a_restart(1.2, redis_down=None, redis_slow=(*spell, held_s)))
