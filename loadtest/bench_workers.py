@@ -47,6 +47,7 @@ from loadtest.overhead.wrk import bodies_lua, measure
 
 GEMMA = COUNTED[0]
 BODIES = 6000
+ONE_CORE = ["taskset", "-c", "0"]  # CPU 0 only: one core, one tokenizer thread
 
 
 def _tree(pid: int) -> list[int]:
@@ -137,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                 stub, _ = start_backends(procs)
             counted = {GEMMA.model: real_tokenizers.directory(GEMMA.key)}
             policies = {}
-            for name, metrics in (("one", None), ("pod", free_port()), ("pinned", free_port())):
+            names = ["one", "pod", *(["pinned"] if args.pinned_pod else [])]
+            for name in names:
+                metrics = None if name == "one" else free_port()
                 path = write_policy(workdir, tokenizer, stub.url, redis_url, None, f"{name}.yaml",
                                     counted)  # fmt: skip
                 policy = json.loads(path.read_text())
@@ -147,14 +150,13 @@ def main(argv: list[str] | None = None) -> int:
                 path.write_text(json.dumps(policy))
                 policies[name] = path
             targets = [
-                _start(procs, "1 core", policies["one"], [], ["taskset", "-c", "0"]),
+                _start(procs, "1 core", policies["one"], [], ONE_CORE),
                 _start(procs, "1 process", policies["one"], [], []),
                 _start(procs, "2 workers", policies["pod"], ["--workers", "2"], []),
             ]
             if args.pinned_pod:
-                pinned = ["taskset", "-c", "0"]
                 targets.append(_start(procs, "2 workers, 1 core", policies["pinned"],
-                                      ["--workers", "2"], pinned))  # fmt: skip
+                                      ["--workers", "2"], ONE_CORE))  # fmt: skip
             wait_ready(stub, "/health")
             for target in targets:
                 wait_ready(target, "/readyz")
