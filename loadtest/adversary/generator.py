@@ -551,7 +551,7 @@ def fresh_seed() -> int:
 
 
 def reserved_slots(seed: int) -> int:
-    """Slots each replica keeps for the `tight` class with two gateways: 4 or 2 of 12, or none.
+    """Slots each replica keeps for the `tight` class with shared state: 4 or 2 of 12, or none.
     A reservation makes a gateway's idle spare leases of one class refuse another class's
     request, which must give them back and ask again. Drawn apart from the plan too."""
     return random.Random(f"reserve:{seed}").choice((4, 2, 0))

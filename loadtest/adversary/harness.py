@@ -5,7 +5,8 @@ on loopback in this process; `redis-server` when two gateways share state; each 
 `python -m gateway serve` with a policy written here (Gemma 3, Llama 3 and Qwen 3 on their real
 tokenizers, three tenants whose small TPM/RPM bind); a `/healthz` ticker process per gateway.
 Then a quiet baseline, the plan's moves at their times (Redis's replies held for a spell, then
-Redis stopped and started again in the middle, when shared), the drain, a quiet period, and a scrape of what everything reports. Every
+Redis stopped and started again in the middle, when shared), the drain, a quiet period, and a
+scrape of what everything reports. Every
 process is stopped on the way out, whatever happened.
 """
 
@@ -146,8 +147,8 @@ class Run:
     # destroyed while pending, a client or transport never closed: each a resource lost.
     asyncio_reports: list[list[str]] = field(default_factory=list)
     logs: Path | None = None
-    state: dict[str, Any] | None = None  # with two gateways, how they share it (`shared_state`)
-    reserve: int = 0  # with two gateways, a replica's slots kept for `tight` (`reserved_slots`)
+    state: dict[str, Any] | None = None  # with Redis, how the gateways share it (`shared_state`)
+    reserve: int = 0  # with Redis, a replica's slots kept for `tight` (`reserved_slots`)
 
 
 def policy(
@@ -529,14 +530,15 @@ async def execute(
     `workers`: each gateway a pod of that many (`serve --workers`), sharing Redis as two
     gateways do."""
     run = Run(seed, gateways, seconds, logs=logs, workers=workers)
-    if gateways > 1 or workers > 1:
+    shared = gateways > 1 or workers > 1
+    if shared:
         run.state, run.reserve = shared_state(seed), reserved_slots(seed)
     await asyncio.to_thread(logs.mkdir, parents=True, exist_ok=True)
     loading = asyncio.create_task(asyncio.to_thread(replica_counter, MODELS))
     replica = Replica(run.ledger, loading, MAX_MODEL_LEN)
     secret = web.Application()
     secret.router.add_route("*", "/{tail:.*}", lambda _: _secret_answer())
-    redis_proc = RedisServer() if gateways > 1 or workers > 1 else None
+    redis_proc = RedisServer() if shared else None
     plan = Generator(seed, list(MODELS), list(TENANTS), gateways, slo_models=tuple(SLO)).plan(
         seconds
     )
